@@ -1,0 +1,157 @@
+"""The device KV pool: how many blocks fit, creating it inside jit, and moving blocks.
+
+One pool holds every layer: k and v are each [num_layers * num_blocks, block_size, Hkv, hd],
+and layer l's view of block b is row l * num_blocks + b. Keeping one flat array per K and V
+lets the step carry (and donate) two buffers instead of 2 * num_layers, and lets the kernels
+see the plain [num_blocks, block_size, Hkv, hd] interface with per-layer offset block ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.config import ModelConfig
+
+KVPool = tuple[jax.Array, jax.Array]  # (k, v), each [L * num_blocks, block_size, Hkv, hd]
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    """Shape of the pool; hashable so jitted pool functions can take it statically."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one logical block takes across all layers, K and V."""
+        return block_bytes(
+            num_layers=self.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def block_bytes(
+    *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
+) -> int:
+    itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_blocks_for(
+    model: ModelConfig,
+    *,
+    block_size: int,
+    dtype: str,
+    max_model_len: int,
+    num_kv_blocks: int | None,
+    kv_cache_memory: int | None,
+    available_bytes: int | None = None,
+) -> int:
+    """Decides the pool size: an explicit count, else a byte budget; fails early when one
+    sequence of max_model_len would not fit, naming the figures and the flags to change."""
+    per_block = block_bytes(
+        num_layers=model.num_layers,
+        block_size=block_size,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=dtype,
+    )
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        blocks = num_kv_blocks
+        source = f"num_kv_blocks={num_kv_blocks}"
+    else:
+        budget = kv_cache_memory if kv_cache_memory is not None else available_bytes
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        blocks = int(budget // per_block)
+        source = f"{budget / 2**30:.2f} GiB of KV cache memory"
+    needed = -(-max_model_len // block_size)
+    if blocks < needed:
+        raise ValueError(
+            f"the KV cache ({source}: {blocks} blocks of {block_size} tokens, "
+            f"{per_block} bytes each) cannot hold one sequence of max_model_len={max_model_len}, "
+            f"which needs {needed} blocks = {needed * per_block / 2**30:.3f} GiB; raise "
+            "kv_cache_memory (--kv-cache-memory) or gpu_memory_utilization "
+            "(--gpu-memory-utilization), set num_kv_blocks, or lower max_model_len (--max-model-len)"
+        )
+    return blocks
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sharding"))
+def create_pool(*, layout: KVLayout, sharding: jax.sharding.Sharding | None = None) -> KVPool:
+    """Born on the device (and with its sharding), never staged through the host."""
+    zeros = jnp.zeros(layout.shape, jnp.dtype(layout.dtype))
+    if sharding is not None:
+        zeros = jax.lax.with_sharding_constraint(zeros, sharding)
+    return zeros, zeros
+
+
+def layer_rows(block_ids: jax.Array, *, num_layers: int, num_blocks: int) -> jax.Array:
+    """Pool rows of the given logical blocks in every layer: [N] -> [L, N]."""
+    return block_ids[None, :] + num_blocks * jnp.arange(num_layers, dtype=block_ids.dtype)[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("num_layers", "num_blocks"), donate_argnums=(0,))
+def copy_blocks(
+    pool: KVPool,
+    src: jax.Array,  # [N] int32 logical block ids; padding entries are -1
+    dst: jax.Array,  # [N] int32
+    *,
+    num_layers: int,
+    num_blocks: int,
+) -> KVPool:
+    """Copy-on-write: dst := src in every layer. Padding pairs (-1) write nothing."""
+    valid = (src >= 0)[None, :]
+    src_rows = layer_rows(jnp.maximum(src, 0), num_layers=num_layers, num_blocks=num_blocks)
+    dst_rows = layer_rows(dst, num_layers=num_layers, num_blocks=num_blocks)
+    dst_rows = jnp.where(valid, dst_rows, num_layers * num_blocks)  # out of range: dropped
+    return tuple(p.at[dst_rows].set(p[src_rows], mode="drop") for p in pool)
+
+
+@functools.partial(jax.jit, static_argnames=("num_layers", "num_blocks"))
+def gather_blocks(
+    pool: KVPool,
+    block_ids: jax.Array,  # [N] int32; padding entries are -1 (gathers block 0, ignored)
+    *,
+    num_layers: int,
+    num_blocks: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Reads blocks for swap-out: returns (k, v), each [L, N, block_size, Hkv, hd]."""
+    rows = layer_rows(jnp.maximum(block_ids, 0), num_layers=num_layers, num_blocks=num_blocks)
+    return tuple(p[rows] for p in pool)
+
+
+@functools.partial(jax.jit, static_argnames=("num_layers", "num_blocks"), donate_argnums=(0,))
+def scatter_blocks(
+    pool: KVPool,
+    block_ids: jax.Array,  # [N] int32; padding entries are -1 (not written)
+    data: tuple[jax.Array, jax.Array],  # (k, v), each [L, N, block_size, Hkv, hd]
+    *,
+    num_layers: int,
+    num_blocks: int,
+) -> KVPool:
+    """Writes swapped-in blocks back, bit-exactly."""
+    rows = layer_rows(block_ids, num_layers=num_layers, num_blocks=num_blocks)
+    rows = jnp.where((block_ids >= 0)[None, :], rows, num_layers * num_blocks)
+    return tuple(p.at[rows].set(d, mode="drop") for p, d in zip(pool, data, strict=True))
