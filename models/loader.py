@@ -1,0 +1,303 @@
+"""Load a Hugging Face Llama-family checkpoint (safetensors) into the stacked params pytree.
+
+Tensors are read straight from the safetensors files (memory-mapped, header parsed here, so
+bfloat16 needs no torch), transposed and fused into the layout of `llama.param_shapes` on the
+host, then put on the device once per leaf by `put_on_device`, the single place where a
+per-leaf sharding (tensor parallelism) is applied.
+
+Default dtype (`dtype=None`): on an accelerator (GPU/TPU) the checkpoint's half dtype
+(`torch_dtype` bfloat16 or float16), otherwise bfloat16; on CPU always float32, because XLA's
+CPU backend has no fast half-precision matmuls and float32 holds any bf16/fp16 checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .hub import resolve_model_path
+from .llama import Params, param_shapes
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+# A sharding per leaf: a pytree shaped like the params, or a function of (leaf path, shape).
+Shardings = Any | Callable[[str, tuple[int, ...]], Any]
+
+
+class TensorError(ValueError):
+    """A checkpoint tensor is missing or has the wrong shape."""
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+
+def _read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path!r} is not a safetensors file (truncated header)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class SafetensorsIndex:
+    """Lazily read named tensors from one or more safetensors files (memory-mapped)."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        self._where: dict[str, tuple[str, dict[str, Any], int]] = {}
+        for path in files:
+            header, offset = _read_safetensors_header(path)
+            for name, info in header.items():
+                self._where[name] = (path, info, offset)
+        self._maps: dict[str, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][1]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        path, info, offset = self._where[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise TensorError(f"tensor {name!r}: unsupported safetensors dtype {info['dtype']!r}")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        begin, end = info["data_offsets"]
+        buf = self._maps[path][offset + begin : offset + end]
+        return buf.view(dtype).reshape(info["shape"])
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The weight files of a model folder: sharded via model.safetensors.index.json, or single."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no *.safetensors weights in model folder {folder!r}")
+    return [os.path.join(folder, n) for n in found]
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+def _choose_dtype(dtype: str | None, config: ModelConfig) -> np.dtype:
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        return np.dtype(DTYPES[dtype])
+    if jax.default_backend() == "cpu":
+        return np.dtype(np.float32)
+    if config.torch_dtype in ("bfloat16", "float16"):
+        return np.dtype(DTYPES[config.torch_dtype])
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """HF name -> expected shape for layer i."""
+    c = config
+    p = f"model.layers.{i}."
+    d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    names = {
+        p + "input_layernorm.weight": (d,),
+        p + "self_attn.q_proj.weight": (c.num_heads * hd, d),
+        p + "self_attn.k_proj.weight": (c.num_kv_heads * hd, d),
+        p + "self_attn.v_proj.weight": (c.num_kv_heads * hd, d),
+        p + "self_attn.o_proj.weight": (d, c.num_heads * hd),
+        p + "post_attention_layernorm.weight": (d,),
+        p + "mlp.gate_proj.weight": (f, d),
+        p + "mlp.up_proj.weight": (f, d),
+        p + "mlp.down_proj.weight": (d, f),
+    }
+    if c.qkv_bias:
+        names[p + "self_attn.q_proj.bias"] = (c.num_heads * hd,)
+        names[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * hd,)
+        names[p + "self_attn.v_proj.bias"] = (c.num_kv_heads * hd,)
+    if c.qk_norm:
+        names[p + "self_attn.q_norm.weight"] = (hd,)
+        names[p + "self_attn.k_norm.weight"] = (hd,)
+    return names
+
+
+class _Reader:
+    """Fetches a tensor by HF name, checking presence and shape, cast to the target dtype."""
+
+    def __init__(self, st: SafetensorsIndex, dtype: np.dtype, folder: str, bar):
+        self.st, self.dtype, self.folder, self.bar = st, dtype, folder, bar
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.st:
+            raise TensorError(
+                f"missing tensor {name!r} (expected shape {shape}) in checkpoint {self.folder!r}"
+            )
+        got = self.st.shape(name)
+        if got != tuple(shape):
+            raise TensorError(
+                f"tensor {name!r} has shape {got}, expected {tuple(shape)} for this config "
+                f"(checkpoint {self.folder!r})"
+            )
+        self.bar.update(1)
+        return np.asarray(self.st.get(name), dtype=self.dtype)
+
+
+def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: ModelConfig) -> None:
+    """Write layer i of the stacked, fused host arrays from its HF tensors."""
+    c = config
+    p = f"model.layers.{i}."
+    shapes = _hf_layer_tensors(c, i)
+    g, hkv, hd, d = c.queries_per_kv, c.num_kv_heads, c.head_dim, c.hidden_size
+    r = lambda n: read(p + n, shapes[p + n])
+
+    out["attn_norm"][i] = r("input_layernorm.weight")
+    out["mlp_norm"][i] = r("post_attention_layernorm.weight")
+    wqkv = out["wqkv"][i]  # [D, Hkv, G + 2, hd]
+    wqkv[:, :, :g] = r("self_attn.q_proj.weight").T.reshape(d, hkv, g, hd)
+    wqkv[:, :, g] = r("self_attn.k_proj.weight").T.reshape(d, hkv, hd)
+    wqkv[:, :, g + 1] = r("self_attn.v_proj.weight").T.reshape(d, hkv, hd)
+    if c.qkv_bias:
+        bqkv = out["bqkv"][i]  # [Hkv, G + 2, hd]
+        bqkv[:, :g] = r("self_attn.q_proj.bias").reshape(hkv, g, hd)
+        bqkv[:, g] = r("self_attn.k_proj.bias").reshape(hkv, hd)
+        bqkv[:, g + 1] = r("self_attn.v_proj.bias").reshape(hkv, hd)
+    if c.qk_norm:
+        out["q_norm"][i] = r("self_attn.q_norm.weight")
+        out["k_norm"][i] = r("self_attn.k_norm.weight")
+    out["wo"][i] = r("self_attn.o_proj.weight").T.reshape(hkv, g, hd, d)
+    out["w_gate_up"][i, :, 0] = r("mlp.gate_proj.weight").T
+    out["w_gate_up"][i, :, 1] = r("mlp.up_proj.weight").T
+    out["w_down"][i] = r("mlp.down_proj.weight").T
+
+
+def _num_tensors(config: ModelConfig) -> int:
+    return (
+        2
+        + (0 if config.tie_word_embeddings else 1)
+        + config.num_layers * len(_hf_layer_tensors(config, 0))
+    )
+
+
+def load_host_params(
+    folder: str, config: ModelConfig, dtype: np.dtype, *, progress: bool = True
+) -> dict[str, Any]:
+    """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`."""
+    st = SafetensorsIndex(safetensors_files(folder))
+    shapes = param_shapes(config)
+    with tqdm(
+        total=_num_tensors(config),
+        desc="loading weights",
+        unit="tensor",
+        disable=not progress,
+        leave=False,
+    ) as bar:
+        read = _Reader(st, dtype, folder, bar)
+        layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
+        for i in range(config.num_layers):
+            _fill_layer(layers, i, read, config)
+        d, v = config.hidden_size, config.vocab_size
+        host: dict[str, Any] = {
+            "embed": read("model.embed_tokens.weight", (v, d)),
+            "layers": layers,
+            "final_norm": read("model.norm.weight", (d,)),
+        }
+        if not config.tie_word_embeddings:
+            host["lm_head"] = np.ascontiguousarray(read("lm_head.weight", (v, d)).T)
+    return host
+
+
+def _leaf_sharding(shardings: Shardings | None, path: str, shape, sub: Any) -> Any:
+    if shardings is None:
+        return None
+    if callable(shardings):
+        return shardings(path, shape)
+    return sub
+
+
+def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -> Params:
+    """Copy host arrays to the device, one `jax.device_put` per leaf.
+
+    `shardings` is None (default device), a pytree of shardings with the params' structure, or
+    a callable `(leaf_path like "layers/wqkv", shape) -> sharding | None`.
+    """
+
+    def put(node: Any, shard_node: Any, prefix: str) -> Any:
+        if isinstance(node, Mapping):
+            return {
+                k: put(
+                    v,
+                    shard_node[k] if isinstance(shard_node, Mapping) else shard_node,
+                    f"{prefix}{k}" if not prefix else f"{prefix}/{k}",
+                )
+                for k, v in node.items()
+            }
+        sharding = _leaf_sharding(shardings, prefix, node.shape, shard_node)
+        return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
+
+    return put(host, None if callable(shardings) else shardings, "")
+
+
+def load_model(
+    model: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    shardings: Shardings | None = None,
+    progress: bool = True,
+) -> tuple[ModelConfig, Params]:
+    """Load a Llama-family model from a local folder or a hub id: (config, params on device).
+
+    `dtype` is "float32", "bfloat16", "float16" or None (see the module docstring).
+    """
+    folder = resolve_model_path(model)
+    config = ModelConfig.from_pretrained(folder)
+    np_dtype = _choose_dtype(dtype, config)
+    host = load_host_params(folder, config, np_dtype, progress=progress)
+    return config, put_on_device(host, shardings)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The model's Hugging Face tokenizer (AutoTokenizer from the resolved folder)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+
+
+def iter_params(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) for every leaf, paths like "layers/wqkv"."""
+    for k, v in tree.items():
+        path = f"{prefix}/{k}" if prefix else k
+        if isinstance(v, Mapping):
+            yield from iter_params(v, path)
+        else:
+            yield path, v
