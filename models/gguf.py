@@ -1,0 +1,487 @@
+"""Import a Llama or Qwen2 GGUF file (llama.cpp's format) into a Hugging Face-format folder.
+
+The bundled model ships only as a GGUF, and the rest of jaxpaged reads Hugging Face folders
+(config.json + model.safetensors + tokenizer.json), so this is the one bridge between them.
+The weights are dequantized to float32 with the `gguf` package; the tokenizer is rebuilt with
+`tokenizers` from the vocabulary, merges and token types in the GGUF metadata.
+
+CLI: ``python -m jaxpaged.models.gguf IN.gguf OUT_DIR``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Model families this importer knows: GGUF architecture -> (HF model_type, HF architecture class).
+SUPPORTED_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+}
+
+# Tensor types we dequantize. All are implemented in numpy by the `gguf` package (maintained
+# alongside llama.cpp); the K-quants are there because most published GGUFs are Q4_K_M.
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+
+# GGUF per-layer tensor name -> Hugging Face module name (inside model.layers.N).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# llama.cpp token types (llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns, keyed by `tokenizer.ggml.pre` (the names llama.cpp uses). Each
+# reproduces the Hugging Face tokenizer.json the GGUF was converted from.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez")
+_GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm", "starcoder", "refact")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Gguf:
+    """What the converter needs from one GGUF file: metadata values and tensors by name."""
+
+    path: Path
+    metadata: Mapping[str, Any]
+    tensors: Mapping[str, Any]  # name -> gguf.ReaderTensor
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+
+def _read(gguf_path: Path) -> _Gguf:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        metadata[key] = field.contents()
+    tensors = {t.name: t for t in reader.tensors}
+    return _Gguf(path=gguf_path, metadata=metadata, tensors=tensors)
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """float32 array in PyTorch/HF layout [out_features, in_features] (GGUF lists dims reversed)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in SUPPORTED_TENSOR_TYPES:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has type {qtype.name}, which jaxpaged cannot import; "
+            f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    values = dequantize(np.asarray(tensor.data), qtype)
+    return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a q/k projection (weight [rows, cols] or bias
+    [rows]): its converter interleaves the two rotary halves of each head."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _scalar(g: _Gguf, key: str, *, required: bool = True, default: Any = None) -> Any:
+    if key in g.metadata:
+        return g.metadata[key]
+    if required:
+        raise ValueError(f"GGUF file {g.path} lacks metadata key {key!r}")
+    return default
+
+
+def _architecture(g: _Gguf) -> str:
+    arch = _scalar(g, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return arch
+
+
+def _llama3_rope_scaling(g: _Gguf, arch: str, head_dim: int, theta: float) -> dict | None:
+    """Recover Llama 3.1 rope scaling, which llama.cpp stores only as the `rope_freqs` tensor
+    (per-frequency divisors), by matching it against the parameters Meta published."""
+    if "rope_freqs.weight" not in g.tensors:
+        return None
+    factors = _dequantize(g.tensors["rope_freqs.weight"]).reshape(-1)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        for low, high, original in ((1.0, 4.0, 8192),):
+            low_wl, high_wl = original / low, original / high
+            smooth = (original / wavelen - low) / (high - low)
+            expect = np.where(
+                wavelen < high_wl,
+                1.0,
+                np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+            )
+            if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-4):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": original,
+                }
+    raise ValueError(
+        f"GGUF tensor 'rope_freqs.weight' of {g.path} matches no known llama3 rope scaling"
+    )
+
+
+def _config(g: _Gguf, arch: str) -> dict[str, Any]:
+    model_type, hf_class = SUPPORTED_ARCHITECTURES[arch]
+    embed = g.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"GGUF file {g.path} has no tensor 'token_embd.weight'")
+    hidden = int(_scalar(g, f"{arch}.embedding_length"))
+    n_heads = int(_scalar(g, f"{arch}.attention.head_count"))
+    n_kv = int(_scalar(g, f"{arch}.attention.head_count_kv", required=False, default=n_heads))
+    q = g.tensors.get("blk.0.attn_q.weight")
+    if q is None:
+        raise ValueError(f"GGUF file {g.path} has no tensor 'blk.0.attn_q.weight'")
+    head_dim = int(q.shape[1]) // n_heads  # q rows = n_heads * head_dim (GGUF dims reversed)
+    theta = float(_scalar(g, f"{arch}.rope.freq_base", required=False, default=10000.0))
+    tied = "output.weight" not in g.tensors
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": int(embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(_scalar(g, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_scalar(g, f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(
+            _scalar(g, f"{arch}.context_length", required=False, default=2048)
+        ),
+        "rms_norm_eps": float(_scalar(g, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "float32",
+        "bos_token_id": _scalar(g, "tokenizer.ggml.bos_token_id", required=False),
+        "eos_token_id": _scalar(g, "tokenizer.ggml.eos_token_id", required=False),
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+        config["rope_scaling"] = _llama3_rope_scaling(g, arch, head_dim, theta)
+    scaling_type = _scalar(g, f"{arch}.rope.scaling.type", required=False)
+    if scaling_type in ("linear", "yarn") and config["rope_scaling"] is None:
+        config["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": float(_scalar(g, f"{arch}.rope.scaling.factor")),
+        }
+        if scaling_type == "yarn":
+            config["rope_scaling"]["original_max_position_embeddings"] = int(
+                _scalar(g, f"{arch}.rope.scaling.original_context_length")
+            )
+    elif scaling_type not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+    return config
+
+
+def _hf_tensor_name(name: str) -> str | None:
+    """HF name of a GGUF tensor; None for tensors that are folded into config.json."""
+    if name == "rope_freqs.weight":
+        return None
+    base, _, suffix = name.rpartition(".")
+    if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in this importer")
+
+
+def _weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in g.tensors.items():
+        hf_name = _hf_tensor_name(name)
+        if hf_name is None:
+            continue
+        w = _dequantize(tensor)
+        # llama.cpp permutes q/k rows only for the Llama architecture (Qwen2's converter does not).
+        if arch == "llama" and ".attn_q." in name:
+            w = _unpermute_rows(w, config["num_attention_heads"])
+        elif arch == "llama" and ".attn_k." in name:
+            w = _unpermute_rows(w, config["num_key_value_heads"])
+        out[hf_name] = np.ascontiguousarray(w)
+    n_layers = config["num_hidden_layers"]
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(n_layers):
+        for module in _LAYER_TENSORS.values():
+            required.append(f"model.layers.{i}.{module}.weight")
+    missing = [n for n in required if n not in out]
+    if missing:
+        raise ValueError(
+            f"GGUF file {g.path} lacks tensors for {missing[:5]} ({len(missing)} in all)"
+        )
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, (chr(c) for c in chars), strict=True))
+
+
+def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
+    """A `tokenizers.Tokenizer` equal to the one the GGUF was made from, and the names of its
+    special tokens (for tokenizer_config.json)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    kind = _scalar(g, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE)"
+        )
+    tokens: list[str] = list(_scalar(g, "tokenizer.ggml.tokens"))
+    types = list(_scalar(g, "tokenizer.ggml.token_type", required=False, default=[1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in _scalar(g, "tokenizer.ggml.merges")]
+    pre = _scalar(g, "tokenizer.ggml.pre", required=False, default="default")
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if types[i] not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and not set(tok) <= alphabet:
+            tok = "".join(spelling[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)
+
+    llama3_like = pre in _LLAMA3_PRE
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=llama3_like, fuse_unk=False)
+    )
+    if llama3_like or pre in _QWEN2_PRE:
+        split = _LLAMA3_SPLIT if llama3_like else _QWEN2_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(
+                    add_prefix_space=False, trim_offsets=False, use_regex=False
+                ),
+            ]
+        )
+        if pre in _QWEN2_PRE:
+            tok.normalizer = normalizers.NFC()
+    elif pre in _GPT2_PRE:
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if pre == "smollm":  # SmolLM's tokenizer splits every digit on its own first
+            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    else:
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{', '.join(sorted(_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE))}"
+        )
+    tok.decoder = decoders.ByteLevel()
+
+    def name_of(key: str) -> str | None:
+        idx = _scalar(g, f"tokenizer.ggml.{key}", required=False)
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    special = {
+        "bos_token": name_of("bos_token_id"),
+        "eos_token": name_of("eos_token_id"),
+        "unk_token": name_of("unknown_token_id"),
+        "pad_token": name_of("padding_token_id"),
+    }
+    added = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == _TOKEN_CONTROL
+    ]
+    tok.add_special_tokens(added)
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _TOKEN_USER_DEFINED
+        ]
+    )
+
+    add_bos = bool(_scalar(g, "tokenizer.ggml.add_bos_token", required=False, default=False))
+    add_eos = bool(_scalar(g, "tokenizer.ggml.add_eos_token", required=False, default=False))
+    bos, eos = special["bos_token"], special["eos_token"]
+    if (add_bos and bos) or (add_eos and eos):
+
+        def seq(piece: str, type_id: int) -> str:
+            parts = [f"{bos}:{type_id}"] if add_bos and bos else []
+            parts.append(f"{piece}:{type_id}")
+            parts += [f"{eos}:{type_id}"] if add_eos and eos else []
+            return " ".join(parts)
+
+        used = {t: vocab[t] for t, on in ((bos, add_bos), (eos, add_eos)) if on and t}
+        tok.post_processor = processors.TemplateProcessing(
+            single=seq("$A", 0),
+            pair=f"{seq('$A', 0)} {seq('$B', 1)}",
+            special_tokens=list(used.items()),
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    special["add_bos_token"] = add_bos
+    special["add_eos_token"] = add_eos
+    return tok, special
+
+
+def _eos_ids(g: _Gguf) -> list[int]:
+    """End-of-generation ids: eos plus llama.cpp's end-of-turn / end-of-message tokens."""
+    ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        idx = _scalar(g, f"tokenizer.ggml.{key}", required=False)
+        if idx is not None and idx not in ids:
+            ids.append(int(idx))
+    return ids
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a Hugging Face-format folder (float32 weights, tokenizer, chat template) for the
+    Llama or Qwen2 model in `gguf_path` into `out_dir` (created if needed); returns `out_dir`.
+
+    Raises ValueError for an unsupported architecture, tensor type or tokenizer.
+    """
+    from safetensors.numpy import save_file
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ValueError(f"gguf_path {str(gguf_path)!r} is not a file")
+    out = Path(out_dir)
+    g = _read(gguf_path)
+    arch = _architecture(g)
+    config = _config(g, arch)
+    tokenizer, special = _build_tokenizer(g)
+    weights = _weights(g, arch, config)
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    _write_json(out / "config.json", config)
+    tokenizer.save(str(out / "tokenizer.json"))
+
+    context = config["max_position_embeddings"]
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": context,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    template = _scalar(g, "tokenizer.chat_template", required=False)
+    if template is not None:
+        tok_config["chat_template"] = template
+    _write_json(out / "tokenizer_config.json", tok_config)
+    _write_json(
+        out / "special_tokens_map.json",
+        {k: v for k, v in special.items() if k.endswith("_token") and v is not None},
+    )
+    eos = _eos_ids(g)
+    generation: dict[str, Any] = {"_from_model_config": True}
+    if config["bos_token_id"] is not None:
+        generation["bos_token_id"] = config["bos_token_id"]
+    if eos:
+        generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    pad = _scalar(g, "tokenizer.ggml.padding_token_id", required=False)
+    if pad is not None:
+        generation["pad_token_id"] = int(pad)
+    _write_json(out / "generation_config.json", generation)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpaged.models.gguf",
+        description="Convert a Llama/Qwen2 GGUF file into a Hugging Face-format folder.",
+    )
+    parser.add_argument("gguf_path", help="input .gguf file")
+    parser.add_argument("out_dir", help="output folder (created if missing)")
+    args = parser.parse_args(argv)
+    try:
+        out = convert_gguf(args.gguf_path, args.out_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
