@@ -1,0 +1,136 @@
+"""Engine configuration: frozen, keyword-only dataclasses validated at construction.
+
+* :class:`ModelConfig` (re-exported from :mod:`jaxpaged.models.config`): the architecture.
+* :class:`CacheConfig`: the paged KV cache (block size, how many blocks, swap space, prefix
+  caching). The runner turns it into a block count (see :mod:`jaxpaged.kv_cache`).
+* :class:`SchedulerConfig`: per-step limits and the preemption mode. Chunked prefill is always
+  on: a prompt longer than the step's token budget is split over several steps.
+* :class:`ParallelConfig`: tensor parallelism over a device mesh.
+
+Every bad value raises ``ValueError`` naming the field, so a typo in a flag fails at start-up
+and not in the middle of serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxpaged.models.config import ModelConfig
+
+__all__ = [
+    "GiB",
+    "CacheConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "PreemptionMode",
+    "SchedulerConfig",
+]
+
+GiB = 1 << 30
+
+PreemptionMode = Literal["recompute", "swap"]
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Block count: ``num_kv_blocks`` if given; else, on GPU, what is left of
+    ``gpu_memory_utilization`` * device memory after weights and a profiling step; else (CPU)
+    ``kv_cache_memory`` bytes (None = the runner's default). ``swap_space`` is GiB of host
+    memory for blocks of preempted requests (``preemption_mode="swap"``); the scheduler turns
+    it into host slots with the runner's bytes-per-block.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (
+            not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks must be an int >= 1, got {self.num_kv_blocks!r}")
+        if self.kv_cache_memory is not None and (
+            not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1
+        ):
+            raise ValueError(
+                f"kv_cache_memory must be a positive int (bytes), got {self.kv_cache_memory!r}"
+            )
+        if not _is_real(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not _is_real(self.swap_space) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * GiB)
+
+    def num_host_blocks(self, bytes_per_block: int) -> int:
+        """Host slots the swap space holds, for blocks of ``bytes_per_block`` bytes."""
+        if not _is_int(bytes_per_block) or bytes_per_block < 1:
+            raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
+        return self.swap_space_bytes // bytes_per_block
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Per-step limits. ``max_num_batched_tokens`` is the step's token budget (prefill chunks
+    plus one token per decode); ``max_num_seqs`` bounds the running requests, hence the
+    sequences in one step; ``max_model_len`` bounds prompt + output of one request."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: PreemptionMode = "recompute"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be >= 2 (one prompt token and one output token), "
+                f"got {self.max_model_len}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                f"got {self.preemption_mode!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Tensor parallelism: weights and the KV pool are split over this many devices."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+            )

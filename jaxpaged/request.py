@@ -1,0 +1,138 @@
+"""Request: one sequence being generated, as the scheduler, block pool and runner see it.
+
+A request's tokens are ``prompt_token_ids + output_token_ids``; the first
+``num_computed_tokens`` of them have their K/V in the cache. Logical block i of the sequence
+(tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block ``block_table[i]``
+(device) or, while SWAPPED, in host slot ``host_block_table[i]``.
+
+``n > 1``: the engine adds n Requests that share ``parent_id`` (the user's request id) and
+differ in ``request_id`` and ``sample_index`` (0..n-1). The scheduler prefills the prompt
+once and forks the others from it (they share every prompt block, copy-on-write).
+
+The scheduler owns every mutable field; the engine reads them and sets only the inputs
+(ids, prompt, params, eos_token_ids, arrival_time, prompt text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+from jaxpaged.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"  # the client went away, or abort() was called
+    FINISHED_ERROR = "finished_error"  # the engine failed while serving it
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style reason: "stop", "length", "abort", "error"; None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+FinishReason = str  # "stop" | "length" | "abort" | "error"
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class Request:
+    """Mutable per-request state; identity equality (two requests are never equal)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()  # set by the engine from the model / tokenizer
+    prompt: str | None = None  # prompt text, for the engine's outputs only
+    parent_id: str | None = None  # the user's request id when n > 1 (shared by siblings)
+    sample_index: int = 0  # index among the n samples of one prompt (0..n-1)
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+
+    # --- scheduler-owned state ---
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[Any] = dataclasses.field(default_factory=list)  # runner's, opaque
+    num_computed_tokens: int = 0
+    block_table: list[int] = dataclasses.field(default_factory=list)  # device block ids
+    host_block_table: list[int] = dataclasses.field(default_factory=list)  # while SWAPPED
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
+    num_registered_blocks: int = 0  # leading blocks of block_table offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the cache (prefix hit or fork)
+    num_preemptions: int = 0
+    arrival_order: int = -1  # FCFS priority, set by Scheduler.add_request
+    rng_stream: int = 0  # engine-unique stream for unseeded sampling, set by add_request
+    max_tokens: int = 0  # effective max output tokens, set by Scheduler.add_request
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    # --- derived ---
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def group_id(self) -> str:
+        """The user-visible id: parent_id for n > 1 samples, else request_id."""
+        return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token is uncomputed (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def slots(self, start: int, stop: int, block_size: int) -> list[int]:
+        """KV slots (block_id * block_size + offset) of positions [start, stop)."""
+        table = self.block_table
+        return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]

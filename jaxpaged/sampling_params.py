@@ -1,0 +1,173 @@
+"""SamplingParams: how one request is decoded, checked once when the request arrives.
+
+Every bad value raises ``ValueError`` whose message starts with the field name, so a server
+can turn it into a 400 naming the argument while the engine keeps serving other requests.
+:func:`validate_prompt` checks a tokenized prompt against the model and the params
+(empty, too long, prompt + max_tokens over max_model_len, ids outside the vocabulary).
+
+Conventions (vLLM's): ``temperature == 0`` is greedy; ``top_k == -1``, ``top_p == 1``,
+``min_p == 0`` and the neutral penalties switch their stage off; ``max_tokens=None`` means
+"until max_model_len"; ``logprobs=k`` returns the sampled token's logprob plus the top k
+(0 = sampled token only); ``min_tokens`` bans EOS and ``stop_token_ids`` (and disables stop
+checks) until that many tokens are out. ``stop`` strings are matched by the detokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+__all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "validate_prompt"]
+
+MAX_N = 128  # most samples of one prompt (OpenAI's limit)
+MAX_LOGPROBS = 20  # most top logprobs per token (OpenAI's limit)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int_tuple(name: str, value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a sequence of ints, got {value!r}")
+    items = tuple(value)
+    for t in items:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"{name} must hold non-negative int token ids, got {t!r}")
+    return items
+
+
+def _str_tuple(name: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Sequence):
+        raise ValueError(f"{name} must be a string or a sequence of strings, got {value!r}")
+    items = tuple(items)
+    for s in items:
+        if not isinstance(s, str):
+            raise ValueError(f"{name} must hold strings, got {s!r}")
+        if not s:
+            raise ValueError(f"{name} must not contain an empty string")
+    return items
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request decoding settings (immutable; ``dataclasses.replace`` to derive)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # also accepts a str or a list; stored as a tuple
+    stop_token_ids: tuple[int, ...] = ()  # also accepts a list
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise the sequence fields first so the frozen instance is hashable.
+        object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
+        object.__setattr__(
+            self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
+        )
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}"
+                )
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def effective_max_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """Output tokens this request may produce: max_tokens, capped by the context."""
+        room = max_model_len - num_prompt_tokens
+        return room if self.max_tokens is None else min(self.max_tokens, room)
+
+
+def validate_prompt(
+    prompt_token_ids: Sequence[int],
+    max_model_len: int,
+    vocab_size: int,
+    params: SamplingParams | None = None,
+) -> None:
+    """Checks a tokenized prompt: not empty, at most max_model_len - 1 tokens (room for one
+    output token), prompt + params.max_tokens within max_model_len, every id in the vocabulary.
+    Raises ValueError naming ``prompt`` or ``max_tokens``."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt must not be empty")
+    if n > max_model_len - 1:
+        raise ValueError(
+            f"prompt is {n} tokens long, more than max_model_len - 1 = {max_model_len - 1} "
+            "(one position is needed for the output)"
+        )
+    if (
+        params is not None
+        and params.max_tokens is not None
+        and n + params.max_tokens > (max_model_len)
+    ):
+        raise ValueError(
+            f"max_tokens ({params.max_tokens}) + prompt length ({n}) = "
+            f"{n + params.max_tokens} exceeds max_model_len ({max_model_len})"
+        )
+    for i, t in enumerate(prompt_token_ids):
+        if not _is_int(t) and not (hasattr(t, "__index__") and not isinstance(t, bool)):
+            raise ValueError(f"prompt token {i} is not an int: {t!r}")
+        if not 0 <= int(t) < vocab_size:
+            raise ValueError(
+                f"prompt token {i} has id {int(t)}, outside the vocabulary [0, {vocab_size})"
+            )

@@ -1,0 +1,534 @@
+"""Scheduler: continuous batching over the paged KV cache (host side only).
+
+One engine step is ``out = scheduler.schedule()``, ``runner_out = runner.execute(out)``,
+``updates = scheduler.update(out, runner_out)``. Nothing here touches the device.
+
+Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``):
+
+1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
+   of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
+   first. When blocks run out, the running request that arrived last (and is not yet
+   scheduled this step) is *preempted*: ``recompute`` frees its blocks and puts it at the
+   front of ``waiting`` (it keeps its output and later prefills prompt + output so far);
+   ``swap`` moves its blocks to host slots and puts it in ``swapped`` (recompute when the
+   swap space is full).
+2. **Swapped** requests come back (oldest first) unless this step preempted.
+3. **Waiting** requests are admitted first come first served, while ``max_num_seqs`` and
+   the budget allow, unless this step preempted or a swapped request is still out. A new
+   request starts from the longest cached prefix; a sample of an ``n > 1`` group starts as
+   a fork of a sibling whose prompt is computed (sharing all its prompt blocks and
+   recomputing only the last prompt token), and waits while a sibling is still prefilling.
+
+Every scheduled sequence feeds ``token_ids`` at positions ``start_pos ..``; it samples
+(``do_sample``) only when that reaches the end of its known tokens. :meth:`update` appends
+sampled tokens and ends requests on token-based conditions (EOS after ``min_tokens`` unless
+``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``). Stop strings are the
+detokenizer's: the engine calls :meth:`finish`. :meth:`abort` ends a request in any state.
+
+Metrics (:class:`SchedulerStats`): ``prefix_cache_queries`` / ``prefix_cache_hits`` are in
+tokens: at each admission, the tokens the request needs (prompt, or prompt + output after a
+recompute) and how many of them came from the prefix cache or a fork.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxpaged.block_pool import BlockPool, CopyPair
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.request import Request, RequestStatus
+
+__all__ = [
+    "RequestUpdate",
+    "RunnerOutput",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduledSeq:
+    """One sequence's share of a step: feed ``token_ids`` at positions
+    ``start_pos .. start_pos + num_tokens - 1`` (writing their K/V first), attending to
+    ``kv_len`` cached positions through ``block_table``."""
+
+    request: Request
+    token_ids: tuple[int, ...]  # a prompt chunk, or the last sampled token for a decode
+    start_pos: int  # == request.num_computed_tokens when scheduled
+    block_table: tuple[int, ...]  # device block ids; covers positions [0, kv_len)
+    do_sample: bool  # False for a non-final prefill chunk: its logits are not needed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Cached tokens after this step's writes (the kernel's kv_lens entry)."""
+        return self.start_pos + len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def positions(self) -> range:
+        return range(self.start_pos, self.kv_len)
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        """KV slot of each fed token: block_table[pos // bs] * bs + pos % bs."""
+        t = self.block_table
+        return [t[p // block_size] * block_size + p % block_size for p in self.positions()]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerOutput:
+    """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
+    (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
+    ``blocks_to_copy`` (device src -> device dst, copy-on-write), then runs ``seqs``.
+    Run it even when ``seqs`` is empty but a list is not (:attr:`has_work`)."""
+
+    seqs: tuple[ScheduledSeq, ...] = ()
+    blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
+    blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
+    blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
+    # requests that ended (finished, aborted, errored) since the last schedule(): drop state
+    finished_request_ids: tuple[str, ...] = ()
+    # requests preempted in this step (recompute: blocks gone; swap: blocks on the host)
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(
+            self.seqs or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunnerOutput:
+    """What the runner sampled, aligned with ``SchedulerOutput.seqs`` (entries of
+    sequences with ``do_sample=False`` are ignored; use -1)."""
+
+    sampled_token_ids: Sequence[int]
+    # optional, same alignment; stored as-is on request.output_logprobs (format: runner's)
+    logprobs: Sequence[Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestUpdate:
+    """What one step changed for one request."""
+
+    request: Request
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[Any, ...] = ()
+    finished: bool = False
+
+
+@dataclasses.dataclass(kw_only=True)
+class SchedulerStats:
+    """Counters since start (mutable; the engine reads them for metrics)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
+    prefix_cache_queries: int = 0  # tokens needed at admissions
+    prefix_cache_hits: int = 0  # of those, tokens found cached (prefix cache or n>1 fork)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Waiting / running / swapped queues over one BlockPool (see the module docstring)."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        num_blocks: int,
+        bytes_per_block: int | None = None,
+        num_host_blocks: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``num_blocks``: device KV blocks (the runner's sizing). Host swap slots:
+        ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
+        mode (required there), else none."""
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        if num_host_blocks is None:
+            num_host_blocks = 0
+            if scheduler_config.preemption_mode == "swap":
+                if bytes_per_block is None:
+                    raise ValueError("bytes_per_block is required with preemption_mode='swap'")
+                num_host_blocks = cache_config.num_host_blocks(bytes_per_block)
+        self.pool = BlockPool(
+            num_blocks,
+            cache_config.block_size,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        )
+        self.block_size = cache_config.block_size
+        self.clock = clock
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # sorted by arrival_order
+        self.swapped: list[Request] = []  # sorted by arrival_order
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.stats = SchedulerStats()
+        self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished samples
+        self._finished_ids: list[str] = []
+        self._next_order = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queues a new request. Raises ValueError if its id is in use or if it could
+        never fit: prompt over max_model_len - 1, or more blocks than the whole pool."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not a fresh request")
+        max_len = self.config.max_model_len
+        n_prompt = request.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        if n_prompt > max_len - 1:
+            raise ValueError(
+                f"prompt is {n_prompt} tokens long, more than max_model_len - 1 = {max_len - 1}"
+            )
+        sp = request.sampling_params
+        if sp.max_tokens is not None and n_prompt + sp.max_tokens > max_len:
+            raise ValueError(
+                f"max_tokens ({sp.max_tokens}) + prompt length ({n_prompt}) exceeds "
+                f"max_model_len ({max_len})"
+            )
+        request.max_tokens = sp.effective_max_tokens(n_prompt, max_len)
+        # The last output token is never fed back, so its K/V is never stored.
+        need = _cdiv(n_prompt + request.max_tokens - 1, self.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"request {rid!r} needs up to {need} KV blocks (prompt {n_prompt} + "
+                f"max_tokens {request.max_tokens} tokens, block_size {self.block_size}) but "
+                f"the pool has {self.pool.num_blocks}; lower max_tokens or enlarge the KV "
+                "cache (num_kv_blocks / kv_cache_memory / gpu_memory_utilization)"
+            )
+        request.arrival_order = self._next_order
+        request.rng_stream = self._next_order
+        self._next_order += 1
+        self.requests[rid] = request
+        if request.parent_id is not None:
+            self._groups.setdefault(request.parent_id, []).append(request)
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a request in any state and frees its blocks; False if unknown/finished."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish(
+        self,
+        request_id: str,
+        status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+        stop_reason: int | str | None = None,
+    ) -> bool:
+        """Ends a request from outside (stop string, abort, error); False if unknown."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+        return True
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        old = request.status
+        if old is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.pool.free(request)
+        elif old is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.pool.free_host(request)
+        elif old is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            self.pool.free(request)  # a waiting request holds none; harmless
+        request.status = status
+        request.finish_time = self.clock()
+        del self.requests[request.request_id]
+        if request.parent_id is not None:
+            group = self._groups[request.parent_id]
+            group.remove(request)
+            if not group:
+                del self._groups[request.parent_id]
+        self._finished_ids.append(request.request_id)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Plans one step (see the module docstring). Mutates block tables and queues but
+        not ``num_computed_tokens``: that advances in :meth:`update`."""
+        self.pool.release_host_slots()
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        scheduled: set[str] = set()
+        copies: list[CopyPair] = []
+        swap_out: list[CopyPair] = []
+        swap_in: list[CopyPair] = []
+        preempted: list[str] = []
+
+        def emit(req: Request, start: int, n: int) -> None:
+            nonlocal budget
+            seqs.append(
+                ScheduledSeq(
+                    request=req,
+                    token_ids=tuple(req.token_ids_slice(start, start + n)),
+                    start_pos=start,
+                    block_table=tuple(req.block_table),
+                    do_sample=start + n == req.num_tokens,
+                )
+            )
+            scheduled.add(req.request_id)
+            budget -= n
+
+        # 1. running: decodes first, then prefills; preempt the latest arrival on shortage.
+        order = [r for r in self.running if not r.is_prefill]
+        order += [r for r in self.running if r.is_prefill]
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_copies = self.pool.allocate_slots(req, n)
+            while new_copies is None:
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                swap_out.extend(self._preempt(victim))
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+                new_copies = self.pool.allocate_slots(req, n)
+            if new_copies is None:
+                continue
+            copies.extend(new_copies)
+            emit(req, req.num_computed_tokens, n)
+
+        # 2. swapped, oldest first.
+        if not preempted:
+            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.swapped[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.pool.can_swap_in(req, n):
+                    break
+                self.swapped.pop(0)
+                swap_in.extend(self.pool.swap_in(req))
+                new_copies = self.pool.allocate_slots(req, n)
+                assert new_copies is not None  # checked by can_swap_in
+                copies.extend(new_copies)
+                self._set_running(req)
+                emit(req, req.num_computed_tokens, n)
+
+        # 3. waiting, first come first served (held n>1 samples are passed over).
+        if not preempted and not self.swapped:
+            held: list[Request] = []
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting.popleft()
+                admitted = self._admit(req, budget, held)
+                if admitted is None:
+                    self.waiting.appendleft(req)
+                    break
+                if admitted is False:
+                    continue
+                start, n, new_copies = admitted
+                copies.extend(new_copies)
+                self._set_running(req)
+                emit(req, start, n)
+            self.waiting.extendleft(reversed(held))
+
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        self.stats.num_steps += 1
+        return SchedulerOutput(
+            seqs=tuple(seqs),
+            blocks_to_swap_out=tuple(swap_out),
+            blocks_to_swap_in=tuple(swap_in),
+            blocks_to_copy=tuple(copies),
+            finished_request_ids=finished,
+            preempted_request_ids=tuple(preempted),
+        )
+
+    def _admit(
+        self, req: Request, budget: int, held: list[Request]
+    ) -> tuple[int, int, list[CopyPair]] | bool | None:
+        """Gives a waiting request its blocks. Returns (start, num_tokens, copies), False if
+        it is held (appended to ``held``), None if the pool cannot take it now."""
+        fresh = req.num_computed_tokens == 0 and not req.output_token_ids
+        if fresh and req.parent_id is not None:
+            n_prompt = req.num_prompt_tokens
+            siblings = [
+                r
+                for r in self._groups[req.parent_id]
+                if r is not req and r.status is RequestStatus.RUNNING
+            ]
+            donor = next((r for r in siblings if r.num_computed_tokens >= n_prompt), None)
+            if donor is not None:
+                self.pool.fork(donor, req, n_prompt)
+                req.num_computed_tokens = n_prompt - 1
+                new_copies = self.pool.allocate_slots(req, 1)
+                if new_copies is None:
+                    self.pool.free(req)
+                    req.num_computed_tokens = 0
+                    return None
+                req.num_cached_tokens = n_prompt - 1
+                self.stats.prefix_cache_queries += n_prompt
+                self.stats.prefix_cache_hits += n_prompt - 1
+                return n_prompt - 1, 1, new_copies
+            if siblings:  # a sibling is prefilling this prompt: fork from it later
+                held.append(req)
+                return False
+        prefix = self.pool.find_prefix(req)
+        start = len(prefix) * self.block_size
+        n = min(req.num_tokens - start, budget)
+        new_copies = self.pool.allocate_slots(req, n, prefix)
+        if new_copies is None:
+            return None
+        req.num_computed_tokens = start
+        if fresh:
+            req.num_cached_tokens = start
+        self.stats.prefix_cache_queries += req.num_tokens
+        self.stats.prefix_cache_hits += start
+        return start, n, new_copies
+
+    def _set_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        keys = [r.arrival_order for r in self.running]
+        self.running.insert(bisect.bisect(keys, req.arrival_order), req)
+
+    def _preempt(self, victim: Request) -> list[CopyPair]:
+        """Takes a running request off the device; returns its swap-out pairs (if any)."""
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if (
+            self.config.preemption_mode == "swap"
+            and victim.block_table
+            and self.pool.can_swap_out(victim)
+        ):
+            pairs = self.pool.swap_out(victim)
+            victim.status = RequestStatus.SWAPPED
+            keys = [r.arrival_order for r in self.swapped]
+            self.swapped.insert(bisect.bisect(keys, victim.arrival_order), victim)
+            self.stats.num_swap_outs += 1
+            return pairs
+        self.pool.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        return []
+
+    # ------------------------------------------------------------------ update
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[RequestUpdate]:
+        """Applies one executed step: advances computed tokens, registers full blocks in
+        the prefix cache, appends sampled tokens, ends requests that hit a token-based
+        stop condition (freeing their blocks). Returns one update per sampled request."""
+        seqs = scheduler_output.seqs
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        if len(sampled) != len(seqs):
+            raise ValueError(
+                f"runner_output.sampled_token_ids has {len(sampled)} entries for "
+                f"{len(seqs)} scheduled sequences"
+            )
+        if logprobs is not None and len(logprobs) != len(seqs):
+            raise ValueError(
+                f"runner_output.logprobs has {len(logprobs)} entries for {len(seqs)} sequences"
+            )
+        now = self.clock()
+        updates: list[RequestUpdate] = []
+        for i, s in enumerate(seqs):
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # ended (abort / finish) between schedule and update
+            req.num_computed_tokens = s.kv_len
+            self.pool.register_computed(req)
+            if not s.do_sample:
+                continue
+            token = int(sampled[i])
+            req.output_token_ids.append(token)
+            new_lp: tuple[Any, ...] = ()
+            if logprobs is not None and logprobs[i] is not None:
+                req.output_logprobs.append(logprobs[i])
+                new_lp = (logprobs[i],)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            updates.append(
+                RequestUpdate(
+                    request=req,
+                    new_token_ids=(token,),
+                    new_logprobs=new_lp,
+                    finished=status is not None,
+                )
+            )
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ----------------------------------------------------------------- metrics
+    def kv_cache_usage(self) -> float:
+        """Fraction of device blocks held by requests."""
+        return self.pool.usage
+
+    def kv_cache_waste(self) -> float:
+        """1 - tokens stored / slots of held blocks, now (call after update()). Shared
+        blocks count once; only the unfilled tails of block tables waste slots."""
+        used = self.pool.num_used_blocks
+        if used == 0:
+            return 0.0
+        bs = self.block_size
+        empty: dict[int, int] = {}
+        for req in self.running:
+            n = req.num_computed_tokens
+            table = req.block_table
+            for i in range(n // bs, len(table)):
+                e = bs - min(bs, max(0, n - i * bs))
+                b = table[i]
+                empty[b] = min(empty.get(b, bs), e)
+        return sum(empty.values()) / (used * bs)
