@@ -1,0 +1,167 @@
+"""A hand-computable stand-in for the model runner, for scheduler and block pool tests.
+
+The "KV cache" is a numpy array of token ids, one slot per (block, offset): the fake writes
+each fed token (and its position) into its slot, applies the plan's swap-out, swap-in and
+copy lists in the runner's order first, and then "attends": it reads positions
+``0 .. kv_len - 1`` back through the block table, asserts they hold exactly the request's
+tokens, and samples ``next_token(those tokens)``. So a wrong slot, a missed copy-on-write,
+a bad swap or a wrongly shared prefix block either fails the assertion or changes the
+output, which tests compare with :func:`reference_output` (the same rule on the token list
+alone, no cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+
+VOCAB = 1000
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    """The fake model: (sum of the context + its length) mod VOCAB. [1, 2, 3] -> 9."""
+    return (int(sum(tokens)) + len(tokens)) % VOCAB
+
+
+def reference_output(prompt: Sequence[int], num_tokens: int) -> list[int]:
+    """What a request alone produces: next_token applied num_tokens times."""
+    seq = list(prompt)
+    out = []
+    for _ in range(num_tokens):
+        t = next_token(seq)
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+class FakeRunner:
+    """Device pool [num_blocks, block_size] and host pool [num_host_blocks, block_size] of
+    token ids (-1 = never written), plus the positions written, to catch misplaced writes."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.dev_tok = np.full((num_blocks, block_size), -1, np.int64)
+        self.dev_pos = np.full((num_blocks, block_size), -1, np.int64)
+        self.host_tok = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
+        self.host_pos = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(out)
+        for dev, host in out.blocks_to_swap_out:
+            self.host_tok[host] = self.dev_tok[dev]
+            self.host_pos[host] = self.dev_pos[dev]
+        for host, dev in out.blocks_to_swap_in:
+            self.dev_tok[dev] = self.host_tok[host]
+            self.dev_pos[dev] = self.host_pos[host]
+        dsts = [d for _, d in out.blocks_to_copy]
+        assert len(set(dsts)) == len(dsts), "copy destinations must be distinct"
+        assert not set(dsts) & {s for s, _ in out.blocks_to_copy}, "copy dst is also a src"
+        for src, dst in out.blocks_to_copy:
+            self.dev_tok[dst] = self.dev_tok[src]
+            self.dev_pos[dst] = self.dev_pos[src]
+        flat_tok = self.dev_tok.reshape(-1)
+        flat_pos = self.dev_pos.reshape(-1)
+        written: set[int] = set()
+        for s in out.seqs:
+            slots = s.slot_mapping(self.block_size)
+            assert not written & set(slots), f"{s.request_id}: two sequences write one slot"
+            written |= set(slots)
+            flat_tok[slots] = s.token_ids
+            flat_pos[slots] = list(s.positions())
+        sampled = []
+        for s in out.seqs:
+            req = s.request
+            bs = self.block_size
+            table = np.asarray(s.block_table)
+            pos = np.arange(s.kv_len)
+            slots = table[pos // bs] * bs + pos % bs
+            cached = flat_tok[slots].tolist()
+            assert flat_pos[slots].tolist() == pos.tolist(), f"{s.request_id}: misplaced K/V"
+            assert cached == req.all_token_ids[: s.kv_len], f"{s.request_id}: wrong K/V content"
+            sampled.append(next_token(cached) if s.do_sample else -1)
+        return RunnerOutput(sampled_token_ids=sampled)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Ref counts equal the number of block tables naming each block; free + used = total;
+    running requests hold exactly the blocks of their computed tokens; queues agree with
+    statuses."""
+    pool = sched.pool
+    holders: dict[int, int] = {}
+    for req in sched.running:
+        assert req.status is RequestStatus.RUNNING
+        assert len(req.block_table) == -(-req.num_computed_tokens // pool.block_size), (
+            req.request_id
+        )
+        assert len(set(req.block_table)) == len(req.block_table)
+        for b in req.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    for req in sched.waiting:
+        assert req.status is RequestStatus.WAITING and not req.block_table
+    for req in sched.swapped:
+        assert req.status is RequestStatus.SWAPPED and not req.block_table
+        assert req.host_block_table
+    for b in range(pool.num_blocks):
+        assert pool.ref_count(b) == holders.get(b, 0), f"block {b}"
+    assert pool.num_used_blocks == len(holders)
+    host_held = sum(len(r.host_block_table) for r in sched.swapped)
+    assert pool.num_free_host_blocks + host_held <= pool.num_host_blocks
+    queued = len(sched.waiting) + len(sched.running) + len(sched.swapped)
+    assert queued == len(sched.requests)
+
+
+def run(
+    sched: Scheduler, runner: FakeRunner, max_steps: int = 1000, on_step=None
+) -> dict[str, list[int]]:
+    """Steps until no request is left; returns every finished request's output tokens."""
+    done: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return done
+        out = sched.schedule()
+        check_invariants_during_step(sched, out)
+        updates = sched.update(out, runner.execute(out))
+        check_invariants(sched)
+        for u in updates:
+            if u.finished:
+                done[u.request.request_id] = list(u.request.output_token_ids)
+        if on_step is not None:
+            on_step(out, updates)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def check_invariants_during_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Between schedule() and update(): budget, max_num_seqs, one entry per request."""
+    cfg = sched.config
+    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert out.num_seqs <= cfg.max_num_seqs
+    ids = [s.request_id for s in out.seqs]
+    assert len(set(ids)) == len(ids)
+    for s in out.seqs:
+        assert s.start_pos == s.request.num_computed_tokens
+        assert s.num_tokens >= 1
+        assert s.do_sample == (s.kv_len == s.request.num_tokens)
+        assert len(s.block_table) == -(-s.kv_len // sched.block_size)
+
+
+def make_request(
+    request_id: str,
+    prompt: Sequence[int],
+    max_tokens: int = 8,
+    *,
+    arrival_time: float = 0.0,
+    **params,
+) -> Request:
+    from jaxpaged.sampling_params import SamplingParams
+
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        arrival_time=arrival_time,
+    )
