@@ -1,0 +1,166 @@
+"""Public ragged paged attention: validates shapes, picks a backend, dispatches.
+
+Backends: "reference" (pure jnp, the semantics), "xla" (gathers + einsums, default on
+CPU and TPU until a TPU kernel exists), "pallas" (Pallas Triton kernel, default on
+NVIDIA GPUs; `interpret=True` runs it anywhere, for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .reference import ragged_paged_attention_reference
+from .xla import ragged_paged_attention_xla
+
+BACKENDS = ("reference", "xla", "pallas")
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def default_backend(platform: str | None = None) -> str:
+    """The backend used when `backend=None`: "pallas" on NVIDIA GPUs, else "xla"."""
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("gpu", "cuda") else "xla"
+
+
+def validate_inputs(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [NB, B, Hkv, D]
+    v_pages: jax.Array,  # [NB, B, Hkv, D]
+    kv_lens: jax.Array,  # int32 [S]
+    block_tables: jax.Array,  # int32 [S, P]
+    cu_q_lens: jax.Array,  # int32 [S + 1]
+    num_seqs: jax.Array,  # int32 scalar or [1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or value is inconsistent."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            "k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads, kv_head_dim = k_pages.shape[2:]
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) differs from k_pages/v_pages ({kv_head_dim})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    for name, x in (("q", q), ("k_pages", k_pages)):
+        if not any(x.dtype == d for d in _FLOATS):
+            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if kv_lens.ndim != 1:
+        raise ValueError(f"kv_lens must be [max_num_seqs], got shape {kv_lens.shape}")
+    max_seqs = kv_lens.shape[0]
+    if max_seqs < 1:
+        raise ValueError("kv_lens must have at least one entry (max_num_seqs >= 1)")
+    if block_tables.ndim != 2 or block_tables.shape[0] != max_seqs:
+        raise ValueError(
+            f"block_tables must be [max_num_seqs={max_seqs}, max_blocks_per_seq], "
+            f"got shape {block_tables.shape}"
+        )
+    if block_tables.shape[1] < 1:
+        raise ValueError("block_tables must have at least one column")
+    if cu_q_lens.shape != (max_seqs + 1,):
+        raise ValueError(
+            f"cu_q_lens must be [max_num_seqs + 1 = {max_seqs + 1}], got shape {cu_q_lens.shape}"
+        )
+    if num_seqs.shape not in ((), (1,)):
+        raise ValueError(f"num_seqs must be a scalar or [1], got shape {num_seqs.shape}")
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("block_tables", block_tables),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive float, got {sm_scale}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "backend",
+        "interpret",
+        "max_q_len",
+        "max_kv_len",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # int32 [max_num_seqs]
+    block_tables: jax.Array,  # int32 [max_num_seqs, max_blocks_per_seq]
+    cu_q_lens: jax.Array,  # int32 [max_num_seqs + 1]
+    num_seqs: jax.Array,  # int32 scalar or [1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
+) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
+    """Causal GQA attention of ragged query rows over a paged KV pool.
+
+    Query token j of sequence i is row `cu_q_lens[i] + j`, at position
+    `kv_lens[i] - q_len_i + j`, and sees cached positions `0..position` (only the last
+    `sliding_window` of them if set); logits are `sm_scale * q.k`, then
+    `soft_cap * tanh(logits / soft_cap)` if set. Rows from `cu_q_lens[num_seqs]` on are
+    padding and come out as zeros. Query head h reads KV head h // (Hq // Hkv).
+
+    Optional static hints (any backend may ignore them; the result is the same when
+    they hold, undefined when they do not): `max_q_len`, an upper bound on every
+    sequence's query length (1 for a decode-only step), and `max_kv_len`, an upper bound
+    on kv_lens. `interpret` runs the Pallas kernel in interpret mode (CPU tests).
+    """
+    validate_inputs(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    if backend is None:
+        backend = "pallas" if interpret else default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "reference":
+        return ragged_paged_attention_reference(*args, **opts)
+    if backend == "xla":
+        return ragged_paged_attention_xla(*args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len)
+    from .pallas_gpu import ragged_paged_attention_pallas
+
+    return ragged_paged_attention_pallas(
+        *args, **opts, interpret=bool(interpret), max_q_len=max_q_len
+    )

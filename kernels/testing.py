@@ -1,0 +1,145 @@
+"""Random ragged paged-attention problems for tests and benchmarks (numpy only).
+
+A case places each sequence's KV in randomly chosen, non-contiguous physical blocks,
+fills every slot no sequence owns (tails of partly filled blocks, spare blocks) with
+large garbage, points unused block-table entries at random blocks, and makes padding
+query rows NaN, so that any masking mistake shows up as a large error or a NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Relative error (norm of difference over norm of reference) each dtype must meet.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref||, computed in float64."""
+    out = np.asarray(out).astype(np.float64)
+    ref = np.asarray(ref).astype(np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One problem in the DESIGN kernel layout, as numpy arrays."""
+
+    q: np.ndarray  # [T, Hq, D]
+    k_pages: np.ndarray  # [NB, B, Hkv, D]
+    v_pages: np.ndarray  # [NB, B, Hkv, D]
+    kv_lens: np.ndarray  # int32 [S]
+    block_tables: np.ndarray  # int32 [S, P]
+    cu_q_lens: np.ndarray  # int32 [S + 1]
+    num_seqs: np.ndarray  # int32 [1]
+    sm_scale: float
+    seqs: tuple[tuple[int, int], ...]  # (q_len, kv_len) of the real sequences
+
+    def args(self):
+        return (
+            self.q,
+            self.k_pages,
+            self.v_pages,
+            self.kv_lens,
+            self.block_tables,
+            self.cu_q_lens,
+            self.num_seqs,
+        )
+
+
+def make_case(
+    rng: np.random.Generator,
+    seqs: list[tuple[int, int]],  # (q_len, kv_len) per sequence; q_len <= kv_len
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype=np.float32,
+    max_seqs: int | None = None,
+    pad_tokens: int = 0,
+    extra_table_cols: int = 1,
+    spare_blocks: int = 2,
+    garbage_tail_meta: bool = True,
+) -> Case:
+    """Build a case; `dtype` may be a numpy or ml_dtypes (bfloat16) type."""
+    for q_len, kv_len in seqs:
+        if not 0 <= q_len <= kv_len:
+            raise ValueError(f"need 0 <= q_len <= kv_len, got {(q_len, kv_len)}")
+    n = len(seqs)
+    max_seqs = n if max_seqs is None else max_seqs
+    nblk = [math.ceil(kv / block_size) for _, kv in seqs]
+    cols = max(nblk + [1]) + extra_table_cols
+    num_blocks = sum(nblk) + spare_blocks
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = rng.integers(0, num_blocks, size=(max_seqs, cols), dtype=np.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    garbage = 1e3
+    k_pages = (rng.standard_normal(shape) * garbage).astype(np.float32)
+    v_pages = (rng.standard_normal(shape) * garbage).astype(np.float32)
+    used = 0
+    for i, ((_, kv_len), nb) in enumerate(zip(seqs, nblk, strict=True)):
+        ids = perm[used : used + nb]
+        used += nb
+        tables[i, :nb] = ids
+        for b, blk in enumerate(ids):
+            fill = min(block_size, kv_len - b * block_size)
+            k_pages[blk, :fill] = rng.standard_normal((fill, num_kv_heads, head_dim))
+            v_pages[blk, :fill] = rng.standard_normal((fill, num_kv_heads, head_dim))
+    q_lens = np.array([ql for ql, _ in seqs], dtype=np.int32)
+    total = int(q_lens.sum())
+    q = rng.standard_normal((total + pad_tokens, num_q_heads, head_dim)).astype(np.float32)
+    q[total:] = np.nan
+    cu = np.zeros(max_seqs + 1, dtype=np.int32)
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = total
+    kv_lens = np.zeros(max_seqs, dtype=np.int32)
+    kv_lens[:n] = [kv for _, kv in seqs]
+    if garbage_tail_meta and max_seqs > n:
+        # Entries past num_seqs are unspecified by the interface: make them nonsense.
+        cu[n + 1 :] = rng.integers(0, total + pad_tokens + 1, size=max_seqs - n)
+        kv_lens[n:] = rng.integers(0, cols * block_size + 1, size=max_seqs - n)
+    return Case(
+        q=q.astype(dtype),
+        k_pages=k_pages.astype(dtype),
+        v_pages=v_pages.astype(dtype),
+        kv_lens=kv_lens,
+        block_tables=tables,
+        cu_q_lens=cu,
+        num_seqs=np.array([n], dtype=np.int32),
+        sm_scale=1.0 / math.sqrt(head_dim),
+        seqs=tuple(seqs),
+    )
+
+
+def numpy_attention(
+    case: Case, *, sliding_window: int | None = None, soft_cap: float | None = None
+) -> np.ndarray:  # [T, Hq, D] float64
+    """Independent float64 loop-per-sequence attention, to check the jnp reference."""
+    q = case.q.astype(np.float64)
+    k_pages = case.k_pages.astype(np.float64)
+    v_pages = case.v_pages.astype(np.float64)
+    _, block_size, hkv, d = k_pages.shape
+    group = q.shape[1] // hkv
+    out = np.zeros_like(q)
+    for i, (q_len, kv_len) in enumerate(case.seqs):
+        ids = case.block_tables[i]
+        k = k_pages[ids].reshape(-1, hkv, d)[:kv_len]
+        v = v_pages[ids].reshape(-1, hkv, d)[:kv_len]
+        for j in range(q_len):
+            row = case.cu_q_lens[i] + j
+            pos = kv_len - q_len + j
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(q.shape[1]):
+                kh = k[lo : pos + 1, h // group]
+                s = kh @ q[row, h] * case.sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.exp(s - s.max())
+                out[row, h] = (p / p.sum()) @ v[lo : pos + 1, h // group]
+    return out
