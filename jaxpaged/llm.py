@@ -1,0 +1,224 @@
+"""LLM: offline batch generation, the way vLLM users call it; and the functional generate()."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.engine import LLMEngine, Prompt
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import Params
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+Message = Mapping[str, str]
+Conversation = Sequence[Message]
+
+
+def _is_token_ids(x: object) -> bool:
+    return (
+        isinstance(x, Sequence)
+        and not isinstance(x, str)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
+    return list(prompts)
+
+
+class LLM:
+    """An engine for offline generation: ``LLM().generate(prompts, SamplingParams(...))``.
+
+    ``model=None`` serves the bundled SmolLM2-135M-Instruct; otherwise a local Hugging Face
+    folder, a hub id, or a .gguf file.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine.from_args(model, **engine_args)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion with continuous batching; outputs in prompt order.
+        A bad prompt or parameter raises ValueError before anything runs."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: {len(params_list)} given for {len(prompt_list)} prompts"
+                )
+        ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
+        engine = self.engine
+        added: list[str] = []
+        try:
+            for rid, prompt, params in zip(ids, prompt_list, params_list, strict=True):
+                engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                engine.abort(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update()
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        prompts = [
+            self.apply_chat_template(
+                c, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        for i, m in enumerate(conversation):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(
+            list(conversation),
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+        )
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def get_metrics(self) -> dict[str, float | int]:
+        """Engine counters: preemptions, prefix cache, KV usage and waste, compilations."""
+        s = self.engine.get_stats()
+        return {
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "kv_cache_usage": s.kv_cache_usage,
+            "kv_cache_waste": s.kv_cache_waste,
+            "num_compilations": s.num_compilations,
+            "num_compilations_after_warmup": s.num_compilations_after_warmup,
+            "num_free_blocks": s.num_free_blocks,
+            "num_kv_blocks": s.num_kv_blocks,
+            "prompt_tokens_total": s.prompt_tokens_total,
+            "generation_tokens_total": s.generation_tokens_total,
+        }
+
+
+def generate(
+    prompts: Prompt | Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    model: str | os.PathLike | None = None,
+    params: Params | None = None,
+    config: ModelConfig | None = None,
+    tokenizer: Any = None,
+    use_tqdm: bool = False,
+    **engine_args: Any,
+) -> list[RequestOutput]:
+    """One call from JAX research code: a model by name/folder (None = bundled), or params +
+    config (+ tokenizer, needed for text prompts) already in memory; no server involved."""
+    if params is not None or config is not None:
+        if params is None or config is None:
+            raise ValueError("params and config must be given together")
+        if model is not None:
+            raise ValueError("give either model or params + config, not both")
+        max_model_len = engine_args.pop("max_model_len", None) or min(
+            config.max_position_embeddings, 4096
+        )
+        max_num_seqs = engine_args.pop("max_num_seqs", 64)
+        engine = LLMEngine(
+            model_config=config,
+            params=params,
+            tokenizer=tokenizer,
+            cache_config=CacheConfig(
+                **{k: engine_args.pop(k) for k in _CACHE_ARGS if k in engine_args}
+            ),
+            scheduler_config=SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=engine_args.pop(
+                    "max_num_batched_tokens", max(512, max_num_seqs)
+                ),
+                preemption_mode=engine_args.pop("preemption_mode", "recompute"),
+            ),
+            show_progress=use_tqdm,
+            **engine_args,
+        )
+        llm = LLM.from_engine(engine)
+    else:
+        llm = LLM(model, show_progress=use_tqdm, **engine_args)
+    try:
+        return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    finally:
+        llm.engine.close()
+
+
+_CACHE_ARGS = (
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "swap_space",
+    "enable_prefix_caching",
+)

@@ -1,0 +1,83 @@
+"""The jitted engine step: model forward over the paged KV pool, logits of each sequence's last
+token, on-device sampling. Pure function of (params, pool, batch, rng); the pool is donated."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged import sampler
+from jaxpaged.kernels import ragged_paged_attention, write_kv
+from jaxpaged.kv_cache import KVPool
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import Params, compute_logits, forward
+
+
+class StepBatch(NamedTuple):
+    """One step's inputs, padded to a bucket: T tokens, S sequences, B block-table columns."""
+
+    tokens: jax.Array  # int32 [T]; padding rows 0
+    positions: jax.Array  # int32 [T]; padding rows 0
+    slot_mapping: jax.Array  # int32 [T]; block_id * block_size + offset, -1 = padding
+    kv_lens: jax.Array  # int32 [S]; cached tokens per sequence, this step's included
+    block_tables: jax.Array  # int32 [S, B]; logical -> physical block, padding 0
+    cu_q_lens: jax.Array  # int32 [S + 1]; cumulative query lengths
+    num_seqs: jax.Array  # int32 [1]
+    sample_rows: jax.Array  # int32 [S]; row of each sequence's last token (0 for padding)
+    sampling: sampler.SamplingTensors  # per sequence, [S, ...]
+
+
+class StepOutput(NamedTuple):
+    token_ids: jax.Array  # int32 [S]
+    logprobs: jax.Array  # float32 [S]; log-probability of the sampled token
+    top_ids: jax.Array  # int32 [S, K]
+    top_logprobs: jax.Array  # float32 [S, K]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_blocks", "block_size", "num_logprobs", "backend"),
+    donate_argnums=(1,),
+)
+def step(
+    params: Params,
+    pool: KVPool,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    num_logprobs: int,
+    backend: str | None = None,
+) -> tuple[StepOutput, KVPool]:
+    """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
+    samples one token per sequence."""
+    sm_scale = config.head_dim**-0.5
+    layer_slots = num_blocks * block_size
+
+    def attention_fn(q, k, v, layer, pool):
+        k_pages, v_pages = pool
+        slots = jnp.where(batch.slot_mapping >= 0, batch.slot_mapping + layer * layer_slots, -1)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
+        out = ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            batch.kv_lens,
+            batch.block_tables + layer * num_blocks,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            sm_scale=sm_scale,
+            backend=backend,
+        )
+        return out, (k_pages, v_pages)
+
+    hidden, pool = forward(
+        params, batch.tokens, batch.positions, config=config, attention_fn=attention_fn, cache=pool
+    )
+    logits = compute_logits(params, hidden[batch.sample_rows], config=config)  # [S, V]
+    out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
+    return StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs), pool
