@@ -10,12 +10,7 @@ not pull in the engine.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jaxpaged.llm import LLM, generate
-    from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from jaxpaged.sampling_params import SamplingParams
+from typing import Any
 
 _EXPORTS = {
     "LLM": "jaxpaged.llm",

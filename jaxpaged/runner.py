@@ -236,7 +236,13 @@ class Runner:
                 if w is None
                 else (
                     float(out.logprobs[i]),
-                    dict(zip(out.top_ids[i, :w].tolist(), out.top_logprobs[i, :w].tolist())),
+                    dict(
+                        zip(
+                            out.top_ids[i, :w].tolist(),
+                            out.top_logprobs[i, :w].tolist(),
+                            strict=True,
+                        )
+                    ),
                 )
                 for i, w in enumerate(want)
             ]
