@@ -1,0 +1,320 @@
+"""On-device sampling for a padded batch of sequences, one parameter set per row.
+
+The runner calls :func:`sample` inside its jitted step. Every per-row setting is an
+array in :class:`SamplingTensors`, so one compiled program serves any mix of greedy,
+temperature, top-k/top-p/min-p, penalised and seeded rows: nothing about the mix is
+static. The two costly stages run under ``lax.cond`` and are skipped at run time when no
+row needs them (the program is the same either way):
+
+* penalties: a scatter of the token history into ``[B, V]`` counts;
+* top-k / top-p: a full sort of each row's logits.
+
+Order of operations (vLLM's): penalties (repetition on prompt + output tokens; frequency
+and presence on output tokens), ``min_tokens`` bans of EOS / stop token ids, greedy argmax
+for rows with temperature < 1e-5, temperature, top-k, top-p, min-p, then Gumbel-max
+sampling with a per-row key.
+
+Logprobs are those of the raw model distribution, ``log_softmax(logits)`` before any
+penalty, temperature or filter (vLLM's default ``raw_logprobs``): they say what the model
+thought, not what the sampler was allowed to pick.
+
+Randomness: each row's key is ``fold_in(fold_in(key(key_data), stream), counter)`` where
+``counter`` is the number of tokens the sequence has generated so far. Seeded rows use the
+request's seed as key data and the sample index (0..n-1) as stream, so a seeded request
+draws the same tokens whatever else is in the batch, at whatever row, across runs.
+Unseeded rows use the engine's key data and an engine-unique per-sequence stream.
+
+Penalty history: the token ids of prompt + output, padded with -1 to a fixed
+``history_len`` ([B, H] int32, H fixed by the runner, e.g. ``max_model_len``, so the shape
+never changes). Costs: O(B*H) host fill and transfer per step (4*B*H bytes; 256 KiB at
+B=32, H=2048) and, only when some row has a penalty, an O(B*H) scatter into ``[B, V]``.
+Rows without penalties are left as -1 on the host, so their fill costs only the memset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+_PRNG_IMPL = "threefry2x32"  # explicit, so key data is always [2] uint32
+_U32 = 0xFFFFFFFF
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling settings of one padded batch (a pytree of arrays)."""
+
+    temperature: jax.Array  # [B] float32; < GREEDY_EPS means greedy
+    top_p: jax.Array  # [B] float32 in (0, 1]; 1 = off
+    top_k: jax.Array  # [B] int32 in [1, V]; V = off
+    min_p: jax.Array  # [B] float32 in [0, 1]; 0 = off
+    repetition_penalty: jax.Array  # [B] float32; 1 = off
+    presence_penalty: jax.Array  # [B] float32; 0 = off
+    frequency_penalty: jax.Array  # [B] float32; 0 = off
+    key_data: jax.Array  # [B, 2] uint32 threefry key data (seed or engine key)
+    key_stream: jax.Array  # [B] uint32 sample index (seeded) or sequence stream (unseeded)
+    key_counter: jax.Array  # [B] uint32 tokens generated so far by the sequence
+    history: jax.Array  # [B, H] int32 prompt then output token ids, -1 padded
+    num_prompt_history: jax.Array  # [B] int32 leading history entries that are prompt
+    banned_ids: jax.Array  # [B, S] int32 ids masked out (min_tokens: EOS + stop ids), -1 padded
+    num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (0 = none)
+
+
+class SamplerOutput(NamedTuple):
+    """Sampled tokens and logprobs of one batch (raw model distribution)."""
+
+    token_ids: jax.Array  # [B] int32
+    logprobs: jax.Array  # [B] float32 logprob of the sampled token
+    top_logprob_ids: jax.Array  # [B, K] int32 (zeros when no row asked)
+    top_logprobs: jax.Array  # [B, K] float32
+
+
+class SamplingRow(Protocol):
+    """What :func:`build_sampling_tensors` reads from each scheduled sequence."""
+
+    sampling_params: Any  # duck-typed SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    sample_index: int  # index among the request's n samples (stream of seeded rows)
+    rng_stream: int  # engine-unique per sequence (stream of unseeded rows)
+
+
+def seed_to_key_data(seed: int) -> np.ndarray:
+    """Threefry key data [2] uint32 of an integer seed (taken modulo 2**64)."""
+    seed = int(seed) % (1 << 64)
+    return np.array([(seed >> 32) & _U32, seed & _U32], dtype=np.uint32)
+
+
+def build_sampling_tensors(
+    rows: Sequence[SamplingRow],
+    batch_size: int,
+    *,
+    vocab_size: int,
+    engine_key_data: np.ndarray,  # [2] uint32, e.g. seed_to_key_data(engine seed)
+    history_len: int,
+    eos_token_ids: Sequence[int] = (),
+    max_banned: int = 16,
+) -> SamplingTensors:
+    """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows.
+
+    Padding rows are greedy with every filter off. ``history_len`` and ``max_banned`` fix
+    the shapes of the penalty history and the min_tokens ban list: keep them constant
+    while serving so the step never recompiles.
+    """
+    n = len(rows)
+    if n > batch_size:
+        raise ValueError(f"rows: {n} rows do not fit batch_size={batch_size}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if history_len < 1:
+        raise ValueError(f"history_len must be >= 1, got {history_len}")
+    engine_key_data = np.asarray(engine_key_data, dtype=np.uint32)
+    if engine_key_data.shape != (2,):
+        raise ValueError(f"engine_key_data must have shape (2,), got {engine_key_data.shape}")
+
+    b = batch_size
+    temperature = np.zeros(b, np.float32)
+    top_p = np.ones(b, np.float32)
+    top_k = np.full(b, vocab_size, np.int32)
+    min_p = np.zeros(b, np.float32)
+    rep = np.ones(b, np.float32)
+    pres = np.zeros(b, np.float32)
+    freq = np.zeros(b, np.float32)
+    key_data = np.zeros((b, 2), np.uint32)
+    key_stream = np.zeros(b, np.uint32)
+    key_counter = np.zeros(b, np.uint32)
+    history = np.full((b, history_len), -1, np.int32)
+    num_prompt = np.zeros(b, np.int32)
+    banned = np.full((b, max_banned), -1, np.int32)
+    num_logprobs = np.zeros(b, np.int32)
+
+    for i, row in enumerate(rows):
+        sp = row.sampling_params
+        prompt = row.prompt_token_ids
+        output = row.output_token_ids
+        temperature[i] = sp.temperature
+        top_p[i] = sp.top_p
+        k = int(sp.top_k)
+        top_k[i] = vocab_size if k <= 0 else min(k, vocab_size)
+        min_p[i] = sp.min_p
+        rep[i] = sp.repetition_penalty
+        pres[i] = sp.presence_penalty
+        freq[i] = sp.frequency_penalty
+        if sp.seed is not None:
+            key_data[i] = seed_to_key_data(sp.seed)
+            key_stream[i] = int(row.sample_index) & _U32
+        else:
+            key_data[i] = engine_key_data
+            key_stream[i] = int(row.rng_stream) & _U32
+        key_counter[i] = len(output) & _U32
+        if (
+            sp.repetition_penalty != 1.0
+            or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0
+        ):
+            total = len(prompt) + len(output)
+            if total > history_len:
+                raise ValueError(
+                    f"history_len={history_len} is shorter than row {i}'s "
+                    f"{total} prompt + output tokens (penalties need them all)"
+                )
+            history[i, : len(prompt)] = prompt
+            history[i, len(prompt) : total] = output
+            num_prompt[i] = len(prompt)
+        min_tokens = getattr(sp, "min_tokens", 0) or 0
+        if len(output) < min_tokens:
+            ids = [] if getattr(sp, "ignore_eos", False) else list(eos_token_ids)
+            ids += list(getattr(sp, "stop_token_ids", None) or ())
+            ids = sorted(set(ids))
+            if len(ids) > max_banned:
+                raise ValueError(
+                    f"stop_token_ids: {len(ids)} ids to hold back for min_tokens exceed "
+                    f"max_banned={max_banned}"
+                )
+            banned[i, : len(ids)] = ids
+        num_logprobs[i] = getattr(sp, "logprobs", None) or 0
+
+    return SamplingTensors(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        key_data=key_data,
+        key_stream=key_stream,
+        key_counter=key_counter,
+        history=history,
+        num_prompt_history=num_prompt,
+        banned_ids=banned,
+        num_logprobs=num_logprobs,
+    )
+
+
+def _row_scatter(ids: jax.Array, values: jax.Array, vocab_size: int) -> jax.Array:
+    """Sum ``values`` [B, H] into [B, V] at column ``ids`` [B, H]; ids < 0 are dropped."""
+    b = ids.shape[0]
+    cols = jnp.where(ids < 0, vocab_size, ids)  # out of range -> dropped (no wrap-around)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    out = jnp.zeros((b, vocab_size), values.dtype)
+    return out.at[rows, cols].add(values, mode="drop")
+
+
+def apply_penalties(
+    logits: jax.Array,  # [B, V] float32
+    t: SamplingTensors,
+) -> jax.Array:  # [B, V]
+    """vLLM penalties: repetition on prompt+output tokens, frequency/presence on output."""
+    b, v = logits.shape
+    valid = t.history >= 0  # [B, H]
+    is_output = valid & (jnp.arange(t.history.shape[1])[None, :] >= t.num_prompt_history[:, None])
+    seen = _row_scatter(t.history, valid.astype(jnp.int32), v) > 0  # [B, V]
+    out_counts = _row_scatter(t.history, is_output.astype(jnp.float32), v)  # [B, V]
+    rp = t.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rp, logits * rp)
+    logits = jnp.where(seen, penalised, logits)
+    logits = logits - t.frequency_penalty[:, None] * out_counts
+    logits = logits - t.presence_penalty[:, None] * (out_counts > 0).astype(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: jax.Array,  # [B, V] float32, temperature already applied
+    top_k: jax.Array,  # [B] int32 in [1, V]
+    top_p: jax.Array,  # [B] float32 in (0, 1]
+) -> jax.Array:  # [B, V]
+    """Mask to -inf all but the top_k largest logits, then the smallest set of those whose
+    probability mass reaches top_p (always at least the best token).
+
+    Implemented as one per-row threshold on the value, so logits tied with the last kept
+    one are kept too (as in vLLM).
+    """
+    v = logits.shape[-1]
+    desc = -jnp.sort(-logits, axis=-1)  # [B, V] descending
+    pos = jnp.arange(v)[None, :]
+    in_k = pos < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
+    in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (pos == 0)
+    num_kept = jnp.sum(in_k & in_p, axis=-1)  # kept set is a prefix of `desc`
+    threshold = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)  # [B, 1]
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def _row_gumbel(
+    key_data: jax.Array,  # [2] uint32
+    stream: jax.Array,  # [] uint32
+    counter: jax.Array,  # [] uint32
+    vocab_size: int,
+) -> jax.Array:  # [V] float32
+    key = jax.random.wrap_key_data(key_data, impl=_PRNG_IMPL)
+    key = jax.random.fold_in(jax.random.fold_in(key, stream), counter)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+
+def sample(
+    logits: jax.Array,  # [B, V] float32 raw model logits
+    t: SamplingTensors,
+    *,
+    num_logprobs: int,
+) -> SamplerOutput:
+    """Pick one token per row. ``num_logprobs`` (static) is K, the most top logprobs any
+    row may ask for; the top-K pass runs only when some row asks (``t.num_logprobs``)."""
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+
+    needs_penalty = jnp.any(
+        (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
+    )
+    x = lax.cond(needs_penalty, apply_penalties, lambda lg, _: lg, logits, t)
+    # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
+    banned_cols = jnp.where(t.banned_ids < 0, v, t.banned_ids)
+    banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
+    x = x.at[banned_rows, banned_cols].set(-jnp.inf, mode="drop")
+
+    greedy = t.temperature < GREEDY_EPS  # [B]
+    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
+    needs_sort = jnp.any(~greedy & ((t.top_k < v) | (t.top_p < 1.0)))
+    x = lax.cond(
+        needs_sort,
+        apply_top_k_top_p,
+        lambda lg, _k, _p: lg,
+        x,
+        jnp.clip(t.top_k, 1, v),
+        t.top_p,
+    )
+    # min_p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p): no softmax needed.
+    x_max = jnp.max(x, axis=-1, keepdims=True)
+    x = jnp.where(x < x_max + jnp.log(t.min_p)[:, None], -jnp.inf, x)
+
+    gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, 0, None))(
+        t.key_data, t.key_stream, t.key_counter, v
+    )  # [B, V]
+    sampled_ids = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    token_ids = jnp.where(greedy, greedy_ids, sampled_ids)
+
+    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    k = int(num_logprobs)
+    if k > 0:
+
+        def _top(lp):
+            vals, ids = lax.top_k(lp, k)
+            return ids.astype(jnp.int32), vals
+
+        def _none(lp):
+            return jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+        top_ids, top_vals = lax.cond(jnp.any(t.num_logprobs > 0), _top, _none, raw_logprobs)
+    else:
+        top_ids = jnp.zeros((b, 0), jnp.int32)
+        top_vals = jnp.zeros((b, 0), jnp.float32)
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_vals)

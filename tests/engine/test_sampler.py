@@ -1,0 +1,374 @@
+"""Sampler tests: distributions against their analytic definitions, penalties against a
+hand-written numpy version, seeds across batch compositions, logprobs, one compilation."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    apply_top_k_top_p,
+    build_sampling_tensors,
+    sample,
+    seed_to_key_data,
+)
+
+ENGINE_KEY = seed_to_key_data(1234)
+B, V = 16, 64  # shared small shape: fewer compilations
+sample_jit = jax.jit(sample, static_argnames="num_logprobs")
+
+
+def params(**kw) -> SimpleNamespace:
+    """Duck-typed SamplingParams with vLLM defaults."""
+    d = dict(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=None,
+        n=1,
+        logprobs=None,
+        min_tokens=0,
+        ignore_eos=False,
+        stop_token_ids=None,
+    )
+    d.update(kw)
+    return SimpleNamespace(**d)
+
+
+def row(sp, prompt=(1, 2, 3), output=(), sample_index=0, rng_stream=0) -> SimpleNamespace:
+    return SimpleNamespace(
+        sampling_params=sp,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        sample_index=sample_index,
+        rng_stream=rng_stream,
+    )
+
+
+def build(rows, batch_size, vocab_size, history_len=16, **kw) -> SamplingTensors:
+    return build_sampling_tensors(
+        rows,
+        batch_size,
+        vocab_size=vocab_size,
+        engine_key_data=ENGINE_KEY,
+        history_len=history_len,
+        **kw,
+    )
+
+
+# --- analytic reference -------------------------------------------------------------
+
+
+def ref_probs(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, top_p_inclusive=False):
+    """The sampling distribution by definition: softmax(logits / T), keep the top_k most
+    likely, then the smallest most-likely set with mass >= top_p, then tokens with
+    p >= min_p * p_max; renormalise after each step."""
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.ones_like(p, bool)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    q = np.where(keep, p, 0.0)
+    q /= q.sum()
+    if top_p < 1.0:
+        cum = np.cumsum(q[order])
+        before = cum - q[order]
+        kept = cum < top_p if top_p_inclusive else before < top_p  # inclusive = wrong on purpose
+        kept[0] = True
+        keep[order[~kept]] = False
+        q = np.where(keep, q, 0.0)
+        q /= q.sum()
+    if min_p > 0.0:
+        q = np.where(q >= min_p * q.max(), q, 0.0)
+        q /= q.sum()
+    return q
+
+
+def chi2(counts, probs):
+    """Pearson chi-square of counts against probs; a count on a zero-probability token is
+    an infinite statistic."""
+    n = counts.sum()
+    if np.any(counts[probs == 0] > 0):
+        return np.inf
+    e = n * probs[probs > 0]
+    return float(np.sum((counts[probs > 0] - e) ** 2 / e))
+
+
+def chi2_bound(probs):
+    """Acceptance bound: df + 8 sqrt(2 df) (p-value below ~1e-6 for the df used here)."""
+    df = int(np.count_nonzero(probs)) - 1
+    return df + 8.0 * np.sqrt(2.0 * df) + 1.0
+
+
+LOGITS = np.array([2.0, 1.6, 1.2, 1.0, 0.7, 0.3, 0.0, -0.4, -0.9, -1.5, -2.2, -3.0], np.float32)
+
+CASES = {
+    # name: (params, wrong alternatives that the same check must reject)
+    "temperature": (dict(temperature=0.6), [dict(temperature=1.0), dict(temperature=0.5)]),
+    "top_k": (dict(top_k=4), [dict(), dict(top_k=3), dict(top_k=5)]),
+    "top_p": (dict(top_p=0.7), [dict(), dict(top_p=0.7, top_p_inclusive=True)]),
+    "min_p": (dict(min_p=0.2), [dict(), dict(min_p=0.1), dict(min_p=0.3)]),
+    "all": (
+        dict(temperature=1.5, top_k=8, top_p=0.8, min_p=0.12),
+        # Prefix filters: only the tightest (top_p here) binds, so drop it or the temperature.
+        [dict(temperature=1.5, top_k=8, min_p=0.12), dict(top_k=8, top_p=0.8, min_p=0.12)],
+    ),
+    "plain": (dict(), [dict(temperature=0.8), dict(temperature=1.25)]),
+}
+DRAWS = 24_576  # per case
+
+
+@pytest.fixture(scope="module")
+def mixed_batch_counts():
+    """One batch in which every case gets DRAWS rows (interleaved), each row its own key."""
+    names = list(CASES)
+    sps = [params(**CASES[name][0]) for name in names]
+    rows = [
+        row(sps[i % len(names)], rng_stream=i, sample_index=0) for i in range(DRAWS * len(names))
+    ]
+    t = build(rows, len(rows), LOGITS.size)
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (len(rows), LOGITS.size))
+    ids = np.asarray(sample_jit(logits, t, num_logprobs=0).token_ids)
+    return {
+        name: np.bincount(ids[i :: len(names)], minlength=LOGITS.size)
+        for i, name in enumerate(names)
+    }
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sampled_distribution_matches_definition(mixed_batch_counts, name):
+    counts = mixed_batch_counts[name]
+    spec, wrongs = CASES[name]
+    probs = ref_probs(LOGITS, **spec)
+    assert counts.sum() == DRAWS
+    # Excluded tokens are never drawn.
+    assert np.all(counts[probs == 0] == 0), (counts, probs)
+    stat = chi2(counts, probs)
+    assert stat < chi2_bound(probs), (stat, counts, np.round(probs * DRAWS))
+    # The same check must reject a wrong distribution (so it cannot pass by accident).
+    for wrong in wrongs:
+        wrong_probs = ref_probs(LOGITS, **wrong)  # the full wrong spec
+        assert not np.allclose(wrong_probs, probs)
+        assert chi2(counts, wrong_probs) > 3 * chi2_bound(wrong_probs), wrong
+
+
+def test_top_p_one_and_top_k_off_keep_whole_large_vocab():
+    """top_p=1 must not drop the tail where float32 cumulative mass rounds to 1."""
+    v = 50_000
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 6, (2, v)).astype(np.float32))
+    out = apply_top_k_top_p(logits, jnp.array([v, v]), jnp.array([1.0, 1.0]))
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
+
+
+def test_top_k_top_p_mask_exact():
+    logits = jnp.asarray(np.log(np.array([[0.5, 0.05, 0.3, 0.15], [0.5, 0.05, 0.3, 0.15]])))
+    out = np.asarray(apply_top_k_top_p(logits, jnp.array([2, 4]), jnp.array([1.0, 0.85])))
+    np.testing.assert_array_equal(np.isfinite(out), [[1, 0, 1, 0], [1, 0, 1, 1]])
+
+
+def test_greedy_is_argmax_whatever_the_filters():
+    rng = np.random.default_rng(1)
+    b, v = B, V
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    sps = [
+        params(temperature=0.0),
+        params(temperature=0.0, top_k=5, top_p=0.3, min_p=0.5),
+        params(temperature=1e-6, seed=3),
+    ]
+    rows = [row(sps[i % 3], rng_stream=i) for i in range(b - 3)]  # 3 padding rows
+    out = sample_jit(jnp.asarray(logits), build(rows, b, v), num_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
+
+
+def ref_penalties(logits, history, n_prompt, rep, pres, freq):
+    out = logits.astype(np.float64).copy()
+    for i in range(out.shape[0]):
+        toks = [t for t in history[i] if t >= 0]
+        seen = set(toks)
+        counts = {}
+        for t in toks[n_prompt[i] :]:
+            counts[t] = counts.get(t, 0) + 1
+        for t in seen:
+            out[i, t] = out[i, t] / rep[i] if out[i, t] > 0 else out[i, t] * rep[i]
+        for t, c in counts.items():
+            out[i, t] -= freq[i] * c + pres[i]
+    return out
+
+
+def test_penalties_change_exactly_the_right_logits():
+    rng = np.random.default_rng(2)
+    b, v = B, V
+    logits = rng.normal(0, 2, (b, v)).astype(np.float32)
+    sps = [
+        params(temperature=0.0, repetition_penalty=1.7),
+        params(temperature=0.0, presence_penalty=0.8),
+        params(temperature=0.0, frequency_penalty=0.5),
+        params(
+            temperature=0.0, repetition_penalty=0.6, presence_penalty=-0.4, frequency_penalty=1.1
+        ),
+        params(temperature=0.0),  # no penalty: logits untouched even with a history
+    ]
+    rows = []
+    for sp in sps:
+        prompt = rng.integers(0, v, rng.integers(1, 6)).tolist()
+        output = rng.integers(0, v, rng.integers(0, 8)).tolist() + [prompt[0]] * 2
+        rows.append(row(sp, prompt, output))
+    t = build(rows, b, v)
+    # The no-penalty row's history is left empty by the host; fill it to prove it is ignored.
+    hist = np.asarray(t.history).copy()
+    hist[4, :3] = [0, 1, 2]
+    t = t._replace(history=hist)
+    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), t))
+    want = ref_penalties(
+        logits,
+        hist,
+        np.asarray(t.num_prompt_history),
+        np.asarray(t.repetition_penalty),
+        np.asarray(t.presence_penalty),
+        np.asarray(t.frequency_penalty),
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    changed = got != logits
+    assert changed[:4].any(axis=1).all() and not changed[4:].any()
+    # Through sample(): greedy rows pick the argmax of the penalised logits.
+    out = sample_jit(jnp.asarray(logits), t, num_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[:5], want[:5].argmax(-1))
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    v = V
+    logits = np.zeros((B, v), np.float32)
+    logits[:, 7] = 5.0  # EOS is the best token
+    logits[:, 3] = 4.0  # a stop token id is second
+    sp = params(temperature=0.0, min_tokens=2, stop_token_ids=[3])
+    rows = [
+        row(sp, output=[]),  # 0 < 2: both banned
+        row(sp, output=[1, 1]),  # reached: EOS allowed
+        row(params(temperature=0.0, min_tokens=5, ignore_eos=True, stop_token_ids=[3])),
+    ]
+    out = sample_jit(jnp.asarray(logits), build(rows, B, v, eos_token_ids=[7]), num_logprobs=0)
+    assert np.asarray(out.token_ids)[:3].tolist() == [0, 7, 7]
+
+
+def test_seeded_rows_reproduce_across_batches_positions_and_steps():
+    rng = np.random.default_rng(3)
+    v = V
+    base = rng.normal(size=v).astype(np.float32)
+    seeded = params(temperature=1.3, top_k=20, seed=42)
+    others = [params(temperature=0.7), params(top_p=0.5), params(temperature=0.0), params(seed=7)]
+
+    def draws(batch_size, position, n_steps=6, filler_offset=0):
+        toks = []
+        output: list[int] = []
+        for _ in range(n_steps):
+            rows = [
+                row(others[(j + filler_offset) % 4], rng_stream=100 + j + filler_offset)
+                for j in range(batch_size - 3)
+            ]
+            rows.insert(position, row(seeded, output=output, rng_stream=999))
+            logits = np.tile(base, (batch_size, 1))
+            out = sample_jit(jnp.asarray(logits), build(rows, batch_size, v), num_logprobs=0)
+            tok = int(out.token_ids[position])
+            toks.append(tok)
+            output = output + [tok]
+        return toks
+
+    a = draws(B, 0)
+    assert a == draws(B, 9, filler_offset=1)  # other rows, other position, padding
+    assert a == draws(8, 4, filler_offset=2)  # another batch size
+    assert len(set(a)) > 1  # the counter moves the key: not the same token every step
+    # A different seed (or sample index) gives a different stream.
+    rows = [
+        row(params(temperature=1.3, top_k=20, seed=s), sample_index=i)
+        for s in (42, 43)
+        for i in (0, 1)
+    ]
+    t = build(rows * 4, B, v)
+    t = t._replace(key_counter=np.repeat(np.arange(4, dtype=np.uint32), 4))
+    ids = np.asarray(sample_jit(jnp.asarray(np.tile(base, (B, 1))), t, num_logprobs=0).token_ids)
+    per_stream = ids.reshape(4, 4).T
+    assert len({tuple(s) for s in per_stream}) == 4
+
+
+def test_unseeded_rows_have_independent_streams():
+    rows = [row(params(), rng_stream=i) for i in range(B)]
+    ids = np.asarray(sample_jit(jnp.zeros((B, V)), build(rows, B, V), num_logprobs=0).token_ids)
+    assert len(set(ids.tolist())) >= 11  # 16 uniform draws over 64: ~14.3 distinct expected
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(4)
+    b, v, k = B, V, 20
+    logits = rng.normal(0, 3, (b, v)).astype(np.float32)
+    sps = [
+        params(temperature=0.5, top_k=3, logprobs=5, repetition_penalty=1.3),
+        params(temperature=0.0, logprobs=20),
+        params(min_p=0.3, seed=1),
+        params(top_p=0.2, logprobs=1),
+    ]
+    t = build([row(sp, output=[int(logits[0].argmax())]) for sp in sps], b, v)
+    out = sample_jit(jnp.asarray(logits), t, num_logprobs=k)
+    x = logits.astype(np.float64)
+    ref = x - x.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    ids = np.asarray(out.token_ids)
+    np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(b), ids], atol=1e-5)
+    top_ids = np.asarray(out.top_logprob_ids)
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=-1, kind="stable")[:, :k])
+    np.testing.assert_allclose(
+        np.asarray(out.top_logprobs), np.take_along_axis(ref, top_ids, -1), atol=1e-5
+    )
+    assert out.top_logprobs.shape == (b, k)
+    none = sample_jit(jnp.asarray(logits), build([row(params())], b, v), num_logprobs=0)
+    assert none.top_logprob_ids.shape == (b, 0)
+
+
+def test_jitted_sample_compiles_once_for_any_parameter_mix():
+    fn = jax.jit(sample, static_argnames="num_logprobs")
+    b, v = 8, 136  # a shape no other test uses (jit caches are shared per function)
+    rng = np.random.default_rng(5)
+    mixes = [
+        [params(temperature=0.0)],
+        [params(), params(top_k=5)],
+        [params(top_p=0.9, seed=3), params(repetition_penalty=1.2, logprobs=3)],
+        [params(min_p=0.1, presence_penalty=0.5, frequency_penalty=0.2)] * 8,
+        [params(temperature=0.0, min_tokens=4, stop_token_ids=[1, 2])],
+        [],
+    ]
+    sizes = []
+    for mix in mixes:
+        t = build([row(sp, output=[5, 6]) for sp in mix], b, v, eos_token_ids=[0])
+        fn(jnp.asarray(rng.normal(size=(b, v)).astype(np.float32)), t, num_logprobs=4)
+        sizes.append(fn._cache_size())
+    assert sizes[1:] == sizes[:-1], sizes  # the first call compiled; no other did
+
+
+def test_build_sampling_tensors_padding_and_errors():
+    t = build([row(params(top_k=500, seed=9, logprobs=2))], 3, 100)
+    assert t.top_k.tolist() == [100, 100, 100]  # clipped / off
+    assert t.temperature.tolist() == [1.0, 0.0, 0.0]  # padding rows are greedy
+    assert t.num_logprobs.tolist() == [2, 0, 0]
+    np.testing.assert_array_equal(t.key_data[0], seed_to_key_data(9))
+    assert (t.history == -1).all()  # no penalty: history not filled
+    with pytest.raises(ValueError, match="batch_size"):
+        build([row(params())] * 4, 3, 100)
+    with pytest.raises(ValueError, match="history_len"):
+        build([row(params(frequency_penalty=0.1), prompt=range(10), output=range(10))], 2, 100)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        build([row(params(min_tokens=3, stop_token_ids=list(range(20))))], 2, 100)
+    with pytest.raises(ValueError, match="engine_key_data"):
+        build_sampling_tensors([], 2, vocab_size=10, engine_key_data=np.zeros(3), history_len=4)
