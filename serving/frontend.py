@@ -1,0 +1,396 @@
+"""What gRPC and HTTP share: the server's life phase, admission (auth, readiness, queue limit),
+in-flight tracking, abort-on-exit streams, engine-failure detection and drain.
+
+Both front ends turn a request into ``Frontend.open(...)``, iterate the returned
+:class:`RequestHandle` inside ``async with`` and map the exceptions below to their status
+codes. Leaving the ``async with`` early for any reason (client cancel, deadline, disconnect,
+an error while sending) aborts the request in the engine, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+from jaxpaged.engine import EngineDeadError
+from jaxpaged.serving.metrics import ServingMetrics
+
+__all__ = [
+    "EngineDeadError",
+    "EngineFailure",
+    "Frontend",
+    "InvalidRequest",
+    "Overloaded",
+    "Phase",
+    "RequestHandle",
+    "ServingConfig",
+    "ServingError",
+    "Unauthenticated",
+    "Unavailable",
+    "close_all",
+]
+
+log = logging.getLogger("jaxpaged.serving")
+
+
+class Phase(str, enum.Enum):
+    LOADING = "loading"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ServingError(Exception):
+    """A request the server refuses or cannot finish; each subclass has its status codes."""
+
+    http_status = 500
+    grpc_code = "INTERNAL"
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(ServingError):
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+    error_type = "invalid_request_error"
+
+
+class Unauthenticated(ServingError):
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+    error_type = "authentication_error"
+
+
+class Overloaded(ServingError):
+    http_status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+    error_type = "rate_limit_error"
+
+
+class Unavailable(ServingError):
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+    error_type = "service_unavailable"
+
+
+class EngineFailure(ServingError):
+    http_status = 500
+    grpc_code = "INTERNAL"
+    error_type = "server_error"
+
+
+def field_of(message: str) -> str | None:
+    """The field a SamplingParams / prompt ValueError names (its first word), for `param`."""
+    word = message.split(" ", 1)[0].strip(":,")
+    return word if word.isidentifier() else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServingConfig:
+    """Server settings that are not engine settings."""
+
+    served_model_name: str
+    model_path: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    max_queue_len: int | None = None  # requests waiting for their first token; None = no limit
+    api_key: str | None = None
+    shutdown_timeout: float = 30.0  # seconds
+    chat_template: str | None = None  # template text (a file is read by the CLI)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+
+
+class RequestHandle:
+    """One admitted engine request: an async iterator of cumulative RequestOutput snapshots.
+    Use inside ``async with``: leaving before the last snapshot aborts the request."""
+
+    def __init__(self, frontend: Frontend, request_id: str, stream: Any, arrival: float) -> None:
+        self.request_id = request_id
+        self.started = False  # a first snapshot arrived
+        self.finished = False
+        self.last: RequestOutput | None = None
+        self._frontend = frontend
+        self._stream = stream
+        self._arrival = arrival
+        self._last_time = arrival
+        self._num_tokens: dict[int, int] = {}
+        self._closed = False
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        frontend = self._frontend
+        try:
+            async for out in self._stream:
+                now = time.monotonic()
+                self.started = True
+                self._observe_tokens(out, now)
+                self.last = out
+                if out.finished:
+                    self.finished = True
+                if out.finished and (
+                    out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
+                ):
+                    raise EngineFailure(f"the engine failed while serving this request: {out.error}")
+                yield out
+                if self.finished:
+                    return
+        except EngineDeadError as e:
+            self.finished = True  # the engine has already dropped it
+            frontend.mark_failed(e)
+            raise EngineFailure(f"the engine failed: {e}") from e
+        if not self.finished:
+            raise EngineFailure("the engine ended the stream without a final output")
+
+    def _observe_tokens(self, out: RequestOutput, now: float) -> None:
+        new = 0
+        for c in out.outputs:
+            n = len(c.token_ids)
+            new += max(0, n - self._num_tokens.get(c.index, 0))
+            self._num_tokens[c.index] = n
+        if new and self.started and self._last_time != self._arrival:
+            self._frontend.metrics.observe_inter_token(now - self._last_time, new)
+        if new:
+            self._last_time = now
+
+    def close_nowait(self) -> asyncio.Task | None:
+        """Forgets the request and, unless it finished, starts its abort in a task of its own
+        (so that a cancellation of the caller, even a repeated one, cannot stop it)."""
+        if self._closed:
+            return None
+        self._closed = True
+        frontend = self._frontend
+        frontend._in_flight.pop(self.request_id, None)
+        frontend._changed()
+        if self.last is not None and self.last.finished:
+            frontend.metrics.observe_finished(self.last)
+        if self.finished or frontend.engine is None:
+            return None
+        task = asyncio.get_running_loop().create_task(frontend._abort_quietly(self.request_id))
+        frontend._background.add(task)
+        task.add_done_callback(frontend._background.discard)
+        return task
+
+    async def close(self) -> None:
+        """Aborts the request unless it finished; safe to call twice."""
+        task = self.close_nowait()
+        if task is not None:
+            await asyncio.shield(task)
+
+
+async def close_all(handles: Sequence[RequestHandle]) -> None:
+    """Closes several handles, starting every abort before waiting for any."""
+    tasks = [t for t in (h.close_nowait() for h in handles) if t is not None]
+    if tasks:
+        await asyncio.shield(asyncio.gather(*tasks))
+
+
+class Frontend:
+    """The serving state shared by the gRPC servicer and the HTTP app."""
+
+    def __init__(self, config: ServingConfig, metrics: ServingMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.engine: Any = None  # AsyncEngine once loaded
+        self.phase = Phase.LOADING
+        self.failure: BaseException | None = None
+        self._in_flight: dict[str, RequestHandle] = {}
+        self._listeners: list[Callable[[Phase], None]] = []
+        self._background: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.metrics.bind(self)
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def add_listener(self, fn: Callable[[Phase], None]) -> None:
+        """fn(phase) is called on every phase change (e.g. to update gRPC health)."""
+        self._listeners.append(fn)
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase == self.phase:
+            return
+        log.info("server state: %s -> %s", self.phase.value, phase.value)
+        self.phase = phase
+        for fn in self._listeners:
+            fn(phase)
+
+    def attach_engine(self, engine: Any) -> None:
+        """The engine is loaded and started: accept requests."""
+        self.engine = engine
+        if self.phase == Phase.LOADING:
+            self._set_phase(Phase.SERVING)
+
+    def mark_failed(self, error: BaseException | None) -> None:
+        if self.phase in (Phase.FAILED, Phase.STOPPED):
+            return
+        self.failure = error
+        log.error("engine failed: %r; refusing new requests", error)
+        self._set_phase(Phase.FAILED)
+
+    def check_engine(self) -> None:
+        """Turns an engine that died on its own into the FAILED phase (polled by the server)."""
+        if self.engine is not None and self.engine.errored:
+            self.mark_failed(self.engine.dead_error)
+
+    @property
+    def ready(self) -> bool:
+        self.check_engine()
+        return self.phase == Phase.SERVING
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def num_queued(self) -> int:
+        """Admitted requests still waiting for their first output."""
+        return sum(1 for h in self._in_flight.values() if not h.started)
+
+    def _changed(self) -> None:
+        if self._in_flight:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    # ---- admission ----------------------------------------------------------------------------
+    def check_api_key(self, presented: str | None) -> None:
+        """presented: the value of an `authorization` header/metadata entry, or None."""
+        key = self.config.api_key
+        if key is None:
+            return
+        if presented is None:
+            raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, token = presented.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise Unauthenticated("invalid API key")
+
+    def check_ready(self) -> None:
+        self.check_engine()
+        if self.phase == Phase.SERVING:
+            return
+        reasons = {
+            Phase.LOADING: "the model is still loading",
+            Phase.DRAINING: "the server is shutting down",
+            Phase.STOPPED: "the server is shutting down",
+            Phase.FAILED: f"the engine failed ({self.failure!r}); restart the server",
+        }
+        raise Unavailable(f"server not ready: {reasons[self.phase]}")
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation under the chat template, ready for the reply (the same
+        ids as ``LLM.chat`` uses)."""
+        if not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(
+                list(messages),
+                add_generation_prompt=True,
+                tokenize=True,
+                chat_template=self.config.chat_template,
+            )
+        except Exception as e:  # template errors are the caller's input problem
+            raise InvalidRequest(
+                f"messages: cannot apply the chat template: {e}", param="messages"
+            ) from e
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    async def open(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestHandle:
+        """Admits one request to the engine. Raises InvalidRequest (bad prompt or params),
+        Overloaded (queue full), Unavailable (loading, draining or engine dead)."""
+        self.check_ready()
+        if request_id in self._in_flight:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
+        limit = self.config.max_queue_len
+        if limit is not None and self.num_queued >= limit:
+            self.metrics.count_rejected("queue_full")
+            raise Overloaded(
+                f"too many requests waiting ({self.num_queued} >= --max-queue-len {limit}); "
+                "retry later"
+            )
+        arrival = time.monotonic()
+        try:
+            stream = await self.engine.add_request(request_id, prompt, params)
+        except EngineDeadError as e:
+            self.mark_failed(e)
+            raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=field_of(str(e))) from e
+        handle = RequestHandle(self, request_id, stream, arrival)
+        self._in_flight[request_id] = handle
+        self._changed()
+        return handle
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.abort(request_id)
+        except Exception:  # a failed abort must not hide the request's own outcome
+            log.exception("abort of %s failed", request_id)
+
+    # ---- shutdown -------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> int:
+        """Stops admitting, waits up to `timeout` s for in-flight requests, then aborts the rest
+        (their streams end with finish_reason "abort"). Returns how many were aborted."""
+        if self.phase in (Phase.SERVING, Phase.LOADING):
+            self._set_phase(Phase.DRAINING)
+        n = self.num_in_flight
+        if n:
+            log.info("draining %d in-flight request(s), up to %.1f s", n, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return 0
+        except asyncio.TimeoutError:
+            pass
+        left = list(self._in_flight)
+        log.warning("shutdown timeout: aborting %d request(s)", len(left))
+        for rid in left:
+            await self.abort(rid)
+        try:  # give the streams a moment to deliver their "abort" endings
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+        except asyncio.TimeoutError:
+            log.warning("%d request(s) still open after abort", self.num_in_flight)
+        return len(left)
+
+    def stopped(self) -> None:
+        self._set_phase(Phase.STOPPED)

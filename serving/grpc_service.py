@@ -1,0 +1,268 @@
+"""The gRPC service `jaxpaged.v1.Generation` (grpc.aio), with the standard health service and
+server reflection on the same server.
+
+Status codes: INVALID_ARGUMENT (bad input, message naming the field), UNAUTHENTICATED (API
+key missing or wrong in the `authorization: Bearer <key>` metadata), RESOURCE_EXHAUSTED
+(queue full), UNAVAILABLE (loading, draining, engine dead), INTERNAL (the engine failed
+while serving the call). A cancelled call or an expired deadline aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+import jaxpaged
+from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving import generation_pb2 as pb
+from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+from jaxpaged.serving.deltas import Delta, DeltaTracker
+from jaxpaged.serving.frontend import Frontend, InvalidRequest, Phase, ServingError, field_of
+
+__all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxpaged.v1.Generation"
+
+_SCALAR_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "n",
+    "logprobs",
+    "max_tokens",
+    "min_tokens",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """SamplingParams from the proto; unset optional fields keep SamplingParams' defaults."""
+    kwargs: dict[str, Any] = {
+        name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)
+    }
+    kwargs["ignore_eos"] = msg.ignore_eos
+    kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
+    kwargs["stop"] = list(msg.stop)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise InvalidRequest(str(e), param=field_of(str(e))) from e
+
+
+def _logprobs_pb(logprobs: tuple[Logprob, ...] | None) -> list[pb.TokenLogprob]:
+    if not logprobs:
+        return []
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
+        )
+        for lp in logprobs
+    ]
+
+
+def _delta_pb(d: Delta) -> pb.CompletionDelta:
+    return pb.CompletionDelta(
+        index=d.index,
+        token_ids=d.token_ids,
+        text=d.text,
+        logprobs=_logprobs_pb(d.logprobs),
+        finish_reason=d.finish_reason or "",
+        stop_reason="" if d.stop_reason is None else str(d.stop_reason),
+    )
+
+
+def _final_fields(out: RequestOutput) -> dict[str, Any]:
+    m = out.metrics
+
+    def since_arrival(t: float | None) -> float:
+        return 0.0 if t is None else max(0.0, t - m.arrival_time)
+
+    return {
+        "usage": pb.Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+            cached_prompt_tokens=out.num_cached_tokens,
+        ),
+        "timings": pb.Timings(
+            arrival_time=m.arrival_time,
+            queue_time_s=since_arrival(m.first_scheduled_time),
+            time_to_first_token_s=since_arrival(m.first_token_time),
+            e2e_latency_s=since_arrival(m.finished_time),
+        ),
+    }
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self._frontend = frontend
+
+    async def _fail(self, context: grpc.aio.ServicerContext, err: ServingError) -> None:
+        await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
+
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        self._frontend.check_api_key(md.get("authorization"))
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        frontend = self._frontend
+        try:
+            self._check_auth(context)
+            params = sampling_params_from_proto(request.sampling_params)
+            frontend.check_ready()
+            kind = request.WhichOneof("input")
+            if kind is None:
+                raise InvalidRequest("input: one of text, token_ids or chat is required", param="input")
+            if kind == "text":
+                if not request.text:
+                    raise InvalidRequest("prompt must not be empty", param="prompt")
+                prompt: str | list[int] = request.text
+            elif kind == "token_ids":
+                prompt = list(request.token_ids.ids)
+            else:
+                prompt = frontend.render_chat(
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                )
+            rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            handle = await frontend.open(rid, prompt, params)
+        except ServingError as e:
+            await self._fail(context, e)
+            return
+        async with handle:
+            tracker = DeltaTracker()
+            first = True
+            try:
+                async for out in handle:
+                    if not request.stream and not out.finished:
+                        continue
+                    deltas = tracker.update(out)
+                    msg = pb.GenerateResponse(
+                        request_id=rid,
+                        outputs=[_delta_pb(d) for d in deltas],
+                        finished=out.finished,
+                        prompt_token_ids=out.prompt_token_ids if first else (),
+                        **(_final_fields(out) if out.finished else {}),
+                    )
+                    first = False
+                    yield msg
+            except ServingError as e:
+                await self._fail(context, e)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            self._check_auth(context)
+        except ServingError as e:
+            await self._fail(context, e)
+        await self._frontend.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        frontend = self._frontend
+        try:
+            self._check_auth(context)
+            if frontend.engine is None:
+                frontend.check_ready()
+        except ServingError as e:
+            await self._fail(context, e)
+        engine = frontend.engine
+        mc = engine.model_config
+        return pb.ModelInfo(
+            served_model_name=frontend.config.served_model_name,
+            model_path=frontend.config.model_path,
+            model_type=mc.model_type,
+            vocab_size=mc.vocab_size,
+            max_model_len=engine.max_model_len,
+            num_layers=mc.num_layers,
+            hidden_size=mc.hidden_size,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            eos_token_ids=list(mc.eos_token_ids),
+        )
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        frontend = self._frontend
+        try:
+            self._check_auth(context)
+        except ServingError as e:
+            await self._fail(context, e)
+        frontend.check_engine()
+        info = pb.ServerInfo(
+            version=getattr(jaxpaged, "__version__", ""),
+            state=frontend.phase.value,
+            in_flight_requests=frontend.num_in_flight,
+            max_queue_len=frontend.config.max_queue_len or 0,
+        )
+        engine = frontend.engine
+        if engine is None:
+            return info
+        for k, v in dict(engine.engine_config).items():
+            info.engine_config[str(k)] = str(v)
+        try:
+            stats = engine.get_stats()
+        except Exception:  # a dead engine still answers with what it knows
+            return info
+        if dataclasses.is_dataclass(stats):
+            info.num_running = stats.num_running
+            info.num_waiting = stats.num_waiting
+            info.num_swapped = stats.num_swapped
+            info.kv_cache_usage = stats.kv_cache_usage
+            info.num_kv_blocks = stats.num_kv_blocks
+            info.num_free_blocks = stats.num_free_blocks
+            info.num_preemptions = stats.num_preemptions
+        return info
+
+
+_HEALTH = {
+    Phase.SERVING: health_pb2.HealthCheckResponse.SERVING,
+}
+
+
+def build_grpc_server(frontend: Frontend, address: str) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with Generation, health (NOT_SERVING unless the frontend is SERVING)
+    and reflection; returns (server, bound port). Call from within the running loop, then
+    `await server.start()`."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+    )
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    pending: set[asyncio.Task] = set()
+
+    def on_phase(phase: Phase) -> None:
+        # Health of the whole server ("") and of the service follow the frontend's phase.
+        status = _HEALTH.get(phase, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            task = asyncio.get_running_loop().create_task(health.set(service, status))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    frontend.add_listener(on_phase)
+    on_phase(frontend.phase)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the gRPC server to {address}")
+    return server, port

@@ -1,0 +1,301 @@
+"""OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (both with
+server-sent-event streaming), /v1/models, /health and /metrics.
+
+Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+with 400 (bad input), 401 (API key), 429 (queue full), 500 (engine failure) or 503 (not
+ready). A client that disconnects aborts its requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.serving.deltas import Delta, DeltaTracker, merge_handles
+from jaxpaged.serving.frontend import (
+    Frontend,
+    InvalidRequest,
+    RequestHandle,
+    ServingError,
+    close_all,
+)
+from jaxpaged.serving.metrics import CONTENT_TYPE
+from jaxpaged.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+__all__ = ["create_app"]
+
+T = TypeVar("T")
+
+
+def _error_response(err: ServingError) -> JSONResponse:
+    body = {
+        "error": {
+            "message": err.message,
+            "type": err.error_type,
+            "param": err.param,
+            "code": err.http_status,
+        }
+    }
+    return JSONResponse(body, status_code=err.http_status)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`; if the client disconnects first, cancels it (which aborts the requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise asyncio.CancelledError("client disconnected")
+    return task.result()
+
+
+class _Formatter:
+    """Token strings and logprob blocks in OpenAI's two formats."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
+    def completion_logprobs(self, logprobs: tuple[Logprob, ...], offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        pos = offset
+        for lp in logprobs:
+            s = self.token(lp.token_id)
+            tokens.append(s)
+            lps.append(lp.logprob)
+            tops.append({self.token(t): v for t, v in lp.top.items()})
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, logprobs: tuple[Logprob, ...]) -> dict:
+        content = []
+        for lp in logprobs:
+            s = self.token(lp.token_id)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp.logprob,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": (t := self.token(k)), "logprob": v, "bytes": list(t.encode())}
+                        for k, v in lp.top.items()
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+def _usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def create_app(frontend: Frontend) -> FastAPI:
+    """The HTTP app of one server; all state lives in `frontend`."""
+    app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None)
+    cfg = frontend.config
+
+    @app.exception_handler(ServingError)
+    async def _on_serving_error(request: Request, exc: ServingError) -> JSONResponse:
+        return _error_response(exc)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (cfg.served_model_name, cfg.model_path):
+            raise InvalidRequest(
+                f"model {name!r} does not exist; this server serves {cfg.served_model_name!r}",
+                param="model",
+            )
+
+    async def admit(request: Request, model: type) -> Any:
+        frontend.check_api_key(request.headers.get("authorization"))
+        body = parse_body(model, await request.body())
+        check_model(body.model)
+        return body
+
+    async def open_all(prompts: list[Any], params: Any, prefix: str) -> list[RequestHandle]:
+        handles: list[RequestHandle] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
+                handles.append(await frontend.open(rid, prompt, params))
+        except BaseException:
+            await close_all(handles)
+            raise
+        return handles
+
+    async def collect(handles: list[RequestHandle]) -> list[RequestOutput]:
+        try:
+            last: list[RequestOutput | None] = [None] * len(handles)
+            async for i, out in merge_handles(handles):
+                last[i] = out
+            return [o for o in last if o is not None]
+        finally:
+            await close_all(handles)
+
+    async def sse(
+        handles: list[RequestHandle], chunks: Callable[[int, Delta], list[dict]], tail: list[Any]
+    ) -> AsyncIterator[str]:
+        trackers = [DeltaTracker() for _ in handles]
+        finals: list[RequestOutput | None] = [None] * len(handles)
+        try:
+            async for i, out in merge_handles(handles):
+                finals[i] = out
+                for d in trackers[i].update(out):
+                    for chunk in chunks(i, d):
+                        yield _sse(chunk)
+            for obj in tail:
+                yield _sse(obj(finals) if callable(obj) else obj)
+        except ServingError as e:
+            yield _sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.http_status}})
+        finally:
+            await close_all(handles)
+        yield "data: [DONE]\n\n"
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if frontend.ready:
+            return Response(status_code=200)
+        return JSONResponse({"status": frontend.phase.value}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(frontend.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        frontend.check_api_key(request.headers.get("authorization"))
+        max_len = frontend.engine.max_model_len if frontend.engine is not None else None
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "jaxpaged",
+                    "root": cfg.model_path or cfg.served_model_name,
+                    "max_model_len": max_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await admit(request, CompletionRequest)
+        params = body.sampling_params()
+        prompts = body.prompts()
+        frontend.check_ready()
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        fmt = _Formatter(frontend.engine.tokenizer)
+        n = params.n
+        handles = await open_all(prompts, params, cid)
+        text_len: dict[int, int] = {}
+
+        def choice(i: int, d: Delta) -> dict:
+            index = i * n + d.index
+            offset = text_len.get(index, 0)
+            text_len[index] = offset + len(d.text)
+            return {
+                "index": index,
+                "text": d.text,
+                "logprobs": None if d.logprobs is None else fmt.completion_logprobs(d.logprobs, offset),
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+
+        def head(choices: list[dict]) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": cfg.served_model_name, "choices": choices}
+
+        if body.stream:
+            tail = [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}] if body.include_usage else []
+            return StreamingResponse(
+                sse(handles, lambda i, d: [head([choice(i, d)])], tail), media_type="text/event-stream"
+            )
+        outs = await _until_disconnect(request, collect(handles))
+        choices = []
+        for i, out in enumerate(outs):
+            for d in DeltaTracker().update(out):
+                choices.append(choice(i, d))
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({**head(choices), "usage": _usage(outs)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = await admit(request, ChatCompletionRequest)
+        params = body.sampling_params()
+        frontend.check_ready()
+        prompt = frontend.render_chat(body.template_messages())
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        fmt = _Formatter(frontend.engine.tokenizer)
+        handles = await open_all([prompt], params, cid)
+
+        def head(choices: list[dict]) -> dict:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.served_model_name, "choices": choices}
+
+        if body.stream:
+            started: set[int] = set()
+
+            def chunks(_: int, d: Delta) -> list[dict]:
+                out = []
+                if d.index not in started:
+                    started.add(d.index)
+                    out.append(head([{"index": d.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+                if d.text or d.token_ids:
+                    out.append(head([{"index": d.index, "delta": {"content": d.text}, "logprobs": None if d.logprobs is None else fmt.chat_logprobs(d.logprobs), "finish_reason": None}]))
+                if d.finish_reason is not None:
+                    out.append(head([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+                return out
+
+            tail = [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}] if body.include_usage else []
+            return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
+        (out,) = await _until_disconnect(request, collect(handles))
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else fmt.chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        return JSONResponse({**head(choices), "object": "chat.completion", "usage": _usage([out])})
+
+    return app

@@ -1,0 +1,145 @@
+"""Prometheus metrics of one server, in its own registry (never the process-global one, so two
+servers in one process, e.g. in tests, do not collide).
+
+Engine-side numbers (queue lengths, KV usage, token and preemption totals) are read from
+``AsyncEngine.get_stats()`` at scrape time; latency histograms are observed by the serving
+layer from each finished request's ``RequestMetrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxpaged.outputs import RequestOutput
+
+__all__ = ["CONTENT_TYPE", "ServingMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's stats at scrape time."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        frontend = self._metrics.frontend
+        engine = None if frontend is None else frontend.engine
+        stats = None
+        if engine is not None:
+            try:
+                stats = engine.get_stats()
+            except Exception:  # a dead engine must not break /metrics
+                stats = None
+
+        def get(name: str) -> float:
+            return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
+
+        gauges = [
+            ("jaxpaged:num_requests_running", "Requests in the running batch.", "num_running"),
+            ("jaxpaged:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("jaxpaged:num_requests_swapped", "Requests preempted to host memory.", "num_swapped"),
+            ("jaxpaged:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", "kv_cache_usage"),
+            ("jaxpaged:num_kv_blocks", "KV blocks in the pool.", "num_kv_blocks"),
+            ("jaxpaged:num_free_kv_blocks", "Free KV blocks.", "num_free_blocks"),
+        ]
+        for name, doc, attr in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], get(attr))
+            yield g
+        counters = [
+            ("jaxpaged:num_preemptions", "Preemptions so far.", "num_preemptions"),
+            ("jaxpaged:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", "prefix_cache_queries"),
+            ("jaxpaged:prefix_cache_hits", "Prompt blocks found in the prefix cache.", "prefix_cache_hits"),
+            ("jaxpaged:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
+            ("jaxpaged:generation_tokens", "Tokens generated.", "generation_tokens_total"),
+            ("jaxpaged:num_compilations", "XLA compilations so far.", "num_compilations"),
+        ]
+        for name, doc, attr in counters:
+            c = CounterMetricFamily(name, doc)  # exposed as <name>_total
+            c.add_metric([], get(attr))
+            yield c
+        g = GaugeMetricFamily("jaxpaged:num_requests_in_flight", "Requests open at the server.")
+        g.add_metric([], float(frontend.num_in_flight) if frontend is not None else 0.0)
+        yield g
+
+
+class ServingMetrics:
+    """The metric set of one server; `bind` it to the Frontend whose engine it reads."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.frontend: Any = None
+        r = self.registry
+        self.ttft = Histogram(
+            "jaxpaged:time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "jaxpaged:inter_token_latency_seconds",
+            "Time between successive tokens of a stream.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxpaged:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "jaxpaged:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "jaxpaged:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "jaxpaged:request_rejected", "Requests refused at admission.", ["reason"], registry=r
+        )
+        r.register(_EngineCollector(self))
+
+    def bind(self, frontend: Any) -> None:
+        self.frontend = frontend
+
+    def observe_inter_token(self, seconds: float, num_tokens: int) -> None:
+        """A stream update brought `num_tokens` new tokens `seconds` after the previous one."""
+        per = seconds / max(1, num_tokens)
+        for _ in range(num_tokens):
+            self.itl.observe(per)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        for c in out.outputs:
+            self.finished.labels(finished_reason=c.finish_reason or "unknown").inc()
+
+    def count_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Regenerates the gRPC stubs serving/generation_pb2{,_grpc}.py(i) from
+# serving/proto/jaxpaged/v1/generation.proto. Usage: serving/regen_proto.sh [OUT_DIR]
+# (default: serving/). The stubs live flat in jaxpaged.serving, so the import line that
+# protoc writes for the proto package (jaxpaged.v1) is rewritten to jaxpaged.serving.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+out="${1:-$here}"
+py="${PYTHON:-$here/../.venv/bin/python}"
+[ -x "$py" ] || py=python3
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+"$py" -m grpc_tools.protoc -I "$here/proto" --python_out="$tmp" --pyi_out="$tmp" \
+  --grpc_python_out="$tmp" "$here/proto/jaxpaged/v1/generation.proto"
+for f in generation_pb2.py generation_pb2.pyi generation_pb2_grpc.py; do
+  sed -e 's/^from jaxpaged\.v1 import generation_pb2/from jaxpaged.serving import generation_pb2/' \
+    "$tmp/jaxpaged/v1/$f" >"$out/$f"
+done
