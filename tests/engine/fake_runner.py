@@ -58,12 +58,11 @@ class FakeRunner:
         for host, dev in out.blocks_to_swap_in:
             self.dev_tok[dev] = self.host_tok[host]
             self.dev_pos[dev] = self.host_pos[host]
+        # copies are simultaneous (all sources read, then all written), like copy_blocks
         dsts = [d for _, d in out.blocks_to_copy]
+        srcs = [s for s, _ in out.blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "copy destinations must be distinct"
-        assert not set(dsts) & {s for s, _ in out.blocks_to_copy}, "copy dst is also a src"
-        for src, dst in out.blocks_to_copy:
-            self.dev_tok[dst] = self.dev_tok[src]
-            self.dev_pos[dst] = self.dev_pos[src]
+        self.dev_tok[dsts], self.dev_pos[dsts] = self.dev_tok[srcs], self.dev_pos[srcs]
         flat_tok = self.dev_tok.reshape(-1)
         flat_pos = self.dev_pos.reshape(-1)
         written: set[int] = set()

@@ -497,9 +497,10 @@ def test_kv_cache_waste_and_usage_by_hand():
     assert sched.kv_cache_waste() == pytest.approx(2 / 8)
 
 
+@pytest.mark.parametrize("prefix", [True, False])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_stress(mode, seed):
+def test_random_workload_stress(mode, seed, prefix):
     """Shared prefixes, n > 1 groups, chunked prefill, a tiny pool and random aborts: every
     step keeps the invariants, every surviving request matches the reference, every block
     comes back."""
@@ -511,12 +512,14 @@ def test_random_workload_stress(mode, seed):
         budget=12,
         max_model_len=48,
         mode=mode,
+        prefix=prefix,
         num_host_blocks=6 if mode == "swap" else 0,
     )
     systems = [[rng.randrange(1, 900) for _ in range(rng.choice([4, 6, 9]))] for _ in range(2)]
     expected = {}
     aborted = set()
     pending = []
+    everyone = []
     for i in range(14):
         prompt = rng.choice(systems) + [rng.randrange(1, 900) for _ in range(rng.randrange(1, 8))]
         max_tokens = rng.randrange(1, 14)
@@ -526,6 +529,7 @@ def test_random_workload_stress(mode, seed):
             if n > 1:
                 r.parent_id, r.sample_index = f"r{i}", j
             pending.append((rng.randrange(0, 30), r))
+            everyone.append(r)
             expected[r.request_id] = reference_output(prompt, max_tokens)
     pending.sort(key=lambda x: x[0])
     done = {}
@@ -549,8 +553,15 @@ def test_random_workload_stress(mode, seed):
     for rid, toks in done.items():
         assert toks == expected[rid], rid
     assert sched.stats.num_preemptions > 0
-    assert sched.stats.prefix_cache_hits > 0
-    assert any(o.blocks_to_copy for o in runner.steps)
+    num_copies = sum(len(o.blocks_to_copy) for o in runner.steps)
+    if prefix:
+        assert sched.stats.prefix_cache_hits > 0
+    else:  # only n > 1 forks share: each fork reuses all but the last prompt token
+        assert sched.stats.prefix_cache_hits == sum(r.num_cached_tokens for r in everyone)
+        for r in everyone:
+            assert r.num_cached_tokens in (0, r.num_prompt_tokens - 1)
+            assert r.parent_id is not None or r.num_cached_tokens == 0
+        assert num_copies >= sum(1 for r in everyone if r.num_cached_tokens)  # one per fork
     if mode == "swap":
         assert sched.stats.num_swap_outs > 0
     assert_all_free(sched)
