@@ -39,7 +39,15 @@ class StepOutput(NamedTuple):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_blocks", "block_size", "num_logprobs", "backend"),
+    static_argnames=(
+        "config",
+        "num_blocks",
+        "block_size",
+        "num_logprobs",
+        "backend",
+        "max_q_len",
+        "max_kv_len",
+    ),
     donate_argnums=(1,),
 )
 def step(
@@ -52,9 +60,12 @@ def step(
     block_size: int,
     num_logprobs: int,
     backend: str | None = None,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
 ) -> tuple[StepOutput, KVPool]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
-    samples one token per sequence."""
+    samples one token per sequence. ``max_q_len`` / ``max_kv_len`` are the bucket's static
+    bounds, passed to the attention kernel so it reads only blocks that can be live."""
     sm_scale = config.head_dim**-0.5
     layer_slots = num_blocks * block_size
 
@@ -72,6 +83,8 @@ def step(
             batch.num_seqs,
             sm_scale=sm_scale,
             backend=backend,
+            max_q_len=max_q_len,
+            max_kv_len=max_kv_len,
         )
         return out, (k_pages, v_pages)
 
