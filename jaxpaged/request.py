@@ -54,7 +54,7 @@ _FINISH_REASONS = {
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 
 
-@dataclasses.dataclass(eq=False, kw_only=True)
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Request:
     """Mutable per-request state; identity equality (two requests are never equal)."""
 
@@ -87,6 +87,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
+
+    def __repr__(self) -> str:  # compact: prompts can be thousands of tokens
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)}, host_blocks={len(self.host_block_table)})"
+        )
 
     # --- derived ---
     @property

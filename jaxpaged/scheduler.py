@@ -81,6 +81,12 @@ class ScheduledSeq:
     def positions(self) -> range:
         return range(self.start_pos, self.kv_len)
 
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledSeq({self.request_id!r}, start_pos={self.start_pos}, "
+            f"num_tokens={self.num_tokens}, do_sample={self.do_sample})"
+        )
+
     def slot_mapping(self, block_size: int) -> list[int]:
         """KV slot of each fed token: block_table[pos // bs] * bs + pos % bs."""
         t = self.block_table
@@ -241,6 +247,18 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
