@@ -196,7 +196,7 @@ class LLMEngine:
         """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
         builds the engine around it."""
         from jaxpaged.models import load_model, load_tokenizer
-        from jaxpaged.models.bundled import resolve_model_folder
+        from jaxpaged.models.resolve import resolve_model_folder
 
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         if parallel.tensor_parallel_size != 1:

@@ -55,18 +55,24 @@ def bundled_gguf_path() -> Path:
 def default_model_path() -> str:
     """Folder of the bundled SmolLM2-135M-Instruct in Hugging Face format (float32).
 
-    Converted on first use and reused afterwards. The folder name is keyed on the GGUF's size and
-    mtime and the converter version; it is written to a temporary folder and renamed into place,
-    so a crash or a concurrent process never leaves a half-written folder behind.
+    Converted on first use and reused afterwards; the folder name is keyed on the GGUF's size and
+    mtime and the converter version.
     """
     gguf = bundled_gguf_path()
     stat = gguf.stat()
-    root = cache_dir()
-    target = root / f"{BUNDLED_NAME}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
+    name = f"{BUNDLED_NAME}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
+    return convert_into_cache(gguf, cache_dir() / name)
+
+
+def convert_into_cache(gguf: Path, target: Path) -> str:
+    """Imports ``gguf`` into the folder ``target`` unless it is already there. Written to a
+    temporary folder beside it and renamed into place, so a crash or a concurrent process
+    never leaves a half-written folder behind."""
     if target.is_dir():
         return str(target)
+    root = target.parent
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_NAME}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         convert_gguf(gguf, tmp)
