@@ -78,19 +78,22 @@ class BlockPool:
         self.num_host_blocks = num_host_blocks
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
-        # Free blocks without content; popped from the end (block 0 first at start).
-        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks without content: returned ones (a stack), then never-used ids
+        # _fresh.. num_blocks - 1 (lazy, so a huge pool of tiny blocks costs nothing).
+        self._free_uncached: list[int] = []
+        self._fresh = 0
         # Free cached blocks, least recently freed first.
         self._free_cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._cached: dict[bytes, int] = {}  # prefix key -> block id
-        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._host_free: list[int] = []  # returned host slots; then _host_fresh.. (lazy)
+        self._host_fresh = 0
         self._host_pending: list[int] = []
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
         """Blocks a request could take now (cached-but-free ones included: evictable)."""
-        return len(self._free_uncached) + len(self._free_cached)
+        return len(self._free_uncached) + (self.num_blocks - self._fresh) + len(self._free_cached)
 
     @property
     def num_used_blocks(self) -> int:
@@ -103,7 +106,7 @@ class BlockPool:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free)
+        return len(self._host_free) + (self.num_host_blocks - self._host_fresh)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -119,6 +122,9 @@ class BlockPool:
     def _take(self) -> int:
         if self._free_uncached:
             b = self._free_uncached.pop()
+        elif self._fresh < self.num_blocks:
+            b = self._fresh
+            self._fresh += 1
         else:
             b, _ = self._free_cached.popitem(last=False)
             self._uncache(b)
@@ -279,7 +285,13 @@ class BlockPool:
 
     # -------------------------------------------------------------------- swap
     def can_swap_out(self, request: Request) -> bool:
-        return len(request.block_table) <= len(self._host_free)
+        return len(request.block_table) <= self.num_free_host_blocks
+
+    def _take_host(self) -> int:
+        if self._host_free:
+            return self._host_free.pop()
+        self._host_fresh += 1
+        return self._host_fresh - 1
 
     def swap_out(self, request: Request) -> list[CopyPair]:
         """Moves the request's blocks to host slots: returns (device_block, host_slot)
@@ -287,9 +299,9 @@ class BlockPool:
         if not self.can_swap_out(request):
             raise RuntimeError(
                 f"swap_out: {len(request.block_table)} blocks needed, "
-                f"{len(self._host_free)} host slots free"
+                f"{self.num_free_host_blocks} host slots free"
             )
-        pairs = [(b, self._host_free.pop()) for b in request.block_table]
+        pairs = [(b, self._take_host()) for b in request.block_table]
         request.host_block_table = [h for _, h in pairs]
         self.free(request)
         return pairs

@@ -250,3 +250,20 @@ def test_constructor_validation():
         BlockPool(4, 0)
     with pytest.raises(ValueError, match="num_host_blocks"):
         BlockPool(4, 4, num_host_blocks=-1)
+
+
+def test_huge_pools_are_cheap_to_create():
+    """Free lists are lazy: a tiny model with GiBs of swap space has millions of slots."""
+    import time
+
+    t0 = time.perf_counter()
+    pool = BlockPool(1_000_000, 16, num_host_blocks=1_000_000_000)
+    assert time.perf_counter() - t0 < 1.0
+    assert pool.num_free_blocks == 1_000_000 and pool.num_free_host_blocks == 1_000_000_000
+    r = req(range(40), "r")
+    computed(pool, r, 40)
+    assert r.block_table == [0, 1, 2]
+    pool.swap_out(r)
+    assert r.host_block_table == [0, 1, 2] and pool.num_free_host_blocks == 1_000_000_000 - 3
+    pool.free_host(r)
+    assert pool.num_free_host_blocks == 1_000_000_000 and pool.num_free_blocks == 1_000_000
