@@ -333,3 +333,13 @@ class FakeAsyncEngine:
                 self._running.remove(r)
                 self._release(r)
                 r.stream.queue.put_nowait(None)
+
+
+def wait_until(cond, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Polls cond() until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return bool(cond())

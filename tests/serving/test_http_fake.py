@@ -1,0 +1,310 @@
+"""The OpenAI-compatible HTTP API against the fake engine: the real `openai` client, raw
+SSE, every bad-input case, auth, overload, disconnect -> abort, engine failure, /metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from fakes import VOCAB, FakeAsyncEngine, FakeTokenizer, expected_text, wait_until
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def _chat_ids(messages: list[dict]) -> list[int]:
+    return FakeTokenizer().apply_chat_template(messages, tokenize=True)["input_ids"]
+
+
+@pytest.fixture
+def fake_server(server_factory):
+    return server_factory(FakeAsyncEngine(max_model_len=64, max_num_seqs=4))
+
+
+def _client(server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def test_completion_and_chat_with_openai_client(fake_server):
+    client = _client(fake_server)
+    r = client.completions.create(model="test-model", prompt="Hello", max_tokens=7)
+    assert r.choices[0].text == expected_text(_ids("Hello"), 7)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == 12
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    c = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=5)
+    assert c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == expected_text(_chat_ids(msgs), 5)
+    assert c.usage.prompt_tokens == len(_chat_ids(msgs))
+    assert [m.id for m in client.models.list().data] == ["test-model"]
+
+
+def test_streaming_with_openai_client(fake_server):
+    client = _client(fake_server)
+    stream = client.completions.create(
+        model="test-model", prompt="abc", max_tokens=9, stream=True, stream_options={"include_usage": True}
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+    assert text == expected_text(_ids("abc"), 9)
+    assert finish == "length"
+    assert usage.completion_tokens == 9 and usage.prompt_tokens == 3
+
+    msgs = [{"role": "user", "content": "Stream please"}]
+    stream = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=6, stream=True)
+    roles, content, finish = [], "", None
+    for chunk in stream:
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.append(ch.delta.role)
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert roles == ["assistant"]
+    assert content == expected_text(_chat_ids(msgs), 6)
+    assert finish == "length"
+
+
+def test_sse_wire_format_ends_with_done(fake_server):
+    body = {"model": "test-model", "prompt": "xy", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", fake_server.http + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(_ids("xy"), 4)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_n_logprobs_and_several_prompts(fake_server):
+    client = _client(fake_server)
+    r = client.completions.create(model="test-model", prompt=["ab", "cde"], n=2, max_tokens=3, logprobs=1, temperature=0.7)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        prompt, j = (["ab", "cde"][c.index // 2], c.index % 2)
+        assert c.text == expected_text(_ids(prompt), 3, j)
+        assert c.logprobs.tokens == list(c.text)
+        assert c.logprobs.token_logprobs == [-0.5, -1.0, -1.5]
+        assert len(c.logprobs.top_logprobs) == 3 and all(len(t) == 2 for t in c.logprobs.top_logprobs)
+        assert c.logprobs.text_offset == [0, 1, 2]
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 5
+
+    # token-id prompt and chat logprobs
+    r = client.completions.create(model="test-model", prompt=[70, 71], max_tokens=2)
+    assert r.choices[0].text == expected_text([70, 71], 2)
+    msgs = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=2, logprobs=True, top_logprobs=2)
+    lp = c.choices[0].logprobs.content
+    assert [t.token for t in lp] == list(expected_text(_chat_ids(msgs), 2))
+    assert [t.logprob for t in lp] == [-0.5, -1.0]
+    assert len(lp[0].top_logprobs) == 2
+
+
+BAD_COMPLETIONS = [
+    (b"{not json", "malformed JSON"),
+    (b"", "body is empty"),
+    (b"[1, 2]", "body"),
+    ({"model": "test-model"}, "prompt"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_k": 0}, "top_k"),
+    ({"prompt": "a", "min_p": 2}, "min_p"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 1000}, "n"),
+    ({"prompt": "a", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop": 5}, "stop"),
+    ({"prompt": "a", "seed": "x"}, "seed"),
+    ({"prompt": "a", "logprobs": 10}, "logprobs"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "a" * 64}, "prompt"),
+    ({"prompt": "a" * 60, "max_tokens": 10}, "max_tokens"),
+    ({"prompt": [1, VOCAB + 5]}, "prompt"),
+    ({"prompt": "a", "model": "gpt-4"}, "model"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "ignore_eos": "no"}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_COMPLETIONS)
+def test_bad_completion_requests_get_400_naming_the_field(fake_server, body, field):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(fake_server.http + "/v1/completions", timeout=30, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == 400
+
+
+BAD_CHATS = [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 80}]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_CHATS)
+def test_bad_chat_requests_get_400_naming_the_field(fake_server, body, field):
+    r = httpx.post(fake_server.http + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_openai_client_raises_bad_request(fake_server):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        _client(fake_server).completions.create(model="test-model", prompt="a", temperature=-2)
+    # the server keeps serving
+    r = _client(fake_server).completions.create(model="test-model", prompt="a", max_tokens=2)
+    assert r.choices[0].text == expected_text(_ids("a"), 2)
+
+
+def test_api_key(server_factory):
+    server = server_factory(FakeAsyncEngine(), api_key="s3cret")
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, api_key="wrong").completions.create(model="test-model", prompt="a", max_tokens=1)
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "a"}, timeout=30)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.http + "/v1/models", timeout=30).status_code == 401
+    ok = _client(server, api_key="s3cret").completions.create(model="test-model", prompt="a", max_tokens=1)
+    assert ok.choices[0].text == expected_text(_ids("a"), 1)
+    assert httpx.get(server.http + "/health", timeout=30).status_code == 200  # health is open
+
+
+def test_queue_full_gives_429(server_factory):
+    engine = FakeAsyncEngine(max_num_seqs=1, step_delay=0.02)
+    server = server_factory(engine, max_queue_len=2)
+    body = {"prompt": "a", "max_tokens": 200, "stream": True}
+    # the first request runs (it has produced a token); two more wait; the fourth is refused
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=30) as first:
+        lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
+        next(lines)
+        threads = [
+            threading.Thread(target=lambda: httpx.post(server.http + "/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=60))
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: server.frontend.num_queued == 2)
+        r = httpx.post(server.http + "/v1/completions", json={"prompt": "c", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429
+        assert "max-queue-len" in r.json()["error"]["message"]
+    # closing the first stream aborted it; the waiting ones then finish
+    for t in threads:
+        t.join(30)
+    assert wait_until(lambda: server.frontend.num_in_flight == 0)
+    assert "rejected" in httpx.get(server.http + "/metrics", timeout=30).text
+
+
+def test_disconnect_aborts_and_frees_blocks(server_factory):
+    engine = FakeAsyncEngine(step_delay=0.01, num_kv_blocks=64)
+    server = server_factory(engine)
+    free0 = engine.get_stats().num_free_blocks
+    body = {"prompt": "abcd", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        rid = json.loads(next(x for x in lines if x.startswith("data:"))[5:])["id"]
+        assert engine.get_stats().num_free_blocks < free0
+    assert wait_until(lambda: rid in engine.aborted)
+    assert wait_until(lambda: engine.get_stats().num_free_blocks == free0)
+    assert server.frontend.num_in_flight == 0
+
+    # non-streaming: the client gives up (timeout) -> abort
+    n_aborted = len(engine.aborted)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.http + "/v1/completions", json={"prompt": "q", "max_tokens": 200}, timeout=0.3)
+    assert wait_until(lambda: len(engine.aborted) > n_aborted)
+    assert wait_until(lambda: engine.get_stats().num_free_blocks == free0)
+
+
+def test_engine_failure_gives_500_then_503(server_factory):
+    engine = FakeAsyncEngine(step_delay=0.01)
+    server = server_factory(engine)
+    assert httpx.get(server.http + "/health", timeout=30).status_code == 200
+    results = {}
+
+    def nonstream() -> None:
+        results["r"] = httpx.post(server.http + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=60)
+
+    t = threading.Thread(target=nonstream)
+    t.start()
+    with httpx.stream("POST", server.http + "/v1/completions", json={"prompt": "b", "max_tokens": 200, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert wait_until(lambda: server.frontend.num_in_flight == 2)
+        server.call(lambda: engine.kill(RuntimeError("boom")))
+        rest = [x for x in lines if x]
+    t.join(30)
+    assert results["r"].status_code == 500
+    assert "engine failed" in results["r"].json()["error"]["message"]
+    assert rest[-1] == "data: [DONE]"
+    assert "error" in json.loads(rest[-2][len("data: ") :])
+    assert httpx.get(server.http + "/health", timeout=30).status_code == 503
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "a"}, timeout=30)
+    assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]
+    assert httpx.get(server.http + "/metrics", timeout=30).status_code == 200
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_metrics_move(fake_server):
+    m0 = httpx.get(fake_server.http + "/metrics", timeout=30).text
+    for name in (
+        "jaxpaged:num_requests_running",
+        "jaxpaged:num_requests_waiting",
+        "jaxpaged:kv_cache_usage_perc",
+        "jaxpaged:num_preemptions_total",
+        "jaxpaged:prefix_cache_hits_total",
+        "jaxpaged:prefix_cache_queries_total",
+        "jaxpaged:prompt_tokens_total",
+        "jaxpaged:generation_tokens_total",
+        "jaxpaged:time_to_first_token_seconds_count",
+        "jaxpaged:inter_token_latency_seconds_count",
+        "jaxpaged:e2e_request_latency_seconds_count",
+        "jaxpaged:request_queue_time_seconds_count",
+    ):
+        _metric(m0, name)
+    _client(fake_server).completions.create(model="test-model", prompt="abc", max_tokens=5)
+    m1 = httpx.get(fake_server.http + "/metrics", timeout=30).text
+    assert _metric(m1, "jaxpaged:generation_tokens_total") - _metric(m0, "jaxpaged:generation_tokens_total") == 5
+    assert _metric(m1, "jaxpaged:prompt_tokens_total") - _metric(m0, "jaxpaged:prompt_tokens_total") == 3
+    for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert _metric(m1, f"jaxpaged:{h}_seconds_count") == _metric(m0, f"jaxpaged:{h}_seconds_count") + 1
+    assert _metric(m1, "jaxpaged:inter_token_latency_seconds_count") >= _metric(m0, "jaxpaged:inter_token_latency_seconds_count") + 4
