@@ -565,3 +565,37 @@ def test_random_workload_stress(mode, seed, prefix):
     if mode == "swap":
         assert sched.stats.num_swap_outs > 0
     assert_all_free(sched)
+
+
+def test_budget_smaller_than_the_running_decodes_still_finishes_everything():
+    sched, runner = make(max_num_seqs=4, budget=2)
+    prompts = {f"r{i}": [i + 1, i + 2, i + 3] for i in range(4)}
+    for rid, p in prompts.items():
+        sched.add_request(make_request(rid, p, max_tokens=5))
+    steps = []
+    done = run(sched, runner, on_step=lambda out, ups: steps.append(out))
+    assert all(o.num_batched_tokens <= 2 for o in steps)
+    assert done == {rid: reference_output(p, 5) for rid, p in prompts.items()}
+    assert_all_free(sched)
+
+
+def test_n_samples_when_the_first_finishes_at_its_prefill():
+    prompt = list(range(7, 17))  # 10 tokens: 2 full blocks + 2
+    sched, runner = make()
+    for i in range(3):
+        r = make_request(f"g-{i}", prompt, max_tokens=1 if i == 0 else 4)
+        r.parent_id, r.sample_index = "g", i
+        sched.add_request(r)
+    out, ups = step(sched, runner)
+    assert [s.request_id for s in out.seqs] == ["g-0"] and ups[0].finished
+    out, _ = step(sched, runner)
+    # no sibling to fork from any more: g-1 starts from the cached full blocks, g-2 forks g-1
+    assert [(s.request_id, s.start_pos) for s in out.seqs] == [("g-1", 8)]
+    out, _ = step(sched, runner)
+    assert [(s.request_id, s.start_pos, s.num_tokens) for s in out.seqs] == [
+        ("g-1", 10, 1),
+        ("g-2", 9, 1),
+    ]
+    done = run(sched, runner)
+    assert done == {"g-1": reference_output(prompt, 4), "g-2": reference_output(prompt, 4)}
+    assert_all_free(sched)
