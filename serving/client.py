@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
-
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 
@@ -100,7 +99,9 @@ def build_request(
 
 
 def _logprobs(d: pb.CompletionDelta) -> tuple[tuple[int, float, dict[int, float]], ...]:
-    return tuple((lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in d.logprobs)
+    return tuple(
+        (lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in d.logprobs
+    )
 
 
 def _usage(msg: pb.GenerateResponse) -> dict[str, int]:
@@ -165,8 +166,14 @@ class _Accumulator:
             request_id=self.last.request_id,
             prompt_token_ids=self.prompt_ids,
             samples=tuple(
-                Sample(index=i, text=s["text"], token_ids=tuple(s["ids"]), finish_reason=s["finish"],
-                       stop_reason=s["stop"], logprobs=tuple(s["lps"]))
+                Sample(
+                    index=i,
+                    text=s["text"],
+                    token_ids=tuple(s["ids"]),
+                    finish_reason=s["finish"],
+                    stop_reason=s["stop"],
+                    logprobs=tuple(s["lps"]),
+                )
                 for i, s in sorted(self.samples.items())
             ),  # fmt: skip
             usage=_usage(self.last),
@@ -210,7 +217,9 @@ class GenerationClient:
         **sampling: Any,
     ) -> Iterator[Chunk]:
         """Deltas as they are generated; closing the iterator early cancels the request."""
-        req = build_request(prompt, messages=messages, request_id=request_id, stream=True, **sampling)
+        req = build_request(
+            prompt, messages=messages, request_id=request_id, stream=True, **sampling
+        )
         call = self.stub.Generate(req, timeout=timeout, metadata=self._md)
         try:
             for msg in call:
@@ -228,7 +237,9 @@ class GenerationClient:
         **sampling: Any,
     ) -> Completion:
         """The whole generation in one message."""
-        req = build_request(prompt, messages=messages, request_id=request_id, stream=False, **sampling)
+        req = build_request(
+            prompt, messages=messages, request_id=request_id, stream=False, **sampling
+        )
         acc = _Accumulator()
         for msg in self.stub.Generate(req, timeout=timeout, metadata=self._md):
             acc.add(msg)
@@ -270,7 +281,9 @@ class AsyncGenerationClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncIterator[Chunk]:
-        req = build_request(prompt, messages=messages, request_id=request_id, stream=True, **sampling)
+        req = build_request(
+            prompt, messages=messages, request_id=request_id, stream=True, **sampling
+        )
         call = self.stub.Generate(req, timeout=timeout, metadata=self._md)
         try:
             async for msg in call:
@@ -288,7 +301,9 @@ class AsyncGenerationClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> Completion:
-        req = build_request(prompt, messages=messages, request_id=request_id, stream=False, **sampling)
+        req = build_request(
+            prompt, messages=messages, request_id=request_id, stream=False, **sampling
+        )
         acc = _Accumulator()
         async for msg in self.stub.Generate(req, timeout=timeout, metadata=self._md):
             acc.add(msg)

@@ -18,11 +18,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.metrics import ServingMetrics
 
 from jaxpaged.engine import EngineDeadError
-from jaxpaged.serving.metrics import ServingMetrics
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
 
 __all__ = [
     "EngineDeadError",
@@ -163,7 +163,9 @@ class RequestHandle:
                 if out.finished and (
                     out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
                 ):
-                    raise EngineFailure(f"the engine failed while serving this request: {out.error}")
+                    raise EngineFailure(
+                        f"the engine failed while serving this request: {out.error}"
+                    )
                 yield out
                 if self.finished:
                     return

@@ -19,14 +19,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-
-import jaxpaged
-from jaxpaged.outputs import Logprob, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.deltas import Delta, DeltaTracker
 from jaxpaged.serving.frontend import Frontend, InvalidRequest, Phase, ServingError, field_of
+
+import jaxpaged
+from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
 
@@ -130,7 +130,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             frontend.check_ready()
             kind = request.WhichOneof("input")
             if kind is None:
-                raise InvalidRequest("input: one of text, token_ids or chat is required", param="input")
+                raise InvalidRequest(
+                    "input: one of text, token_ids or chat is required", param="input"
+                )
             if kind == "text":
                 if not request.text:
                     raise InvalidRequest("prompt must not be empty", param="prompt")
@@ -166,7 +168,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except ServingError as e:
                 await self._fail(context, e)
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
         try:
             self._check_auth(context)
         except ServingError as e:
@@ -174,7 +178,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self._frontend.abort(request.request_id)
         return pb.AbortResponse()
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
         frontend = self._frontend
         try:
             self._check_auth(context)
@@ -198,7 +204,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=list(mc.eos_token_ids),
         )
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
         frontend = self._frontend
         try:
             self._check_auth(context)
@@ -247,7 +255,11 @@ def build_grpc_server(frontend: Frontend, address: str) -> tuple[grpc.aio.Server
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     pending: set[asyncio.Task] = set()

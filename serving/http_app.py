@@ -17,8 +17,6 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.serving.deltas import Delta, DeltaTracker, merge_handles
 from jaxpaged.serving.frontend import (
     Frontend,
@@ -29,6 +27,8 @@ from jaxpaged.serving.frontend import (
 )
 from jaxpaged.serving.metrics import CONTENT_TYPE
 from jaxpaged.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+from jaxpaged.outputs import Logprob, RequestOutput
 
 __all__ = ["create_app"]
 
@@ -92,7 +92,12 @@ class _Formatter:
             tops.append({self.token(t): v for t, v in lp.top.items()})
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def chat_logprobs(self, logprobs: tuple[Logprob, ...]) -> dict:
         content = []
@@ -180,7 +185,16 @@ def create_app(frontend: Frontend) -> FastAPI:
             for obj in tail:
                 yield _sse(obj(finals) if callable(obj) else obj)
         except ServingError as e:
-            yield _sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.http_status}})
+            yield _sse(
+                {
+                    "error": {
+                        "message": e.message,
+                        "type": e.error_type,
+                        "param": e.param,
+                        "code": e.http_status,
+                    }
+                }
+            )
         finally:
             await close_all(handles)
         yield "data: [DONE]\n\n"
@@ -234,18 +248,31 @@ def create_app(frontend: Frontend) -> FastAPI:
             return {
                 "index": index,
                 "text": d.text,
-                "logprobs": None if d.logprobs is None else fmt.completion_logprobs(d.logprobs, offset),
+                "logprobs": None
+                if d.logprobs is None
+                else fmt.completion_logprobs(d.logprobs, offset),
                 "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason,
             }
 
         def head(choices: list[dict]) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": cfg.served_model_name, "choices": choices}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": cfg.served_model_name,
+                "choices": choices,
+            }
 
         if body.stream:
-            tail = [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}] if body.include_usage else []
+            tail = (
+                [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}]
+                if body.include_usage
+                else []
+            )
             return StreamingResponse(
-                sse(handles, lambda i, d: [head([choice(i, d)])], tail), media_type="text/event-stream"
+                sse(handles, lambda i, d: [head([choice(i, d)])], tail),
+                media_type="text/event-stream",
             )
         outs = await _until_disconnect(request, collect(handles))
         choices = []
@@ -267,7 +294,13 @@ def create_app(frontend: Frontend) -> FastAPI:
         handles = await open_all([prompt], params, cid)
 
         def head(choices: list[dict]) -> dict:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.served_model_name, "choices": choices}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": cfg.served_model_name,
+                "choices": choices,
+            }
 
         if body.stream:
             started: set[int] = set()
@@ -276,14 +309,54 @@ def create_app(frontend: Frontend) -> FastAPI:
                 out = []
                 if d.index not in started:
                     started.add(d.index)
-                    out.append(head([{"index": d.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+                    out.append(
+                        head(
+                            [
+                                {
+                                    "index": d.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 if d.text or d.token_ids:
-                    out.append(head([{"index": d.index, "delta": {"content": d.text}, "logprobs": None if d.logprobs is None else fmt.chat_logprobs(d.logprobs), "finish_reason": None}]))
+                    out.append(
+                        head(
+                            [
+                                {
+                                    "index": d.index,
+                                    "delta": {"content": d.text},
+                                    "logprobs": None
+                                    if d.logprobs is None
+                                    else fmt.chat_logprobs(d.logprobs),
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 if d.finish_reason is not None:
-                    out.append(head([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+                    out.append(
+                        head(
+                            [
+                                {
+                                    "index": d.index,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason,
+                                }
+                            ]
+                        )
+                    )
                 return out
 
-            tail = [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}] if body.include_usage else []
+            tail = (
+                [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}]
+                if body.include_usage
+                else []
+            )
             return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
         (out,) = await _until_disconnect(request, collect(handles))
         choices = [

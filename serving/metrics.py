@@ -51,7 +51,11 @@ class _EngineCollector:
             ("jaxpaged:num_requests_running", "Requests in the running batch.", "num_running"),
             ("jaxpaged:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
             ("jaxpaged:num_requests_swapped", "Requests preempted to host memory.", "num_swapped"),
-            ("jaxpaged:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", "kv_cache_usage"),
+            (
+                "jaxpaged:kv_cache_usage_perc",
+                "Fraction of KV blocks in use (0..1).",
+                "kv_cache_usage",
+            ),
             ("jaxpaged:num_kv_blocks", "KV blocks in the pool.", "num_kv_blocks"),
             ("jaxpaged:num_free_kv_blocks", "Free KV blocks.", "num_free_blocks"),
         ]
@@ -61,8 +65,16 @@ class _EngineCollector:
             yield g
         counters = [
             ("jaxpaged:num_preemptions", "Preemptions so far.", "num_preemptions"),
-            ("jaxpaged:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", "prefix_cache_queries"),
-            ("jaxpaged:prefix_cache_hits", "Prompt blocks found in the prefix cache.", "prefix_cache_hits"),
+            (
+                "jaxpaged:prefix_cache_queries",
+                "Prompt blocks looked up in the prefix cache.",
+                "prefix_cache_queries",
+            ),
+            (
+                "jaxpaged:prefix_cache_hits",
+                "Prompt blocks found in the prefix cache.",
+                "prefix_cache_hits",
+            ),
             ("jaxpaged:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
             ("jaxpaged:generation_tokens", "Tokens generated.", "generation_tokens_total"),
             ("jaxpaged:num_compilations", "XLA compilations so far.", "num_compilations"),

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from jaxpaged.serving.frontend import InvalidRequest, field_of
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.serving.frontend import InvalidRequest, field_of
 
 __all__ = [
     "ChatCompletionRequest",
@@ -135,7 +135,9 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequest("best_of must equal n (beam search is not supported)", param="best_of")
+            raise InvalidRequest(
+                "best_of must equal n (beam search is not supported)", param="best_of"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= _OPENAI_MAX_COMPLETION_LOGPROBS:
             raise InvalidRequest(
                 f"logprobs must be in [0, {_OPENAI_MAX_COMPLETION_LOGPROBS}], got {self.logprobs}",
@@ -176,7 +178,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = (
-            self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
         )
         return self._params(max_tokens=max_tokens, logprobs=logprobs)
 
@@ -203,4 +207,6 @@ def parse_body(model: type[_Strict], body: bytes) -> Any:
 
 def _is_union_tag(x: object) -> bool:
     # pydantic puts the union member tried (e.g. 'str', 'list[int]') into loc
-    return isinstance(x, str) and (x in ("str", "int", "float", "bool") or "[" in x or x == "function-after")
+    return isinstance(x, str) and (
+        x in ("str", "int", "float", "bool") or "[" in x or x == "function-after"
+    )

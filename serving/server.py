@@ -16,7 +16,6 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import uvicorn
-
 from jaxpaged.serving.frontend import Frontend, Phase, ServingConfig
 from jaxpaged.serving.grpc_service import build_grpc_server
 from jaxpaged.serving.http_app import create_app
@@ -40,10 +39,10 @@ class _UvicornServer(uvicorn.Server):
 class Server:
     """Both front ends of one engine. Usage (inside a running loop)::
 
-        server = Server(config)
-        await server.start()              # binds; health NOT_SERVING
-        await server.load(engine_factory) # or server.attach(engine); health SERVING
-        await server.wait_stopped()       # until stop() / a signal, then drains
+    server = Server(config)
+    await server.start()              # binds; health NOT_SERVING
+    await server.load(engine_factory) # or server.attach(engine); health SERVING
+    await server.wait_stopped()       # until stop() / a signal, then drains
     """
 
     def __init__(self, config: ServingConfig, *, log_level: str = "info") -> None:
@@ -81,6 +80,9 @@ class Server:
                 raise OSError(f"HTTP server could not start on {cfg.host}:{cfg.port}")
             await asyncio.sleep(0.01)
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+        log.info(
+            "listening: gRPC %s:%d, HTTP %s:%d", cfg.host, self.grpc_port, cfg.host, self.http_port
+        )
         self._watch_task = asyncio.create_task(self._watch_engine())
 
     async def _run_http(self) -> None:
@@ -145,18 +147,26 @@ class Server:
             log.info("%s", line)
         host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         auth = ' -H "Authorization: Bearer $JAXPAGED_API_KEY"' if cfg.api_key else ""
-        log.info("gRPC  on %s:%d (jaxpaged.v1.Generation, health, reflection)", cfg.host, self.grpc_port)
-        log.info("  python -m jaxpaged.client --grpc %s:%d 'Hello, who are you?'", host, self.grpc_port)
         log.info(
-            "  grpcurl -plaintext -d '{\"text\": \"Hello\", \"stream\": true}' %s:%d "
+            "gRPC  on %s:%d (jaxpaged.v1.Generation, health, reflection)", cfg.host, self.grpc_port
+        )
+        log.info(
+            "  python -m jaxpaged.client --grpc %s:%d 'Hello, who are you?'", host, self.grpc_port
+        )
+        log.info(
+            '  grpcurl -plaintext -d \'{"text": "Hello", "stream": true}\' %s:%d '
             "jaxpaged.v1.Generation/Generate",
             host,
             self.grpc_port,
         )
-        log.info("HTTP  on http://%s:%d (OpenAI-compatible /v1, /health, /metrics)", cfg.host, self.http_port)
+        log.info(
+            "HTTP  on http://%s:%d (OpenAI-compatible /v1, /health, /metrics)",
+            cfg.host,
+            self.http_port,
+        )
         log.info(
             "  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s "
-            "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'",
+            '-d \'{"model": "%s", "messages": [{"role": "user", "content": "Hello"}]}\'',
             host,
             self.http_port,
             auth,

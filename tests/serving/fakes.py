@@ -17,9 +17,10 @@ import time
 from collections import deque
 
 from jaxpaged.models.config import ModelConfig
+
+from jaxpaged.engine import EngineDeadError
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams, validate_prompt
-from jaxpaged.engine import EngineDeadError
 
 VOCAB = 128
 EOS = 3
@@ -46,7 +47,9 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i >= 32)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, chat_template=None):
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, tokenize=False, chat_template=None
+    ):
         parts = []
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):

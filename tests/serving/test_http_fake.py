@@ -26,7 +26,9 @@ def fake_server(server_factory):
 
 
 def _client(server, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.http + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    return openai.OpenAI(
+        base_url=server.http + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
+    )
 
 
 def test_completion_and_chat_with_openai_client(fake_server):
@@ -48,7 +50,11 @@ def test_completion_and_chat_with_openai_client(fake_server):
 def test_streaming_with_openai_client(fake_server):
     client = _client(fake_server)
     stream = client.completions.create(
-        model="test-model", prompt="abc", max_tokens=9, stream=True, stream_options={"include_usage": True}
+        model="test-model",
+        prompt="abc",
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     text, finish, usage = "", None, None
     for chunk in stream:
@@ -62,7 +68,9 @@ def test_streaming_with_openai_client(fake_server):
     assert usage.completion_tokens == 9 and usage.prompt_tokens == 3
 
     msgs = [{"role": "user", "content": "Stream please"}]
-    stream = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=6, stream=True)
+    stream = client.chat.completions.create(
+        model="test-model", messages=msgs, max_tokens=6, stream=True
+    )
     roles, content, finish = [], "", None
     for chunk in stream:
         for ch in chunk.choices:
@@ -92,14 +100,18 @@ def test_sse_wire_format_ends_with_done(fake_server):
 
 def test_n_logprobs_and_several_prompts(fake_server):
     client = _client(fake_server)
-    r = client.completions.create(model="test-model", prompt=["ab", "cde"], n=2, max_tokens=3, logprobs=1, temperature=0.7)
+    r = client.completions.create(
+        model="test-model", prompt=["ab", "cde"], n=2, max_tokens=3, logprobs=1, temperature=0.7
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     for c in r.choices:
         prompt, j = (["ab", "cde"][c.index // 2], c.index % 2)
         assert c.text == expected_text(_ids(prompt), 3, j)
         assert c.logprobs.tokens == list(c.text)
         assert c.logprobs.token_logprobs == [-0.5, -1.0, -1.5]
-        assert len(c.logprobs.top_logprobs) == 3 and all(len(t) == 2 for t in c.logprobs.top_logprobs)
+        assert len(c.logprobs.top_logprobs) == 3 and all(
+            len(t) == 2 for t in c.logprobs.top_logprobs
+        )
         assert c.logprobs.text_offset == [0, 1, 2]
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 5
 
@@ -107,7 +119,9 @@ def test_n_logprobs_and_several_prompts(fake_server):
     r = client.completions.create(model="test-model", prompt=[70, 71], max_tokens=2)
     assert r.choices[0].text == expected_text([70, 71], 2)
     msgs = [{"role": "user", "content": "x"}]
-    c = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=2, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(
+        model="test-model", messages=msgs, max_tokens=2, logprobs=True, top_logprobs=2
+    )
     lp = c.choices[0].logprobs.content
     assert [t.token for t in lp] == list(expected_text(_chat_ids(msgs), 2))
     assert [t.logprob for t in lp] == [-0.5, -1.0]
@@ -154,7 +168,12 @@ BAD_COMPLETIONS = [
 @pytest.mark.parametrize(("body", "field"), BAD_COMPLETIONS)
 def test_bad_completion_requests_get_400_naming_the_field(fake_server, body, field):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(fake_server.http + "/v1/completions", timeout=30, headers={"content-type": "application/json"}, **kw)
+    r = httpx.post(
+        fake_server.http + "/v1/completions",
+        timeout=30,
+        headers={"content-type": "application/json"},
+        **kw,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert field in err["message"]
@@ -169,7 +188,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": 5}]}, "content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
+        "logprobs",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 80}]}, "prompt"),
 ]
@@ -193,11 +215,15 @@ def test_openai_client_raises_bad_request(fake_server):
 def test_api_key(server_factory):
     server = server_factory(FakeAsyncEngine(), api_key="s3cret")
     with pytest.raises(openai.AuthenticationError):
-        _client(server, api_key="wrong").completions.create(model="test-model", prompt="a", max_tokens=1)
+        _client(server, api_key="wrong").completions.create(
+            model="test-model", prompt="a", max_tokens=1
+        )
     r = httpx.post(server.http + "/v1/completions", json={"prompt": "a"}, timeout=30)
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.get(server.http + "/v1/models", timeout=30).status_code == 401
-    ok = _client(server, api_key="s3cret").completions.create(model="test-model", prompt="a", max_tokens=1)
+    ok = _client(server, api_key="s3cret").completions.create(
+        model="test-model", prompt="a", max_tokens=1
+    )
     assert ok.choices[0].text == expected_text(_ids("a"), 1)
     assert httpx.get(server.http + "/health", timeout=30).status_code == 200  # health is open
 
@@ -211,13 +237,21 @@ def test_queue_full_gives_429(server_factory):
         lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
         next(lines)
         threads = [
-            threading.Thread(target=lambda: httpx.post(server.http + "/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=60))
+            threading.Thread(
+                target=lambda: httpx.post(
+                    server.http + "/v1/completions",
+                    json={"prompt": "b", "max_tokens": 2},
+                    timeout=60,
+                )
+            )
             for _ in range(2)
         ]
         for t in threads:
             t.start()
         assert wait_until(lambda: server.frontend.num_queued == 2)
-        r = httpx.post(server.http + "/v1/completions", json={"prompt": "c", "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            server.http + "/v1/completions", json={"prompt": "c", "max_tokens": 2}, timeout=30
+        )
         assert r.status_code == 429
         assert "max-queue-len" in r.json()["error"]["message"]
     # closing the first stream aborted it; the waiting ones then finish
@@ -244,7 +278,9 @@ def test_disconnect_aborts_and_frees_blocks(server_factory):
     # non-streaming: the client gives up (timeout) -> abort
     n_aborted = len(engine.aborted)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.http + "/v1/completions", json={"prompt": "q", "max_tokens": 200}, timeout=0.3)
+        httpx.post(
+            server.http + "/v1/completions", json={"prompt": "q", "max_tokens": 200}, timeout=0.3
+        )
     assert wait_until(lambda: len(engine.aborted) > n_aborted)
     assert wait_until(lambda: engine.get_stats().num_free_blocks == free0)
 
@@ -256,11 +292,18 @@ def test_engine_failure_gives_500_then_503(server_factory):
     results = {}
 
     def nonstream() -> None:
-        results["r"] = httpx.post(server.http + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=60)
+        results["r"] = httpx.post(
+            server.http + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=60
+        )
 
     t = threading.Thread(target=nonstream)
     t.start()
-    with httpx.stream("POST", server.http + "/v1/completions", json={"prompt": "b", "max_tokens": 200, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        server.http + "/v1/completions",
+        json={"prompt": "b", "max_tokens": 200, "stream": True},
+        timeout=60,
+    ) as r:
         lines = r.iter_lines()
         next(lines)
         assert wait_until(lambda: server.frontend.num_in_flight == 2)
@@ -303,8 +346,21 @@ def test_metrics_move(fake_server):
         _metric(m0, name)
     _client(fake_server).completions.create(model="test-model", prompt="abc", max_tokens=5)
     m1 = httpx.get(fake_server.http + "/metrics", timeout=30).text
-    assert _metric(m1, "jaxpaged:generation_tokens_total") - _metric(m0, "jaxpaged:generation_tokens_total") == 5
-    assert _metric(m1, "jaxpaged:prompt_tokens_total") - _metric(m0, "jaxpaged:prompt_tokens_total") == 3
+    assert (
+        _metric(m1, "jaxpaged:generation_tokens_total")
+        - _metric(m0, "jaxpaged:generation_tokens_total")
+        == 5
+    )
+    assert (
+        _metric(m1, "jaxpaged:prompt_tokens_total") - _metric(m0, "jaxpaged:prompt_tokens_total")
+        == 3
+    )
     for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
-        assert _metric(m1, f"jaxpaged:{h}_seconds_count") == _metric(m0, f"jaxpaged:{h}_seconds_count") + 1
-    assert _metric(m1, "jaxpaged:inter_token_latency_seconds_count") >= _metric(m0, "jaxpaged:inter_token_latency_seconds_count") + 4
+        assert (
+            _metric(m1, f"jaxpaged:{h}_seconds_count")
+            == _metric(m0, f"jaxpaged:{h}_seconds_count") + 1
+        )
+    assert (
+        _metric(m1, "jaxpaged:inter_token_latency_seconds_count")
+        >= _metric(m0, "jaxpaged:inter_token_latency_seconds_count") + 4
+    )
