@@ -3,16 +3,17 @@
 The runner calls :func:`sample` inside its jitted step. Every per-row setting is an
 array in :class:`SamplingTensors`, so one compiled program serves any mix of greedy,
 temperature, top-k/top-p/min-p, penalised and seeded rows: nothing about the mix is
-static. The two costly stages run under ``lax.cond`` and are skipped at run time when no
+static. The costly stages run under ``lax.cond`` and are skipped at run time when no
 row needs them (the program is the same either way):
 
 * penalties: a scatter of the token history into ``[B, V]`` counts;
-* top-k / top-p: a full sort of each row's logits.
+* top-k, and top-p: each an exact per-row threshold search (32 passes, no sort);
+* the random draw and all filters, when every row is greedy.
 
-Order of operations (vLLM's): penalties (repetition on prompt + output tokens; frequency
+Order of operations: penalties (repetition on prompt + output tokens; frequency
 and presence on output tokens), ``min_tokens`` bans of EOS / stop token ids, greedy argmax
-for rows with temperature < 1e-5, temperature, top-k, top-p, min-p, then Gumbel-max
-sampling with a per-row key.
+for rows with temperature < 1e-5, temperature, top-k, top-p, min-p, then an inverse-CDF
+draw with one uniform per row (see :func:`sample_from_logits`).
 
 Logprobs are those of the raw model distribution, ``log_softmax(logits)`` before any
 penalty, temperature or filter (vLLM's default ``raw_logprobs``): they say what the model
@@ -224,38 +225,118 @@ def apply_penalties(
     return logits
 
 
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """Map float32 to uint32 so that the unsigned order is the float order (NaN aside)."""
+    x = jnp.where(x == 0, jnp.zeros_like(x), x)  # -0.0 == 0.0: one key for both
+    i = lax.bitcast_convert_type(x, jnp.int32)
+    i = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)  # negatives: reverse magnitude order
+    return lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _bisect_bits(
+    keys: jax.Array,  # [B, V] uint32 (see _ordered_bits)
+    pred,  # (threshold [B, 1] uint32) -> [B] bool, monotone: True up to some point, then False
+) -> jax.Array:  # [B] uint32: the largest threshold with pred True (row minimum if none)
+    """Exact per-row search over the 32-bit keys: 32 passes over [B, V], no sort."""
+    lo = jnp.min(keys, axis=-1)
+    hi = jnp.max(keys, axis=-1)
+
+    def body(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + gap // 2 + (gap & 1)  # ceil midpoint without overflow
+        ok = pred(mid[:, None]) & (lo < hi)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
+def apply_top_k(
+    logits: jax.Array,  # [B, V] float32
+    top_k: jax.Array,  # [B] int32 in [1, V]
+) -> jax.Array:  # [B, V]
+    """Mask to -inf all but the top_k largest logits of each row (ties with the k-th kept).
+
+    One exact per-row threshold found by bisection on the float bit patterns (32
+    elementwise passes instead of a full sort: on CPU a [32, 49152] sort takes seconds).
+    """
+    keys = _ordered_bits(logits)
+    thresh = _bisect_bits(keys, lambda t: jnp.sum(keys >= t, axis=-1) >= top_k)  # [B]
+    return jnp.where(keys >= thresh[:, None], logits, -jnp.inf)
+
+
+def apply_top_p(
+    logits: jax.Array,  # [B, V] float32 (-inf = already excluded)
+    top_p: jax.Array,  # [B] float32 in (0, 1]
+) -> jax.Array:  # [B, V]
+    """Keep the smallest most-likely set of tokens whose probability reaches top_p: a token
+    stays if the tokens more likely than it hold less than top_p; the best always stays.
+
+    The kept set is {logit >= T} for the largest T with mass(logit >= T) >= top_p, found by
+    bisection as in :func:`apply_top_k` (ties with the last kept token are kept).
+    """
+    keys = _ordered_bits(logits)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, V]
+    thresh = _bisect_bits(
+        keys, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1) >= top_p
+    )
+    # top_p = 1 keeps everything (float rounding of the total mass must not drop the tail).
+    keep = (keys >= thresh[:, None]) | (top_p[:, None] >= 1.0)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
 def apply_top_k_top_p(
     logits: jax.Array,  # [B, V] float32, temperature already applied
     top_k: jax.Array,  # [B] int32 in [1, V]
     top_p: jax.Array,  # [B] float32 in (0, 1]
 ) -> jax.Array:  # [B, V]
-    """Mask to -inf all but the top_k largest logits, then the smallest set of those whose
-    probability mass reaches top_p (always at least the best token).
-
-    Implemented as one per-row threshold on the value, so logits tied with the last kept
-    one are kept too (as in vLLM).
-    """
-    v = logits.shape[-1]
-    desc = -jnp.sort(-logits, axis=-1)  # [B, V] descending
-    pos = jnp.arange(v)[None, :]
-    in_k = pos < top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
-    in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (pos == 0)
-    num_kept = jnp.sum(in_k & in_p, axis=-1)  # kept set is a prefix of `desc`
-    threshold = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)  # [B, 1]
-    return jnp.where(logits < threshold, -jnp.inf, logits)
+    """top-k, then top-p on the renormalised survivors (vLLM's order)."""
+    return apply_top_p(apply_top_k(logits, top_k), top_p)
 
 
-def _row_gumbel(
+def _row_uniform(
     key_data: jax.Array,  # [2] uint32
     stream: jax.Array,  # [] uint32
     counter: jax.Array,  # [] uint32
-    vocab_size: int,
-) -> jax.Array:  # [V] float32
+) -> jax.Array:  # [] float32 in [0, 1)
     key = jax.random.wrap_key_data(key_data, impl=_PRNG_IMPL)
     key = jax.random.fold_in(jax.random.fold_in(key, stream), counter)
-    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+    return jax.random.uniform(key, (), jnp.float32)
+
+
+def sample_from_logits(
+    logits: jax.Array,  # [B, V] float32, filtered (-inf = excluded)
+    u: jax.Array,  # [B] float32 uniforms in [0, 1)
+    *,
+    block: int = 256,
+) -> jax.Array:  # [B] int32
+    """Inverse-CDF draw from softmax(logits), one uniform per row.
+
+    Cumulative sums run in two levels (per block of ``block`` tokens, then inside the one
+    chosen block), so the cost is one exp and one sum over [B, V]; Gumbel-max would need
+    B*V random numbers, which on CPU cost more than all the rest of sampling. Tokens with
+    zero weight (excluded, or underflowing below ~1e-38 of the best) are never drawn.
+    """
+    b, v = logits.shape
+    nb = -(-v // block)
+    w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V], best token = 1
+    w = jnp.pad(w, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+    block_sum = jnp.sum(w, axis=-1)  # [B, nb]
+    block_cum = jnp.cumsum(block_sum, axis=-1)
+    target = u * block_cum[:, -1]  # [B], in [0, total) up to rounding
+    last_block = jnp.max(jnp.where(block_sum > 0, jnp.arange(nb)[None, :], 0), axis=-1)
+    j = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), last_block)  # [B]
+    before = jnp.where(j > 0, jnp.take_along_axis(block_cum, (j - 1)[:, None], -1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(w, j[:, None, None], axis=1)[:, 0]  # [B, block]
+    cum = before[:, None] + jnp.cumsum(inner, axis=-1)
+    i = jnp.sum(cum <= target[:, None], axis=-1)  # [B]
+    # Rounding can push `j` / `i` past the last positive weight: clamp to the last block /
+    # token that has weight.
+    pos = jnp.arange(block)[None, :]
+    last = jnp.max(jnp.where(inner > 0, pos, -1), axis=-1)
+    i = jnp.minimum(i, last)
+    return (j * block + i).astype(jnp.int32)
 
 
 def sample(
@@ -268,7 +349,8 @@ def sample(
     row may ask for; the top-K pass runs only when some row asks (``t.num_logprobs``)."""
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    # Raw logprobs as logits - logsumexp: no [B, V] log_softmax is materialised.
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
 
     needs_penalty = jnp.any(
         (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
@@ -282,38 +364,41 @@ def sample(
     greedy = t.temperature < GREEDY_EPS  # [B]
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
-    x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    needs_sort = jnp.any(~greedy & ((t.top_k < v) | (t.top_p < 1.0)))
-    x = lax.cond(
-        needs_sort,
-        apply_top_k_top_p,
-        lambda lg, _k, _p: lg,
-        x,
-        jnp.clip(t.top_k, 1, v),
-        t.top_p,
-    )
-    # min_p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p): no softmax needed.
-    x_max = jnp.max(x, axis=-1, keepdims=True)
-    x = jnp.where(x < x_max + jnp.log(t.min_p)[:, None], -jnp.inf, x)
+    def _sample_random(x):
+        x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
+        sampling = ~greedy
+        x = lax.cond(
+            jnp.any(sampling & (t.top_k < v)),
+            apply_top_k,
+            lambda lg, _k: lg,
+            x,
+            jnp.clip(t.top_k, 1, v),
+        )
+        x = lax.cond(
+            jnp.any(sampling & (t.top_p < 1.0)), apply_top_p, lambda lg, _p: lg, x, t.top_p
+        )
+        # min_p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p): no softmax.
+        x_max = jnp.max(x, axis=-1, keepdims=True)
+        x = jnp.where(x < x_max + jnp.log(t.min_p)[:, None], -jnp.inf, x)
+        u = jax.vmap(_row_uniform)(t.key_data, t.key_stream, t.key_counter)  # [B]
+        return sample_from_logits(x, u)
 
-    gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, 0, None))(
-        t.key_data, t.key_stream, t.key_counter, v
-    )  # [B, V]
-    sampled_ids = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    # All-greedy batches (the common benchmark case) skip the draw and the filters.
+    sampled_ids = lax.cond(jnp.all(greedy), lambda _: greedy_ids, _sample_random, x)
     token_ids = jnp.where(greedy, greedy_ids, sampled_ids)
 
-    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    token_logprobs = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
     k = int(num_logprobs)
     if k > 0:
 
-        def _top(lp):
-            vals, ids = lax.top_k(lp, k)
-            return ids.astype(jnp.int32), vals
+        def _top(lg):
+            vals, ids = lax.top_k(lg, k)
+            return ids.astype(jnp.int32), vals - lse[:, None]
 
-        def _none(lp):
+        def _none(lg):
             return jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
 
-        top_ids, top_vals = lax.cond(jnp.any(t.num_logprobs > 0), _top, _none, raw_logprobs)
+        top_ids, top_vals = lax.cond(jnp.any(t.num_logprobs > 0), _top, _none, logits)
     else:
         top_ids = jnp.zeros((b, 0), jnp.int32)
         top_vals = jnp.zeros((b, 0), jnp.float32)

@@ -16,6 +16,7 @@ from jaxpaged.sampler import (
     apply_top_k_top_p,
     build_sampling_tensors,
     sample,
+    sample_from_logits,
     seed_to_key_data,
 )
 
@@ -178,6 +179,63 @@ def test_top_k_top_p_mask_exact():
     logits = jnp.asarray(np.log(np.array([[0.5, 0.05, 0.3, 0.15], [0.5, 0.05, 0.3, 0.15]])))
     out = np.asarray(apply_top_k_top_p(logits, jnp.array([2, 4]), jnp.array([1.0, 0.85])))
     np.testing.assert_array_equal(np.isfinite(out), [[1, 0, 1, 0], [1, 0, 1, 1]])
+
+
+def ref_top_k_top_p_mask(x, k, p):
+    """Sort-based definition (ties with the last kept value kept), float64."""
+    desc = np.sort(x)[::-1]
+    in_k = x >= desc[k - 1]
+    if p >= 1.0:
+        return in_k
+    z = np.where(in_k, x.astype(np.float64), -np.inf)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-z, kind="stable")
+    cum = np.cumsum(probs[order])
+    j = int(np.argmax(cum >= p)) if (cum >= p).any() else len(cum) - 1
+    return in_k & (x >= z[order[j]])
+
+
+def test_top_k_top_p_bisection_matches_sort_definition():
+    rng = np.random.default_rng(6)
+    b, v = 64, 97
+    x = rng.normal(0, 2, (b, v)).astype(np.float32)
+    x[::3] = np.round(x[::3])  # many ties
+    x[2::5] *= -1e-3  # tiny values, with -0.0 and 0.0 mixed (equal: a tie)
+    x[1::4, :5] = -np.inf  # banned tokens
+    k = rng.integers(1, v + 1, b).astype(np.int32)
+    k[::7] = v
+    p = rng.uniform(0.05, 1.0, b).astype(np.float32)
+    p[::6] = 1.0
+    got = np.isfinite(np.asarray(jax.jit(apply_top_k_top_p)(jnp.asarray(x), k, p)))
+    want = np.stack([ref_top_k_top_p_mask(x[i], k[i], p[i]) for i in range(b)])
+    want &= np.isfinite(x)
+    np.testing.assert_array_equal(got, want)
+    assert 0 < got.sum() < np.isfinite(x).sum()  # the filters did something
+
+
+def test_inverse_cdf_draw_matches_float64_reference():
+    rng = np.random.default_rng(8)
+    b, v = 64, 1000  # 4 blocks of 256, the last one partial
+    x = rng.normal(0, 3, (b, v)).astype(np.float32)
+    x[::2, rng.integers(0, v, 300)] = -np.inf  # excluded tokens, whole runs at block edges
+    x[1::4, 700:] = -np.inf  # all mass in the first blocks
+    x[3::8, :600] = -np.inf  # all mass in the last blocks
+    u = rng.uniform(0, 1, b).astype(np.float32)
+    u[:4] = [0.0, np.nextafter(np.float32(1), 0), 0.5, 1e-9]
+    got = np.asarray(jax.jit(sample_from_logits)(jnp.asarray(x), jnp.asarray(u)))
+    assert np.isfinite(x[np.arange(b), got]).all()  # never an excluded token
+    p = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    cum = np.cumsum(p, -1) / p.sum(-1, keepdims=True)
+    want = np.array([np.searchsorted(cum[i], u[i], side="right") for i in range(b)])
+    want = np.minimum(want, v - 1)
+    margin = np.abs(cum - u[:, None]).min(-1)  # distance of u to the nearest boundary
+    clear = margin > 1e-5
+    assert clear.sum() >= b - 5
+    np.testing.assert_array_equal(got[clear], want[clear])
+    finite = np.isfinite(x)
+    assert got[0] == np.argmax(finite[0])  # u = 0: the first token with weight
+    assert got[1] == v - 1 - np.argmax(finite[1][::-1])  # u -> 1: the last one
 
 
 def test_greedy_is_argmax_whatever_the_filters():
