@@ -19,8 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models import ModelConfig, compute_logits, forward, load_model, resolve_model_path
+from jaxpaged.models import ModelConfig, compute_logits, forward, load_model
 from jaxpaged.models.layers import grouped_attention
+from jaxpaged.models.resolve import resolve_model_folder
 
 log = logging.getLogger("jaxpaged.generate")
 
@@ -135,7 +136,11 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxpaged.generate", description=__doc__)
     p.add_argument("prompt", metavar="PROMPT")
-    p.add_argument("--model", default=None, help="local folder or HF hub id (default: bundled)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local folder, HF hub id or .gguf file (default: the bundled SmolLM2)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
@@ -154,11 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     from transformers import AutoTokenizer
 
-    if args.model is None:
-        from jaxpaged.models import default_model_path
-
-        args.model = default_model_path()
-    folder = resolve_model_path(args.model)
+    folder = resolve_model_folder(args.model)
     log.info("loading %s", folder)
     config, params = load_model(folder, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)

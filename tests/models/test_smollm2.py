@@ -1,0 +1,101 @@
+"""The bundled SmolLM2-135M-Instruct (float32) against transformers' LlamaForCausalLM on the same
+converted folder: full-sequence logits and greedy chat completions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from jaxpaged.models import compute_logits, forward, load_model
+
+from jaxpaged.generate import encode_prompt, eos_ids_of, generate_dense, main
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a hash table is.",
+    "List three prime numbers greater than 10.",
+]
+
+
+@pytest.fixture(scope="module")
+def models(bundled_model_path):
+    """(folder, HF model, tokenizer, our config, our params), loaded once per module."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_path)
+    config, params = load_model(bundled_model_path, dtype="float32", progress=False)
+    return bundled_model_path, hf.eval(), tokenizer, config, params
+
+
+def test_config_is_smollm2(models):
+    _, _, _, config, params = models
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert config.tie_word_embeddings and "lm_head" not in params
+    assert params["layers"]["wqkv"].shape == (30, 576, 3, 5, 64)
+
+
+def test_full_sequence_logits_match(models):
+    _, hf, tokenizer, config, params = models
+    text = encode_prompt(tokenizer, PROMPTS[2], chat=True)
+    ids = text + tokenizer(" A hash table maps keys to values with hashing.")["input_ids"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+
+    @jax.jit
+    def run(params, tokens):
+        hidden, _ = forward(params, tokens, jnp.arange(tokens.shape[0]), config=config)
+        return compute_logits(params, hidden, config=config)
+
+    got = np.asarray(run(params, jnp.asarray(ids, jnp.int32)))
+    assert got.shape == want.shape == (len(ids), 49152)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < 1e-4, rel
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(models) -> dict[str, list[int]]:
+    """HF generate's greedy 32-token chat completion of each prompt (computed once)."""
+    _, hf, tokenizer, _, _ = models
+    out = {}
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt, chat=True)
+        with torch.no_grad():
+            gen = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=32,
+                do_sample=False,
+            )
+        out[prompt] = gen[0, len(ids) :].tolist()
+    return out
+
+
+@pytest.mark.slow
+def test_greedy_chat_completions_match(models, hf_greedy):
+    folder, _, tokenizer, config, params = models
+    eos = eos_ids_of(folder, config)
+    assert eos  # SmolLM2 stops at <|im_end|>
+    for prompt, want in hf_greedy.items():
+        ids = encode_prompt(tokenizer, prompt, chat=True)
+        got = generate_dense(params, config, ids, max_tokens=32, eos_token_ids=eos)
+        assert got == want, (prompt, tokenizer.decode(got), tokenizer.decode(want))
+    assert sum(map(len, hf_greedy.values())) >= 64  # real completions, not immediate EOS
+
+
+@pytest.mark.slow
+def test_cli_defaults_to_the_bundled_model(models, hf_greedy, capsys):
+    """No --model: the bundled SmolLM2; greedy's first 16 tokens are HF's first 16."""
+    _, _, tokenizer, _, _ = models
+    want = tokenizer.decode(hf_greedy[PROMPTS[0]][:16], skip_special_tokens=True)
+    assert main(["--chat", "--max-tokens", "16", PROMPTS[0]]) == 0
+    assert capsys.readouterr().out == want + "\n"
