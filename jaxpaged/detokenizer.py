@@ -45,7 +45,14 @@ class IncrementalDetokenizer:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: stop strings must be non-empty str, got {s!r}")
-        self._tokenizer = tokenizer
+        # transformers' fast tokenizers decode through their `tokenizers` backend and then
+        # (optionally) clean up spaces; calling the backend directly is ~4x cheaper and
+        # gives the same text when that clean-up is off (as for SmolLM2, Llama, Qwen).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            self._decoder = backend
+        else:
+            self._decoder = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
@@ -65,7 +72,7 @@ class IncrementalDetokenizer:
         return self._text[: self._sent]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
 
     def _decode_pending(self, final: bool) -> str:
         """New text of the ids past `_read`; "" while it ends in an unfinished character."""
