@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -291,13 +291,3 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
-
-
-def iter_params(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) for every leaf, paths like "layers/wqkv"."""
-    for k, v in tree.items():
-        path = f"{prefix}/{k}" if prefix else k
-        if isinstance(v, Mapping):
-            yield from iter_params(v, path)
-        else:
-            yield path, v
