@@ -65,6 +65,7 @@ _GLOBAL_TENSORS = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 # llama.cpp token types (llama_token_type).
+_TOKEN_UNKNOWN = 2
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
@@ -292,30 +293,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars), strict=True))
 
 
-def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
-    """A `tokenizers.Tokenizer` equal to the one the GGUF was made from, and the names of its
-    special tokens (for tokenizer_config.json)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
+def _byte_level_bpe(g: _Gguf, tokens: list[str], types: list[int]) -> Any:
+    """GPT-2 style byte-level BPE ('gpt2' in GGUF): SmolLM, Llama 3, Qwen2."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    kind = _scalar(g, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE)"
-        )
-    tokens: list[str] = list(_scalar(g, "tokenizer.ggml.tokens"))
-    types = list(_scalar(g, "tokenizer.ggml.token_type", required=False, default=[1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in _scalar(g, "tokenizer.ggml.merges")]
     pre = _scalar(g, "tokenizer.ggml.pre", required=False, default="default")
-
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
@@ -351,6 +334,79 @@ def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
             f"{', '.join(sorted(_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE))}"
         )
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two vocab
+    pieces, best-scored result first (what `sentencepiece` itself would merge)."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] == 1}
+    found = []
+    for tok, i in vocab.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                found.append((-scores[i], vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def _sentencepiece_bpe(g: _Gguf, tokens: list[str], types: list[int]) -> Any:
+    """SentencePiece BPE with byte fallback ('llama' in GGUF): Llama 2, Mistral, TinyLlama.
+    Like llama.cpp (and those models' own tokenizer.json), a space is prefixed to the text and to
+    each piece that follows a special token."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    if "tokenizer.ggml.merges" in g.metadata:
+        merges = [tuple(m.split(" ", 1)) for m in g.metadata["tokenizer.ggml.merges"]]
+    else:
+        scores = list(_scalar(g, "tokenizer.ggml.scores"))
+        merges = _spm_merges(tokens, scores, types)
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    unk_id = _scalar(g, "tokenizer.ggml.unknown_token_id", required=False)
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = bool(_scalar(g, "tokenizer.ggml.add_space_prefix", required=False, default=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence(decode)
+    return tok
+
+
+def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
+    """A `tokenizers.Tokenizer` equal to the one the GGUF was made from, and the names of its
+    special tokens (for tokenizer_config.json)."""
+    from tokenizers import AddedToken, processors
+
+    kind = _scalar(g, "tokenizer.ggml.model")
+    tokens: list[str] = list(_scalar(g, "tokenizer.ggml.tokens"))
+    types = list(_scalar(g, "tokenizer.ggml.token_type", required=False, default=[1] * len(tokens)))
+    if kind == "gpt2":
+        tok = _byte_level_bpe(g, tokens, types)
+        vocab = tok.get_vocab()
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(g, tokens, types)
+        vocab = tok.get_vocab()
+    else:
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level "
+            "BPE), 'llama' (SentencePiece BPE)"
+        )
+    # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
+    default_bos = kind == "llama"
 
     def name_of(key: str) -> str | None:
         idx = _scalar(g, f"tokenizer.ggml.{key}", required=False)
@@ -365,7 +421,7 @@ def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
     added = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types, strict=True)
-        if ty == _TOKEN_CONTROL
+        if ty in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)
     ]
     tok.add_special_tokens(added)
     tok.add_tokens(
@@ -376,7 +432,7 @@ def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
         ]
     )
 
-    add_bos = bool(_scalar(g, "tokenizer.ggml.add_bos_token", required=False, default=False))
+    add_bos = bool(_scalar(g, "tokenizer.ggml.add_bos_token", required=False, default=default_bos))
     add_eos = bool(_scalar(g, "tokenizer.ggml.add_eos_token", required=False, default=False))
     bos, eos = special["bos_token"], special["eos_token"]
     if (add_bos and bos) or (add_eos and eos):

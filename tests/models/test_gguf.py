@@ -243,6 +243,30 @@ def _vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+SPM_PIECES = [
+    "he",
+    "ll",
+    "\u2581he",
+    "or",
+    "ld",
+    "\u2581w",
+    "\u2581hell",
+    "\u2581wor",
+    "\u2581hello",
+]
+SPM_PIECES += ["\u2581world"]
+
+
+def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece vocabulary as llama.cpp stores it: unk/bos/eos, 256 byte tokens, single
+    characters, then merged pieces scored best-first."""
+    chars = ["\u2581", "h", "e", "l", "o", "w", "r", "d"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(chars) + len(SPM_PIECES))
+    scores = [0.0] * 259 + [-100.0] * len(chars) + [-1.0 - i for i in range(len(SPM_PIECES))]
+    return tokens, types, scores
+
+
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (rotary halves -> interleaved rows)."""
     return (
@@ -333,12 +357,20 @@ def _write_gguf(
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    tokens, types = _vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
+    if pre == "spm":
+        tokens, types, scores = _spm_vocab()
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
+    else:
+        tokens, types = _vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)
@@ -591,6 +623,36 @@ def test_synthetic_tokenizer_matches_transformers(tmp_path, pre, add_bos):
     assert auto.apply_chat_template(messages, tokenize=False) == ref.apply_chat_template(
         messages, tokenize=False
     )
+
+
+def test_synthetic_sentencepiece_tokenizer(tmp_path):
+    model = _tiny_hf_model("llama")
+    tensors = _gguf_tensors(model, "llama")
+    tokens = _spm_vocab()[0]
+    tensors["token_embd.weight"] = tensors["token_embd.weight"][:1].repeat(len(tokens), 0)
+    tensors["output.weight"] = tensors["output.weight"][:1].repeat(len(tokens), 0)
+    src = _write_gguf(tmp_path / "s.gguf", "llama", model.config, tensors, pre="spm", add_bos=True)
+    out = convert_gguf(src, tmp_path / "hf")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="s.gguf")
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    # llama.cpp adds BOS and a leading space; pieces merge best-score first
+    assert raw.encode("hello world").ids == [
+        1,
+        tokens.index("\u2581hello"),
+        tokens.index("\u2581world"),
+    ]
+    # bytes missing from the vocabulary fall back to <0xNN> tokens
+    assert raw.encode("h\u00e9").ids[-2:] == [tokens.index("<0xC3>"), tokens.index("<0xA9>")]
+    for text in ["hello world", "hello  world\nhe", "h\u00e9llo w\u00f6rld \U0001f600"]:
+        ids = auto(text)["input_ids"]
+        assert ids == ref(text)["input_ids"] == raw.encode(text).ids, text
+        assert auto.decode(ids, skip_special_tokens=True) == text
+    # like sentencepiece and llama.cpp, the space prefix is added even before a leading space
+    # (transformers' GGUF tokenizer skips it there)
+    space = tokens.index("\u2581")
+    assert raw.encode("  hello").ids == [1, space, space, tokens.index("\u2581hello")]
+    assert auto.unk_token == "<unk>" and auto.bos_token == "<s>" and auto.eos_token == "</s>"
 
 
 # --- errors and CLI ---------------------------------------------------------------------------
