@@ -45,6 +45,7 @@ _ST_DTYPES = {
 
 # A sharding per leaf: a pytree shaped like the params, or a function of (leaf path, shape).
 Shardings = Any | Callable[[str, tuple[int, ...]], Any]
+HostTransform = Callable[[ModelConfig, dict[str, Any]], tuple[ModelConfig, dict[str, Any]]]
 
 
 class TensorError(ValueError):
@@ -274,15 +275,20 @@ def load_model(
     dtype: str | None = None,
     shardings: Shardings | None = None,
     progress: bool = True,
+    host_transform: HostTransform | None = None,
 ) -> tuple[ModelConfig, Params]:
     """Load a Llama-family model from a local folder or a hub id: (config, params on device).
 
     `dtype` is "float32", "bfloat16", "float16" or None (see the module docstring).
+    `host_transform(config, host_params) -> (config, host_params)` rewrites the host arrays
+    before they go to the device (tensor parallelism uses it to replicate KV heads).
     """
     folder = resolve_model_path(model)
     config = ModelConfig.from_pretrained(folder)
     np_dtype = _choose_dtype(dtype, config)
     host = load_host_params(folder, config, np_dtype, progress=progress)
+    if host_transform is not None:
+        config, host = host_transform(config, host)
     return config, put_on_device(host, shardings)
 
 
