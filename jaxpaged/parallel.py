@@ -1,0 +1,278 @@
+"""Tensor parallelism on JAX's own machinery: a 1-D device ``Mesh`` (axis ``"tp"``), a
+``NamedSharding`` per params leaf and for the KV pool, and ``shard_map`` around the attention
+kernels. Everything else in the step (projections, MLP, logits, sampling) is plain jnp that
+GSPMD partitions from the weights' shardings, inserting the all-reduces itself.
+
+Megatron split (N = tensor_parallel_size), over the params layout of ``models.llama``:
+
+==============  =========================  ===========================================
+leaf            shape                      split
+==============  =========================  ===========================================
+wqkv, bqkv      [L, D, Hkv, G+2, hd]       KV heads (column-parallel: each device
+                                           computes q/k/v of its own KV heads)
+wo              [L, Hkv, G, hd, D]         KV heads (row-parallel: partial sums of the
+                                           output projection, one all-reduce per layer)
+w_gate_up       [L, D, 2, F]               F (column-parallel)
+w_down          [L, F, D]                  F (row-parallel: one all-reduce per layer)
+embed           [V, D]                     V when N divides V, else replicated
+lm_head         [D, V]                     V when N divides V, else replicated
+norms           [L, D], [D], [L, hd]       replicated
+KV pool k, v    [L*NB, bs, Hkv, hd]        KV heads
+==============  =========================  ===========================================
+
+Logits [S, V] are gathered to every device before sampling, so the sampler sees the full
+vocabulary and returns the same token on every device (a few KB per step).
+
+KV-head replication. Attention needs whole KV heads on a device. When N > Hkv (N a multiple
+of Hkv), each KV head is replicated r = N / Hkv times and its G query heads are split among
+the replicas (G / r each): the config becomes ``num_kv_heads = N``, the k/v columns of wqkv
+(and bqkv) are copied r times, wo is only reshaped (query-head order is unchanged). The cost:
+the KV pool holds r copies of every head, so a token's cache takes r times the memory of the
+unreplicated model (each device still stores exactly one KV head, i.e. 1/Hkv of an
+unsplit pool instead of 1/N), and the k/v projection weights grow by the same factor (small:
+2 * D * hd per extra head per layer). The results are identical: every query head reads the
+same K/V values it would read without replication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import Params
+
+AXIS = "tp"
+
+# Axis of each leaf that is split over the mesh (None: replicated). Vocabulary-sized leaves
+# are split only when N divides V (see `leaf_spec`).
+_SPLIT_AXIS: dict[str, int | None] = {
+    "layers/wqkv": 2,
+    "layers/bqkv": 1,
+    "layers/wo": 1,
+    "layers/w_gate_up": 3,
+    "layers/w_down": 1,
+    "embed": 0,
+    "lm_head": 1,
+}
+_VOCAB_LEAVES = ("embed", "lm_head")
+
+
+# ------------------------------------------------------------------------------- mesh
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh (axis ``"tp"``) over the first N devices (all processes' devices when
+    ``jax.distributed`` is initialized, so one mesh can span several hosts)."""
+    n = tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if n > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={n} exceeds the {len(devices)} available "
+            f"{devices[0].platform if devices else ''} device(s); on CPU, simulate more with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+    return Mesh(np.asarray(devices[:n]), (AXIS,))
+
+
+def mesh_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[AXIS]
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """How many copies of each KV head N devices need (1 = plain split); ValueError naming
+    the config field when N cannot split the model."""
+    n, c = tensor_parallel_size, config
+    if c.num_heads % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}"
+        )
+    if c.intermediate_size % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide intermediate_size={c.intermediate_size}"
+        )
+    if c.num_kv_heads % n == 0:
+        return 1
+    if n % c.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide num_key_value_heads={c.num_kv_heads} or be "
+            "a multiple of it (then each KV head is replicated N / num_key_value_heads times)"
+        )
+    return n // c.num_kv_heads  # divides G, because N divides num_heads = Hkv * G
+
+
+def tp_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The config the sharded model runs with (num_kv_heads raised when heads are replicated)."""
+    r = kv_replication(config, tensor_parallel_size)
+    if r == 1:
+        return config
+    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
+
+
+def replicate_kv_heads(
+    config: ModelConfig, host: Mapping[str, Any], tensor_parallel_size: int
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """Rewrite host (numpy) params so N devices each get whole KV heads (module docstring).
+    Returns (new config, new params); a no-op when no replication is needed."""
+    r = kv_replication(config, tensor_parallel_size)
+    params = dict(host)
+    if r == 1:
+        return config, params
+    g, hkv = config.queries_per_kv, config.num_kv_heads
+    gr = g // r
+    layers = dict(params["layers"])
+
+    def split_qkv(w: np.ndarray, head_axis: int) -> np.ndarray:
+        # [..., Hkv, G + 2, hd, ...] -> [..., Hkv * r, G / r + 2, hd, ...]
+        w = np.asarray(w)
+        w = np.moveaxis(w, (head_axis, head_axis + 1), (0, 1))  # [Hkv, G + 2, *rest]
+        rest = w.shape[2:]
+        q = w[:, :g].reshape(hkv, r, gr, *rest)
+        kv = np.broadcast_to(w[:, None, g:], (hkv, r, 2, *rest))
+        out = np.concatenate([q, kv], axis=2).reshape(hkv * r, gr + 2, *rest)
+        return np.ascontiguousarray(np.moveaxis(out, (0, 1), (head_axis, head_axis + 1)))
+
+    layers["wqkv"] = split_qkv(layers["wqkv"], 2)  # [L, D, Hkv, G + 2, hd]
+    if "bqkv" in layers:
+        layers["bqkv"] = split_qkv(layers["bqkv"], 1)  # [L, Hkv, G + 2, hd]
+    wo = np.asarray(layers["wo"])  # [L, Hkv, G, hd, D]; query-head order is unchanged
+    layers["wo"] = wo.reshape(wo.shape[0], hkv * r, gr, *wo.shape[3:])
+    params["layers"] = layers
+    return tp_config(config, tensor_parallel_size), params
+
+
+# ------------------------------------------------------------------------- shardings
+
+
+def leaf_spec(path: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+    """PartitionSpec of one params leaf ("layers/wqkv", ...) for N devices."""
+    axis = _SPLIT_AXIS.get(path)
+    if axis is None or tensor_parallel_size == 1:
+        return P()
+    if shape[axis] % tensor_parallel_size:
+        if path in _VOCAB_LEAVES:
+            return P()  # vocabulary not divisible by N: replicate
+        raise ValueError(
+            f"params leaf {path!r} of shape {shape}: axis {axis} ({shape[axis]}) is not "
+            f"divisible by tensor_parallel_size={tensor_parallel_size}"
+        )
+    return P(*([None] * axis), AXIS)
+
+
+def param_sharding_fn(mesh: Mesh) -> Callable[[str, tuple[int, ...]], NamedSharding]:
+    """``(leaf path, shape) -> NamedSharding``: the form ``models.loader.load_model`` takes, so
+    each device receives only its own shard of every weight."""
+    n = mesh_size(mesh)
+    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, tuple(shape), n))
+
+
+def param_shardings(params_or_shapes: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """A NamedSharding per leaf, same tree as the params (leaves may be arrays or shapes)."""
+    fn = param_sharding_fn(mesh)
+
+    def walk(node: Any, prefix: str) -> Any:
+        if isinstance(node, Mapping):
+            return {k: walk(v, f"{prefix}/{k}" if prefix else k) for k, v in node.items()}
+        shape = node if isinstance(node, tuple) else tuple(node.shape)
+        return fn(prefix, shape)
+
+    return walk(params_or_shapes, "")
+
+
+def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
+    """The pool [L * num_blocks, block_size, Hkv, hd] split over KV heads."""
+    return NamedSharding(mesh, P(None, None, AXIS, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[ModelConfig, Params]:
+    """Place in-memory params on the mesh (replicating KV heads first when needed). Params that
+    already carry these shardings are left where they are."""
+    n = mesh_size(mesh)
+    if kv_replication(config, n) > 1:
+        config, params = replicate_kv_heads(config, jax.device_get(params), n)
+    shardings = param_shardings(params, mesh)
+    return config, jax.device_put(params, shardings)
+
+
+# ---------------------------------------------------------------------- the step side
+
+
+def shard_attention(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """Run the paged attention op per device on its own heads.
+
+    ``fn(q, k, v, layer, k_pages, v_pages, slot_mapping, kv_lens, block_tables, cu_q_lens,
+    num_seqs) -> (out, k_pages, v_pages)`` with q [T, Hq, hd], k/v [T, Hkv, hd], pages
+    [L*NB, bs, Hkv, hd], out [T, Hq, hd]. Inside, each device sees Hq/N query heads and the
+    Hkv/N KV heads they read (heads are grouped by KV head, so the GQA mapping is unchanged),
+    and the kernels (Pallas or XLA) run unchanged on local shapes, with no communication.
+    """
+    heads = P(None, AXIS, None)
+    pages = P(None, None, AXIS, None)
+    rep = P()
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, rep, pages, pages, rep, rep, rep, rep, rep),
+        out_specs=(heads, pages, pages),
+        check_vma=False,
+    )
+
+
+def replicate_on(x: Any, mesh: Mesh | None) -> Any:
+    """Constrain (inside jit) every leaf of x to be whole on every device."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, replicated(mesh))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_params(
+    folder: str | os.PathLike,
+    *,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    progress: bool = True,
+) -> tuple[ModelConfig, Params]:
+    """(config, params) from a Hugging Face folder or an Orbax folder written by
+    ``python -m jaxpaged.convert``, each weight sent straight to its shards on ``mesh``
+    (None: the default device). The config is the one the sharded model runs with."""
+    from jaxpaged import convert
+    from jaxpaged.models.loader import load_model
+
+    folder = os.fspath(folder)
+    if convert.is_orbax_model(folder):
+        return convert.restore(folder, mesh=mesh, dtype=dtype)
+    if mesh is None:
+        return load_model(folder, dtype=dtype, progress=progress)
+    n = mesh_size(mesh)
+    config = ModelConfig.from_pretrained(folder)
+    kv_replication(config, n)  # fail before reading any weight
+
+    def transform(cfg: ModelConfig, host: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
+        return replicate_kv_heads(cfg, host, n)
+
+    return load_model(
+        folder,
+        dtype=dtype,
+        shardings=param_sharding_fn(mesh),
+        progress=progress,
+        host_transform=transform,
+    )
