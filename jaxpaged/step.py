@@ -14,6 +14,7 @@ from jaxpaged.kernels import ragged_paged_attention, write_kv
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, compute_logits, forward
+from jaxpaged.parallel import replicate_on, shard_attention
 
 
 class StepBatch(NamedTuple):
@@ -47,6 +48,7 @@ class StepOutput(NamedTuple):
         "backend",
         "max_q_len",
         "max_kv_len",
+        "mesh",
     ),
     donate_argnums=(1,),
 )
@@ -62,35 +64,48 @@ def step(
     backend: str | None = None,
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[StepOutput, KVPool]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. ``max_q_len`` / ``max_kv_len`` are the bucket's static
-    bounds, passed to the attention kernel so it reads only blocks that can be live."""
+    bounds, passed to the attention kernel so it reads only blocks that can be live. With a
+    ``mesh`` (tensor parallelism) the attention runs per device on its heads under shard_map,
+    and logits and outputs are gathered whole onto every device."""
     sm_scale = config.head_dim**-0.5
     layer_slots = num_blocks * block_size
 
-    def attention_fn(q, k, v, layer, pool):
-        k_pages, v_pages = pool
-        slots = jnp.where(batch.slot_mapping >= 0, batch.slot_mapping + layer * layer_slots, -1)
+    def attend(q, k, v, layer, k_pages, v_pages, slot_mapping, kv_lens, tables, cu_q_lens, n):
+        slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
         out = ragged_paged_attention(
             q,
             k_pages,
             v_pages,
-            batch.kv_lens,
-            batch.block_tables + layer * num_blocks,
-            batch.cu_q_lens,
-            batch.num_seqs,
+            kv_lens,
+            tables + layer * num_blocks,
+            cu_q_lens,
+            n,
             sm_scale=sm_scale,
             backend=backend,
             max_q_len=max_q_len,
             max_kv_len=max_kv_len,
         )
+        return out, k_pages, v_pages
+
+    if mesh is not None:
+        attend = shard_attention(attend, mesh)
+
+    def attention_fn(q, k, v, layer, pool):
+        b = batch
+        meta = (b.slot_mapping, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
+        out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
         return out, (k_pages, v_pages)
 
     hidden, pool = forward(
         params, batch.tokens, batch.positions, config=config, attention_fn=attention_fn, cache=pool
     )
     logits = compute_logits(params, hidden[batch.sample_rows], config=config)  # [S, V]
+    logits = replicate_on(logits, mesh)
     out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
-    return StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs), pool
+    out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
+    return replicate_on(out, mesh), pool
