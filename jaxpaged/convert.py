@@ -144,9 +144,7 @@ def restore(
         )
 
     args = _walk(param_shapes(config), restore_arg)
-    restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(folder, PARAMS_DIR), restore_args=args
-    )
+    restored = ocp.PyTreeCheckpointer().restore(os.path.join(folder, PARAMS_DIR), restore_args=args)
     if not on_host:
         return config, restored
     _, params = parallel.replicate_kv_heads(config, restored, n)

@@ -96,9 +96,7 @@ def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
     the config field when N cannot split the model."""
     n, c = tensor_parallel_size, config
     if c.num_heads % n:
-        raise ValueError(
-            f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}"
-        )
+        raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}")
     if c.intermediate_size % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide intermediate_size={c.intermediate_size}"
