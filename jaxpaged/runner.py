@@ -27,6 +27,7 @@ from jaxpaged import sampler
 from jaxpaged.kv_cache import KVLayout, copy_blocks, create_pool, gather_blocks, scatter_blocks
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
+from jaxpaged.parallel import kv_pool_sharding
 from jaxpaged.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxpaged.step import StepBatch, StepOutput, step
 
@@ -132,8 +133,13 @@ class Runner:
         max_model_len: int,
         seed: int = 0,
         attention_backend: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         self.model_config = model_config
+        self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
+        # multi-host: rank 0's hook that announces each device call to the followers
+        # (see jaxpaged.multihost); None on one host
+        self.leader = None
         self.params = params
         self.layout = layout
         self.max_model_len = max_model_len
@@ -145,7 +151,9 @@ class Runner:
             block_size=layout.block_size,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
-        self.pool = create_pool(layout=layout)
+        self.pool = create_pool(
+            layout=layout, sharding=None if mesh is None else kv_pool_sharding(mesh)
+        )
         # swapped-out blocks: host slot -> (k, v), each [L, block_size, Hkv, hd]
         self._host_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.warmed_up = False
@@ -158,6 +166,7 @@ class Runner:
             block_size=self.layout.block_size,
             num_logprobs=MAX_LOGPROBS,
             backend=self.backend,
+            mesh=self.mesh,
         )
 
     def build_batch(
@@ -213,6 +222,8 @@ class Runner:
         kwargs = self._step_kwargs()
         if bucket.decode_only:
             kwargs.update(max_q_len=1, max_kv_len=bucket.max_blocks * self.layout.block_size)
+        if self.leader is not None:
+            self.leader.announce_step(batch, bucket)
         out, self.pool = step(self.params, self.pool, batch, **kwargs)
         return out
 
@@ -278,10 +289,13 @@ class Runner:
 
     def _copy_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         src, dst = zip(*pairs, strict=True)
+        src, dst = self._padded(src), self._padded(dst)
+        if self.leader is not None:
+            self.leader.announce_copy(src, dst)
         self.pool = copy_blocks(
             self.pool,
-            self._padded(src),
-            self._padded(dst),
+            src,
+            dst,
             num_layers=self.layout.num_layers,
             num_blocks=self.layout.num_blocks,
         )
