@@ -98,10 +98,13 @@ class LLMEngine:
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
-        if parallel_config.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1"
-            )
+        self.mesh = None
+        if parallel_config.tensor_parallel_size > 1:
+            from jaxpaged.parallel import make_mesh, shard_params
+
+            self.mesh = make_mesh(parallel_config.tensor_parallel_size)
+            model_config, params = shard_params(model_config, params, self.mesh)
+        self.parallel_config = parallel_config
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -145,6 +148,7 @@ class LLMEngine:
             max_model_len=scheduler_config.max_model_len,
             seed=seed,
             attention_backend=attention_backend,
+            mesh=self.mesh,
         )
         self.scheduler = Scheduler(
             scheduler_config,
@@ -195,16 +199,16 @@ class LLMEngine:
     ) -> LLMEngine:
         """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
         builds the engine around it."""
-        from jaxpaged.models import load_model, load_tokenizer
+        from jaxpaged.models import load_tokenizer
         from jaxpaged.models.resolve import resolve_model_folder
+        from jaxpaged.parallel import load_params, make_mesh
 
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
-        if parallel.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1"
-            )
+        n = parallel.tensor_parallel_size
+        mesh = make_mesh(n) if n > 1 else None
         folder = resolve_model_folder(model)
-        model_config, params = load_model(folder, dtype=dtype, progress=show_progress)
+        # weights go straight to their shards; Orbax folders (jaxpaged.convert) are detected
+        model_config, params = load_params(folder, mesh=mesh, dtype=dtype, progress=show_progress)
         tokenizer = load_tokenizer(folder)
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
@@ -461,6 +465,7 @@ class LLMEngine:
         out: dict[str, object] = {
             "model_type": self.model_config.model_type,
             "dtype": self.layout.dtype,
+            "tensor_parallel_size": self.parallel_config.tensor_parallel_size,
             "num_kv_blocks": self.layout.num_blocks,
             "kv_cache_bytes": self.layout.num_blocks * self.layout.bytes_per_block,
             "warmup_programs": self.warmup_programs,
