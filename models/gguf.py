@@ -449,7 +449,7 @@ def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
             pair=f"{seq('$A', 0)} {seq('$B', 1)}",
             special_tokens=list(used.items()),
         )
-    else:
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     special["add_bos_token"] = add_bos
     special["add_eos_token"] = add_eos
