@@ -1,0 +1,254 @@
+"""The engine end to end on the bundled SmolLM2, against Hugging Face transformers.
+
+16 concurrent greedy requests of different prompt and output lengths must produce, token for
+token, what transformers produces for each prompt alone - also when the pool is so small that
+requests are preempted (both modes), with prefix caching off, and with chunked prefill forced
+by a tiny token budget. Engines here share shapes (max_num_seqs, max_model_len, pool size) so
+the compiled programs are reused across tests.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 16
+BASE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, show_progress=False)
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List three primary colors.",
+    "What is 12 times 7?",
+    "Name a famous physicist and one discovery.",
+    "Translate 'good morning' into Spanish.",
+    "Give me a tip for learning to code.",
+    "Why is the sky blue? Answer briefly, please, in simple words a child understands.",
+    "Describe a cat.",
+    "What does a compiler do?",
+    "Suggest a name for a small bakery in a quiet seaside town.",
+    "How many legs does a spider have?",
+    "Write one line of Python that prints hello.",
+    "What is the boiling point of water at sea level, in Celsius and Fahrenheit?",
+    "Tell me a fun fact about octopuses.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_model_path)
+
+
+@pytest.fixture(scope="module")
+def workload(tokenizer):
+    """(prompt token ids, max_tokens) per request: chat prompts of different lengths."""
+    rng = random.Random(0)
+    out = []
+    for q in QUESTIONS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        if not isinstance(ids, list):
+            ids = list(ids["input_ids"])
+        out.append((list(ids), rng.randint(4, 40)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(bundled_model_path, workload):
+    """Each prompt alone through transformers' LlamaForCausalLM, greedy, EOS ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)  # OpenMP spinning makes torch crawl on a busy 2-core machine
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32)
+    model.eval()
+    refs = []
+    with torch.no_grad():
+        for ids, max_tokens in workload:
+            out = model(torch.tensor([ids]), use_cache=True)
+            past, toks = out.past_key_values, []
+            for _ in range(max_tokens):
+                t = int(out.logits[0, -1].argmax())
+                toks.append(t)
+                out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            refs.append(toks)
+    return refs
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run_and_compare(llm: LLM, workload, hf_greedy) -> None:
+    outs = llm.generate(
+        [ids for ids, _ in workload], [_greedy(m) for _, m in workload], use_tqdm=False
+    )
+    for i, (out, ref) in enumerate(zip(outs, hf_greedy, strict=True)):
+        got = list(out.outputs[0].token_ids)
+        assert got == ref, f"request {i}: jaxpaged {got} != transformers {ref}"
+        assert out.outputs[0].finish_reason == "length"
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_kv_blocks"], "blocks leaked"
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def llm(bundled_model_path):
+    engine_llm = LLM(bundled_model_path, num_kv_blocks=256, enforce_eager=True, **BASE)
+    yield engine_llm
+    engine_llm.engine.close()
+
+
+def test_concurrent_greedy_matches_transformers(llm, workload, hf_greedy):
+    _run_and_compare(llm, workload, hf_greedy)
+    m = llm.get_metrics()
+    # every chat prompt starts with the same system preamble: full blocks are shared
+    assert m["prefix_cache_hits"] > 0
+    assert m["num_preemptions"] == 0
+
+
+def test_prefix_caching_off(bundled_model_path, workload, hf_greedy):
+    llm = LLM(
+        bundled_model_path,
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        **BASE,
+    )
+    _run_and_compare(llm, workload, hf_greedy)
+    assert llm.get_metrics()["prefix_cache_hits"] == 0
+
+
+def test_chunked_prefill_by_small_token_budget(bundled_model_path, workload, hf_greedy):
+    llm = LLM(
+        bundled_model_path,
+        num_kv_blocks=256,
+        max_num_batched_tokens=16,
+        enforce_eager=True,
+        **BASE,
+    )
+    assert max(len(ids) for ids, _ in workload) > 16  # so prompts really are split
+    _run_and_compare(llm, workload, hf_greedy)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_exact(bundled_model_path, workload, hf_greedy, mode):
+    llm = LLM(
+        bundled_model_path,
+        num_kv_blocks=16,  # one max_model_len sequence; 16 requests need ~6 each
+        preemption_mode=mode,
+        swap_space=0.5,
+        enforce_eager=True,
+        **BASE,
+    )
+    _run_and_compare(llm, workload, hf_greedy)
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def test_bad_requests_raise_and_engine_keeps_serving(llm, workload, hf_greedy, tokenizer):
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    bad = [
+        ([], _greedy(4), "prompt"),
+        ([1] * MAX_MODEL_LEN, _greedy(4), "prompt"),
+        ([1, 2, vocab], _greedy(4), "vocabulary"),
+        ([1, 2, 3], _greedy(MAX_MODEL_LEN), "max_tokens"),
+    ]
+    engine.add_request("good-0", workload[0][0], _greedy(workload[0][1]))
+    for i, (prompt, params, word) in enumerate(bad):
+        with pytest.raises(ValueError, match=word):
+            engine.add_request(f"bad-{i}", prompt, params)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good-0", workload[1][0], _greedy(4))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good-0"]
+    assert list(outs[0].outputs[0].token_ids) == hf_greedy[0]
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_kv_blocks"]
+
+
+def test_abort_frees_blocks(llm, workload):
+    engine = llm.engine
+    free0 = engine.get_stats().num_free_blocks
+    for i, (ids, _) in enumerate(workload[:4]):
+        engine.add_request(f"abort-{i}", ids, _greedy(30))
+    engine.step()
+    engine.step()
+    assert engine.get_stats().num_free_blocks < free0
+    final = [engine.abort(f"abort-{i}") for i in range(4)]
+    assert all(o is not None and o.outputs[0].finish_reason == "abort" for o in final)
+    assert engine.abort("abort-0") is None  # already gone
+    assert engine.get_stats().num_free_blocks == free0
+    assert not engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm, workload):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
+    alone = llm.generate([workload[3][0]], params, use_tqdm=False)[0]
+    others = [ids for ids, _ in workload[:6]]
+    mixed = llm.generate(
+        others[:2] + [workload[3][0]] + others[2:],
+        [SamplingParams(temperature=1.0, max_tokens=20)] * 2
+        + [params]
+        + [SamplingParams(temperature=1.0, max_tokens=20)] * 4,
+        use_tqdm=False,
+    )[2]
+    assert alone.outputs[0].token_ids == mixed.outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt(llm, workload):
+    ids = workload[8][0]
+    before = llm.get_metrics()["prefix_cache_hits"]
+    out = llm.generate([ids], SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=8))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({c.token_ids for c in out.outputs}) > 1  # different samples
+    # samples 1..3 start from sample 0's prompt blocks
+    assert llm.get_metrics()["prefix_cache_hits"] - before >= 3 * (len(ids) - 1)
+
+
+def test_no_compilation_after_warmup(bundled_model_path, workload):
+    """A warmed-up engine serves varied batch sizes and lengths without compiling."""
+    llm = LLM(
+        bundled_model_path,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_kv_blocks=64,
+        show_progress=False,
+    )
+    assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+    rng = np.random.default_rng(0)
+    for batch in (1, 3, 8, 16):
+        picks = rng.choice(len(workload), size=batch, replace=batch > len(workload))
+        llm.generate(
+            [workload[i][0] for i in picks],
+            [
+                SamplingParams(
+                    temperature=float(rng.choice([0.0, 0.8])),
+                    top_k=int(rng.choice([-1, 20])),
+                    max_tokens=int(rng.integers(1, 30)),
+                    logprobs=int(rng.choice([0, 3])) if batch == 3 else None,
+                    repetition_penalty=1.1 if batch == 8 else 1.0,
+                )
+                for _ in picks
+            ],
+            use_tqdm=False,
+        )
+    assert llm.get_metrics()["num_compilations_after_warmup"] == 0
