@@ -70,6 +70,7 @@ def hf_greedy(bundled_model_path, workload):
     import torch
     from transformers import AutoModelForCausalLM
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # OpenMP spinning makes torch crawl on a busy 2-core machine
     model = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32)
     model.eval()
@@ -84,6 +85,7 @@ def hf_greedy(bundled_model_path, workload):
                 out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
                 past = out.past_key_values
             refs.append(toks)
+    torch.set_num_threads(threads)
     return refs
 
 
