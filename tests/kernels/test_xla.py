@@ -56,41 +56,34 @@ def run_and_compare(rng, tools, seqs, *, hq, hkv, d, bs, dtype, max_seqs=None, p
     return case
 
 
-# (head_dim, block_size, num_q_heads, num_kv_heads, dtype): each value of every axis
-# appears, without the full product.
+# (head_dim, block_size, num_q_heads, num_kv_heads, dtype, sliding_window, soft_cap): each
+# value of every axis appears, without the full product.
 SWEEP = [
-    (64, 16, 9, 3, "float32"),  # SmolLM2
-    (64, 8, 4, 4, "float32"),  # MHA
-    (128, 32, 8, 1, "float32"),  # MQA, ratio 8
-    (64, 64, 4, 2, "bfloat16"),
-    (128, 16, 8, 2, "bfloat16"),
-    (64, 32, 8, 2, "float16"),
-    (256, 8, 2, 1, "float32"),
-    (128, 64, 12, 3, "float32"),
+    (64, 16, 9, 3, "float32", None, None),  # SmolLM2
+    (64, 8, 4, 4, "float32", 7, None),  # MHA
+    (128, 32, 8, 1, "float32", None, None),  # MQA, ratio 8
+    (64, 64, 4, 2, "bfloat16", None, 3.0),
+    (128, 16, 8, 2, "bfloat16", None, None),
+    (64, 32, 8, 2, "float16", 20, 5.0),
+    (256, 8, 2, 1, "float32", None, None),
 ]
 
 
-@pytest.mark.parametrize("d,bs,hq,hkv,dtype", SWEEP)
-def test_xla_mixed_batch(rng, tools, d, bs, hq, hkv, dtype):
+@pytest.mark.parametrize("d,bs,hq,hkv,dtype,window,cap", SWEEP)
+def test_xla_mixed_batch(rng, tools, d, bs, hq, hkv, dtype, window, cap):
     seqs = mixed_seqs(rng, bs)
-    run_and_compare(rng, tools, seqs, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, max_seqs=8)
-
-
-@pytest.mark.parametrize("sliding_window,soft_cap", [(7, None), (None, 3.0), (20, 5.0)])
-def test_xla_window_and_cap(rng, tools, sliding_window, soft_cap):
-    seqs = mixed_seqs(rng, 8, n=5)
     run_and_compare(
         rng,
         tools,
         seqs,
-        hq=6,
-        hkv=2,
-        d=64,
-        bs=8,
-        dtype="float32",
-        max_seqs=7,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        bs=bs,
+        dtype=dtype,
+        max_seqs=8,
+        sliding_window=window,
+        soft_cap=cap,
     )
 
 
@@ -128,8 +121,7 @@ def test_xla_prefill_hint(rng, tools):
     )
 
 
-@pytest.mark.parametrize("sliding_window", [None, 37])
-def test_xla_many_kv_chunks(rng, tools, sliding_window):
+def test_xla_many_kv_chunks(rng, tools):
     """Small chunks and tiles force the KV loop and many prefill tiles."""
     seqs = [(1, 300), (70, 70), (45, 260), (1, 5)]
     run_and_compare(
@@ -145,13 +137,13 @@ def test_xla_many_kv_chunks(rng, tools, sliding_window):
         fn=ragged_paged_attention_xla,
         q_tile=8,
         kv_chunk=32,
-        sliding_window=sliding_window,
+        sliding_window=37,
     )
 
 
 def test_xla_long_context(rng, tools):
     """A 32k-token sequence decoding and a chunk prefilling on top of a long prefix."""
-    seqs = [(1, 32768), (16, 20000)]
+    seqs = [(1, 32768), (8, 20000)]
     run_and_compare(rng, tools, seqs, hq=2, hkv=1, d=64, bs=64, dtype="float32", pad=0)
 
 
