@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-import asyncio
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -14,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from harness import ServerThread
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
-from jaxpaged.serving.client import AsyncGenerationClient, GenerationClient, build_request
+from jaxpaged.serving.client import GenerationClient, build_request
 
 
 def _ids(text: str) -> list[int]:
@@ -78,14 +79,27 @@ def test_sync_and_async_clients(shared):
         assert info.state == "serving" and info.num_kv_blocks == 256
         assert info.engine_config["block_size"] == "4"
 
-    async def run() -> str:
-        async with AsyncGenerationClient(shared.grpc_target) as client:
-            parts = [c.text async for c in client.stream("xyz", max_tokens=4)]
-            whole = await client.generate("xyz", max_tokens=4)
-            assert whole.text == "".join(parts)
-            return whole.text
-
-    assert asyncio.run(run()) == expected_text(_ids("xyz"), 4)
+    # grpc.aio supports one event loop per process and the server's runs in this one: the
+    # asyncio client runs in a child process
+    script = (
+        "import asyncio, sys\n"
+        "from jaxpaged.serving.client import AsyncGenerationClient\n"
+        "async def run():\n"
+        "    async with AsyncGenerationClient(sys.argv[1]) as client:\n"
+        "        parts = [c.text async for c in client.stream('xyz', max_tokens=4)]\n"
+        "        whole = await client.generate('xyz', max_tokens=4)\n"
+        "        assert whole.text == ''.join(parts), (whole.text, parts)\n"
+        "        print(whole.text)\n"
+        "asyncio.run(run())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, shared.grpc_target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected_text(_ids("xyz"), 4)
 
 
 BAD = [

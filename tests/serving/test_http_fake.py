@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from fakes import VOCAB, FakeAsyncEngine, FakeTokenizer, expected_text, wait_until
+from harness import ServerThread
 
 
 def _ids(text: str) -> list[int]:
@@ -20,9 +21,11 @@ def _chat_ids(messages: list[dict]) -> list[int]:
     return FakeTokenizer().apply_chat_template(messages, tokenize=True)["input_ids"]
 
 
-@pytest.fixture
-def fake_server(server_factory):
-    return server_factory(FakeAsyncEngine(max_model_len=64, max_num_seqs=4))
+@pytest.fixture(scope="module")
+def fake_server(request):
+    server = ServerThread(FakeAsyncEngine(max_model_len=64, max_num_seqs=4))
+    request.addfinalizer(server.stop)
+    return server
 
 
 def _client(server, **kw) -> openai.OpenAI:

@@ -1,0 +1,250 @@
+"""End to end on the bundled SmolLM2 over loopback: the project's gRPC client and the real
+`openai` client against a server in front of the real AsyncEngine.
+
+- greedy completions and chats (streaming and not) equal offline `LLM.generate` / `LLM.chat`;
+- 32 concurrent streams (gRPC and HTTP) finish with the asked token counts and every KV
+  block comes back;
+- gRPC cancel, a deadline and an HTTP disconnect free the request's blocks within a step or
+  two.
+
+One engine for the module (enforce_eager and a 64-token step budget keep compilation short);
+the offline reference runs on it first, then the server takes it over.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+from fakes import wait_until
+from harness import ServerThread
+from jaxpaged.serving.client import GenerationClient
+
+from jaxpaged.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the largest planet in the solar system?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def real():
+    from jaxpaged.models import default_model_path
+
+    from jaxpaged.async_engine import AsyncEngine
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.llm import LLM
+
+    engine = LLMEngine.from_args(
+        default_model_path(),
+        max_model_len=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=64,
+        num_kv_blocks=160,
+        enforce_eager=True,
+        show_progress=False,
+    )
+    llm = LLM.from_engine(engine)
+    ref = {
+        "text": llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+        "chat": llm.chat(CHATS, GREEDY, use_tqdm=False),
+    }
+    server = ServerThread(AsyncEngine(engine), served_model_name="smollm2")
+    server.ref = ref
+    server.llm_engine = engine
+    yield server
+    server.stop()
+
+
+def _free(server) -> int:
+    return server.llm_engine.get_stats().num_free_blocks
+
+
+def _threads(jobs):
+    """Runs the callables concurrently in threads (the sync gRPC client: grpc.aio supports one
+    event loop per process, and the server's runs in this process)."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def test_grpc_greedy_equals_offline(real):
+    ref = real.ref
+    with GenerationClient(real.grpc_target) as client:
+        greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+        streamed, unary, chats = [], [], []
+        jobs = [
+            lambda p=p: streamed.append((p, list(client.stream(p, **greedy)))) for p in PROMPTS[:2]
+        ]
+        jobs += [lambda p=p: unary.append((p, client.generate(p, **greedy))) for p in PROMPTS[2:]]
+        jobs += [
+            lambda i=i: chats.append((i, client.generate(messages=CHATS[i], **greedy)))
+            for i in range(2)
+        ]
+        _threads(jobs)
+    want = {p: o for p, o in zip(PROMPTS, ref["text"], strict=True)}
+    assert len(streamed) == 2 and len(unary) == 2 and len(chats) == 2
+    for p, chunks in streamed:
+        assert [t for c in chunks for t in c.token_ids] == list(want[p].outputs[0].token_ids)
+        assert "".join(c.text for c in chunks) == want[p].outputs[0].text
+        assert chunks[-1].finish_reason == want[p].outputs[0].finish_reason
+    for p, got in unary:
+        assert got.samples[0].token_ids == tuple(want[p].outputs[0].token_ids)
+        assert got.text == want[p].outputs[0].text
+        assert got.prompt_token_ids == tuple(want[p].prompt_token_ids)
+    for i, got in chats:
+        assert got.prompt_token_ids == tuple(ref["chat"][i].prompt_token_ids)
+        assert got.samples[0].token_ids == tuple(ref["chat"][i].outputs[0].token_ids)
+
+
+def test_openai_greedy_equals_offline(real):
+    ref = real.ref
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    r = client.completions.create(
+        model="smollm2", prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in ref["text"]]
+    assert r.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in ref["text"])
+
+    text = ""
+    for chunk in client.completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True
+    ):
+        text += chunk.choices[0].text
+    assert text == ref["text"][0].outputs[0].text
+
+    c = client.chat.completions.create(
+        model="smollm2", messages=CHATS[0], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert c.choices[0].message.content == ref["chat"][0].outputs[0].text
+    assert c.usage.prompt_tokens == len(ref["chat"][0].prompt_token_ids)
+    content = ""
+    for chunk in client.chat.completions.create(
+        model="smollm2", messages=CHATS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True
+    ):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+    assert content == ref["chat"][1].outputs[0].text
+
+
+def test_32_concurrent_streams_complete_and_free_their_blocks(real):
+    free0 = _free(real)
+    lengths = [3 + i % 6 for i in range(32)]  # 3..8 tokens each
+    prompts = [f"Item {i}: the number {i * 7} is" for i in range(32)]
+    m0 = httpx.get(real.http + "/metrics", timeout=30).text
+
+    def grpc_stream(client, prompt, n):
+        chunks = list(client.stream(prompt, max_tokens=n, temperature=0.8, seed=n, ignore_eos=True))
+        return sum(len(c.token_ids) for c in chunks), chunks[-1].finish_reason
+
+    def http_stream(client, prompt, n):
+        count, finish = 0, None
+        stream = client.completions.create(
+            model="smollm2",
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0.8,
+            seed=n,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                count = chunk.usage.completion_tokens
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+        return count, finish
+
+    oai = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0, timeout=600)
+    with GenerationClient(real.grpc_target) as g:
+        results = _threads(
+            [
+                (lambda p=p, n=n: grpc_stream(g, p, n))
+                if i % 2 == 0
+                else (lambda p=p, n=n: http_stream(oai, p, n))
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            ]
+        )
+    assert results == [(n, "length") for n in lengths]
+    assert wait_until(lambda: _free(real) == free0, 10)
+    assert real.frontend.num_in_flight == 0
+    m1 = httpx.get(real.http + "/metrics", timeout=30).text
+
+    def value(text, name):
+        return float(
+            next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1]
+        )
+
+    assert value(m1, "jaxpaged:generation_tokens_total") - value(
+        m0, "jaxpaged:generation_tokens_total"
+    ) == sum(lengths)
+    assert (
+        value(m1, "jaxpaged:e2e_request_latency_seconds_count")
+        - value(m0, "jaxpaged:e2e_request_latency_seconds_count")
+        == 32
+    )
+
+
+def _steps(real) -> int:
+    return real.llm_engine.get_stats().num_steps
+
+
+def test_cancel_deadline_and_disconnect_free_blocks_quickly(real):
+    free0 = _free(real)
+    long = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+
+    # gRPC cancel
+    with GenerationClient(real.grpc_target) as client:
+        stream = client.stream("Tell me a long story about a dragon.", **long)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        assert _free(real) < free0
+        stream.close()  # cancels the call
+        steps = _steps(real)
+        assert wait_until(lambda: _free(real) == free0, 30)
+        assert _steps(real) - steps <= 2
+
+    # deadline
+    with GenerationClient(real.grpc_target) as client:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.stream("Count from one to one hundred:", timeout=3.0, **long))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        steps = _steps(real)
+        assert wait_until(lambda: _free(real) == free0, 30)
+        assert _steps(real) - steps <= 2
+        assert time.monotonic() - t0 < 30
+
+    # HTTP disconnect mid-stream
+    body = {"model": "smollm2", "prompt": "List all the colors you know:", "stream": True, **long}
+    with httpx.stream("POST", real.http + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            got += line.startswith("data:")
+            if got == 2:
+                break
+        assert _free(real) < free0
+    steps = _steps(real)
+    assert wait_until(lambda: _free(real) == free0, 30)
+    assert _steps(real) - steps <= 2
+    assert wait_until(lambda: real.frontend.num_in_flight == 0, 10)
