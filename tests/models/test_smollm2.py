@@ -94,8 +94,8 @@ def test_greedy_chat_completions_match(models, hf_greedy):
 
 @pytest.mark.slow
 def test_cli_defaults_to_the_bundled_model(models, hf_greedy, capsys):
-    """No --model: the bundled SmolLM2; greedy's first 16 tokens are HF's first 16."""
+    """No --model: the bundled SmolLM2 (same shapes as above, so nothing recompiles)."""
     _, _, tokenizer, _, _ = models
-    want = tokenizer.decode(hf_greedy[PROMPTS[0]][:16], skip_special_tokens=True)
-    assert main(["--chat", "--max-tokens", "16", PROMPTS[0]]) == 0
+    want = tokenizer.decode(hf_greedy[PROMPTS[0]], skip_special_tokens=True)
+    assert main(["--chat", "--max-tokens", "32", PROMPTS[0]]) == 0
     assert capsys.readouterr().out == want + "\n"
