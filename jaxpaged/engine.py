@@ -94,6 +94,7 @@ class LLMEngine:
         enforce_eager: bool = False,
         attention_backend: str | None = None,
         show_progress: bool = True,
+        eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -156,7 +157,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             bytes_per_block=self.layout.bytes_per_block,
         )
-        self.eos_token_ids = _eos_ids(model_config, tokenizer)
+        self.eos_token_ids = _eos_ids(model_config, tokenizer, eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -200,6 +201,7 @@ class LLMEngine:
         """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
         builds the engine around it."""
         from jaxpaged.models import load_tokenizer
+        from jaxpaged.models.loader import load_eos_token_ids
         from jaxpaged.models.resolve import resolve_model_folder
         from jaxpaged.parallel import load_params, make_mesh
 
@@ -237,6 +239,7 @@ class LLMEngine:
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             show_progress=show_progress,
+            eos_token_ids=load_eos_token_ids(folder, model_config),
         )
 
     # ---------------------------------------------------------------- requests
@@ -483,8 +486,10 @@ def _params_dtype(params: Params) -> Any:
     return params["embed"].dtype
 
 
-def _eos_ids(config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    ids = list(config.eos_token_ids)
+def _eos_ids(
+    config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None
+) -> tuple[int, ...]:
+    ids = list(dict.fromkeys([*config.eos_token_ids, *(extra or ())]))
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in ids:
         ids.append(tok_eos)

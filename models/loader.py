@@ -297,3 +297,14 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
+
+
+def load_eos_token_ids(folder: str | os.PathLike, config: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (HF generate stops at either)."""
+    ids = list(config.eos_token_ids)
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return tuple(dict.fromkeys(ids))
