@@ -173,6 +173,11 @@ class RequestHandle:
             self.finished = True  # the engine has already dropped it
             frontend.mark_failed(e)
             raise EngineFailure(f"the engine failed: {e}") from e
+        except ServingError:
+            raise
+        except Exception as e:  # never a hang or a bare 500: this request fails, others go on
+            log.exception("request %s failed", self.request_id)
+            raise EngineFailure(f"request failed: {type(e).__name__}: {e}") from e
         if not self.finished:
             raise EngineFailure("the engine ended the stream without a final output")
 

@@ -1,8 +1,10 @@
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -10,7 +12,7 @@ class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -18,13 +20,13 @@ class ChatMessage(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: str | None = ..., content: str | None = ...) -> None: ...
 
 class Chat(_message.Message):
     __slots__ = ("messages",)
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    def __init__(self, messages: _Iterable[ChatMessage | _Mapping] | None = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "n", "logprobs", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens")
@@ -62,7 +64,7 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ..., presence_penalty: float | None = ..., frequency_penalty: float | None = ..., seed: int | None = ..., n: int | None = ..., logprobs: int | None = ..., max_tokens: int | None = ..., min_tokens: int | None = ..., ignore_eos: bool | None = ..., stop_token_ids: _Iterable[int] | None = ..., stop: _Iterable[str] | None = ..., include_stop_str_in_output: bool | None = ..., skip_special_tokens: bool | None = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "stream")
@@ -78,7 +80,7 @@ class GenerateRequest(_message.Message):
     chat: Chat
     sampling_params: SamplingParams
     stream: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: str | None = ..., text: str | None = ..., token_ids: TokenIds | _Mapping | None = ..., chat: Chat | _Mapping | None = ..., sampling_params: SamplingParams | _Mapping | None = ..., stream: bool | None = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -86,7 +88,7 @@ class TopLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -96,7 +98,7 @@ class TokenLogprob(_message.Message):
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top: _Iterable[TopLogprob | _Mapping] | None = ...) -> None: ...
 
 class CompletionDelta(_message.Message):
     __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason")
@@ -112,7 +114,7 @@ class CompletionDelta(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
     stop_reason: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, index: int | None = ..., token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[TokenLogprob | _Mapping] | None = ..., finish_reason: str | None = ..., stop_reason: str | None = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -122,7 +124,7 @@ class Usage(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., cached_prompt_tokens: int | None = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("arrival_time", "queue_time_s", "time_to_first_token_s", "e2e_latency_s")
@@ -134,7 +136,7 @@ class Timings(_message.Message):
     queue_time_s: float
     time_to_first_token_s: float
     e2e_latency_s: float
-    def __init__(self, arrival_time: _Optional[float] = ..., queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, arrival_time: float | None = ..., queue_time_s: float | None = ..., time_to_first_token_s: float | None = ..., e2e_latency_s: float | None = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "outputs", "finished", "usage", "timings", "prompt_token_ids")
@@ -150,13 +152,13 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timings: Timings
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: str | None = ..., outputs: _Iterable[CompletionDelta | _Mapping] | None = ..., finished: bool | None = ..., usage: Usage | _Mapping | None = ..., timings: Timings | _Mapping | None = ..., prompt_token_ids: _Iterable[int] | None = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: str | None = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -190,7 +192,7 @@ class ModelInfo(_message.Message):
     num_kv_heads: int
     head_dim: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, served_model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, served_model_name: str | None = ..., model_path: str | None = ..., model_type: str | None = ..., vocab_size: int | None = ..., max_model_len: int | None = ..., num_layers: int | None = ..., hidden_size: int | None = ..., num_heads: int | None = ..., num_kv_heads: int | None = ..., head_dim: int | None = ..., eos_token_ids: _Iterable[int] | None = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -204,7 +206,7 @@ class ServerInfo(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -229,4 +231,4 @@ class ServerInfo(_message.Message):
     num_preemptions: int
     in_flight_requests: int
     max_queue_len: int
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[str] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., max_queue_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: str | None = ..., state: str | None = ..., engine_config: _Mapping[str, str] | None = ..., num_running: int | None = ..., num_waiting: int | None = ..., num_swapped: int | None = ..., kv_cache_usage: float | None = ..., num_kv_blocks: int | None = ..., num_free_blocks: int | None = ..., num_preemptions: int | None = ..., in_flight_requests: int | None = ..., max_queue_len: int | None = ...) -> None: ...
