@@ -1,0 +1,373 @@
+"""Offline throughput: one workload through jaxpaged and Hugging Face transformers, side by side.
+
+    python bench/throughput.py [--model M] [--dtype float32] [--num-prompts 32]
+        [--batch-size 8] [--seed 0] [--systems jaxpaged,hf-static,hf-cb] [--jsonl FILE]
+
+Systems, all greedy, EOS ignored, the same token ids:
+  jaxpaged   LLM.generate (continuous batching over the paged KV pool)
+  hf-static  transformers model.generate() over static, left-padded batches of --batch-size;
+             each batch runs to its longest request, only the requested tokens count as useful
+  hf-cb      transformers' own continuous batching (init_continuous_batching, paged attention)
+             with per-request max_new_tokens
+
+Each system must produce exactly the requested number of tokens per request (else the run
+fails). Useful output tokens/s excludes model loading and jaxpaged's warm-up (compilation),
+which is reported on its own. With jaxpaged in --systems it also times pure-decode steps at
+batch 32 inside the engine and prints them next to this machine's roofline (peaks measured
+in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from common import BenchRequest, load_jsonl_workload, make_workload
+from roofline import decode_step_cost, measure_peaks
+
+SYSTEMS = ("jaxpaged", "hf-static", "hf-cb")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(kw_only=True)
+class SystemResult:
+    system: str
+    num_requests: int
+    useful_tokens: int
+    generated_tokens: int  # includes tokens past a request's max_tokens (static batching)
+    seconds: float
+    load_seconds: float
+    warmup_seconds: float = 0.0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+
+def _check_counts(system: str, produced: Sequence[int], work: Sequence[BenchRequest]) -> None:
+    bad = [(i, n, r.max_tokens) for i, (n, r) in enumerate(zip(produced, work, strict=True))
+           if n != r.max_tokens]  # fmt: skip
+    if bad:
+        i, n, want = bad[0]
+        raise RuntimeError(
+            f"{system}: {len(bad)} request(s) produced the wrong number of tokens "
+            f"(request {i}: {n}, wanted {want})"
+        )
+
+
+# ----------------------------------------------------------------------------- jaxpaged
+def run_jaxpaged(args: argparse.Namespace, work: list[BenchRequest]) -> tuple[SystemResult, Any]:
+    from jaxpaged import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+        show_progress=False,
+    )
+    built = time.perf_counter() - t0
+    warm = llm.engine.warmup_seconds
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+              for r in work]  # fmt: skip
+    t0 = time.perf_counter()
+    outs = llm.generate([list(r.prompt_token_ids) for r in work], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    produced = [len(o.outputs[0].token_ids) for o in outs]
+    _check_counts("jaxpaged", produced, work)
+    m = llm.get_metrics()
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs
+            if o.metrics is not None and o.metrics.first_token_time is not None]  # fmt: skip
+    return SystemResult(
+        system="jaxpaged",
+        num_requests=len(work),
+        useful_tokens=sum(produced),
+        generated_tokens=sum(produced),
+        seconds=seconds,
+        load_seconds=built - warm,
+        warmup_seconds=warm,
+        extra={
+            "warmup_programs": llm.engine.warmup_programs,
+            "compilations_after_warmup": m["num_compilations_after_warmup"],
+            "kv_cache_waste": m["kv_cache_waste"],
+            "num_preemptions": m["num_preemptions"],
+            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
+        },
+    ), llm
+
+
+# --------------------------------------------------------------------------- transformers
+def _torch_dtype(name: str | None) -> Any:
+    import torch
+
+    return {None: torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]  # fmt: skip
+
+
+def _load_hf(folder: str, dtype: str | None) -> tuple[Any, float]:
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_torch_dtype(dtype))
+    model.eval()
+    return model, time.perf_counter() - t0
+
+
+def _pad_id(model: Any, tokenizer: Any) -> int:
+    for cand in (tokenizer.pad_token_id, model.generation_config.pad_token_id,
+                 tokenizer.eos_token_id, 0):  # fmt: skip
+        if isinstance(cand, int):
+            return cand
+    return 0
+
+
+def run_hf_static(
+    args: argparse.Namespace, work: list[BenchRequest], folder: str, tokenizer: Any
+) -> SystemResult:
+    import torch
+
+    model, load_s = _load_hf(folder, args.dtype)
+    pad = _pad_id(model, tokenizer)
+    produced = []
+    generated = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(work), args.batch_size):
+            chunk = work[i : i + args.batch_size]
+            width = max(len(r.prompt_token_ids) for r in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for j, r in enumerate(chunk):  # left padding
+                ids[j, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                mask[j, width - len(r.prompt_token_ids) :] = 1
+            new = max(r.max_tokens for r in chunk)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,  # EOS suppressed: every row runs the whole batch length
+                pad_token_id=pad,
+            )
+            got = out.shape[1] - width
+            generated += got * len(chunk)
+            produced += [min(got, r.max_tokens) for r in chunk]
+    seconds = time.perf_counter() - t0
+    _check_counts("hf-static", produced, work)
+    return SystemResult(
+        system="hf-static",
+        num_requests=len(work),
+        useful_tokens=sum(produced),
+        generated_tokens=generated,
+        seconds=seconds,
+        load_seconds=load_s,
+        extra={"batch_size": args.batch_size},
+    )
+
+
+def run_hf_cb(
+    args: argparse.Namespace, work: list[BenchRequest], folder: str, tokenizer: Any
+) -> SystemResult:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model, load_s = _load_hf(folder, args.dtype)
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(r.max_tokens for r in work),
+        eos_token_id=-1,  # -1 disables EOS in transformers' continuous batching
+        pad_token_id=_pad_id(model, tokenizer),
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r.prompt_token_ids) for r in work),
+        max_generated_length=max(r.max_tokens for r in work),
+        num_requests=len(work),
+    )
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        manager = model.init_continuous_batching(generation_config=gen, workload_hints=hints)
+        if args.hf_cb_warmup:
+            manager.warmup()
+        warm = time.perf_counter() - t0
+        manager.start()
+        try:
+            t0 = time.perf_counter()
+            rids = [f"bench-{i}" for i in range(len(work))]
+            for rid, r in zip(rids, work, strict=True):
+                manager.add_request(list(r.prompt_token_ids), request_id=rid,
+                                    max_new_tokens=r.max_tokens, eos_token_id=-1)  # fmt: skip
+            results: dict[str, Any] = {}
+            while len(results) < len(work):
+                res = manager.get_result(timeout=1)
+                if res is None:
+                    if not manager.is_running():
+                        raise RuntimeError("hf-cb: the generation thread died")
+                    continue
+                if res.is_finished():
+                    if res.error:
+                        raise RuntimeError(f"hf-cb: request {res.request_id}: {res.error}")
+                    results[res.request_id] = res
+            seconds = time.perf_counter() - t0
+        finally:
+            manager.stop(block=True, timeout=10)
+    produced = [len(results[rid].generated_tokens) for rid in rids]
+    _check_counts("hf-cb", produced, work)
+    return SystemResult(
+        system="hf-cb",
+        num_requests=len(work),
+        useful_tokens=sum(produced),
+        generated_tokens=sum(produced),
+        seconds=seconds,
+        load_seconds=load_s,
+        warmup_seconds=warm,
+    )
+
+
+# ---------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="HF folder / hub id / .gguf (default: bundled SmolLM2)"
+    )
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_BYTES))
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8, help="hf-static batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--max-prompt-words", type=int, default=300)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--jsonl", default=None, help="prompts from a JSONL file instead")
+    p.add_argument("--max-model-len", type=int, default=None, help="jaxpaged (default: model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="jaxpaged")
+    p.add_argument(
+        "--decode-batch", type=int, default=32, help="decode step timing batch (0 = skip)"
+    )
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true", help="jaxpaged: no warm-up (smoke)")
+    p.add_argument("--hf-cb-warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--peaks-small", action="store_true", help="quick, rough peak measurement")
+    p.add_argument("--json-out", default=None, help="write all results as JSON here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        print(
+            f"--systems: unknown {sorted(unknown)}; choose from {','.join(SYSTEMS)}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.num_prompts < 1 or args.batch_size < 1:
+        print("--num-prompts and --batch-size must be >= 1", file=sys.stderr)
+        return 2
+
+    from jaxpaged.models import load_tokenizer
+    from jaxpaged.models.resolve import resolve_model_folder
+
+    folder = resolve_model_folder(args.model)
+    tokenizer = load_tokenizer(folder)
+    if args.jsonl:
+        work = load_jsonl_workload(args.jsonl, tokenizer, seed=args.seed,
+                                   min_output=args.min_output, max_output=args.max_output)  # fmt: skip
+    else:
+        work = make_workload(tokenizer, num_prompts=args.num_prompts, seed=args.seed,
+                             max_prompt_words=args.max_prompt_words,
+                             min_output=args.min_output, max_output=args.max_output)  # fmt: skip
+    plens = [len(r.prompt_token_ids) for r in work]
+    print(f"workload: {len(work)} requests, prompt tokens {min(plens)}..{max(plens)} "
+          f"(total {sum(plens)}), output tokens {min(r.max_tokens for r in work)}.."
+          f"{max(r.max_tokens for r in work)} (total {sum(r.max_tokens for r in work)}), "
+          f"dtype {args.dtype}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+
+    results: dict[str, SystemResult] = {}
+    report: dict[str, Any] = {"args": vars(args), "load_avg_start": os.getloadavg()}
+    llm = None
+    for s in systems:
+        print(f"running {s} ...", flush=True)
+        if s == "jaxpaged":
+            results[s], llm = run_jaxpaged(args, work)
+        elif s == "hf-static":
+            results[s] = run_hf_static(args, work, folder, tokenizer)
+        else:
+            results[s] = run_hf_cb(args, work, folder, tokenizer)
+        r = results[s]
+        print(f"  {s}: {r.useful_tokens} useful tokens in {r.seconds:.1f} s = "
+              f"{r.tok_per_s:.1f} tok/s", flush=True)  # fmt: skip
+
+    print()
+    print(f"{'system':12s} {'requests':>8s} {'useful tok':>10s} {'generated':>10s} {'seconds':>8s} "
+          f"{'useful tok/s':>12s} {'load s':>7s} {'warm-up s':>9s}")  # fmt: skip
+    for r in results.values():
+        print(f"{r.system:12s} {r.num_requests:8d} {r.useful_tokens:10d} {r.generated_tokens:10d} "
+              f"{r.seconds:8.1f} {r.tok_per_s:12.1f} {r.load_seconds:7.1f} {r.warmup_seconds:9.1f}")  # fmt: skip
+    if "jaxpaged" in results:
+        e = results["jaxpaged"].extra
+        print(f"jaxpaged warm-up: {results['jaxpaged'].warmup_seconds:.1f} s for "
+              f"{e['warmup_programs']} programs; compilations after warm-up: "
+              f"{e['compilations_after_warmup']}; KV waste {e['kv_cache_waste']:.1%}; "
+              f"preemptions {e['num_preemptions']}")  # fmt: skip
+        for other in ("hf-static", "hf-cb"):
+            if other in results:
+                ratio = results["jaxpaged"].tok_per_s / results[other].tok_per_s
+                report[f"ratio_vs_{other}"] = ratio
+                print(f"ratio jaxpaged / {other}: {ratio:.2f}x")
+    report["results"] = {k: {**dataclasses.asdict(v), "tok_per_s": v.tok_per_s}
+                         for k, v in results.items()}  # fmt: skip
+
+    if llm is not None and args.decode_batch > 0:
+        from step_breakdown import time_decode_steps
+
+        batch = min(args.decode_batch, args.max_num_seqs)
+        timing = time_decode_steps(llm, [r.prompt_token_ids for r in work], batch=batch,
+                                   steps=args.decode_steps)  # fmt: skip
+        peaks = (measure_peaks(matmul_n=256, bandwidth_mib=16, repeats=2) if args.peaks_small
+                 else measure_peaks(dtype="float32"))  # fmt: skip
+        cfg = llm.engine.model_config
+        cost = decode_step_cost(cfg, timing.context_lens, dtype_bytes=_DTYPE_BYTES[args.dtype])
+        roof = cost.roofline_seconds(peaks)
+        print(f"decode step at batch {batch}: measured {timing.median * 1e3:.1f} ms (median of "
+              f"{len(timing.step_seconds)} engine.step(), mean context "
+              f"{sum(timing.context_lens) / batch:.0f} tokens)")  # fmt: skip
+        print(f"  roofline {roof * 1e3:.1f} ms ({cost.bound(peaks)}-bound): "
+              f"{cost.bytes / 1e6:.0f} MB (weights {cost.weight_bytes / 1e6:.0f} + KV "
+              f"{cost.kv_bytes / 1e6:.0f}) / {peaks.mem_bandwidth / 1e9:.1f} GB/s = "
+              f"{cost.bytes / peaks.mem_bandwidth * 1e3:.1f} ms; {cost.flops / 1e9:.2f} GFLOP / "
+              f"{peaks.matmul_flops / 1e9:.0f} GFLOP/s = {cost.flops / peaks.matmul_flops * 1e3:.1f} ms")  # fmt: skip
+        print(f"  measured / roofline = {timing.median / roof:.2f}x")
+        report["decode_step"] = {
+            "batch": batch,
+            "median_s": timing.median,
+            "step_seconds": timing.step_seconds,
+            "mean_context": sum(timing.context_lens) / batch,
+            "roofline_s": roof,
+            "bound": cost.bound(peaks),
+            "flops": cost.flops,
+            "bytes": cost.bytes,
+            "peaks": dataclasses.asdict(peaks),
+            "ratio": timing.median / roof,
+        }
+    report["load_avg_end"] = os.getloadavg()
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
