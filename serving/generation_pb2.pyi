@@ -29,7 +29,25 @@ class Chat(_message.Message):
     def __init__(self, messages: _Iterable[ChatMessage | _Mapping] | None = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "n", "logprobs", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens")
+    __slots__ = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "n",
+        "logprobs",
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "stop",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    )
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -64,7 +82,26 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ..., presence_penalty: float | None = ..., frequency_penalty: float | None = ..., seed: int | None = ..., n: int | None = ..., logprobs: int | None = ..., max_tokens: int | None = ..., min_tokens: int | None = ..., ignore_eos: bool | None = ..., stop_token_ids: _Iterable[int] | None = ..., stop: _Iterable[str] | None = ..., include_stop_str_in_output: bool | None = ..., skip_special_tokens: bool | None = ...) -> None: ...
+    def __init__(
+        self,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        min_p: float | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        seed: int | None = ...,
+        n: int | None = ...,
+        logprobs: int | None = ...,
+        max_tokens: int | None = ...,
+        min_tokens: int | None = ...,
+        ignore_eos: bool | None = ...,
+        stop_token_ids: _Iterable[int] | None = ...,
+        stop: _Iterable[str] | None = ...,
+        include_stop_str_in_output: bool | None = ...,
+        skip_special_tokens: bool | None = ...,
+    ) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "stream")
@@ -80,7 +117,15 @@ class GenerateRequest(_message.Message):
     chat: Chat
     sampling_params: SamplingParams
     stream: bool
-    def __init__(self, request_id: str | None = ..., text: str | None = ..., token_ids: TokenIds | _Mapping | None = ..., chat: Chat | _Mapping | None = ..., sampling_params: SamplingParams | _Mapping | None = ..., stream: bool | None = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        text: str | None = ...,
+        token_ids: TokenIds | _Mapping | None = ...,
+        chat: Chat | _Mapping | None = ...,
+        sampling_params: SamplingParams | _Mapping | None = ...,
+        stream: bool | None = ...,
+    ) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -98,7 +143,12 @@ class TokenLogprob(_message.Message):
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top: _Iterable[TopLogprob | _Mapping] | None = ...) -> None: ...
+    def __init__(
+        self,
+        token_id: int | None = ...,
+        logprob: float | None = ...,
+        top: _Iterable[TopLogprob | _Mapping] | None = ...,
+    ) -> None: ...
 
 class CompletionDelta(_message.Message):
     __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason")
@@ -114,7 +164,15 @@ class CompletionDelta(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
     stop_reason: str
-    def __init__(self, index: int | None = ..., token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[TokenLogprob | _Mapping] | None = ..., finish_reason: str | None = ..., stop_reason: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        index: int | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        text: str | None = ...,
+        logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
+        finish_reason: str | None = ...,
+        stop_reason: str | None = ...,
+    ) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -124,7 +182,12 @@ class Usage(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., cached_prompt_tokens: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        prompt_tokens: int | None = ...,
+        completion_tokens: int | None = ...,
+        cached_prompt_tokens: int | None = ...,
+    ) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("arrival_time", "queue_time_s", "time_to_first_token_s", "e2e_latency_s")
@@ -136,7 +199,13 @@ class Timings(_message.Message):
     queue_time_s: float
     time_to_first_token_s: float
     e2e_latency_s: float
-    def __init__(self, arrival_time: float | None = ..., queue_time_s: float | None = ..., time_to_first_token_s: float | None = ..., e2e_latency_s: float | None = ...) -> None: ...
+    def __init__(
+        self,
+        arrival_time: float | None = ...,
+        queue_time_s: float | None = ...,
+        time_to_first_token_s: float | None = ...,
+        e2e_latency_s: float | None = ...,
+    ) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "outputs", "finished", "usage", "timings", "prompt_token_ids")
@@ -152,7 +221,15 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timings: Timings
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: str | None = ..., outputs: _Iterable[CompletionDelta | _Mapping] | None = ..., finished: bool | None = ..., usage: Usage | _Mapping | None = ..., timings: Timings | _Mapping | None = ..., prompt_token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        outputs: _Iterable[CompletionDelta | _Mapping] | None = ...,
+        finished: bool | None = ...,
+        usage: Usage | _Mapping | None = ...,
+        timings: Timings | _Mapping | None = ...,
+        prompt_token_ids: _Iterable[int] | None = ...,
+    ) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -169,7 +246,19 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "model_path", "model_type", "vocab_size", "max_model_len", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "eos_token_ids")
+    __slots__ = (
+        "served_model_name",
+        "model_path",
+        "model_type",
+        "vocab_size",
+        "max_model_len",
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "eos_token_ids",
+    )
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -192,14 +281,40 @@ class ModelInfo(_message.Message):
     num_kv_heads: int
     head_dim: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, served_model_name: str | None = ..., model_path: str | None = ..., model_type: str | None = ..., vocab_size: int | None = ..., max_model_len: int | None = ..., num_layers: int | None = ..., hidden_size: int | None = ..., num_heads: int | None = ..., num_kv_heads: int | None = ..., head_dim: int | None = ..., eos_token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(
+        self,
+        served_model_name: str | None = ...,
+        model_path: str | None = ...,
+        model_type: str | None = ...,
+        vocab_size: int | None = ...,
+        max_model_len: int | None = ...,
+        num_layers: int | None = ...,
+        hidden_size: int | None = ...,
+        num_heads: int | None = ...,
+        num_kv_heads: int | None = ...,
+        head_dim: int | None = ...,
+        eos_token_ids: _Iterable[int] | None = ...,
+    ) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "state", "engine_config", "num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_kv_blocks", "num_free_blocks", "num_preemptions", "in_flight_requests", "max_queue_len")
+    __slots__ = (
+        "version",
+        "state",
+        "engine_config",
+        "num_running",
+        "num_waiting",
+        "num_swapped",
+        "kv_cache_usage",
+        "num_kv_blocks",
+        "num_free_blocks",
+        "num_preemptions",
+        "in_flight_requests",
+        "max_queue_len",
+    )
     class EngineConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +322,7 @@ class ServerInfo(_message.Message):
         key: str
         value: str
         def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
+
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -231,4 +347,18 @@ class ServerInfo(_message.Message):
     num_preemptions: int
     in_flight_requests: int
     max_queue_len: int
-    def __init__(self, version: str | None = ..., state: str | None = ..., engine_config: _Mapping[str, str] | None = ..., num_running: int | None = ..., num_waiting: int | None = ..., num_swapped: int | None = ..., kv_cache_usage: float | None = ..., num_kv_blocks: int | None = ..., num_free_blocks: int | None = ..., num_preemptions: int | None = ..., in_flight_requests: int | None = ..., max_queue_len: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        version: str | None = ...,
+        state: str | None = ...,
+        engine_config: _Mapping[str, str] | None = ...,
+        num_running: int | None = ...,
+        num_waiting: int | None = ...,
+        num_swapped: int | None = ...,
+        kv_cache_usage: float | None = ...,
+        num_kv_blocks: int | None = ...,
+        num_free_blocks: int | None = ...,
+        num_preemptions: int | None = ...,
+        in_flight_requests: int | None = ...,
+        max_queue_len: int | None = ...,
+    ) -> None: ...

@@ -4,23 +4,24 @@
 import grpc
 from jaxpaged.serving import generation_pb2 as jaxpaged_dot_v1_dot_generation__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = "1.85.1"
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
 try:
     from grpc._utilities import first_version_is_lower
+
     _version_not_supported = first_version_is_lower(GRPC_VERSION, GRPC_GENERATED_VERSION)
 except ImportError:
     _version_not_supported = True
 
 if _version_not_supported:
     raise RuntimeError(
-        f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in jaxpaged/v1/generation_pb2_grpc.py depends on'
-        + f' grpcio>={GRPC_GENERATED_VERSION}.'
-        + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
-        + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
+        f"The grpc package installed is at version {GRPC_VERSION},"
+        + " but the generated code in jaxpaged/v1/generation_pb2_grpc.py depends on"
+        + f" grpcio>={GRPC_GENERATED_VERSION}."
+        + f" Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}"
+        + f" or downgrade your generated code using grpcio-tools<={GRPC_VERSION}."
     )
 
 
@@ -34,25 +35,29 @@ class GenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/jaxpaged.v1.Generation/Generate',
-                request_serializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
-                _registered_method=True)
+            "/jaxpaged.v1.Generation/Generate",
+            request_serializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            _registered_method=True,
+        )
         self.Abort = channel.unary_unary(
-                '/jaxpaged.v1.Generation/Abort',
-                request_serializer=jaxpaged_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.AbortResponse.FromString,
-                _registered_method=True)
+            "/jaxpaged.v1.Generation/Abort",
+            request_serializer=jaxpaged_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            _registered_method=True,
+        )
         self.GetModelInfo = channel.unary_unary(
-                '/jaxpaged.v1.Generation/GetModelInfo',
-                request_serializer=jaxpaged_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.ModelInfo.FromString,
-                _registered_method=True)
+            "/jaxpaged.v1.Generation/GetModelInfo",
+            request_serializer=jaxpaged_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            _registered_method=True,
+        )
         self.GetServerInfo = channel.unary_unary(
-                '/jaxpaged.v1.Generation/GetServerInfo',
-                request_serializer=jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.FromString,
-                _registered_method=True)
+            "/jaxpaged.v1.Generation/GetServerInfo",
+            request_serializer=jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
+            response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            _registered_method=True,
+        )
 
 
 class GenerationServicer:
@@ -64,77 +69,79 @@ class GenerationServicer:
         request and frees its KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
 
     def Abort(self, request, context):
-        """Aborts a running request by id (unknown ids are ignored).
-        """
+        """Aborts a running request by id (unknown ids are ignored)."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
 
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
 
     def GetServerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
 
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.AbortRequest.FromString,
-                    response_serializer=jaxpaged_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
-            ),
-            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetModelInfo,
-                    request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=jaxpaged_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
-            ),
-            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetServerInfo,
-                    request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
-            ),
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+            response_serializer=jaxpaged_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort,
+            request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+            response_serializer=jaxpaged_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+            response_serializer=jaxpaged_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo,
+            request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
+            response_serializer=jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+        ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'jaxpaged.v1.Generation', rpc_method_handlers)
+        "jaxpaged.v1.Generation", rpc_method_handlers
+    )
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('jaxpaged.v1.Generation', rpc_method_handlers)
+    server.add_registered_method_handlers("jaxpaged.v1.Generation", rpc_method_handlers)
 
 
- # This class is part of an EXPERIMENTAL API.
+# This class is part of an EXPERIMENTAL API.
 class Generation:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
+    def Generate(
+        request,
+        target,
+        options=(),
+        channel_credentials=None,
+        call_credentials=None,
+        insecure=False,
+        compression=None,
+        wait_for_ready=None,
+        timeout=None,
+        metadata=None,
+    ):
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/jaxpaged.v1.Generation/Generate',
+            "/jaxpaged.v1.Generation/Generate",
             jaxpaged_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             jaxpaged_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
@@ -145,23 +152,26 @@ class Generation:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            _registered_method=True,
+        )
 
     @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
+    def Abort(
+        request,
+        target,
+        options=(),
+        channel_credentials=None,
+        call_credentials=None,
+        insecure=False,
+        compression=None,
+        wait_for_ready=None,
+        timeout=None,
+        metadata=None,
+    ):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jaxpaged.v1.Generation/Abort',
+            "/jaxpaged.v1.Generation/Abort",
             jaxpaged_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             jaxpaged_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
@@ -172,23 +182,26 @@ class Generation:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            _registered_method=True,
+        )
 
     @staticmethod
-    def GetModelInfo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
+    def GetModelInfo(
+        request,
+        target,
+        options=(),
+        channel_credentials=None,
+        call_credentials=None,
+        insecure=False,
+        compression=None,
+        wait_for_ready=None,
+        timeout=None,
+        metadata=None,
+    ):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jaxpaged.v1.Generation/GetModelInfo',
+            "/jaxpaged.v1.Generation/GetModelInfo",
             jaxpaged_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             jaxpaged_dot_v1_dot_generation__pb2.ModelInfo.FromString,
             options,
@@ -199,23 +212,26 @@ class Generation:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            _registered_method=True,
+        )
 
     @staticmethod
-    def GetServerInfo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
+    def GetServerInfo(
+        request,
+        target,
+        options=(),
+        channel_credentials=None,
+        call_credentials=None,
+        insecure=False,
+        compression=None,
+        wait_for_ready=None,
+        timeout=None,
+        metadata=None,
+    ):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jaxpaged.v1.Generation/GetServerInfo',
+            "/jaxpaged.v1.Generation/GetServerInfo",
             jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
             jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.FromString,
             options,
@@ -226,4 +242,5 @@ class Generation:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            _registered_method=True,
+        )

@@ -2,7 +2,8 @@
 # Regenerates the gRPC stubs serving/generation_pb2{,_grpc}.py(i) from
 # serving/proto/jaxpaged/v1/generation.proto. Usage: serving/regen_proto.sh [OUT_DIR]
 # (default: serving/). The stubs live flat in jaxpaged.serving, so the import line that
-# protoc writes for the proto package (jaxpaged.v1) is rewritten to jaxpaged.serving.
+# protoc writes for the proto package (jaxpaged.v1) is rewritten to jaxpaged.serving. They are
+# then passed through ruff with the project's config, so `make format` leaves them unchanged.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-$here}"
@@ -16,3 +17,8 @@ for f in generation_pb2.py generation_pb2.pyi generation_pb2_grpc.py; do
   sed -e 's/^from jaxpaged\.v1 import generation_pb2/from jaxpaged.serving import generation_pb2/' \
     "$tmp/jaxpaged/v1/$f" >"$out/$f"
 done
+files=("$out/generation_pb2.py" "$out/generation_pb2.pyi" "$out/generation_pb2_grpc.py")
+cfg="$here/../pyproject.toml"
+"$py" -m ruff format -q --config "$cfg" "${files[@]}"
+"$py" -m ruff check -q --fix-only --exit-zero --config "$cfg" "${files[@]}"
+"$py" -m ruff format -q --config "$cfg" "${files[@]}"
