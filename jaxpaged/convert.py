@@ -58,8 +58,6 @@ def convert(
     """Load ``model`` (None = bundled, folder, hub id or .gguf) and write it to ``out`` as an
     Orbax model folder; returns ``out``. ``dtype`` None keeps the checkpoint's own dtype
     (``torch_dtype`` when it is float32/bfloat16/float16, else float32)."""
-    import orbax.checkpoint as ocp
-
     from jaxpaged.models.loader import DTYPES, load_model
     from jaxpaged.models.resolve import resolve_model_folder
 
@@ -77,16 +75,26 @@ def convert(
         src = os.path.join(folder, name)
         if os.path.isfile(src) and not name.endswith(_SKIP_SUFFIXES) and name != MARKER:
             shutil.copy2(src, os.path.join(out, name))
+    save_params(params, out, dtype=dtype, source=str(folder))
+    return out
+
+
+def save_params(params: Params, out: str | os.PathLike, *, dtype: str, source: str = "") -> None:
+    """Write params (on any devices or mesh, in the un-replicated layout of the folder's
+    config.json) as ``out/params`` plus the marker file. ``out`` must already hold the
+    config and tokenizer files."""
+    import orbax.checkpoint as ocp
+
+    out = os.path.abspath(os.fspath(out))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(out, PARAMS_DIR), params)
     checkpointer.wait_until_finished()
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump(
-            {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype, "source": str(folder)},
+            {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype, "source": source},
             f,
             indent=2,
         )
-    return out
 
 
 def _read_marker(folder: str) -> dict[str, Any]:

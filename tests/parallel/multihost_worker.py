@@ -20,7 +20,7 @@ def main() -> None:
 
     multihost.initialize(num_processes=2, process_id=int(rank), coordinator_address=address)
     import jax
-    from tp_cases import ENGINE_ARGS, PROMPTS
+    from tp_cases import ENGINE_ARGS, MAX_TOKENS, PROMPTS
 
     from jaxpaged import LLM, SamplingParams
 
@@ -28,7 +28,9 @@ def main() -> None:
     if jax.process_index() == 0:
         leader = multihost.lead(llm.engine)
         outs = llm.generate(
-            PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False
+            PROMPTS,
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
         )
         metrics = llm.get_metrics()
         leader.stop()

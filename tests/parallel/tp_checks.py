@@ -1,0 +1,377 @@
+"""Tensor-parallel checks, run in ONE subprocess with 4 simulated CPU devices by
+test_parallel.py (so the rest of the suite keeps its single device and every check shares one
+JAX start-up and its compiled programs).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel/tp_checks.py \
+        --workdir /tmp/x --out /tmp/x/results.json [CHECK ...]
+
+Each check raises AssertionError on failure; the JSON maps check -> "ok" or the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tp_cases import ENGINE_ARGS, MAX_TOKENS, PROMPTS, make_tiny_model  # noqa: E402
+
+# Independent statement of the Megatron split (leaf -> split axis); vocab leaves only when N
+# divides V.
+SPLIT_AXIS = {
+    "layers/wqkv": 2,
+    "layers/bqkv": 1,
+    "layers/wo": 1,
+    "layers/w_gate_up": 3,
+    "layers/w_down": 1,
+    "embed": 0,
+    "lm_head": 1,
+}
+
+
+class Ctx:
+    """State shared by the checks: a work folder and cached models / TP=1 references."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.models: dict[str, str] = {}
+        self.refs: dict[str, list[list[int]]] = {}
+
+    def model(self, family: str) -> str:
+        if family not in self.models:
+            self.models[family] = make_tiny_model(family, os.path.join(self.workdir, family))
+        return self.models[family]
+
+    def ref(self, family: str) -> list[list[int]]:
+        if family not in self.refs:
+            self.refs[family] = greedy(self.model(family), 1)[0]
+        return self.refs[family]
+
+
+def greedy(model: str, tp: int, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw: Any):
+    """(token ids per prompt, the LLM) for greedy decoding at tensor_parallel_size=tp."""
+    from jaxpaged import LLM, SamplingParams
+
+    args = dict(ENGINE_ARGS)
+    args.update(kw)
+    llm = LLM(model, tensor_parallel_size=tp, show_progress=False, **args)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    llm.engine.close()
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_leaves(v, f"{prefix}/{k}" if prefix else k))
+        return out
+    return {prefix: tree}
+
+
+def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> None:
+    """Every weight and the KV pool live on n devices, split as SPLIT_AXIS says."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    cfg = engine.model_config
+    want_kv = num_kv_heads if num_kv_heads % n == 0 else n  # replicated heads -> N
+    assert cfg.num_kv_heads == want_kv, (cfg.num_kv_heads, want_kv)
+    mesh_devices = set(engine.mesh.devices.flat)
+    assert len(mesh_devices) == n
+    for path, x in _leaves(engine.runner.params).items():
+        assert isinstance(x.sharding, NamedSharding), (path, x.sharding)
+        shards = x.addressable_shards
+        assert {s.device for s in shards} == mesh_devices, path
+        axis = SPLIT_AXIS.get(path)
+        if path in ("embed", "lm_head") and vocab % n:
+            axis = None
+        want = list(x.shape)
+        if axis is not None:
+            want[axis] //= n
+        for s in shards:
+            assert list(s.data.shape) == want, (path, s.data.shape, want)
+        if axis is not None:  # the shards are n different slices that tile the axis
+            starts = sorted(s.index[axis].start or 0 for s in shards)
+            assert starts == [i * want[axis] for i in range(n)], (path, starts)
+    for pages in engine.runner.pool:
+        L, hd = cfg.num_layers, cfg.head_dim
+        assert pages.shape == (L * engine.layout.num_blocks, engine.layout.block_size, want_kv, hd)
+        shards = pages.addressable_shards
+        assert {s.device for s in shards} == mesh_devices
+        for s in shards:
+            assert s.data.shape == (pages.shape[0], pages.shape[1], want_kv // n, hd), s.data.shape
+    assert jax.device_count() >= n
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_family(ctx: Ctx, family: str) -> None:
+    import json as _json
+
+    path = ctx.model(family)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = _json.load(f)
+    ref = ctx.ref(family)
+    assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
+    for tp in (2, 4):
+        got, llm = greedy(path, tp)
+        assert got == ref, f"{family} TP={tp}: {got} != TP=1 {ref}"
+        assert_sharded(
+            llm.engine, tp, num_kv_heads=hf["num_key_value_heads"], vocab=hf["vocab_size"]
+        )
+
+
+def check_multihost(ctx: Ctx) -> None:
+    """Two processes x 2 CPU devices, one global mesh of 4 (KV heads replicated), gloo."""
+    import socket
+
+    path = ctx.model("llama")
+    ref = ctx.ref("llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    worker = os.path.join(here, "multihost_worker.py")
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    outs = [os.path.join(ctx.workdir, f"rank{r}.json") for r in (0, 1)]
+    logs = [open(os.path.join(ctx.workdir, f"rank{r}.log"), "w") for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, path, str(r), f"127.0.0.1:{port}", outs[r], "4"],
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        rcs = [p.wait(timeout=420) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+    if rcs != [0, 0]:
+        tails = [open(f.name).read()[-3000:] for f in logs]
+        raise AssertionError(f"worker exit codes {rcs}\n" + "\n----\n".join(tails))
+    r0 = json.load(open(outs[0]))
+    r1 = json.load(open(outs[1]))
+    assert r0["device_count"] == 4 and r0["local_device_count"] == 2, r0
+    assert r0["tokens"] == ref, f"2-process TP=4 {r0['tokens']} != TP=1 {ref}"
+    # each process holds 2 of the 4 KV-head shards
+    assert r0["pool_shape"][2] == 4 and [s[2] for s in r0["pool_local_shards"]] == [1, 1], r0
+    assert r1["follower_steps"] >= MAX_TOKENS, r1
+
+
+def check_smollm2_tp3(ctx: Ctx) -> None:
+    """The bundled model (9 q / 3 KV heads) at TP=3, with real chat prompts (prefill + decode)."""
+    from jaxpaged.models import default_model_path
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )
+        )
+        for q in ("What is the capital of France?", "Write a haiku about the sea.")
+    ]
+    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    kw = dict(max_model_len=256, max_num_batched_tokens=128, num_kv_blocks=64)
+    ref, _ = greedy(path, 1, prompts=prompts, max_tokens=12, **kw)
+    got, llm = greedy(path, 3, prompts=prompts, max_tokens=12, **kw)
+    assert got == ref, f"SmolLM2 TP=3 {got} != TP=1 {ref}"
+    assert_sharded(llm.engine, 3, num_kv_heads=3, vocab=49152)
+
+
+def check_warmup_no_recompile(ctx: Ctx) -> None:
+    """With warm-up on and TP on, serving mixed prefill/decode steps, n > 1 (shared prefix
+    blocks, copy-on-write) compiles nothing new."""
+    from jaxpaged import LLM, SamplingParams
+
+    llm = LLM(
+        ctx.model("llama"),
+        tensor_parallel_size=4,
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        num_kv_blocks=24,
+        block_size=8,
+        show_progress=False,
+    )
+    prompts = [[5], list(range(3, 14)), list(range(20, 40))]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    m = llm.get_metrics()
+    llm.engine.close()
+    assert [len(o.outputs) for o in outs] == [1, 2, 1]
+    assert m["num_compilations_after_warmup"] == 0, m
+    assert m["num_compilations"] > 0, m  # the counter does see compilations
+
+
+def check_orbax(ctx: Ctx) -> None:
+    """convert CLI -> restore into no mesh / TP 2 / TP 4 (replicated KV heads), identical to
+    the safetensors loads; params saved from a TP=2 mesh restore into TP=4; LLM(model=OUT)."""
+    import jax
+    import numpy as np
+    from jaxpaged.models import load_model
+
+    from jaxpaged import convert, parallel
+
+    path = ctx.model("llama")
+    out = os.path.join(ctx.workdir, "llama-orbax")
+    assert convert.main([path, out]) == 0
+    assert convert.is_orbax_model(out) and not convert.is_orbax_model(path)
+
+    def same(a: Any, b: Any) -> None:
+        la, lb = _leaves(a), _leaves(b)
+        assert la.keys() == lb.keys()
+        for k in la:
+            x, y = np.asarray(jax.device_get(la[k])), np.asarray(jax.device_get(lb[k]))
+            assert x.dtype == y.dtype and np.array_equal(x, y), k
+            assert la[k].sharding == lb[k].sharding, (k, la[k].sharding, lb[k].sharding)
+
+    cfg0, p0 = load_model(path, progress=False)
+    cfg, p = convert.restore(out)
+    assert cfg == cfg0
+    same(p, p0)
+    for n in (2, 4):
+        mesh = parallel.make_mesh(n)
+        want_cfg, want = parallel.load_params(path, mesh=mesh, progress=False)
+        got_cfg, got = convert.restore(out, mesh=mesh)
+        assert got_cfg == want_cfg and got_cfg.num_kv_heads == max(2, n)
+        same(got, want)
+
+    # a checkpoint written from params sharded over 2 devices, restored over 4 and 1
+    out2 = os.path.join(ctx.workdir, "llama-orbax-tp2")
+    os.makedirs(out2)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(path, name), "rb") as src, open(os.path.join(out2, name), "wb") as d:
+            d.write(src.read())
+    _, p2 = parallel.load_params(path, mesh=parallel.make_mesh(2), progress=False)
+    convert.save_params(p2, out2, dtype="float32")
+    _, back1 = convert.restore(out2)
+    same(back1, p0)
+    _, back4 = convert.restore(out2, mesh=parallel.make_mesh(4))
+    same(back4, parallel.load_params(path, mesh=parallel.make_mesh(4), progress=False)[1])
+
+    got, llm = greedy(out, 4)  # LLM(model=OUT) detects the Orbax folder
+    assert got == ctx.ref("llama"), got
+    assert_sharded(llm.engine, 4, num_kv_heads=2, vocab=256)
+    assert convert.main([path, out]) == 2  # OUT not empty: clear error, exit code 2
+
+
+def check_errors(ctx: Ctx) -> None:
+    import dataclasses
+
+    from jaxpaged.models.config import ModelConfig
+
+    from jaxpaged import LLM, multihost, parallel
+    from jaxpaged.config import ParallelConfig
+
+    def raises(fn: Callable[[], Any], *words: str) -> None:
+        try:
+            fn()
+        except ValueError as exc:
+            msg = str(exc)
+            assert all(w in msg for w in words), (msg, words)
+            return
+        raise AssertionError(f"no ValueError (wanted {words})")
+
+    raises(lambda: parallel.make_mesh(5), "tensor_parallel_size=5", "4 available")
+    raises(lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size")
+    raises(lambda: LLM(ctx.model("llama"), tensor_parallel_size=8), "tensor_parallel_size=8")
+    # qwen3 tiny has 8 query heads: 3 does not divide them (fails before any weight is read)
+    raises(
+        lambda: LLM(ctx.model("qwen3"), tensor_parallel_size=3),
+        "tensor_parallel_size=3",
+        "num_attention_heads=8",
+    )
+    base = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=8,
+    )
+    raises(lambda: parallel.kv_replication(base, 2), "num_key_value_heads=3")
+    raises(lambda: parallel.kv_replication(base, 4), "num_attention_heads=6")
+    odd_mlp = dataclasses.replace(base, intermediate_size=100, num_heads=4, num_kv_heads=2)
+    raises(lambda: parallel.kv_replication(odd_mlp, 4), "intermediate_size=100")
+    assert parallel.kv_replication(dataclasses.replace(base, num_heads=12), 6) == 2
+    raises(
+        lambda: multihost.initialize(num_processes=2, process_id=2, coordinator_address="x:1"),
+        "process_id",
+    )
+    raises(
+        lambda: multihost.initialize(num_processes=2, process_id=0, coordinator_address=None),
+        "coordinator_address",
+    )
+    raises(
+        lambda: multihost.check_engine_args(num_processes=2, preemption_mode="swap"),
+        "preemption_mode",
+    )
+
+
+CHECKS: dict[str, Callable[[Ctx], None]] = {
+    "errors": check_errors,
+    "family_llama": lambda c: check_family(c, "llama"),
+    "multihost": check_multihost,
+    "family_qwen2": lambda c: check_family(c, "qwen2"),
+    "family_qwen3": lambda c: check_family(c, "qwen3"),
+    "family_mistral": lambda c: check_family(c, "mistral"),
+    "orbax": check_orbax,
+    "warmup_no_recompile": check_warmup_no_recompile,
+    "smollm2_tp3": check_smollm2_tp3,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("checks", nargs="*", default=list(CHECKS))
+    args = parser.parse_args()
+    import jax
+
+    assert jax.device_count() >= 4, f"need 4 devices (XLA_FLAGS), got {jax.device_count()}"
+    ctx = Ctx(args.workdir)
+    results: dict[str, str] = {}
+    for name in args.checks:
+        start = time.perf_counter()
+        try:
+            CHECKS[name](ctx)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        print(f"CHECK {name}: {results[name][:2000]} ({time.perf_counter() - start:.1f} s)")
+        sys.stdout.flush()
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
