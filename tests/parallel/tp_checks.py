@@ -318,8 +318,8 @@ def check_errors(ctx: Ctx) -> None:
     )
     raises(lambda: parallel.kv_replication(base, 2), "num_key_value_heads=3")
     raises(lambda: parallel.kv_replication(base, 4), "num_attention_heads=6")
-    odd_mlp = dataclasses.replace(base, intermediate_size=100, num_heads=4, num_kv_heads=2)
-    raises(lambda: parallel.kv_replication(odd_mlp, 4), "intermediate_size=100")
+    odd_mlp = dataclasses.replace(base, intermediate_size=90, num_heads=4, num_kv_heads=2)
+    raises(lambda: parallel.kv_replication(odd_mlp, 4), "intermediate_size=90")
     assert parallel.kv_replication(dataclasses.replace(base, num_heads=12), 6) == 2
     raises(
         lambda: multihost.initialize(num_processes=2, process_id=2, coordinator_address="x:1"),

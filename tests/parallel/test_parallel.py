@@ -1,0 +1,57 @@
+"""Tensor parallelism, Orbax and multi-host, on 4 simulated CPU devices.
+
+The checks (tp_checks.py) run in one subprocess started with
+XLA_FLAGS=--xla_force_host_platform_device_count=4, so this pytest process and the rest of
+the suite keep a single device; each test below reports one check's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+CHECKS = [
+    "errors",
+    "family_llama",
+    "multihost",
+    "family_qwen2",
+    "family_qwen3",
+    "family_mistral",
+    "orbax",
+    "warmup_no_recompile",
+    "smollm2_tp3",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[dict[str, str], str]:
+    work = tmp_path_factory.mktemp("tp")
+    out = work / "results.json"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tp_checks.py"), "--workdir", str(work), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    found = json.loads(out.read_text()) if out.exists() else {}
+    log = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return found, log
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_tensor_parallel(results, check: str) -> None:
+    found, log = results
+    assert check in found, f"check {check!r} did not run:\n{log}"
+    assert found[check] == "ok", found[check]
