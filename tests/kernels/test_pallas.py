@@ -99,10 +99,15 @@ def _lower_for_gpu(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_pallas_lowers_to_triton(dtype):
-    """Both kernels pass the Pallas->Triton lowering (sizes, ops) for a Llama-8B-like shape."""
-    t, hq, hkv, d, nb, bs, s, p = 64, 32, 8, 128, 256, 16, 8, 40
+@pytest.mark.parametrize(
+    "dtype,t,hq,hkv,d,nb,bs,s,p",
+    [
+        ("bfloat16", 64, 32, 8, 128, 256, 16, 8, 40),  # Llama-8B-like
+        ("float32", 50, 9, 3, 64, 250, 8, 7, 33),  # SmolLM2-like, sizes not powers of two
+    ],
+)
+def test_pallas_lowers_to_triton(dtype, t, hq, hkv, d, nb, bs, s, p):
+    """Both kernels pass the Pallas->Triton lowering (tensor sizes, ops) on a CPU machine."""
     dt = jnp.dtype(DTYPES[dtype])
     args = [
         jax.ShapeDtypeStruct(shape, dtype)
