@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-queue-len",
-        type=int,
+        type=_positive_int,
         default=None,
         help="refuse requests (429 / RESOURCE_EXHAUSTED) while this many wait for their first token",
     )
@@ -207,8 +207,6 @@ def main(
             f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
             "supported yet; run with -tp 1"
         )
-    if args.max_queue_len is not None and args.max_queue_len < 0:
-        parser.error(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"

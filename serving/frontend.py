@@ -116,8 +116,10 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
-        if self.max_queue_len is not None and self.max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ValueError(
+                f"max_queue_len must be >= 1 (or None: no limit), got {self.max_queue_len}"
+            )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for name in ("port", "grpc_port"):

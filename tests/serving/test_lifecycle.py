@@ -155,6 +155,8 @@ def test_not_serving_while_loading(serve_process):
     [
         (["-tp", "2"], "tensor parallelism is not supported"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--max-queue-len", "0"], "--max-queue-len"),
+        (["--port", "70000"], "--port"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--preemption-mode", "pause"], "--preemption-mode"),
