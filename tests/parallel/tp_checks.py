@@ -183,15 +183,14 @@ def check_smollm2_tp3(ctx: Ctx) -> None:
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-            )
+    prompts = []
+    for q in ("What is the capital of France?", "Write a haiku about the sea."):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
         )
-        for q in ("What is the capital of France?", "Write a haiku about the sea.")
-    ]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        prompts.append(list(ids))
     kw = dict(max_model_len=256, max_num_batched_tokens=128, num_kv_blocks=64)
     ref, _ = greedy(path, 1, prompts=prompts, max_tokens=12, **kw)
     got, llm = greedy(path, 3, prompts=prompts, max_tokens=12, **kw)
