@@ -14,7 +14,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "jaxpaged.llm",
-    "generate": "jaxpaged.llm",
+    "generate": "jaxpaged.generate",
     "CompletionOutput": "jaxpaged.outputs",
     "Logprob": "jaxpaged.outputs",
     "RequestMetrics": "jaxpaged.outputs",

@@ -1,4 +1,4 @@
-"""LLM: offline batch generation, the way vLLM users call it; and the functional generate()."""
+"""LLM: offline batch generation, the way vLLM users call it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.engine import LLMEngine, Prompt
-from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -163,62 +160,3 @@ class LLM:
             "prompt_tokens_total": s.prompt_tokens_total,
             "generation_tokens_total": s.generation_tokens_total,
         }
-
-
-def generate(
-    prompts: Prompt | Sequence[Prompt],
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    *,
-    model: str | os.PathLike | None = None,
-    params: Params | None = None,
-    config: ModelConfig | None = None,
-    tokenizer: Any = None,
-    use_tqdm: bool = False,
-    **engine_args: Any,
-) -> list[RequestOutput]:
-    """One call from JAX research code: a model by name/folder (None = bundled), or params +
-    config (+ tokenizer, needed for text prompts) already in memory; no server involved."""
-    if params is not None or config is not None:
-        if params is None or config is None:
-            raise ValueError("params and config must be given together")
-        if model is not None:
-            raise ValueError("give either model or params + config, not both")
-        max_model_len = engine_args.pop("max_model_len", None) or min(
-            config.max_position_embeddings, 4096
-        )
-        max_num_seqs = engine_args.pop("max_num_seqs", 64)
-        engine = LLMEngine(
-            model_config=config,
-            params=params,
-            tokenizer=tokenizer,
-            cache_config=CacheConfig(
-                **{k: engine_args.pop(k) for k in _CACHE_ARGS if k in engine_args}
-            ),
-            scheduler_config=SchedulerConfig(
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=engine_args.pop(
-                    "max_num_batched_tokens", max(512, max_num_seqs)
-                ),
-                preemption_mode=engine_args.pop("preemption_mode", "recompute"),
-            ),
-            show_progress=use_tqdm,
-            **engine_args,
-        )
-        llm = LLM.from_engine(engine)
-    else:
-        llm = LLM(model, show_progress=use_tqdm, **engine_args)
-    try:
-        return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-    finally:
-        llm.engine.close()
-
-
-_CACHE_ARGS = (
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "swap_space",
-    "enable_prefix_caching",
-)

@@ -1,5 +1,6 @@
-"""`python -m jaxpaged.generate` and its dense-cache loop against Hugging Face generate, on a tiny
-random Llama with a byte-level tokenizer and a chat template, saved the way users save models."""
+"""`python -m jaxpaged.generate` and the functional `jaxpaged.generate()` (both on the paged
+engine) against Hugging Face generate, on a tiny random Llama with a byte-level tokenizer and a
+chat template, saved the way users save models."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import sys
 import pytest
 import torch
 import transformers
-from jaxpaged.models import load_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from jaxpaged.generate import encode_prompt, eos_ids_of, generate_dense, main
+import jaxpaged
+from jaxpaged import SamplingParams
+from jaxpaged.generate import main
+from jaxpaged.models import load_model
 
 BOS, EOS = 256, 257
 CHAT_TEMPLATE = (
@@ -72,6 +75,30 @@ def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    if chat:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def _generate(params, config, tokenizer, prompt_ids, **sampling):
+    """The functional entry on params already in memory (as JAX research code holds them)."""
+    sampling.setdefault("temperature", 0.0)
+    (out,) = jaxpaged.generate(
+        [prompt_ids],
+        SamplingParams(**sampling),
+        params=params,
+        config=config,
+        tokenizer=tokenizer,
+        max_model_len=128,
+        num_kv_blocks=16,
+        enforce_eager=True,
+    )
+    return list(out.outputs[0].token_ids)
+
+
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONIOENCODING="utf-8", JAX_PLATFORMS="cpu")
     return subprocess.run(
@@ -83,16 +110,13 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_dense_cache_greedy_matches_transformers(tiny, chat):
+def test_functional_generate_greedy_matches_transformers(tiny, chat):
     hf, tokenizer, folder = tiny
     config, params = load_model(folder, dtype="float32", progress=False)
     prompt_ids = encode_prompt(tokenizer, PROMPT, chat=chat)
-    assert len(prompt_ids) > 16  # prefill is padded past one bucket
+    assert len(prompt_ids) > 16  # prefill spans two blocks
     want = _hf_greedy(hf, prompt_ids, 24)
-    got = generate_dense(
-        params, config, prompt_ids, max_tokens=24, eos_token_ids=eos_ids_of(folder, config)
-    )
-    assert got == want
+    assert _generate(params, config, tokenizer, prompt_ids, max_tokens=24) == want
 
 
 def test_cli_subprocess_prints_only_the_generated_text(tiny):
@@ -129,6 +153,9 @@ def test_cli_rejects_bad_arguments(tiny, capsys):
     with pytest.raises(FileNotFoundError, match=f"{missing}.*does not exist"):
         main(["--model", missing, "hi"])
     assert capsys.readouterr().out == ""
+    assert main(["--model", folder, "--max-model-len", "8", "a prompt far too long"]) == 2
+    captured = capsys.readouterr()
+    assert "prompt" in captured.err and captured.out == ""
 
 
 def test_sampling_is_seeded_and_varies(tiny):
@@ -136,15 +163,19 @@ def test_sampling_is_seeded_and_varies(tiny):
     config, params = load_model(folder, dtype="float32", progress=False)
     prompt_ids = encode_prompt(tokenizer, PROMPT, chat=False)
     runs = [
-        generate_dense(params, config, prompt_ids, max_tokens=12, temperature=1.5, seed=s)
+        _generate(params, config, tokenizer, prompt_ids, max_tokens=12, temperature=1.5, seed=s)
         for s in (0, 0, 1)
     ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
     assert all(0 <= t < config.vocab_size for r in runs for t in r)
-    greedy = generate_dense(params, config, prompt_ids, max_tokens=12)
+    greedy = _generate(params, config, tokenizer, prompt_ids, max_tokens=12)
     assert runs[0] != greedy and runs[2] != greedy
-    with pytest.raises(ValueError, match="temperature"):
-        generate_dense(params, config, prompt_ids, max_tokens=4, temperature=-1.0)
-    with pytest.raises(ValueError, match="max_tokens"):
-        generate_dense(params, config, prompt_ids, max_tokens=0)
+    with pytest.raises(ValueError, match="params and config"):
+        jaxpaged.generate([prompt_ids], params=params)
+
+
+def test_module_stays_callable_after_import():
+    import jaxpaged.generate as module
+
+    assert callable(jaxpaged.generate) and callable(module)
