@@ -66,6 +66,7 @@ def random_params(config: Any, dtype: Any, seed: int = 0) -> Any:
     """Random weights of the right shapes (N(0, 0.02), norms 1), made on the device."""
     import jax
     import jax.numpy as jnp
+
     from jaxpaged.models.llama import param_shapes
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(
@@ -119,11 +120,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxpaged.models.config import ModelConfig
 
     from jaxpaged import SamplingParams
     from jaxpaged.config import CacheConfig, SchedulerConfig
     from jaxpaged.engine import LLMEngine
+    from jaxpaged.models.config import ModelConfig
 
     dtype = jnp.bfloat16
     config = ModelConfig(**(TINY if args.dry_run else LLAMA_1B))

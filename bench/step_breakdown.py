@@ -34,7 +34,7 @@ class DecodeTiming:
 
 
 def prepare_decode(
-    llm: Any, prompts: Sequence[Sequence[int]], *, batch: int, steps: int
+    llm: Any, prompts: Sequence[Sequence[int]], *, batch: int, steps: int, warm_steps: int = 2
 ) -> list[str]:
     """Adds ``batch`` greedy requests (prompts cycled) long enough for ``steps`` more decode
     steps, and steps the engine until all of them are prefilled (each has >= 1 token), so the
@@ -48,7 +48,7 @@ def prepare_decode(
         raise ValueError(
             f"batch {batch} exceeds max_num_seqs={engine.scheduler_config.max_num_seqs}"
         )
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warm_steps + 64, ignore_eos=True)
     ids = [f"decode-probe-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, list(prompts[i % len(prompts)]), params)
@@ -58,6 +58,8 @@ def prepare_decode(
             if out.outputs and out.outputs[0].token_ids:
                 started.add(out.request_id)
         if len(started) == batch:
+            for _ in range(warm_steps):  # untimed: compiles the decode bucket if eager
+                engine.step()
             return ids
     raise RuntimeError("requests never all reached decode")
 
@@ -105,10 +107,10 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     """Each part of the jitted step alone on the same inputs (best of ``repeats``)."""
     import jax
     import jax.numpy as jnp
-    from jaxpaged.kernels import ragged_paged_attention, write_kv
-    from jaxpaged.models.llama import compute_logits, forward
 
     from jaxpaged import sampler
+    from jaxpaged.kernels import ragged_paged_attention, write_kv
+    from jaxpaged.models.llama import compute_logits, forward
 
     runner = llm.engine.runner
     cfg = runner.model_config
@@ -294,11 +296,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-prompt-words", type=int, default=300)
+    p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write a jax.profiler trace here")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, show_progress=False)
-    work = make_workload(llm.tokenizer, num_prompts=args.batch, seed=0)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+        show_progress=False,
+    )
+    work = make_workload(
+        llm.tokenizer, num_prompts=args.batch, seed=0, max_prompt_words=args.max_prompt_words
+    )
     b = breakdown(llm, [r.prompt_token_ids for r in work], batch=args.batch, steps=args.steps,
                   trace_dir=args.trace)  # fmt: skip
     print(format_breakdown(b))

@@ -1,0 +1,217 @@
+"""The benchmark scripts run end to end on a tiny random Llama, so they cannot rot; and their
+workload, statistics and roofline arithmetic agree with independent computations."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+
+def _load(name: str):
+    """Imports a bench module (bench/ is a folder of scripts that import each other by bare
+    name, so it goes on sys.path)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+def _run(
+    args: list[str], timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    assert proc.returncode == 0, (
+        f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, bundled_model_path) -> str:
+    """A 2-layer random Llama (hidden 32) with the bundled SmolLM2 tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in os.listdir(bundled_model_path):
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            shutil.copy(os.path.join(bundled_model_path, f), out)
+    return str(out)
+
+
+# ------------------------------------------------------------------ pure helpers (fast)
+def test_summarize_matches_numpy():
+    common = _load("common")
+    rng = np.random.default_rng(1)
+    xs = rng.exponential(size=37).tolist()
+    s = common.summarize(xs)
+    assert s["mean"] == pytest.approx(np.mean(xs))
+    assert s["p50"] == pytest.approx(np.percentile(xs, 50))
+    assert s["p99"] == pytest.approx(np.percentile(xs, 99))
+    assert s["max"] == max(xs)
+    assert np.isnan(common.summarize([])["p50"])
+
+
+def test_workload_seeded_and_in_range(bundled_model_path):
+    from transformers import AutoTokenizer
+
+    common = _load("common")
+    tok = AutoTokenizer.from_pretrained(bundled_model_path)
+    a = common.make_workload(tok, num_prompts=6, seed=3, min_output=5, max_output=9)
+    b = common.make_workload(tok, num_prompts=6, seed=3, min_output=5, max_output=9)
+    c = common.make_workload(tok, num_prompts=6, seed=4, min_output=5, max_output=9)
+    assert a == b and a != c
+    for r in a:
+        assert 5 <= r.max_tokens <= 9
+        # chat-formatted: the ids are what the tokenizer's own template gives
+        text = tok.apply_chat_template(list(r.messages), add_generation_prompt=True, tokenize=False)
+        assert tok.decode(list(r.prompt_token_ids)) == text
+    with pytest.raises(ValueError, match="num_prompts"):
+        common.make_workload(tok, num_prompts=0)
+
+
+def test_jsonl_workload(tmp_path, bundled_model_path):
+    from transformers import AutoTokenizer
+
+    common = _load("common")
+    tok = AutoTokenizer.from_pretrained(bundled_model_path)
+    p = tmp_path / "w.jsonl"
+    p.write_text(
+        '{"prompt": "hi", "max_tokens": 7}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
+    )
+    work = common.load_jsonl_workload(str(p), tok, min_output=3, max_output=3)
+    assert [r.max_tokens for r in work] == [7, 3]
+    p.write_text('{"max_tokens": 7}\n')
+    with pytest.raises(ValueError, match="w.jsonl:1"):
+        common.load_jsonl_workload(str(p), tok)
+
+
+def test_roofline_counts_match_hf_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxpaged.models.config import ModelConfig
+
+    roofline = _load("roofline")
+    hf = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                     num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                     tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    n_hf = sum(p.numel() for p in LlamaForCausalLM(hf).parameters())
+    cfg = ModelConfig(model_type="llama", vocab_size=300, hidden_size=48, intermediate_size=80,
+                      num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8,
+                      tie_word_embeddings=True)  # fmt: skip
+    assert roofline.param_count(cfg)["total"] == n_hf
+    cost = roofline.decode_step_cost(cfg, [10, 20], dtype_bytes=4)
+    # by hand: per layer q,k,v,o = 48*(6+2+2)*8 + 48*48 and mlp 3*48*80; lm_head 300*48
+    layer = 48 * 80 + 48 * 48 + 3 * 48 * 80
+    assert cost.flops == 2 * 2 * (3 * layer + 300 * 48) + 4 * 3 * 6 * 8 * 30
+    assert cost.kv_bytes == 4 * 2 * 3 * 2 * 8 * 30
+    assert cost.weight_bytes == 4 * (3 * (layer + 2 * 48) + 300 * 48)
+    peaks = roofline.MachinePeaks(matmul_flops=1e9, mem_bandwidth=1e9, dtype="float32", detail={})
+    assert cost.roofline_seconds(peaks) == max(cost.flops, cost.bytes) / 1e9
+
+
+# ------------------------------------------------------------------- scripts (subprocess)
+def test_throughput_smoke(tmp_path, tiny_model):
+    out = tmp_path / "t.json"
+    proc = _run([
+        "bench/throughput.py", "--model", tiny_model, "--num-prompts", "3", "--batch-size", "2",
+        "--min-output", "3", "--max-output", "6", "--max-prompt-words", "10",
+        "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--no-hf-cb-warmup",
+        "--peaks-small", "--decode-batch", "2", "--decode-steps", "2", "--json-out", str(out),
+    ])  # fmt: skip
+    report = json.loads(out.read_text())
+    res = report["results"]
+    assert set(res) == {"jaxpaged", "hf-static", "hf-cb"}
+    useful = {k: v["useful_tokens"] for k, v in res.items()}
+    assert len(set(useful.values())) == 1 and 9 <= useful["jaxpaged"] <= 18, useful
+    # static batching pads each batch to its longest request
+    assert res["hf-static"]["generated_tokens"] >= res["hf-static"]["useful_tokens"]
+    assert res["jaxpaged"]["extra"]["compilations_after_warmup"] >= 0
+    assert report["decode_step"]["batch"] == 2 and report["decode_step"]["roofline_s"] > 0
+    assert "ratio jaxpaged / hf-static" in proc.stdout and "roofline" in proc.stdout
+
+
+def test_throughput_rejects_unknown_system():
+    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "vllm"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "vllm" in proc.stderr
+
+
+def test_step_breakdown_smoke(tmp_path, tiny_model):
+    out = tmp_path / "b.json"
+    _run(["bench/step_breakdown.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
+          "--max-model-len", "256", "--max-num-seqs", "4", "--max-prompt-words", "10",
+          "--enforce-eager", "--json-out", str(out)])  # fmt: skip
+    b = json.loads(out.read_text())
+    assert b["bucket"]["decode_only"] and b["bucket"]["num_seqs"] >= 2
+    assert all(v >= 0 for v in b["host_and_step_ms"].values())
+    assert set(b["device_parts_ms"]) >= {
+        "sampler (greedy)",
+        "write_kv + paged attention, all layers",
+    }
+
+
+def test_serving_sweep_http_launch(tmp_path, tiny_model):
+    prefix = tmp_path / "sweep"
+    _run(["bench/serving.py", "--launch", "--model", tiny_model, "--num-prompts", "3",
+          "--min-output", "3", "--max-output", "5", "--max-prompt-words", "10", "--sweep", "1,2",
+          "--out-prefix", str(prefix), "--server-log", str(tmp_path / "server.log"),
+          "--server-args", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"])  # fmt: skip
+    rows = list(csv.DictReader(open(f"{prefix}.csv")))
+    assert [int(r["concurrency"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert int(r["completed"]) == 3 and int(r["failed"]) == 0
+        assert 9 <= int(r["output_tokens"]) <= 15
+        assert 0 < float(r["ttft_p50_ms"]) <= float(r["e2e_p50_ms"])
+    assert Path(f"{prefix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serving_grpc_launch(tmp_path, tiny_model):
+    out = tmp_path / "g.json"
+    _run(["bench/serving.py", "--launch", "--backend", "grpc", "--model", tiny_model,
+          "--num-prompts", "3", "--equal-length", "4", "--max-prompt-words", "10",
+          "--concurrency", "3", "--json-out", str(out),
+          "--server-args", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"])  # fmt: skip
+    (row,) = json.loads(out.read_text())
+    assert row["completed"] == 3 and row["output_tokens"] == 12
+    assert row["tpot_mean_ms"] > 0 and row["itl_p50_ms"] > 0
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    proc = subprocess.run(
+        ["bash", "bench/gpu_bench.sh", "--dry-run", "--concurrency", "1,2", "--decode-steps", "2",
+         "--warm-steps", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert [r["concurrency"] for r in result["rows"]] == [1, 2]
+    assert all(r["running"] == r["concurrency"] and r["tok_s"] > 0 for r in result["rows"])
