@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
+
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 

@@ -18,11 +18,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from jaxpaged.serving.metrics import ServingMetrics
-
 from jaxpaged.engine import EngineDeadError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.metrics import ServingMetrics
 
 __all__ = [
     "EngineDeadError",
@@ -240,6 +239,7 @@ class Frontend:
         self._background: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._force = asyncio.Event()
         self.metrics.bind(self)
 
     # ---- life cycle -------------------------------------------------------------------------
@@ -386,13 +386,16 @@ class Frontend:
         n = self.num_in_flight
         if n:
             log.info("draining %d in-flight request(s), up to %.1f s", n, timeout)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+        idle = asyncio.ensure_future(self._idle.wait())
+        force = asyncio.ensure_future(self._force.wait())
+        await asyncio.wait({idle, force}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
+        force.cancel()
+        if not self._in_flight:
             return 0
-        except asyncio.TimeoutError:
-            pass
         left = list(self._in_flight)
-        log.warning("shutdown timeout: aborting %d request(s)", len(left))
+        why = "forced" if self._force.is_set() else "shutdown timeout"
+        log.warning("%s: aborting %d request(s)", why, len(left))
         for rid in left:
             await self.abort(rid)
         try:  # give the streams a moment to deliver their "abort" endings
@@ -400,6 +403,10 @@ class Frontend:
         except asyncio.TimeoutError:
             log.warning("%d request(s) still open after abort", self.num_in_flight)
         return len(left)
+
+    def force_drain(self) -> None:
+        """Ends a drain's wait now (a second SIGTERM/SIGINT): the rest is aborted."""
+        self._force.set()
 
     def stopped(self) -> None:
         self._set_phase(Phase.STOPPED)

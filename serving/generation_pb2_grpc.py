@@ -2,6 +2,7 @@
 """Client and server classes corresponding to protobuf-defined services."""
 
 import grpc
+
 from jaxpaged.serving import generation_pb2 as jaxpaged_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = "1.85.1"

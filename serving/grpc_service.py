@@ -19,14 +19,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from jaxpaged.serving import generation_pb2 as pb
-from jaxpaged.serving import generation_pb2_grpc as pb_grpc
-from jaxpaged.serving.deltas import Delta, DeltaTracker
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, Phase, ServingError, field_of
 
 import jaxpaged
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving import generation_pb2 as pb
+from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+from jaxpaged.serving.deltas import Delta, DeltaTracker
+from jaxpaged.serving.frontend import Frontend, InvalidRequest, Phase, ServingError, field_of
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
 

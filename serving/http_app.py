@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.serving.deltas import Delta, DeltaTracker, merge_handles
 from jaxpaged.serving.frontend import (
     Frontend,
@@ -27,8 +29,6 @@ from jaxpaged.serving.frontend import (
 )
 from jaxpaged.serving.metrics import CONTENT_TYPE
 from jaxpaged.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-
-from jaxpaged.outputs import Logprob, RequestOutput
 
 __all__ = ["create_app"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from jaxpaged.serving.frontend import InvalidRequest, field_of
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.frontend import InvalidRequest, field_of
 
 __all__ = [
     "ChatCompletionRequest",

@@ -13,12 +13,13 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 "$py" -m grpc_tools.protoc -I "$here/proto" --python_out="$tmp" --pyi_out="$tmp" \
   --grpc_python_out="$tmp" "$here/proto/jaxpaged/v1/generation.proto"
-for f in generation_pb2.py generation_pb2.pyi generation_pb2_grpc.py; do
-  sed -e 's/^from jaxpaged\.v1 import generation_pb2/from jaxpaged.serving import generation_pb2/' \
-    "$tmp/jaxpaged/v1/$f" >"$out/$f"
-done
-files=("$out/generation_pb2.py" "$out/generation_pb2.pyi" "$out/generation_pb2_grpc.py")
 cfg="$here/../pyproject.toml"
-"$py" -m ruff format -q --config "$cfg" "${files[@]}"
-"$py" -m ruff check -q --fix-only --exit-zero --config "$cfg" "${files[@]}"
-"$py" -m ruff format -q --config "$cfg" "${files[@]}"
+for f in generation_pb2.py generation_pb2.pyi generation_pb2_grpc.py; do
+  # ruff reads stdin as if the file were already in serving/ (same import sorting wherever OUT is)
+  as="$here/$f"
+  sed -e 's/^from jaxpaged\.v1 import generation_pb2/from jaxpaged.serving import generation_pb2/' \
+    "$tmp/jaxpaged/v1/$f" \
+    | "$py" -m ruff format -q --config "$cfg" --stdin-filename "$as" - \
+    | "$py" -m ruff check -q --fix-only --exit-zero --config "$cfg" --stdin-filename "$as" - \
+    | "$py" -m ruff format -q --config "$cfg" --stdin-filename "$as" - >"$out/$f"
+done

@@ -16,6 +16,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import uvicorn
+
 from jaxpaged.serving.frontend import Frontend, Phase, ServingConfig
 from jaxpaged.serving.grpc_service import build_grpc_server
 from jaxpaged.serving.http_app import create_app
@@ -104,9 +105,13 @@ class Server:
     def stop(self, sig: int | None = None) -> None:
         """Begins the graceful shutdown (safe from the loop thread, e.g. a signal handler)."""
         if sig is not None and not self._stop.is_set():
-            log.info("received %s: draining", signal.Signals(sig).name)
+            log.info(
+                "received %s: draining (again to abort in-flight requests now)",
+                signal.Signals(sig).name,
+            )
         elif sig is not None:
-            log.info("received %s again: still draining", signal.Signals(sig).name)
+            log.info("received %s again: aborting in-flight requests", signal.Signals(sig).name)
+            self.frontend.force_drain()
         self._stop.set()
 
     # ---- engine -------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ import math
 import time
 from collections import deque
 
-from jaxpaged.models.config import ModelConfig
-
 from jaxpaged.engine import EngineDeadError
+from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams, validate_prompt
 

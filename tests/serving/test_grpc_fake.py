@@ -13,6 +13,7 @@ from fakes import VOCAB, FakeAsyncEngine, FakeTokenizer, expected_text, wait_unt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from harness import ServerThread
+
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.client import GenerationClient, build_request

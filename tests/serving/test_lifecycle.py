@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fakes import expected_text, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.client import GenerationClient, build_request
 
@@ -130,6 +131,22 @@ def test_shutdown_timeout_aborts_the_rest(serve_process):
         rest = list(chunks)
     assert rest[-1].finish_reason == "abort"
     assert 0.4 < time.monotonic() - t0 < 4.5  # 240 tokens would take ~5 s
+    assert p.proc.wait(30) == 0
+
+
+def test_second_signal_aborts_at_once(serve_process):
+    p = serve_process("--shutdown-timeout", "60", FAKE_STEP_DELAY="0.02")
+    p.wait_ready()
+    with GenerationClient(f"127.0.0.1:{p.grpc_port}") as client:
+        chunks = client.stream("abc", max_tokens=240)
+        next(chunks)
+        p.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: any("draining" in line for line in p.lines), 10)
+        t0 = time.monotonic()
+        p.proc.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+    assert rest[-1].finish_reason == "abort"
+    assert time.monotonic() - t0 < 3.5  # 240 tokens would take ~5 s
     assert p.proc.wait(30) == 0
 
 

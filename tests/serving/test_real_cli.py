@@ -14,6 +14,7 @@ import threading
 import httpx
 import pytest
 from fakes import wait_until
+
 from jaxpaged.serving.client import GenerationClient
 
 pytestmark = pytest.mark.slow

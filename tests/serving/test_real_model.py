@@ -22,9 +22,9 @@ import openai
 import pytest
 from fakes import wait_until
 from harness import ServerThread
-from jaxpaged.serving.client import GenerationClient
 
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.client import GenerationClient
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +47,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 @pytest.fixture(scope="module")
 def real():
-    from jaxpaged.models import default_model_path
-
     from jaxpaged.async_engine import AsyncEngine
     from jaxpaged.engine import LLMEngine
     from jaxpaged.llm import LLM
+    from jaxpaged.models import default_model_path
 
     engine = LLMEngine.from_args(
         default_model_path(),
@@ -248,3 +247,42 @@ def test_cancel_deadline_and_disconnect_free_blocks_quickly(real):
     assert wait_until(lambda: _free(real) == free0, 30)
     assert _steps(real) - steps <= 2
     assert wait_until(lambda: real.frontend.num_in_flight == 0, 10)
+
+
+def test_engine_step_failure_ends_streams_and_health(real):
+    """Last in the module (it kills the engine): a step that raises ends every in-flight
+    request with INTERNAL / an error event, health turns NOT_SERVING, new requests get
+    UNAVAILABLE / 503."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    engine = real.llm_engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("injected device failure")
+        return real_step()
+
+    errors = []
+    with GenerationClient(real.grpc_target) as client:
+
+        def consume():
+            try:
+                list(
+                    client.stream("Tell me everything about cats.", max_tokens=100, ignore_eos=True)
+                )
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        engine.step = failing_step
+        _threads([consume, consume])
+    assert [e.code() for e in errors] == [grpc.StatusCode.INTERNAL] * 2
+    assert all("injected device failure" in e.details() for e in errors)
+    with grpc.insecure_channel(real.grpc_target) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert httpx.get(real.http + "/health", timeout=10).status_code == 503
+    r = httpx.post(real.http + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 503
