@@ -16,10 +16,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from jaxpaged.compile_counter import CompileCounter
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.kv_cache import KVLayout, num_blocks_for
+from jaxpaged.kv_cache import (
+    KVLayout,
+    configure_device_memory,
+    device_kv_budget,
+    num_blocks_for,
+)
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -114,6 +121,45 @@ class LLMEngine:
         self._compiles = CompileCounter().open()
 
         kv_dtype = dtype or str(_params_dtype(params))
+
+        def layout_of(num_blocks: int) -> KVLayout:
+            return KVLayout(
+                num_layers=model_config.num_layers,
+                num_blocks=num_blocks,
+                block_size=cache_config.block_size,
+                num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim,
+                dtype=kv_dtype,
+            )
+
+        def runner_for(layout: KVLayout) -> Runner:
+            return Runner(
+                model_config=model_config,
+                params=params,
+                layout=layout,
+                max_num_seqs=scheduler_config.max_num_seqs,
+                max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+                max_model_len=scheduler_config.max_model_len,
+                seed=seed,
+                attention_backend=attention_backend,
+                mesh=self.mesh,
+            )
+
+        available = None
+        if cache_config.num_kv_blocks is None and cache_config.kv_cache_memory is None:
+            if jax.local_devices()[0].platform != "cpu":
+                # profile: the largest step's scratch memory, with a one-sequence pool
+                probe = runner_for(
+                    layout_of(-(-scheduler_config.max_model_len // cache_config.block_size))
+                )
+                activations = probe.activation_bytes()
+                del probe
+                available = device_kv_budget(
+                    gpu_memory_utilization=cache_config.gpu_memory_utilization,
+                    activation_bytes=activations,
+                )
+                if available is not None and self.mesh is not None:
+                    available *= self.mesh.size  # the pool is split over the mesh
         num_blocks = num_blocks_for(
             model_config,
             block_size=cache_config.block_size,
@@ -121,15 +167,9 @@ class LLMEngine:
             max_model_len=scheduler_config.max_model_len,
             num_kv_blocks=cache_config.num_kv_blocks,
             kv_cache_memory=cache_config.kv_cache_memory,
+            available_bytes=available,
         )
-        self.layout = KVLayout(
-            num_layers=model_config.num_layers,
-            num_blocks=num_blocks,
-            block_size=cache_config.block_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            dtype=kv_dtype,
-        )
+        self.layout = layout_of(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.3f GiB), %d tokens, %.1f sequences of "
             "max_model_len=%d",
@@ -140,17 +180,7 @@ class LLMEngine:
             num_blocks * cache_config.block_size / scheduler_config.max_model_len,
             scheduler_config.max_model_len,
         )
-        self.runner = Runner(
-            model_config=model_config,
-            params=params,
-            layout=self.layout,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            max_model_len=scheduler_config.max_model_len,
-            seed=seed,
-            attention_backend=attention_backend,
-            mesh=self.mesh,
-        )
+        self.runner = runner_for(self.layout)
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
@@ -204,6 +234,8 @@ class LLMEngine:
         from jaxpaged.models.loader import load_eos_token_ids
         from jaxpaged.models.resolve import resolve_model_folder
         from jaxpaged.parallel import load_params, make_mesh
+
+        configure_device_memory(gpu_memory_utilization)  # effective only before JAX starts
 
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         n = parallel.tensor_parallel_size
@@ -486,9 +518,7 @@ def _params_dtype(params: Params) -> Any:
     return params["embed"].dtype
 
 
-def _eos_ids(
-    config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None
-) -> tuple[int, ...]:
+def _eos_ids(config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None) -> tuple[int, ...]:
     ids = list(dict.fromkeys([*config.eos_token_ids, *(extra or ())]))
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in ids:

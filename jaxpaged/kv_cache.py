@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,12 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (
+            self.num_layers * self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
 
 def block_bytes(
@@ -96,6 +102,37 @@ def num_blocks_for(
             "(--gpu-memory-utilization), set num_kv_blocks, or lower max_model_len (--max-model-len)"
         )
     return blocks
+
+
+def device_kv_budget(
+    *, gpu_memory_utilization: float, activation_bytes: int, device: jax.Device | None = None
+) -> int | None:
+    """Bytes the KV pool may take on an accelerator: ``gpu_memory_utilization`` of the device's
+    memory, less what is in use (weights) and the step's scratch memory. None on CPU, where the
+    budget is ``kv_cache_memory`` instead.
+
+    JAX's allocator limit (``bytes_limit``) is ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device
+    (0.75 unless set), so the device total is recovered from it.
+    """
+    device = device or jax.local_devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    total = limit / fraction
+    in_use = stats.get("bytes_in_use", 0)
+    budget = min(gpu_memory_utilization * total, limit) - in_use - activation_bytes
+    return max(0, int(budget))
+
+
+def configure_device_memory(gpu_memory_utilization: float) -> None:
+    """Before JAX starts: no preallocation, and an allocator limit of the utilization, so the
+    KV pool (not JAX's own arena) gets the memory. No effect once a backend is up."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{gpu_memory_utilization:.3f}")
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "sharding"))

@@ -169,6 +169,15 @@ class Runner:
             mesh=self.mesh,
         )
 
+    def activation_bytes(self) -> int:
+        """Scratch memory XLA plans for the largest step program: what the KV pool must leave
+        free on the device (the "profiling step" of KV sizing, without running it)."""
+        bucket = max(self.buckets.all(), key=lambda b: (b.num_tokens, b.max_blocks))
+        batch = self.build_batch([], bucket)
+        lowered = step.lower(self.params, self.pool, batch, **self._step_kwargs())
+        analysis = lowered.compile().memory_analysis()
+        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+
     def build_batch(
         self, seqs: Sequence[ScheduledSeq], bucket: Bucket, eos_token_ids: Sequence[int] = ()
     ) -> StepBatch:
