@@ -24,7 +24,7 @@ from jax import lax
 from .reference import MASK_VALUE
 
 DEFAULT_Q_TILE = 64
-DEFAULT_KV_CHUNK = 256
+DEFAULT_KV_CHUNK = 128
 
 
 def _cdiv(a, b):
