@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 import time
 from collections import deque
 
@@ -345,3 +346,83 @@ def wait_until(cond, timeout: float = 10.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return bool(cond())
+
+
+class FakeLLMEngine:
+    """The synchronous engine interface (add_request / step / abort) with the same hand-computable
+    outputs as FakeAsyncEngine, for driving the real `jaxpaged.async_engine.AsyncEngine`
+    (its thread and asyncio bridge) without a model. `busy` seconds of pure-Python work per
+    step hold the GIL like a real step's host side does."""
+
+    def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 32, num_kv_blocks: int = 256,
+                 block_size: int = 4, busy: float = 0.0) -> None:  # fmt: skip
+        self._core = FakeAsyncEngine(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+        )
+        self.busy = busy
+        self.tokenizer = self._core.tokenizer
+        self.model_config = self._core.model_config
+        self.engine_config = self._core.engine_config
+        self.max_model_len = max_model_len
+        self.num_steps = 0
+        self._lock = threading.Lock()
+        self._out: list[RequestOutput] = []
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        with self._lock:
+            core = self._core
+            ids = core.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            validate_prompt(ids, self.max_model_len, VOCAB, params)
+            req = _Req(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                       prompt_ids=ids, params=params, stream=_SyncSink(self._out), arrival=time.time(),
+                       generated=[[] for _ in range(params.n)], finish=[None] * params.n)  # fmt: skip
+            core._waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._core._waiting or self._core._running)
+
+    def step(self) -> list[RequestOutput]:
+        end = time.monotonic() + self.busy
+        while time.monotonic() < end:  # hold the GIL
+            pass
+        with self._lock:
+            self.num_steps += 1
+            self._core._step()
+            out, self._out[:] = list(self._out), []
+            return out
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        with self._lock:
+            for q in (self._core._waiting, self._core._running):
+                for r in list(q):
+                    if r.request_id == request_id:
+                        q.remove(r)
+                        r.finish = [f or "abort" for f in r.finish]
+                        self._core._release(r)
+                        return self._core._snapshot(r)
+        return None
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        with self._lock:
+            self._core._waiting.clear()
+            self._core._running.clear()
+        return []
+
+    def get_stats(self) -> EngineStats:
+        with self._lock:
+            return self._core.get_stats()
+
+
+class _SyncSink:
+    """Stands in for a stream inside FakeLLMEngine: snapshots go to the step's output list."""
+
+    def __init__(self, out: list) -> None:
+        self.queue = self
+        self._out = out
+
+    def put_nowait(self, item) -> None:
+        if isinstance(item, RequestOutput):
+            self._out.append(item)
