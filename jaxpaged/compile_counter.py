@@ -54,3 +54,24 @@ class CompileCounter:
     def seconds(self) -> float:
         with self._lock:
             return self._seconds
+
+
+def enable_persistent_cache(path: str | None = None) -> str | None:
+    """Keeps compiled step programs on disk so a restart (or another engine with the same shapes)
+    loads them instead of compiling: ``$JAXPAGED_COMPILE_CACHE``, else
+    ``$JAXPAGED_CACHE/xla`` (default ``~/.cache/jaxpaged/xla``); ``JAXPAGED_COMPILE_CACHE=0``
+    turns it off. A cache the user configured in JAX already is left alone. Returns the folder
+    in use, or None."""
+    import os
+
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    setting = os.environ.get("JAXPAGED_COMPILE_CACHE", path)
+    if setting == "0":
+        return None
+    if not setting:
+        root = os.environ.get("JAXPAGED_CACHE") or os.path.join("~", ".cache", "jaxpaged")
+        setting = os.path.join(os.path.expanduser(root), "xla")
+    jax.config.update("jax_compilation_cache_dir", setting)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return setting

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jaxpaged.compile_counter import CompileCounter
+from jaxpaged.compile_counter import CompileCounter, enable_persistent_cache
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.kv_cache import (
@@ -118,6 +118,7 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
         self._lock = threading.RLock()
+        self.compile_cache_dir = enable_persistent_cache()
         self._compiles = CompileCounter().open()
 
         kv_dtype = dtype or str(_params_dtype(params))

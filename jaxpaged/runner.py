@@ -4,11 +4,14 @@ bucket, runs the jitted step, and applies the scheduler's block copies and swaps
 Buckets. XLA compiles one program per input shape, so every step is padded to one of a few
 shapes, all compiled at start-up (warm-up) unless ``enforce_eager``:
 
-* decode steps (every sequence feeds one token): S sequences in powers of two up to
-  ``max_num_seqs``, times a bound on the longest context (powers of two up to
-  ``max_model_len``), which lets attention read only the blocks that can be live;
-* mixed steps (prefill chunks, with or without decodes): T tokens in powers of two up to
-  ``max_num_batched_tokens``, with S = min(T, max_num_seqs) and full-width block tables.
+* decode steps (every sequence feeds one token): S sequences in powers of two from 8 up to
+  ``max_num_seqs``, compiled with ``max_q_len=1`` so attention skips its prefill path;
+* mixed steps (prefill chunks, with or without decodes): T tokens in powers of two from 16 up
+  to ``max_num_batched_tokens``, with S = min(T, max_num_seqs).
+
+Block tables are always full width (``max_model_len / block_size``): the attention kernels
+stop at the last KV chunk any sequence can see, so context length needs no bucket of its own
+and the program count stays at a handful (log2 of the two limits).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 MAX_BANNED_IDS = 16
-_MIN_DECODE_KV = 256
 
 
 def _pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
@@ -75,10 +77,6 @@ class BucketSet:
         return _pow2_ladder(min(8, self.max_num_seqs), self.max_num_seqs)
 
     @property
-    def decode_kv_lens(self) -> tuple[int, ...]:
-        return _pow2_ladder(min(_MIN_DECODE_KV, self.max_model_len), self.max_model_len)
-
-    @property
     def mixed_tokens(self) -> tuple[int, ...]:
         return _pow2_ladder(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
 
@@ -87,11 +85,7 @@ class BucketSet:
         return _cdiv(self.max_model_len, self.block_size)
 
     def all(self) -> list[Bucket]:
-        out = [
-            Bucket(s, s, _cdiv(kv, self.block_size), True)
-            for s in self.decode_seqs
-            for kv in self.decode_kv_lens
-        ]
+        out = [Bucket(s, s, self.full_blocks, True) for s in self.decode_seqs]
         out += [
             Bucket(t, min(t, self.max_num_seqs), self.full_blocks, False) for t in self.mixed_tokens
         ]
@@ -102,9 +96,7 @@ class BucketSet:
         num_tokens = sum(s.num_tokens for s in seqs)
         if all(s.num_tokens == 1 for s in seqs) and n <= self.max_num_seqs:
             s = self.decode_seqs[bisect.bisect_left(self.decode_seqs, n)]
-            longest = max(s_.kv_len for s_ in seqs)
-            kv = self.decode_kv_lens[bisect.bisect_left(self.decode_kv_lens, longest)]
-            return Bucket(s, s, _cdiv(kv, self.block_size), True)
+            return Bucket(s, s, self.full_blocks, True)
         i = bisect.bisect_left(self.mixed_tokens, num_tokens)
         if i == len(self.mixed_tokens):
             raise ValueError(
@@ -230,7 +222,7 @@ class Runner:
     def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
         kwargs = self._step_kwargs()
         if bucket.decode_only:
-            kwargs.update(max_q_len=1, max_kv_len=bucket.max_blocks * self.layout.block_size)
+            kwargs.update(max_q_len=1)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool = step(self.params, self.pool, batch, **kwargs)
