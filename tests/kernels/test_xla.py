@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import pytest
+
 from jaxpaged.kernels import ragged_paged_attention
 from jaxpaged.kernels.testing import DTYPES, TOLERANCE, make_case
 from jaxpaged.kernels.xla import ragged_paged_attention_xla
@@ -150,3 +154,18 @@ def test_xla_long_context(rng, tools):
 def test_xla_no_padding_and_single_token(rng, tools):
     run_and_compare(rng, tools, [(1, 1)], hq=2, hkv=1, d=64, bs=8, dtype="float32", pad=0)
     run_and_compare(rng, tools, [(5, 5)], hq=2, hkv=2, d=64, bs=8, dtype="float32", pad=0)
+
+
+def test_xla_never_copies_the_pool(rng):
+    """Only the blocks in the tables are gathered: temporaries stay far below the pool size."""
+    nb, bs, hkv, d = 4096, 16, 3, 64
+    pool_bytes = nb * bs * hkv * d * 4
+    pool = jax.ShapeDtypeStruct((nb, bs, hkv, d), jnp.float32)
+    args = (
+        jax.ShapeDtypeStruct((40, 9, d), jnp.float32), pool, pool,
+        jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8, 64), jnp.int32),
+        jax.ShapeDtypeStruct((9,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+    )  # fmt: skip
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.125, backend="xla")
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    assert stats.temp_size_in_bytes < pool_bytes // 20
