@@ -26,7 +26,14 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.deltas import Delta, DeltaTracker
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, Phase, ServingError, field_of
+from jaxpaged.serving.frontend import (
+    Frontend,
+    InvalidRequest,
+    Phase,
+    ServingError,
+    engine_stats,
+    field_of,
+)
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
 
@@ -225,7 +232,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         for k, v in dict(engine.engine_config).items():
             info.engine_config[str(k)] = str(v)
         try:
-            stats = engine.get_stats()
+            stats = await engine_stats(engine)
         except Exception:  # a dead engine still answers with what it knows
             return info
         if dataclasses.is_dataclass(stats):

@@ -208,7 +208,9 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(frontend.metrics.render(), media_type=CONTENT_TYPE)
+        # rendering reads engine.get_stats(), which waits for the engine's step lock
+        body = await asyncio.to_thread(frontend.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -160,7 +160,8 @@ class FakeAsyncEngine:
     # ---- the AsyncEngine interface -------------------------------------------------------------
     def start(self) -> None:
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._main_loop = asyncio.get_running_loop()
+        self._task = self._main_loop.create_task(self._loop())
         self.started = True
 
     @property
@@ -196,9 +197,13 @@ class FakeAsyncEngine:
             finish=[None] * params.n,
         )
         self.added.append((request_id, ids, params))
+        # like the real AsyncEngine, callable from a worker thread (the server calls it there)
+        self._main_loop.call_soon_threadsafe(self._admit, req)
+        return req.stream
+
+    def _admit(self, req: _Req) -> None:
         self._waiting.append(req)
         self._wake.set()
-        return req.stream
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -4,6 +4,8 @@ through the same code as with the model, in seconds."""
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -91,3 +93,42 @@ def test_step_failure_over_the_real_async_engine(bridged):
     assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
     r = httpx.post(bridged.http + "/v1/completions", json={"prompt": "a"}, timeout=10)
     assert r.status_code == 503
+
+
+def test_admission_does_not_stall_the_loop(server_factory):
+    """AsyncEngine.add_request waits for the engine's step lock; the server runs it off the
+    loop, so health checks (and gRPC's acceptance of new calls) go on during a long step."""
+    core = FakeLLMEngine()
+    lock = threading.Lock()
+    step, add = core.step, core.add_request
+    long_step = threading.Event()
+
+    def slow_step():
+        with lock:
+            if long_step.is_set():
+                time.sleep(3.0)  # one long device step under the engine lock
+            return step()
+
+    def locked_add(*a, **k):
+        with lock:
+            return add(*a, **k)
+
+    core.step, core.add_request = slow_step, locked_add
+    server = server_factory(AsyncEngine(core))
+    with GenerationClient(server.grpc_target) as client, ThreadPoolExecutor(2) as pool:
+        first = client.stream("abc", max_tokens=100, ignore_eos=True)
+        next(first)
+        long_step.set()
+        time.sleep(0.3)  # the engine thread is now inside the long step
+        second = pool.submit(lambda: client.generate("xyz", max_tokens=2).text)
+        time.sleep(0.3)  # its add_request is waiting for the lock
+        with grpc.insecure_channel(server.grpc_target) as ch:
+            t0 = time.monotonic()
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert time.monotonic() - t0 < 1.5
+        t0 = time.monotonic()
+        assert httpx.get(server.http + "/health", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 1.5
+        long_step.clear()
+        assert second.result(30) == expected_text([ord(c) for c in "xyz"], 2)
+        first.close()
