@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+
 from jaxpaged.kernels.testing import rel_err
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxpaged.kernels import ragged_paged_attention
 from jaxpaged.kernels.pallas_gpu import PallasConfig, ragged_paged_attention_pallas
 from jaxpaged.kernels.testing import DTYPES, TOLERANCE, make_case

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxpaged.kernels import ragged_paged_attention_reference
 from jaxpaged.kernels.testing import make_case, numpy_attention
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxpaged.kernels import default_backend, ragged_paged_attention
 from jaxpaged.kernels.testing import make_case
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxpaged.kernels import write_kv
 from jaxpaged.kernels.testing import DTYPES
 
