@@ -135,3 +135,15 @@ def test_pallas_rejects_non_power_of_two_head_dim(rng):
     with pytest.raises(ValueError, match="head_dim"):
         ragged_paged_attention_pallas(*map(jnp.asarray, case.args()), sm_scale=0.1, interpret=True)
     assert np.isfinite(case.q).all()
+
+
+def test_pallas_interpret_long_context(rng, tools):
+    """A 32k-token decode (split over many programs) and a chunk on a 20k prefix."""
+    seqs = [(1, 32768), (4, 20000)]
+    case = make_case(rng, seqs, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=64)
+    args = tuple(map(jnp.asarray, case.args()))
+    ref = ragged_paged_attention(*args, sm_scale=case.sm_scale, backend="reference")
+    out = ragged_paged_attention_pallas(
+        *args, sm_scale=case.sm_scale, interpret=True, config=PallasConfig(block_kv=256)
+    )
+    assert tools["rel_err"](out, ref) < 1e-5
