@@ -254,6 +254,7 @@ class Frontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self._force = asyncio.Event()
+        self._admitting = 0
         self.metrics.bind(self)
 
     # ---- life cycle -------------------------------------------------------------------------
@@ -298,8 +299,8 @@ class Frontend:
 
     @property
     def num_queued(self) -> int:
-        """Admitted requests still waiting for their first output."""
-        return sum(1 for h in self._in_flight.values() if not h.started)
+        """Requests being admitted or admitted and still waiting for their first output."""
+        return self._admitting + sum(1 for h in self._in_flight.values() if not h.started)
 
     def _changed(self) -> None:
         if self._in_flight:
@@ -369,6 +370,7 @@ class Frontend:
                 "retry later"
             )
         arrival = time.monotonic()
+        self._admitting += 1
         try:
             stream = await _off_loop(self.engine.add_request(request_id, prompt, params))
         except EngineDeadError as e:
@@ -376,6 +378,8 @@ class Frontend:
             raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
         except ValueError as e:
             raise InvalidRequest(str(e), param=field_of(str(e))) from e
+        finally:
+            self._admitting -= 1
         handle = RequestHandle(self, request_id, stream, arrival)
         self._in_flight[request_id] = handle
         self._changed()
