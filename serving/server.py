@@ -177,6 +177,9 @@ class Server:
             auth,
             cfg.served_model_name,
         )
+        log.info(
+            "  curl http://%s:%d/metrics   (Prometheus; /health for liveness)", host, self.http_port
+        )
         log.info("ready: serving %s", cfg.served_model_name)
 
     # ---- stop ----------------------------------------------------------------------------------
