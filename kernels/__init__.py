@@ -1,4 +1,17 @@
-"""Paged-attention kernels over the KV block pool (see DESIGN.md, "The kernel interface")."""
+"""Paged-attention kernels over the KV block pool (see DESIGN.md, "The kernel interface").
+
+`ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+*, sm_scale, sliding_window=None, soft_cap=None, backend=None, interpret=None,
+max_q_len=None, max_kv_len=None)` and `write_kv(k_pages, v_pages, k, v, slot_mapping)`.
+
+Backends (`backend=`; None picks by platform):
+  "pallas"     Pallas Triton kernels (pallas_gpu.py), default on NVIDIA GPUs;
+               `interpret=True` runs them anywhere (tests).
+  "xla"        gathers + einsums with an online softmax (xla.py), default elsewhere.
+  "reference"  readable pure jnp (reference.py), the definition of the semantics.
+Static hints `max_q_len` (1 = decode-only step) and `max_kv_len` (bound on kv_lens) let
+a caller that knows its bucket skip work; results are identical when they hold.
+"""
 
 from .attention import BACKENDS, default_backend, ragged_paged_attention, validate_inputs
 from .reference import ragged_paged_attention_reference
