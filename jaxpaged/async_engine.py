@@ -58,6 +58,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self.dead_error: BaseException | None = None
+        self._stats: EngineStats | None = None
 
     # ------------------------------------------------------------- properties
     @property
@@ -85,7 +86,10 @@ class AsyncEngine:
         return len(self._streams)
 
     def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
+        """The snapshot taken after the latest step: never waits for a running step."""
+        if self._stats is None:
+            self._stats = self.engine.get_stats()
+        return self._stats
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -119,9 +123,10 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt, params)
+            # off the event loop: tokenizing, and the engine lock that a running step holds
+            await asyncio.to_thread(self.engine.add_request, request_id, prompt, params)
         except BaseException:
-            del self._streams[request_id]
+            self._streams.pop(request_id, None)
             raise
         self._wake.set()
         return stream
@@ -167,6 +172,7 @@ class AsyncEngine:
         loop = self._loop
         while not self._stop:
             if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.get_stats()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -177,5 +183,6 @@ class AsyncEngine:
                 self.engine.fail_all(exc)
                 loop.call_soon_threadsafe(self._die, exc)
                 return
+            self._stats = self.engine.get_stats()
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, outputs)
