@@ -122,9 +122,21 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
+        # off the event loop: tokenizing, and the engine lock that a running step holds
+        added = asyncio.get_running_loop().run_in_executor(
+            None, self.engine.add_request, request_id, prompt, params
+        )
         try:
-            # off the event loop: tokenizing, and the engine lock that a running step holds
-            await asyncio.to_thread(self.engine.add_request, request_id, prompt, params)
+            await asyncio.shield(added)
+        except asyncio.CancelledError:
+            # the caller went away mid-admission: drop the request once it is in
+            self._streams.pop(request_id, None)
+            added.add_done_callback(
+                lambda f: f.cancelled()
+                or f.exception() is not None
+                or threading.Thread(target=self.engine.abort, args=(request_id,)).start()
+            )
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
