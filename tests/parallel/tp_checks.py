@@ -178,8 +178,9 @@ def check_multihost(ctx: Ctx) -> None:
 
 def check_smollm2_tp3(ctx: Ctx) -> None:
     """The bundled model (9 q / 3 KV heads) at TP=3, with real chat prompts (prefill + decode)."""
-    from jaxpaged.models import default_model_path
     from transformers import AutoTokenizer
+
+    from jaxpaged.models import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
@@ -200,8 +201,10 @@ def check_smollm2_tp3(ctx: Ctx) -> None:
 
 def check_warmup_no_recompile(ctx: Ctx) -> None:
     """With warm-up on and TP on, serving mixed prefill/decode steps, n > 1 (shared prefix
-    blocks, copy-on-write) compiles nothing new."""
+    blocks) and a preemption that swaps blocks out and back compiles nothing new, and the
+    pool keeps its head split throughout."""
     from jaxpaged import LLM, SamplingParams
+    from jaxpaged.parallel import kv_pool_sharding
 
     llm = LLM(
         ctx.model("llama"),
@@ -209,22 +212,29 @@ def check_warmup_no_recompile(ctx: Ctx) -> None:
         max_model_len=32,
         max_num_seqs=4,
         max_num_batched_tokens=16,
-        num_kv_blocks=24,
+        num_kv_blocks=6,
         block_size=8,
+        preemption_mode="swap",
         show_progress=False,
     )
-    prompts = [[5], list(range(3, 14)), list(range(20, 40))]
+    runner = llm.engine.runner
+    want = kv_pool_sharding(runner.mesh)
+    assert all(p.sharding.is_equivalent_to(want, 4) for p in runner.pool), runner.pool[0].sharding
+    prompts = [list(range(3, 14)), list(range(20, 30)), [7, 8, 9]]
     params = [
-        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=2, ignore_eos=True),
-        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=1, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     m = llm.get_metrics()
     llm.engine.close()
     assert [len(o.outputs) for o in outs] == [1, 2, 1]
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [12] * 4
+    assert m["num_preemptions"] >= 1, m  # the swap path ran
     assert m["num_compilations_after_warmup"] == 0, m
     assert m["num_compilations"] > 0, m  # the counter does see compilations
+    assert all(p.sharding.is_equivalent_to(want, 4) for p in runner.pool), runner.pool[0].sharding
 
 
 def check_orbax(ctx: Ctx) -> None:
@@ -232,9 +242,9 @@ def check_orbax(ctx: Ctx) -> None:
     the safetensors loads; params saved from a TP=2 mesh restore into TP=4; LLM(model=OUT)."""
     import jax
     import numpy as np
-    from jaxpaged.models import load_model
 
     from jaxpaged import convert, parallel
+    from jaxpaged.models import load_model
 
     path = ctx.model("llama")
     out = os.path.join(ctx.workdir, "llama-orbax")
@@ -282,10 +292,9 @@ def check_orbax(ctx: Ctx) -> None:
 def check_errors(ctx: Ctx) -> None:
     import dataclasses
 
-    from jaxpaged.models.config import ModelConfig
-
     from jaxpaged import LLM, multihost, parallel
     from jaxpaged.config import ParallelConfig
+    from jaxpaged.models.config import ModelConfig
 
     def raises(fn: Callable[[], Any], *words: str) -> None:
         try:
