@@ -167,6 +167,12 @@ def test_not_serving_while_loading(serve_process):
     assert p.proc.wait(30) == 0
 
 
+def test_engine_build_failure_exits_1(serve_process):
+    p = serve_process(FAKE_LOAD_ERROR="num_kv_blocks: 3 blocks cannot hold one sequence")
+    assert p.proc.wait(60) == 1
+    assert wait_until(lambda: any("cannot hold one sequence" in line for line in p.lines), 5)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
