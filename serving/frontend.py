@@ -226,14 +226,6 @@ async def close_all(handles: Sequence[RequestHandle]) -> None:
         await asyncio.shield(asyncio.gather(*tasks))
 
 
-async def _off_loop(coro: Any) -> Any:
-    """Runs an engine coroutine to completion on a worker thread (with its own short-lived
-    loop). AsyncEngine.add_request validates and queues synchronously under the engine's step
-    lock, so on the serving loop it would stall gRPC and HTTP for up to a whole device step
-    (long enough, under load, for gRPC to cancel calls it could not accept in time)."""
-    return await asyncio.to_thread(asyncio.run, coro)
-
-
 async def engine_stats(engine: Any) -> Any:
     """engine.get_stats() off the loop (it waits for the engine's step lock)."""
     return await asyncio.to_thread(engine.get_stats)
@@ -372,7 +364,9 @@ class Frontend:
         arrival = time.monotonic()
         self._admitting += 1
         try:
-            stream = await _off_loop(self.engine.add_request(request_id, prompt, params))
+            # AsyncEngine.add_request runs the blocking part (tokenizing, the engine's step lock)
+            # off the loop, and aborts the request itself if this call is cancelled meanwhile
+            stream = await self.engine.add_request(request_id, prompt, params)
         except EngineDeadError as e:
             self.mark_failed(e)
             raise Unavailable(f"server not ready: the engine failed ({e!r})") from e

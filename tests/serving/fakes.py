@@ -197,7 +197,7 @@ class FakeAsyncEngine:
             finish=[None] * params.n,
         )
         self.added.append((request_id, ids, params))
-        # like the real AsyncEngine, callable from a worker thread (the server calls it there)
+        # queued through the loop, so admission also works when called from another thread
         self._main_loop.call_soon_threadsafe(self._admit, req)
         return req.stream
 

@@ -96,8 +96,9 @@ def test_step_failure_over_the_real_async_engine(bridged):
 
 
 def test_admission_does_not_stall_the_loop(server_factory):
-    """AsyncEngine.add_request waits for the engine's step lock; the server runs it off the
-    loop, so health checks (and gRPC's acceptance of new calls) go on during a long step."""
+    """Admitting a request waits for the engine's step lock; that wait must not hold the
+    serving loop, or health checks stall and gRPC cancels calls it cannot accept in time
+    (seen with 32 concurrent streams on the real model)."""
     core = FakeLLMEngine()
     lock = threading.Lock()
     step, add = core.step, core.add_request
