@@ -161,6 +161,10 @@ class LLMEngine:
                 )
                 if available is not None and self.mesh is not None:
                     available *= self.mesh.size  # the pool is split over the mesh
+                if available is not None and jax.process_count() > 1:
+                    from jaxpaged.multihost import agree_min_bytes
+
+                    available = agree_min_bytes(available)  # every host: the same pool
         num_blocks = num_blocks_for(
             model_config,
             block_size=cache_config.block_size,

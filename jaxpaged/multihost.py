@@ -88,6 +88,15 @@ def check_engine_args(*, num_processes: int, preemption_mode: str = "recompute")
         )
 
 
+def agree_min_bytes(value: int) -> int:
+    """The smallest of every process's ``value`` (bytes, MiB granularity), so that all hosts
+    size the KV pool alike (its shape is part of every program they run together)."""
+    from jax.experimental import multihost_utils
+
+    mib = np.array([value >> 20], np.int32)
+    return int(np.min(multihost_utils.process_allgather(mib))) << 20
+
+
 def _broadcast(tree: Any) -> Any:
     from jax.experimental import multihost_utils
 
