@@ -259,6 +259,9 @@ def write_sweep(rows: Sequence[dict[str, Any]], prefix: str) -> tuple[str, str]:
     b.set_ylabel("ms")
     b.set_title("latency")
     b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.minorticks_off()
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

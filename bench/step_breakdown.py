@@ -103,6 +103,49 @@ def _timed(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
     return best
 
 
+def _reference_points(llm: Any, num_tokens: int, *, repeats: int) -> dict[str, float]:
+    """Floors to compare the parts with: the layers' matmuls alone (same FLOPs, each layer's
+    weights as separate 2-D arrays, layers unrolled: no scan, no einsum layouts), and one read
+    of every weight (a jitted sum)."""
+    import jax
+    import jax.numpy as jnp
+
+    runner = llm.engine.runner
+    lay = runner.params["layers"]
+    n = runner.model_config.num_layers
+    d = lay["wqkv"].shape[1]
+    w2d = [
+        (
+            lay["wqkv"][i].reshape(d, -1),
+            lay["wo"][i].reshape(-1, d),
+            lay["w_gate_up"][i].reshape(d, -1),
+            lay["w_down"][i],
+        )
+        for i in range(n)
+    ]
+    jax.block_until_ready(w2d)
+    q_width = w2d[0][1].shape[0]
+    f = w2d[0][3].shape[0]
+
+    @jax.jit
+    def matmuls(ws, x):  # [T, D]
+        for wqkv, wo, wgu, wd in ws:
+            x = x + (x @ wqkv)[:, :q_width] @ wo
+            gu = x @ wgu
+            x = x + (gu[:, :f] * gu[:, f:]) @ wd
+        return x
+
+    @jax.jit
+    def read_all(tree):
+        return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+    x = jnp.ones((num_tokens, d), w2d[0][0].dtype) * 1e-3
+    return {
+        "layers' matmuls alone (2-D weights, unrolled)": _timed(matmuls, w2d, x, repeats=repeats),
+        "read every weight once (jitted sum)": _timed(read_all, runner.params, repeats=repeats),
+    }
+
+
 def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[str, float]:
     """Each part of the jitted step alone on the same inputs (best of ``repeats``)."""
     import jax
@@ -258,6 +301,7 @@ def breakdown(
         if not captured["bucket"].decode_only:
             raise RuntimeError(f"expected a decode-only bucket, got {captured['bucket']}")
         parts = _device_parts(llm, captured["batch"], captured["bucket"], repeats=repeats)
+        refs = _reference_points(llm, captured["bucket"].num_tokens, repeats=repeats)
     finally:
         _abort(llm, ids)
     return {
@@ -265,6 +309,7 @@ def breakdown(
         "bucket": dataclasses.asdict(captured["bucket"]),
         "host_and_step_ms": {k: 1e3 * statistics.median(v) for k, v in phases.items()},
         "device_parts_ms": {k: 1e3 * v for k, v in parts.items()},
+        "reference_ms": {k: 1e3 * v for k, v in refs.items()},
     }
 
 
@@ -278,6 +323,9 @@ def format_breakdown(b: dict[str, Any]) -> str:
         lines.append(f"  {k:45s} {v:8.2f} ms")
         total += v
     lines.append(f"  {'sum of parts':45s} {total:8.2f} ms")
+    lines.append("reference points (not part of the step):")
+    for k, v in b.get("reference_ms", {}).items():
+        lines.append(f"  {k:45s} {v:8.2f} ms")
     return "\n".join(lines)
 
 
