@@ -1,0 +1,93 @@
+"""KV-head replication and the per-leaf split, on one device (no mesh needed): the rewritten
+params compute the same logits as the originals, and the split rules reject what N cannot
+divide."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import parallel
+from jaxpaged.models import ModelConfig, compute_logits, forward, param_shapes
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(
+        model_type="qwen2",  # q/k/v bias: bqkv is rewritten too
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        qkv_bias=True,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _random_params(config: ModelConfig, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+
+    def make(shape):
+        if isinstance(shape, dict):
+            return {k: make(v) for k, v in shape.items()}
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+
+    return make(param_shapes(config))
+
+
+@pytest.mark.parametrize(("num_kv_heads", "n"), [(2, 4), (2, 8), (1, 4), (4, 4)])
+def test_replicated_heads_compute_the_same_logits(num_kv_heads: int, n: int) -> None:
+    config = _config(num_kv_heads=num_kv_heads)
+    host = _random_params(config)
+    new_config, new_host = parallel.replicate_kv_heads(config, host, n)
+    r = max(1, n // num_kv_heads)
+    assert new_config.num_kv_heads == num_kv_heads * r
+    assert new_config.num_heads == config.num_heads
+    want_shapes = param_shapes(new_config)
+    assert jax.tree.map(np.shape, new_host) == jax.tree.map(
+        tuple, want_shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    # each replica holds an exact copy of its KV head's k and v columns
+    g = config.queries_per_kv
+    wqkv, new = host["layers"]["wqkv"], new_host["layers"]["wqkv"]
+    for h in range(num_kv_heads * r):
+        np.testing.assert_array_equal(new[:, :, h, -2:], wqkv[:, :, h // r, g:])
+
+    tokens = jnp.array([3, 17, 42, 5, 77, 1], jnp.int32)
+    positions = jnp.arange(6, dtype=jnp.int32)
+
+    def logits(cfg, params):
+        hidden, _ = forward(params, tokens, positions, config=cfg)
+        return compute_logits(params, hidden, config=cfg)
+
+    np.testing.assert_allclose(
+        np.asarray(logits(new_config, new_host)),
+        np.asarray(logits(config, host)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_split_rules() -> None:
+    config = _config()
+    assert parallel.kv_replication(config, 2) == 1
+    assert parallel.kv_replication(config, 4) == 2
+    spec = parallel.leaf_spec
+    assert spec("layers/wqkv", (2, 32, 2, 6, 8), 2) == jax.sharding.PartitionSpec(None, None, "tp")
+    assert spec("layers/w_down", (2, 64, 32), 2) == jax.sharding.PartitionSpec(None, "tp")
+    assert spec("layers/attn_norm", (2, 32), 2) == jax.sharding.PartitionSpec()
+    assert spec("embed", (96, 32), 4) == jax.sharding.PartitionSpec("tp")
+    assert spec("embed", (97, 32), 4) == jax.sharding.PartitionSpec()  # vocab: replicated
+    with pytest.raises(ValueError, match="layers/w_gate_up"):
+        spec("layers/w_gate_up", (2, 32, 2, 66), 4)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        parallel.kv_replication(dataclasses.replace(config, num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match="exceeds"):
+        parallel.make_mesh(jax.device_count() + 1)
