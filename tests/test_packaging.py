@@ -4,6 +4,7 @@ and from a normal wheel (setuptools package-dir mapping)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile

@@ -9,9 +9,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jaxpaged.models import compute_logits, forward, load_model
 
-from jaxpaged.generate import encode_prompt, eos_ids_of, generate_dense, main
+import jaxpaged
+from jaxpaged import SamplingParams
+from jaxpaged.generate import main
+from jaxpaged.models import compute_logits, forward, load_model
+from jaxpaged.models.loader import load_eos_token_ids
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    assert chat
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+
 
 PROMPTS = [
     "What is the capital of France?",
@@ -83,11 +94,22 @@ def hf_greedy(models) -> dict[str, list[int]]:
 @pytest.mark.slow
 def test_greedy_chat_completions_match(models, hf_greedy):
     folder, _, tokenizer, config, params = models
-    eos = eos_ids_of(folder, config)
+    eos = load_eos_token_ids(folder, config)
     assert eos  # SmolLM2 stops at <|im_end|>
-    for prompt, want in hf_greedy.items():
-        ids = encode_prompt(tokenizer, prompt, chat=True)
-        got = generate_dense(params, config, ids, max_tokens=32, eos_token_ids=eos)
+    prompts = [encode_prompt(tokenizer, p, chat=True) for p in hf_greedy]
+    outs = jaxpaged.generate(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=32),
+        params=params,
+        config=config,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        max_model_len=256,
+        num_kv_blocks=64,
+        enforce_eager=True,
+    )
+    for (prompt, want), out in zip(hf_greedy.items(), outs, strict=True):
+        got = list(out.outputs[0].token_ids)
         assert got == want, (prompt, tokenizer.decode(got), tokenizer.decode(want))
     assert sum(map(len, hf_greedy.values())) >= 64  # real completions, not immediate EOS
 
