@@ -4,7 +4,6 @@ and from a normal wheel (setuptools package-dir mapping)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zipfile

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jaxpaged.models import bundled
-from jaxpaged.models.gguf import convert_gguf, main
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from jaxpaged.models import bundled
+from jaxpaged.models.gguf import convert_gguf, main
 
 Q = gguf.GGMLQuantizationType
 

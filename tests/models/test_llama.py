@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+
 from jaxpaged.models import compute_logits, dense_causal_attention, forward, load_model
 
 TINY = dict(

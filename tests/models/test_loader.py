@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
+
 from jaxpaged.models import (
     ModelConfig,
     ModelNotFoundError,
@@ -25,7 +27,6 @@ from jaxpaged.models import (
     resolve_model_path,
 )
 from jaxpaged.models.loader import load_host_params
-from safetensors.torch import load_file, save_file
 
 TINY = dict(
     vocab_size=256,
