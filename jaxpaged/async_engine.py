@@ -132,9 +132,11 @@ class AsyncEngine:
             # the caller went away mid-admission: drop the request once it is in
             self._streams.pop(request_id, None)
             added.add_done_callback(
-                lambda f: f.cancelled()
-                or f.exception() is not None
-                or threading.Thread(target=self.engine.abort, args=(request_id,)).start()
+                lambda f: (
+                    f.cancelled()
+                    or f.exception() is not None
+                    or threading.Thread(target=self.engine.abort, args=(request_id,)).start()
+                )
             )
             raise
         except BaseException:
