@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jaxpaged.engine import EngineDeadError, EngineStats, LLMEngine, Prompt
 from jaxpaged.outputs import RequestOutput
@@ -50,8 +50,11 @@ class RequestStream:
 class AsyncEngine:
     """Serves an LLMEngine to asyncio code. Create it, then ``start()`` inside the loop."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self, engine: LLMEngine, *, on_shutdown: Callable[[], object] | None = None
+    ) -> None:
         self.engine = engine
+        self._on_shutdown = on_shutdown  # e.g. release the follower hosts of a multi-host run
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -108,6 +111,9 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None
 
     # --------------------------------------------------------------- requests
     async def add_request(

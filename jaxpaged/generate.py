@@ -17,7 +17,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.engine import LLMEngine, Prompt
 from jaxpaged.llm import LLM
 from jaxpaged.models.config import ModelConfig
@@ -68,7 +68,9 @@ def generate(
             config.max_position_embeddings, 4096
         )
         sched.setdefault("max_num_batched_tokens", 512)
+        parallel = ParallelConfig(tensor_parallel_size=engine_args.pop("tensor_parallel_size", 1))
         engine = LLMEngine(
+            parallel_config=parallel,
             model_config=config,
             params=params,
             tokenizer=tokenizer,

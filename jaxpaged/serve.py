@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=1)
+    d = p.add_argument_group("several hosts (jax.distributed)")
+    d.add_argument("--num-processes", type=_positive_int, default=1)
+    d.add_argument("--process-id", type=int, default=0)
+    d.add_argument(
+        "--coordinator-address", default=None, help="host:port of process 0 (num_processes > 1)"
+    )
     return p
 
 
@@ -170,29 +176,40 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
     """A function that loads the model, warms up and returns an (unstarted) AsyncEngine."""
 
     def build() -> Any:
+        from jaxpaged import multihost
         from jaxpaged.async_engine import AsyncEngine
-        from jaxpaged.engine import LLMEngine
 
-        engine = LLMEngine.from_args(
-            args.model,
-            dtype=None if args.dtype in (None, "auto") else args.dtype,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory=args.kv_cache_memory,
-            num_kv_blocks=args.num_kv_blocks,
-            swap_space=args.swap_space,
-            preemption_mode=args.preemption_mode,
-            enable_prefix_caching=args.enable_prefix_caching,
-            enforce_eager=args.enforce_eager,
-            seed=args.seed,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
-        return AsyncEngine(engine)
+        engine = build_engine(args)
+        if args.num_processes == 1:
+            return AsyncEngine(engine)
+        # rank 0 broadcasts each step's batch to the other hosts before running it
+        leader = multihost.lead(engine)
+        return AsyncEngine(engine, on_shutdown=leader.stop)
 
     return build
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The LLMEngine the flags describe (every host of a multi-host run builds the same one)."""
+    from jaxpaged.engine import LLMEngine
+
+    return LLMEngine.from_args(
+        args.model,
+        dtype=None if args.dtype in (None, "auto") else args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def main(
@@ -202,10 +219,25 @@ def main(
     from the flags (for tests and embedding)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tensor_parallel_size != 1:
+    from jaxpaged import multihost
+
+    try:  # before anything touches a JAX device
+        multihost.check_engine_args(
+            num_processes=args.num_processes, preemption_mode=args.preemption_mode
+        )
+        multihost.initialize(
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            coordinator_address=args.coordinator_address,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    import jax
+
+    if args.tensor_parallel_size > jax.device_count():
         parser.error(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-            "supported yet; run with -tp 1"
+            f"--tensor-parallel-size {args.tensor_parallel_size} exceeds the "
+            f"{jax.device_count()} available device(s)"
         )
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(
@@ -234,6 +266,10 @@ def main(
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
     )
+    if args.process_id != 0:
+        # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing
+        logging.getLogger(__name__).info("process %d: following rank 0", args.process_id)
+        return multihost.follow(build_engine(args))
     factory = engine_factory or engine_factory_from_args(args)
     try:
         return asyncio.run(serve(config, factory, log_level=args.log_level))

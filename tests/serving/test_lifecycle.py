@@ -176,7 +176,9 @@ def test_engine_build_failure_exits_1(serve_process):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["-tp", "2"], "tensor parallelism is not supported"),
+        (["-tp", "2"], "--tensor-parallel-size 2 exceeds the 1 available device"),
+        (["--num-processes", "2"], "coordinator_address"),
+        (["--num-processes", "2", "--preemption-mode", "swap"], "preemption_mode='swap'"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--max-queue-len", "0"], "--max-queue-len"),
         (["--port", "70000"], "--port"),
