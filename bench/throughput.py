@@ -256,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-batch", type=int, default=32, help="decode step timing batch (0 = skip)"
     )
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for HF")
     p.add_argument("--enforce-eager", action="store_true", help="jaxpaged: no warm-up (smoke)")
     p.add_argument("--hf-cb-warmup", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--peaks-small", action="store_true", help="quick, rough peak measurement")
@@ -295,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{max(r.max_tokens for r in work)} (total {sum(r.max_tokens for r in work)}), "
           f"dtype {args.dtype}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
 
+    if args.torch_threads and any(s.startswith("hf") for s in systems):
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     results: dict[str, SystemResult] = {}
     report: dict[str, Any] = {"args": vars(args), "load_avg_start": os.getloadavg()}
     llm = None
