@@ -4,7 +4,7 @@ bucket, runs the jitted step, and applies the scheduler's block copies and swaps
 Buckets. XLA compiles one program per input shape, so every step is padded to one of a few
 shapes, all compiled at start-up (warm-up) unless ``enforce_eager``:
 
-* decode steps (every sequence feeds one token): S sequences in powers of two from 8 up to
+* decode steps (every sequence feeds one token): S sequences in powers of two from 1 up to
   ``max_num_seqs``, compiled with ``max_q_len=1`` so attention skips its prefill path;
 * mixed steps (prefill chunks, with or without decodes): T tokens in powers of two from 16 up
   to ``max_num_batched_tokens``, with S = min(T, max_num_seqs).
@@ -74,7 +74,8 @@ class BucketSet:
 
     @property
     def decode_seqs(self) -> tuple[int, ...]:
-        return _pow2_ladder(min(8, self.max_num_seqs), self.max_num_seqs)
+        # down to 1: XLA:CPU's dots cost ~3x more at 8 rows than at 1 (bench/RESULTS.md)
+        return _pow2_ladder(1, self.max_num_seqs)
 
     @property
     def mixed_tokens(self) -> tuple[int, ...]:
