@@ -217,6 +217,44 @@ class LLMEngine:
         model: str | os.PathLike | None = None,
         *,
         dtype: str | None = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        show_progress: bool = True,
+        **engine_args: Any,
+    ) -> LLMEngine:
+        """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
+        builds the engine around it; ``engine_args`` are :meth:`from_params`'s."""
+        from jaxpaged.models import load_tokenizer
+        from jaxpaged.models.loader import load_eos_token_ids
+        from jaxpaged.models.resolve import resolve_model_folder
+        from jaxpaged.parallel import load_params, make_mesh
+
+        configure_device_memory(gpu_memory_utilization)  # effective only before JAX starts
+
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+        n = parallel.tensor_parallel_size
+        mesh = make_mesh(n) if n > 1 else None
+        folder = resolve_model_folder(model)
+        # weights go straight to their shards; Orbax folders (jaxpaged.convert) are detected
+        model_config, params = load_params(folder, mesh=mesh, dtype=dtype, progress=show_progress)
+        return cls.from_params(
+            model_config,
+            params,
+            load_tokenizer(folder),
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            show_progress=show_progress,
+            eos_token_ids=load_eos_token_ids(folder, model_config),
+            **engine_args,
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        model_config: ModelConfig,
+        params: Params,
+        tokenizer: Any = None,
+        *,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,
@@ -232,23 +270,10 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         attention_backend: str | None = None,
         show_progress: bool = True,
+        eos_token_ids: Sequence[int] | None = None,
     ) -> LLMEngine:
-        """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
-        builds the engine around it."""
-        from jaxpaged.models import load_tokenizer
-        from jaxpaged.models.loader import load_eos_token_ids
-        from jaxpaged.models.resolve import resolve_model_folder
-        from jaxpaged.parallel import load_params, make_mesh
-
-        configure_device_memory(gpu_memory_utilization)  # effective only before JAX starts
-
-        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
-        n = parallel.tensor_parallel_size
-        mesh = make_mesh(n) if n > 1 else None
-        folder = resolve_model_folder(model)
-        # weights go straight to their shards; Orbax folders (jaxpaged.convert) are detected
-        model_config, params = load_params(folder, mesh=mesh, dtype=dtype, progress=show_progress)
-        tokenizer = load_tokenizer(folder)
+        """An engine over params already in memory, configured with vLLM's flat arguments
+        (``max_model_len`` defaults to the model's, the token budget to 512-2048)."""
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
         if max_num_batched_tokens is None:
@@ -271,12 +296,12 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 preemption_mode=preemption_mode,
             ),
-            parallel_config=parallel,
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             seed=seed,
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             show_progress=show_progress,
-            eos_token_ids=load_eos_token_ids(folder, model_config),
+            eos_token_ids=eos_token_ids,
         )
 
     # ---------------------------------------------------------------- requests

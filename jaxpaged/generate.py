@@ -17,7 +17,6 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.engine import LLMEngine, Prompt
 from jaxpaged.llm import LLM
 from jaxpaged.models.config import ModelConfig
@@ -26,15 +25,6 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxpaged.generate")
-
-_CACHE_ARGS = (
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "swap_space",
-    "enable_prefix_caching",
-)
 
 
 def generate(
@@ -58,26 +48,9 @@ def generate(
             raise ValueError("params and config must be given together")
         if model is not None:
             raise ValueError("give either model or params + config, not both")
-        cache = {k: engine_args.pop(k) for k in _CACHE_ARGS if k in engine_args}
-        sched = {
-            k: engine_args.pop(k)
-            for k in ("max_num_seqs", "max_num_batched_tokens", "preemption_mode")
-            if k in engine_args
-        }
-        sched["max_model_len"] = engine_args.pop("max_model_len", None) or min(
-            config.max_position_embeddings, 4096
-        )
-        sched.setdefault("max_num_batched_tokens", 512)
-        parallel = ParallelConfig(tensor_parallel_size=engine_args.pop("tensor_parallel_size", 1))
-        engine = LLMEngine(
-            parallel_config=parallel,
-            model_config=config,
-            params=params,
-            tokenizer=tokenizer,
-            cache_config=CacheConfig(**cache),
-            scheduler_config=SchedulerConfig(**sched),
-            show_progress=use_tqdm,
-            **engine_args,
+        engine_args.setdefault("max_model_len", min(config.max_position_embeddings, 4096))
+        engine = LLMEngine.from_params(
+            config, params, tokenizer, show_progress=use_tqdm, **engine_args
         )
         llm = LLM.from_engine(engine)
     try:
