@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import pathlib
 import random
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-from fake_runner import (  # noqa: E402
+from fake_runner import (
     FakeRunner,
     check_invariants,
     check_invariants_during_step,
@@ -20,9 +15,9 @@ from fake_runner import (  # noqa: E402
     run,
 )
 
-from jaxpaged.config import CacheConfig, SchedulerConfig  # noqa: E402
-from jaxpaged.request import RequestStatus  # noqa: E402
-from jaxpaged.scheduler import RunnerOutput, Scheduler  # noqa: E402
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.request import RequestStatus
+from jaxpaged.scheduler import RunnerOutput, Scheduler
 
 
 def make(
