@@ -36,7 +36,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "close_all",
-    "engine_stats",
 ]
 
 log = logging.getLogger("jaxpaged.serving")
@@ -224,11 +223,6 @@ async def close_all(handles: Sequence[RequestHandle]) -> None:
     tasks = [t for t in (h.close_nowait() for h in handles) if t is not None]
     if tasks:
         await asyncio.shield(asyncio.gather(*tasks))
-
-
-async def engine_stats(engine: Any) -> Any:
-    """engine.get_stats() off the loop (it waits for the engine's step lock)."""
-    return await asyncio.to_thread(engine.get_stats)
 
 
 class Frontend:

@@ -31,7 +31,6 @@ from jaxpaged.serving.frontend import (
     InvalidRequest,
     Phase,
     ServingError,
-    engine_stats,
     field_of,
 )
 
@@ -232,7 +231,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         for k, v in dict(engine.engine_config).items():
             info.engine_config[str(k)] = str(v)
         try:
-            stats = await engine_stats(engine)
+            stats = engine.get_stats()  # the engine's per-step snapshot: never waits
         except Exception:  # a dead engine still answers with what it knows
             return info
         if dataclasses.is_dataclass(stats):

@@ -208,8 +208,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        # rendering reads engine.get_stats(), which waits for the engine's step lock
-        body = await asyncio.to_thread(frontend.metrics.render)
+        body = frontend.metrics.render()  # reads the engine's per-step stats snapshot
         return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
