@@ -273,21 +273,20 @@ class Runner:
         """Blocks moved per call: one sequence's worth, so a handful of sizes covers all."""
         return 1 << (self.buckets.full_blocks - 1).bit_length()
 
-    def _chunks(self, pairs: Sequence[tuple[int, int]]) -> list[Sequence[tuple[int, int]]]:
+    def _in_chunks(self, move, pairs: Sequence[tuple[int, int]]) -> None:
+        """Applies a block move ``_max_move`` pairs at a time (a few compiled sizes)."""
         m = self._max_move
-        return [pairs[i : i + m] for i in range(0, len(pairs), m)]
+        for i in range(0, len(pairs), m):
+            move(pairs[i : i + m])
 
     def _copy(self, pairs: Sequence[tuple[int, int]]) -> None:
-        for chunk in self._chunks(pairs):
-            self._copy_chunk(chunk)
+        self._in_chunks(self._copy_chunk, pairs)
 
     def _swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        for chunk in self._chunks(pairs):
-            self._swap_out_chunk(chunk)
+        self._in_chunks(self._swap_out_chunk, pairs)
 
     def _swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        for chunk in self._chunks(pairs):
-            self._swap_in_chunk(chunk)
+        self._in_chunks(self._swap_in_chunk, pairs)
 
     def _copy_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         src, dst = zip(*pairs, strict=True)
