@@ -7,6 +7,8 @@ max_q_len=None, max_kv_len=None)` and `write_kv(k_pages, v_pages, k, v, slot_map
 Backends (`backend=`; None picks by platform):
   "pallas"     Pallas Triton kernels (pallas_gpu.py), default on NVIDIA GPUs;
                `interpret=True` runs them anywhere (tests).
+  "cpu"        native C++ kernel through XLA FFI (cpu.py, cpu_native.cc), default on
+               CPUs where it compiles (float32/bfloat16 pools).
   "xla"        gathers + einsums with an online softmax (xla.py), default elsewhere.
   "reference"  readable pure jnp (reference.py), the definition of the semantics.
 Static hints `max_q_len` (1 = decode-only step) and `max_kv_len` (bound on kv_lens) let

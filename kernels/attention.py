@@ -1,8 +1,9 @@
 """Public ragged paged attention: validates shapes, picks a backend, dispatches.
 
-Backends: "reference" (pure jnp, the semantics), "xla" (gathers + einsums, default on
-CPU and TPU until a TPU kernel exists), "pallas" (Pallas Triton kernel, default on
-NVIDIA GPUs; `interpret=True` runs it anywhere, for tests).
+Backends: "reference" (pure jnp, the semantics), "cpu" (native C++ kernel through XLA
+FFI, default on CPU when it builds), "xla" (gathers + einsums: TPU until a TPU kernel
+exists, and the CPU fallback), "pallas" (Pallas Triton kernel, default on NVIDIA GPUs;
+`interpret=True` runs it anywhere, for tests).
 """
 
 from __future__ import annotations
@@ -12,17 +13,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import cpu
 from .reference import ragged_paged_attention_reference
 from .xla import ragged_paged_attention_xla
 
-BACKENDS = ("reference", "xla", "pallas")
+BACKENDS = ("reference", "xla", "pallas", "cpu")
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def default_backend(platform: str | None = None) -> str:
-    """The backend used when `backend=None`: "pallas" on NVIDIA GPUs, else "xla"."""
+    """The backend used when `backend=None`: "pallas" on NVIDIA GPUs, "cpu" on CPUs where
+    the native kernel builds, else "xla"."""
     platform = platform or jax.default_backend()
-    return "pallas" if platform in ("gpu", "cuda") else "xla"
+    if platform in ("gpu", "cuda"):
+        return "pallas"
+    if platform == "cpu" and cpu.available():
+        return "cpu"
+    return "xla"
 
 
 def validate_inputs(
@@ -151,6 +158,8 @@ def ragged_paged_attention(
     )
     if backend is None:
         backend = "pallas" if interpret else default_backend()
+        if backend == "cpu" and not cpu.supports(q.dtype, k_pages.dtype):
+            backend = "xla"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
@@ -159,6 +168,8 @@ def ragged_paged_attention(
         return ragged_paged_attention_reference(*args, **opts)
     if backend == "xla":
         return ragged_paged_attention_xla(*args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len)
+    if backend == "cpu":
+        return cpu.ragged_paged_attention_cpu(*args, **opts)
     from .pallas_gpu import ragged_paged_attention_pallas
 
     return ragged_paged_attention_pallas(

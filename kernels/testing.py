@@ -1,4 +1,5 @@
-"""Random ragged paged-attention problems for tests and benchmarks (numpy only).
+"""Random ragged paged-attention problems for tests and benchmarks (numpy; JAX is imported
+only by `run_and_compare`, which runs a backend against the reference).
 
 A case places each sequence's KV in randomly chosen, non-contiguous physical blocks,
 fills every slot no sequence owns (tails of partly filled blocks, spare blocks) with
@@ -143,3 +144,72 @@ def numpy_attention(
                 p = np.exp(s - s.max())
                 out[row, h] = (p / p.sum()) @ v[lo : pos + 1, h // group]
     return out
+
+
+# (head_dim, block_size, num_q_heads, num_kv_heads, dtype, sliding_window, soft_cap): each
+# value of every axis appears, without the full product.
+SWEEP = [
+    (64, 16, 9, 3, "float32", None, None),  # SmolLM2
+    (64, 8, 4, 4, "float32", 7, None),  # MHA
+    (128, 32, 8, 1, "float32", None, None),  # MQA, ratio 8
+    (64, 64, 4, 2, "bfloat16", None, 3.0),
+    (128, 16, 8, 2, "bfloat16", None, None),
+    (64, 32, 8, 2, "float16", 20, 5.0),
+    (256, 8, 2, 1, "float32", None, None),
+]
+
+
+def mixed_seqs(rng, block_size, n=6):
+    """Decode rows, prefill from scratch, chunked prefill on a cached prefix."""
+    seqs = []
+    for i in range(n):
+        kind = i % 3
+        kv = int(rng.integers(1, 5 * block_size))
+        if kind == 0:  # decode
+            seqs.append((1, kv))
+        elif kind == 1:  # prefill from scratch
+            seqs.append((kv, kv))
+        else:  # chunked prefill on top of a cached prefix
+            seqs.append((int(rng.integers(1, kv + 1)), kv))
+    rng.shuffle(seqs)
+    return [tuple(s) for s in seqs]
+
+
+def run_and_compare(
+    rng, seqs, *, hq, hkv, d, bs, dtype, backend, max_seqs=None, pad=3, **kw
+) -> Case:
+    """Run `backend` (or `fn=`) on a fresh random case and check it against the reference:
+    relative error under TOLERANCE[dtype] and padding rows exactly zero."""
+    import jax.numpy as jnp
+
+    from .attention import ragged_paged_attention
+
+    case = make_case(
+        rng,
+        seqs,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        dtype=DTYPES[dtype],
+        max_seqs=max_seqs,
+        pad_tokens=pad,
+    )
+    args = tuple(map(jnp.asarray, case.args()))
+    opts = dict(
+        sm_scale=case.sm_scale,
+        sliding_window=kw.pop("sliding_window", None),
+        soft_cap=kw.pop("soft_cap", None),
+    )
+    ref = ragged_paged_attention(*args, **opts, backend="reference")
+    fn = kw.pop("fn", None)
+    if fn is None:
+        out = ragged_paged_attention(*args, **opts, backend=backend, **kw)
+    else:
+        out = fn(*args, **opts, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[dtype], f"rel err {err} for {seqs}"
+    total = sum(q for q, _ in case.seqs)
+    assert np.all(np.asarray(out).astype(np.float32)[total:] == 0.0), "padding rows not zero"
+    return case

@@ -59,7 +59,7 @@ def test_bad_options_raise(args):
 
 
 def test_default_backend():
-    assert default_backend("cpu") == "xla"
+    assert default_backend("cpu") in ("cpu", "xla")  # "cpu" when the native kernel builds
     assert default_backend("gpu") == "pallas"
     assert default_backend("tpu") == "xla"
 

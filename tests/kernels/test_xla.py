@@ -9,68 +9,14 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpaged.kernels import ragged_paged_attention
-from jaxpaged.kernels.testing import DTYPES, TOLERANCE, make_case
+from jaxpaged.kernels.testing import SWEEP, mixed_seqs
+from jaxpaged.kernels.testing import run_and_compare as _run_and_compare
 from jaxpaged.kernels.xla import ragged_paged_attention_xla
 
 
-def mixed_seqs(rng, block_size, n=6):
-    """Decode rows, prefill from scratch, chunked prefill on a cached prefix."""
-    seqs = []
-    for i in range(n):
-        kind = i % 3
-        kv = int(rng.integers(1, 5 * block_size))
-        if kind == 0:  # decode
-            seqs.append((1, kv))
-        elif kind == 1:  # prefill from scratch
-            seqs.append((kv, kv))
-        else:  # chunked prefill on top of a cached prefix
-            seqs.append((int(rng.integers(1, kv + 1)), kv))
-    rng.shuffle(seqs)
-    return [tuple(s) for s in seqs]
-
-
-def run_and_compare(rng, tools, seqs, *, hq, hkv, d, bs, dtype, max_seqs=None, pad=3, **kw):
-    case = make_case(
-        rng,
-        seqs,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        block_size=bs,
-        dtype=DTYPES[dtype],
-        max_seqs=max_seqs,
-        pad_tokens=pad,
-    )
-    args = tuple(map(jnp.asarray, case.args()))
-    opts = dict(
-        sm_scale=case.sm_scale,
-        sliding_window=kw.pop("sliding_window", None),
-        soft_cap=kw.pop("soft_cap", None),
-    )
-    ref = ragged_paged_attention(*args, **opts, backend="reference")
-    out = kw.pop("fn", None)
-    if out is None:
-        out = ragged_paged_attention(*args, **opts, backend="xla", **kw)
-    else:
-        out = out(*args, **opts, **kw)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    err = tools["rel_err"](out, ref)
-    assert err < TOLERANCE[dtype], f"rel err {err} for {seqs}"
-    tools["check_padding_rows"](out, case)
-    return case
-
-
-# (head_dim, block_size, num_q_heads, num_kv_heads, dtype, sliding_window, soft_cap): each
-# value of every axis appears, without the full product.
-SWEEP = [
-    (64, 16, 9, 3, "float32", None, None),  # SmolLM2
-    (64, 8, 4, 4, "float32", 7, None),  # MHA
-    (128, 32, 8, 1, "float32", None, None),  # MQA, ratio 8
-    (64, 64, 4, 2, "bfloat16", None, 3.0),
-    (128, 16, 8, 2, "bfloat16", None, None),
-    (64, 32, 8, 2, "float16", 20, 5.0),
-    (256, 8, 2, 1, "float32", None, None),
-]
+def run_and_compare(rng, tools, seqs, **kw):
+    kw.setdefault("backend", "xla")
+    return _run_and_compare(rng, seqs, **kw)
 
 
 @pytest.mark.parametrize("d,bs,hq,hkv,dtype,window,cap", SWEEP)

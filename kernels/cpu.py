@@ -1,0 +1,145 @@
+"""Ragged paged attention as a native CPU kernel (cpu_native.cc), called through XLA FFI.
+
+The C++ source ships with the package and is compiled on first use with the system C++
+compiler into `$JAXPAGED_CACHE/native/` (keyed by source, compiler flags and CPU), so
+`pip install` needs no build step and the kernel is tuned for the machine it runs on.
+When no compiler is found or the build fails, `available()` is False and callers use the
+"xla" backend instead; `JAXPAGED_NATIVE=0` forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("cpu_native.cc")
+_TARGET = "jaxpaged_paged_attention"
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXPAGED_CACHE") or os.path.join("~", ".cache", "jaxpaged")
+    return Path(root).expanduser() / "native"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [x for x in lines if x.startswith(("model name", "flags"))][:2]
+    except OSError:
+        keep = []
+    return platform.machine() + "".join(keep)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build() -> Path:
+    """Compile cpu_native.cc once per (source, flags, CPU); returns the shared library."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _cpu_signature().encode()):
+        key.update(part)
+    key.update(cxx.encode())
+    out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target and rename: concurrent processes never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{e.stderr[-2000:]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _register() -> str | None:
+    """Build, load and register the kernel once per process; the reason it failed, or None."""
+    if os.environ.get("JAXPAGED_NATIVE", "1") == "0":
+        return "disabled by JAXPAGED_NATIVE=0"
+    try:
+        with _lock:
+            lib = ctypes.cdll.LoadLibrary(str(_build()))
+            jax.ffi.register_ffi_target(
+                _TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu"
+            )
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"jaxpaged: native CPU attention unavailable, using XLA: {e}", stacklevel=3)
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """True when the native kernel is built and registered (builds it on first call)."""
+    return _register() is None
+
+
+def supports(q_dtype, kv_dtype) -> bool:
+    """The kernel reads float32 or bfloat16 pools; queries are passed as float32."""
+    return jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and (
+        jnp.dtype(q_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    )
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [NB, B, Hkv, D]
+    v_pages: jax.Array,  # [NB, B, Hkv, D]
+    kv_lens: jax.Array,  # int32 [S]
+    block_tables: jax.Array,  # int32 [S, P]
+    cu_q_lens: jax.Array,  # int32 [S + 1]
+    num_seqs: jax.Array,  # int32 scalar or [1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """See `jaxpaged.kernels.ragged_paged_attention`. Inputs are validated there."""
+    reason = _register()
+    if reason is not None:
+        raise RuntimeError(f"native CPU attention unavailable: {reason}")
+    if not supports(q.dtype, k_pages.dtype):
+        raise ValueError(f"backend 'cpu' needs float32/bfloat16 q and pages, got {k_pages.dtype}")
+    if q.shape[2] > 256 or k_pages.shape[1] > 64:
+        raise ValueError("backend 'cpu' supports head_dim <= 256 and block_size <= 64")
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        jnp.reshape(num_seqs, (1,)),
+        sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0),
+        sliding_window=np.int64(sliding_window or 0),
+    )
+    return out.astype(q.dtype)

@@ -1,0 +1,334 @@
+// Ragged paged attention for CPUs, as an XLA FFI custom call (see kernels/cpu.py).
+//
+// Why native: XLA:CPU cannot fuse the block-table gather into its dots, so the XLA path
+// copies every K/V chunk before reading it and runs many tiny batched dots; decode
+// attention costs ~10x its KV read. Here each (sequence, KV head, tile of query rows)
+// walks its blocks in place: a K block is transposed once into a [D][B] tile in L1, the
+// scores of all the tile's query vectors (rows x GQA group) against it are FMAs along B,
+// then an online softmax and P.V along D. Work items are spread over XLA's intra-op
+// thread pool; the calling thread works too and returns when every item is done.
+//
+// Semantics are those of kernels/reference.py: row t of sequence s (cu_q_lens[s] <= t <
+// cu_q_lens[s + 1]) sits at position kv_lens[s] - q_len + (t - cu_q_lens[s]) and sees
+// positions 0..position (the last `sliding_window` only, if > 0); logits sm_scale * q.k,
+// then soft_cap * tanh(logits / soft_cap) if soft_cap > 0. Padding rows come out zero.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxBlockSize = 64;
+constexpr int kRowTile = 16;  // query rows of one sequence per work item (prefill)
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// A K/V row as float: the pool's own memory for float32, converted into `buf` otherwise.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const uint16_t* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
+  return buf;
+}
+
+// q.k over n floats. Kept out of line so the compiler vectorizes along n (it would
+// otherwise vectorize the caller's loop over keys with slow gathers).
+__attribute__((noinline)) float dot(const float* __restrict a, const float* __restrict b,
+                                    int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    __m256 s = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+  }
+#endif
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += p * x over n floats.
+__attribute__((noinline)) void axpy(float p, const float* __restrict x, float* __restrict y,
+                                    int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+
+struct Shapes {
+  int64_t num_tokens, num_q_heads, head_dim;
+  int64_t block_size, num_kv_heads, group;
+  int64_t num_pool_blocks, max_seqs, max_blocks;
+  float sm_scale, soft_cap;
+  int64_t sliding_window;
+};
+
+struct WorkItem {
+  int32_t seq, kv_head, row_begin, row_end;
+};
+
+// One (sequence, KV head, rows) item: online softmax over the visible blocks.
+template <typename KV>
+void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pages,
+            const KV* v_pages, const int32_t* kv_lens, const int32_t* tables,
+            const int32_t* cu_q_lens, float* out) {
+  const int64_t D = sh.head_dim, B = sh.block_size, G = sh.group, Hkv = sh.num_kv_heads;
+  const int64_t rows = w.row_end - w.row_begin;
+  const int64_t M = rows * G;  // query vectors of this item
+  const int64_t q_start = cu_q_lens[w.seq];
+  const int64_t q_len = cu_q_lens[w.seq + 1] - q_start;
+  const int64_t kv_len = kv_lens[w.seq];
+  const int64_t pos0 = kv_len - q_len + (w.row_begin - q_start);  // position of first row
+  const int64_t last_pos = pos0 + rows - 1;
+  int64_t first_pos = 0;
+  if (sh.sliding_window > 0) first_pos = std::max<int64_t>(0, pos0 - sh.sliding_window + 1);
+
+  std::vector<float> qs(M * D), acc(M * D, 0.0f), m_run(M, -INFINITY), l_run(M, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = q + ((w.row_begin + r) * sh.num_q_heads + w.kv_head * G + g) * D;
+      float* dst = &qs[(r * G + g) * D];
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sh.sm_scale;
+    }
+
+  const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
+  const int64_t row_stride = Hkv * D;  // between consecutive tokens of a block
+  alignas(64) float s[kMaxBlockSize];
+
+  // Online-softmax update of query mi with the scores s[lo..hi) of one block.
+  auto softmax_step = [&](int64_t mi, int64_t lo, int64_t hi) {
+    float bmax = -INFINITY;
+    for (int64_t j = lo; j < hi; ++j) {
+      if (sh.soft_cap > 0) s[j] = sh.soft_cap * std::tanh(s[j] / sh.soft_cap);
+      bmax = std::max(bmax, s[j]);
+    }
+    const float m_new = std::max(m_run[mi], bmax);
+    const float alpha = std::exp(m_run[mi] - m_new);  // 0 on the first visible block
+    float psum = 0.0f;
+    for (int64_t j = lo; j < hi; ++j) {
+      s[j] = std::exp(s[j] - m_new);
+      psum += s[j];
+    }
+    l_run[mi] = l_run[mi] * alpha + psum;
+    m_run[mi] = m_new;
+    float* a = &acc[mi * D];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+  };
+  // Keys of block `kpos0` query mi may see: [lo, hi) of the block's first n_keys.
+  auto visible = [&](int64_t mi, int64_t kpos0, int64_t n_keys, int64_t& lo, int64_t& hi) {
+    const int64_t pos = pos0 + mi / G;
+    lo = sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1 - kpos0) : 0;
+    hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
+    return hi > lo;
+  };
+
+  const bool few_queries = M <= 8;  // decode: score key by key, straight from the pool
+  alignas(64) float kt[kMaxHeadDim * kMaxBlockSize];  // K block transposed, [D][B]
+  alignas(64) float kbuf[kMaxBlockSize * kMaxHeadDim];  // K/V rows as float, [B][D]
+  alignas(64) float vbuf[kMaxBlockSize * kMaxHeadDim];
+
+  for (int64_t blk = first_pos / B; blk <= last_pos / B && blk < sh.max_blocks; ++blk) {
+    const int64_t phys = table[blk];
+    if (phys < 0 || phys >= sh.num_pool_blocks) continue;  // never read outside the pool
+    const KV* kb = k_pages + (phys * B * Hkv + w.kv_head) * D;
+    const KV* vb = v_pages + (phys * B * Hkv + w.kv_head) * D;
+    const int64_t kpos0 = blk * B;
+    const int64_t n_keys = std::min<int64_t>(B, last_pos - kpos0 + 1);
+    if (blk + 1 <= last_pos / B && blk + 1 < sh.max_blocks) {  // next block's rows, early
+      const int64_t next = table[blk + 1];
+      if (next >= 0 && next < sh.num_pool_blocks) {
+        const int64_t bytes = D * static_cast<int64_t>(sizeof(KV));
+        for (int64_t j = 0; j < B; ++j) {
+          const char* kn = reinterpret_cast<const char*>(k_pages + ((next * B + j) * Hkv + w.kv_head) * D);
+          const char* vn = reinterpret_cast<const char*>(v_pages + ((next * B + j) * Hkv + w.kv_head) * D);
+          for (int64_t c = 0; c < bytes; c += 64) {
+            __builtin_prefetch(kn + c);
+            __builtin_prefetch(vn + c);
+          }
+        }
+      }
+    }
+    const float* vrows[kMaxBlockSize];
+    for (int64_t j = 0; j < n_keys; ++j)
+      vrows[j] = as_float(vb + j * row_stride, &vbuf[j * D], D);
+    if (few_queries) {
+      const float* krows[kMaxBlockSize];
+      for (int64_t j = 0; j < n_keys; ++j)
+        krows[j] = as_float(kb + j * row_stride, &kbuf[j * D], D);
+      for (int64_t mi = 0; mi < M; ++mi) {
+        int64_t lo, hi;
+        if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
+        const float* qv = &qs[mi * D];
+        for (int64_t j = lo; j < hi; ++j) s[j] = dot(qv, krows[j], D);
+        softmax_step(mi, lo, hi);
+        float* a = &acc[mi * D];
+        for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
+      }
+      continue;
+    }
+    // Many queries (prefill tile): transpose K once, then scores along the block.
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const KV* kr = kb + j * row_stride;
+      for (int64_t d = 0; d < D; ++d) kt[d * B + j] = to_float(kr[d]);
+    }
+    for (int64_t j = n_keys; j < B; ++j)  // scored below but never used: keep them finite
+      for (int64_t d = 0; d < D; ++d) kt[d * B + j] = 0.0f;
+    for (int64_t mi = 0; mi < M; ++mi) {
+      int64_t lo, hi;
+      if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
+      const float* qv = &qs[mi * D];
+      for (int64_t j = 0; j < B; ++j) s[j] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qv[d];
+        const float* kd = &kt[d * B];
+#pragma omp simd
+        for (int64_t j = 0; j < B; ++j) s[j] += qd * kd[j];
+      }
+      softmax_step(mi, lo, hi);
+      float* a = &acc[mi * D];
+      for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t mi = r * G + g;
+      const float inv = l_run[mi] > 0 ? 1.0f / l_run[mi] : 0.0f;
+      float* dst = out + ((w.row_begin + r) * sh.num_q_heads + w.kv_head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[mi * D + d] * inv;
+    }
+}
+
+// Shared by the calling thread and the pool's tasks; tasks may start after the call
+// has returned (nothing left to do then), so it lives as long as the last of them.
+struct Job {
+  std::vector<WorkItem> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename KV>
+void run_all(const std::shared_ptr<Job>& job, const Shapes& sh, const float* q,
+             const KV* k, const KV* v, const int32_t* kv_lens, const int32_t* tables,
+             const int32_t* cu, float* out) {
+  const int64_t n = static_cast<int64_t>(job->items.size());
+  for (int64_t i = job->next.fetch_add(1); i < n; i = job->next.fetch_add(1)) {
+    attend<KV>(sh, job->items[i], q, k, v, kv_lens, tables, cu, out);
+    job->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                              int64_t sliding_window) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4)
+    return ffi::Error::InvalidArgument("q must be rank 3 and k_pages rank 4");
+  Shapes sh;
+  sh.num_tokens = qd[0];
+  sh.num_q_heads = qd[1];
+  sh.head_dim = qd[2];
+  sh.num_pool_blocks = kd[0];
+  sh.block_size = kd[1];
+  sh.num_kv_heads = kd[2];
+  sh.group = sh.num_q_heads / sh.num_kv_heads;
+  sh.max_seqs = kv_lens.dimensions()[0];
+  sh.max_blocks = tables.dimensions()[1];
+  sh.sm_scale = sm_scale;
+  sh.soft_cap = soft_cap;
+  sh.sliding_window = sliding_window;
+  if (sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize)
+    return ffi::Error::InvalidArgument("head_dim must be <= 256 and block_size <= 64");
+  const auto dtype = k_pages.element_type();
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("k_pages/v_pages must be float32 or bfloat16");
+
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int64_t n_seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, sh.max_seqs);
+  float* o = out->typed_data();
+  std::memset(o, 0, sizeof(float) * sh.num_tokens * sh.num_q_heads * sh.head_dim);
+
+  auto job = std::make_shared<Job>();
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t begin = std::clamp<int64_t>(cu[s], 0, sh.num_tokens);
+    const int64_t end = std::clamp<int64_t>(cu[s + 1], begin, sh.num_tokens);
+    if (end == begin || lens[s] < end - begin) continue;  // empty or inconsistent: zeros
+    for (int64_t r = begin; r < end; r += kRowTile)
+      for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+        job->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
+                              static_cast<int32_t>(r),
+                              static_cast<int32_t>(std::min<int64_t>(r + kRowTile, end))});
+  }
+  // Longest items first (most keys x rows), so the threads finish together.
+  std::stable_sort(job->items.begin(), job->items.end(),
+                   [&](const WorkItem& a, const WorkItem& b) {
+                     return (int64_t)lens[a.seq] * (a.row_end - a.row_begin) >
+                            (int64_t)lens[b.seq] * (b.row_end - b.row_begin);
+                   });
+  const int64_t n_items = static_cast<int64_t>(job->items.size());
+  const float* qp = q.typed_data();
+  const int32_t* tp = tables.typed_data();
+  auto work = [job, sh, qp, kp = k_pages.untyped_data(), vp = v_pages.untyped_data(), lens,
+               tp, cu, o, dtype]() {
+    if (dtype == ffi::DataType::F32)
+      run_all<float>(job, sh, qp, static_cast<const float*>(kp), static_cast<const float*>(vp),
+                     lens, tp, cu, o);
+    else
+      run_all<uint16_t>(job, sh, qp, static_cast<const uint16_t*>(kp),
+                        static_cast<const uint16_t*>(vp), lens, tp, cu, o);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (job->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_pages [NB, B, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()          // v_pages [NB, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));

@@ -1,0 +1,125 @@
+"""The native "cpu" backend (C++ through XLA FFI) against the jnp reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.kernels import cpu, default_backend, ragged_paged_attention, write_kv
+from jaxpaged.kernels.testing import SWEEP, make_case, mixed_seqs, rel_err, run_and_compare
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernel")
+
+CPU_SWEEP = [c for c in SWEEP if c[4] != "float16"]  # float16 pools are the xla backend's
+
+
+@pytest.mark.parametrize("d,bs,hq,hkv,dtype,window,cap", CPU_SWEEP)
+def test_cpu_mixed_batch(rng, d, bs, hq, hkv, dtype, window, cap):
+    seqs = mixed_seqs(rng, bs, n=8)
+    run_and_compare(
+        rng, seqs, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, backend="cpu", max_seqs=10,
+        sliding_window=window, soft_cap=cap,
+    )  # fmt: skip
+
+
+def test_cpu_decode_batch(rng):
+    """A full decode step of SmolLM2's shape: 32 sequences, contexts up to 300 tokens."""
+    seqs = [(1, int(rng.integers(1, 300))) for _ in range(32)]
+    run_and_compare(rng, seqs, hq=9, hkv=3, d=64, bs=16, dtype="float32", backend="cpu")
+
+
+def test_cpu_long_prefill_tiles(rng):
+    """Prompts longer than a row tile, on top of cached prefixes, with and without a window."""
+    seqs = [(70, 70), (45, 260), (1, 5), (33, 33)]
+    for window in (None, 37):
+        run_and_compare(
+            rng, seqs, hq=4, hkv=1, d=64, bs=8, dtype="float32", backend="cpu",
+            sliding_window=window,
+        )  # fmt: skip
+
+
+def test_cpu_long_context(rng):
+    seqs = [(1, 32768), (8, 20000)]
+    run_and_compare(rng, seqs, hq=2, hkv=1, d=64, bs=64, dtype="float32", backend="cpu", pad=0)
+
+
+def test_cpu_inside_scan_with_donated_pool(rng):
+    """As the engine runs it: write_kv then attention, per layer of a lax.scan over a
+    donated pool holding every layer; every layer's output equals the reference's."""
+    layers, nb, bs, hq, hkv, d = 3, 24, 8, 4, 2, 64
+    seqs = [(1, 40), (9, 9), (1, 17)]  # (q_len, kv_len)
+    tables = np.stack([rng.permutation(nb)[:6] for _ in seqs]).astype(np.int32)  # [S, 6]
+    slots = []
+    for s, (q_len, kv_len) in enumerate(seqs):
+        for p in range(kv_len - q_len, kv_len):
+            slots.append(tables[s, p // bs] * bs + p % bs)
+    slots = jnp.asarray(np.array(slots + [-1, -1], np.int32))  # two padding rows
+    t = slots.shape[0]
+    cu = jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]).astype(np.int32))
+    lens = jnp.asarray(np.array([kv for _, kv in seqs], np.int32))
+    n = jnp.asarray([len(seqs)], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((layers, t, hq, d), dtype=np.float32))
+    kv_new = jnp.asarray(rng.standard_normal((layers, t, hkv, d), dtype=np.float32))
+    pool = rng.standard_normal((layers * nb, bs, hkv, d), dtype=np.float32)
+    tables = jnp.asarray(tables)
+
+    def run(backend, pk, pv):
+        def body(carry, xs):
+            pk, pv = carry
+            layer, qi, kv = xs
+            s = jnp.where(slots >= 0, slots + layer * nb * bs, -1)
+            pk, pv = write_kv(pk, pv, kv, -kv, s)
+            out = ragged_paged_attention(
+                qi, pk, pv, lens, tables + layer * nb, cu, n, sm_scale=0.125, backend=backend
+            )
+            return (pk, pv), out
+
+        (pk, pv), outs = jax.lax.scan(body, (pk, pv), (jnp.arange(layers), q, kv_new))
+        return outs, pk, pv
+
+    ref, _, _ = jax.jit(run, static_argnums=0)("reference", jnp.asarray(pool), jnp.asarray(pool))
+    fast = jax.jit(run, static_argnums=0, donate_argnums=(1, 2))
+    out, pk, _ = fast("cpu", jnp.asarray(pool), jnp.asarray(pool))
+    assert rel_err(out, ref) < 1e-5
+    assert np.all(np.asarray(out)[:, -2:] == 0.0)  # padding rows
+    assert pk.shape == pool.shape
+
+
+def test_cpu_is_the_default_on_cpu_and_float16_falls_back(rng):
+    assert default_backend("cpu") == "cpu"
+    case = make_case(
+        rng, [(1, 30), (5, 12)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+        dtype=np.float16, max_seqs=3, pad_tokens=1,
+    )  # fmt: skip
+    args = tuple(map(jnp.asarray, case.args()))
+    ref = ragged_paged_attention(*args, sm_scale=case.sm_scale, backend="reference")
+    out = ragged_paged_attention(*args, sm_scale=case.sm_scale)  # float16: xla picked
+    assert rel_err(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        ragged_paged_attention(*args, sm_scale=case.sm_scale, backend="cpu")
+
+
+@pytest.mark.parametrize(
+    "env,reason",
+    [({"JAXPAGED_NATIVE": "0"}, "disabled"), ({"CXX": "/bin/false"}, "failed")],
+)
+def test_cpu_unavailable_falls_back_to_xla(tmp_path, env, reason):
+    """No kernel (disabled, or the compiler fails): a warning, and "xla" is the default."""
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "from jaxpaged.kernels import cpu, default_backend\n"
+        "print(cpu.available(), default_backend('cpu'), cpu._register())\n"
+    )
+    full_env = {**os.environ, "JAXPAGED_CACHE": str(tmp_path), **env}
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("False xla"), res.stdout
+    assert reason in res.stdout
