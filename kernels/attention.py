@@ -169,7 +169,9 @@ def ragged_paged_attention(
     if backend == "xla":
         return ragged_paged_attention_xla(*args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len)
     if backend == "cpu":
-        return cpu.ragged_paged_attention_cpu(*args, **opts)
+        return cpu.ragged_paged_attention_cpu(
+            *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len
+        )
     from .pallas_gpu import ragged_paged_attention_pallas
 
     return ragged_paged_attention_pallas(
