@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kernels import ragged_paged_attention
+from jaxpaged.kernels import cpu, ragged_paged_attention
 from jaxpaged.kernels.testing import make_case
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -85,6 +85,17 @@ def run_case(name, seqs, rng, *, dense_shape, bw, reps, with_reference=True):
         *args,
         reps=reps,
     )
+    if cpu.available():
+        rows["cpu (native decode rows)"] = bench(
+            jax.jit(functools.partial(call, backend="cpu", max_q_len=max_q, max_kv_len=max_kv)),
+            *args,
+            reps=reps,
+        )
+        rows["cpu, native on every row"] = bench(
+            jax.jit(functools.partial(cpu.ragged_paged_attention_native, sm_scale=case.sm_scale)),
+            *args,
+            reps=reps,
+        )
     if with_reference:
         rows["reference"] = bench(
             jax.jit(functools.partial(call, backend="reference")), *args, reps=reps

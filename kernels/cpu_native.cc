@@ -91,17 +91,20 @@ struct Shapes {
 };
 
 struct WorkItem {
-  int32_t seq, kv_head, row_begin, row_end;
+  int32_t seq, head_begin, head_end, row_begin, row_end;  // KV heads [begin, end), rows
 };
 
-// One (sequence, KV head, rows) item: online softmax over the visible blocks.
+// One (sequence, KV heads, rows) item: online softmax over the visible blocks, block by
+// block, every head of the item per block (a decode item takes all heads, so each block's
+// contiguous K/V is read front to back once).
 template <typename KV>
 void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pages,
             const KV* v_pages, const int32_t* kv_lens, const int32_t* tables,
             const int32_t* cu_q_lens, float* out) {
   const int64_t D = sh.head_dim, B = sh.block_size, G = sh.group, Hkv = sh.num_kv_heads;
   const int64_t rows = w.row_end - w.row_begin;
-  const int64_t M = rows * G;  // query vectors of this item
+  const int64_t M = rows * G;  // query vectors per KV head
+  const int64_t H = w.head_end - w.head_begin;
   const int64_t q_start = cu_q_lens[w.seq];
   const int64_t q_len = cu_q_lens[w.seq + 1] - q_start;
   const int64_t kv_len = kv_lens[w.seq];
@@ -110,35 +113,39 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   int64_t first_pos = 0;
   if (sh.sliding_window > 0) first_pos = std::max<int64_t>(0, pos0 - sh.sliding_window + 1);
 
-  std::vector<float> qs(M * D), acc(M * D, 0.0f), m_run(M, -INFINITY), l_run(M, 0.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* src = q + ((w.row_begin + r) * sh.num_q_heads + w.kv_head * G + g) * D;
-      float* dst = &qs[(r * G + g) * D];
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sh.sm_scale;
-    }
+  // State of query vector mi of head h (relative to head_begin) is at index h * M + mi.
+  std::vector<float> qs(H * M * D), acc(H * M * D, 0.0f), m_run(H * M, -INFINITY),
+      l_run(H * M, 0.0f);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = (w.head_begin + h) * G + g;
+        const float* src = q + ((w.row_begin + r) * sh.num_q_heads + head) * D;
+        float* dst = &qs[(h * M + r * G + g) * D];
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sh.sm_scale;
+      }
 
   const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
   const int64_t row_stride = Hkv * D;  // between consecutive tokens of a block
   alignas(64) float s[kMaxBlockSize];
 
-  // Online-softmax update of query mi with the scores s[lo..hi) of one block.
-  auto softmax_step = [&](int64_t mi, int64_t lo, int64_t hi) {
+  // Online-softmax update of state i with the scores s[lo..hi) of one block.
+  auto softmax_step = [&](int64_t i, int64_t lo, int64_t hi) {
     float bmax = -INFINITY;
     for (int64_t j = lo; j < hi; ++j) {
       if (sh.soft_cap > 0) s[j] = sh.soft_cap * std::tanh(s[j] / sh.soft_cap);
       bmax = std::max(bmax, s[j]);
     }
-    const float m_new = std::max(m_run[mi], bmax);
-    const float alpha = std::exp(m_run[mi] - m_new);  // 0 on the first visible block
+    const float m_new = std::max(m_run[i], bmax);
+    const float alpha = std::exp(m_run[i] - m_new);  // 0 on the first visible block
     float psum = 0.0f;
     for (int64_t j = lo; j < hi; ++j) {
       s[j] = std::exp(s[j] - m_new);
       psum += s[j];
     }
-    l_run[mi] = l_run[mi] * alpha + psum;
-    m_run[mi] = m_new;
-    float* a = &acc[mi * D];
+    l_run[i] = l_run[i] * alpha + psum;
+    m_run[i] = m_new;
+    float* a = &acc[i * D];
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
   };
@@ -149,6 +156,10 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
     hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
     return hi > lo;
   };
+  // Rows of heads [head_begin, head_end) of token j of pool block `phys`.
+  auto row_of = [&](const KV* pages, int64_t phys, int64_t j, int64_t h) {
+    return pages + ((phys * B + j) * Hkv + w.head_begin + h) * D;
+  };
 
   const bool few_queries = M <= 8;  // decode: score key by key, straight from the pool
   alignas(64) float kt[kMaxHeadDim * kMaxBlockSize];  // K block transposed, [D][B]
@@ -158,17 +169,15 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   for (int64_t blk = first_pos / B; blk <= last_pos / B && blk < sh.max_blocks; ++blk) {
     const int64_t phys = table[blk];
     if (phys < 0 || phys >= sh.num_pool_blocks) continue;  // never read outside the pool
-    const KV* kb = k_pages + (phys * B * Hkv + w.kv_head) * D;
-    const KV* vb = v_pages + (phys * B * Hkv + w.kv_head) * D;
     const int64_t kpos0 = blk * B;
     const int64_t n_keys = std::min<int64_t>(B, last_pos - kpos0 + 1);
     if (blk + 1 <= last_pos / B && blk + 1 < sh.max_blocks) {  // next block's rows, early
       const int64_t next = table[blk + 1];
       if (next >= 0 && next < sh.num_pool_blocks) {
-        const int64_t bytes = D * static_cast<int64_t>(sizeof(KV));
+        const int64_t bytes = H * D * static_cast<int64_t>(sizeof(KV));  // heads are adjacent
         for (int64_t j = 0; j < B; ++j) {
-          const char* kn = reinterpret_cast<const char*>(k_pages + ((next * B + j) * Hkv + w.kv_head) * D);
-          const char* vn = reinterpret_cast<const char*>(v_pages + ((next * B + j) * Hkv + w.kv_head) * D);
+          const char* kn = reinterpret_cast<const char*>(row_of(k_pages, next, j, 0));
+          const char* vn = reinterpret_cast<const char*>(row_of(v_pages, next, j, 0));
           for (int64_t c = 0; c < bytes; c += 64) {
             __builtin_prefetch(kn + c);
             __builtin_prefetch(vn + c);
@@ -176,54 +185,60 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
         }
       }
     }
-    const float* vrows[kMaxBlockSize];
-    for (int64_t j = 0; j < n_keys; ++j)
-      vrows[j] = as_float(vb + j * row_stride, &vbuf[j * D], D);
-    if (few_queries) {
-      const float* krows[kMaxBlockSize];
+    for (int64_t h = 0; h < H; ++h) {
+      const float* vrows[kMaxBlockSize];
       for (int64_t j = 0; j < n_keys; ++j)
-        krows[j] = as_float(kb + j * row_stride, &kbuf[j * D], D);
+        vrows[j] = as_float(row_of(v_pages, phys, j, h), &vbuf[j * D], D);
+      if (few_queries) {
+        const float* krows[kMaxBlockSize];
+        for (int64_t j = 0; j < n_keys; ++j)
+          krows[j] = as_float(row_of(k_pages, phys, j, h), &kbuf[j * D], D);
+        for (int64_t mi = 0; mi < M; ++mi) {
+          int64_t lo, hi;
+          if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
+          const int64_t i = h * M + mi;
+          const float* qv = &qs[i * D];
+          for (int64_t j = lo; j < hi; ++j) s[j] = dot(qv, krows[j], D);
+          softmax_step(i, lo, hi);
+          float* a = &acc[i * D];
+          for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
+        }
+        continue;
+      }
+      // Many queries (prefill tile): transpose K once, then scores along the block.
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const KV* kr = row_of(k_pages, phys, j, h);
+        for (int64_t d = 0; d < D; ++d) kt[d * B + j] = to_float(kr[d]);
+      }
+      for (int64_t j = n_keys; j < B; ++j)  // scored below but never used: keep them finite
+        for (int64_t d = 0; d < D; ++d) kt[d * B + j] = 0.0f;
       for (int64_t mi = 0; mi < M; ++mi) {
         int64_t lo, hi;
         if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
-        const float* qv = &qs[mi * D];
-        for (int64_t j = lo; j < hi; ++j) s[j] = dot(qv, krows[j], D);
-        softmax_step(mi, lo, hi);
-        float* a = &acc[mi * D];
+        const int64_t i = h * M + mi;
+        const float* qv = &qs[i * D];
+        for (int64_t j = 0; j < B; ++j) s[j] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qv[d];
+          const float* kd = &kt[d * B];
+#pragma omp simd
+          for (int64_t j = 0; j < B; ++j) s[j] += qd * kd[j];
+        }
+        softmax_step(i, lo, hi);
+        float* a = &acc[i * D];
         for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
       }
-      continue;
-    }
-    // Many queries (prefill tile): transpose K once, then scores along the block.
-    for (int64_t j = 0; j < n_keys; ++j) {
-      const KV* kr = kb + j * row_stride;
-      for (int64_t d = 0; d < D; ++d) kt[d * B + j] = to_float(kr[d]);
-    }
-    for (int64_t j = n_keys; j < B; ++j)  // scored below but never used: keep them finite
-      for (int64_t d = 0; d < D; ++d) kt[d * B + j] = 0.0f;
-    for (int64_t mi = 0; mi < M; ++mi) {
-      int64_t lo, hi;
-      if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
-      const float* qv = &qs[mi * D];
-      for (int64_t j = 0; j < B; ++j) s[j] = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qv[d];
-        const float* kd = &kt[d * B];
-#pragma omp simd
-        for (int64_t j = 0; j < B; ++j) s[j] += qd * kd[j];
-      }
-      softmax_step(mi, lo, hi);
-      float* a = &acc[mi * D];
-      for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
     }
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t mi = r * G + g;
-      const float inv = l_run[mi] > 0 ? 1.0f / l_run[mi] : 0.0f;
-      float* dst = out + ((w.row_begin + r) * sh.num_q_heads + w.kv_head * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[mi * D + d] * inv;
-    }
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = h * M + r * G + g;
+        const float inv = l_run[i] > 0 ? 1.0f / l_run[i] : 0.0f;
+        const int64_t head = (w.head_begin + h) * G + g;
+        float* dst = out + ((w.row_begin + r) * sh.num_q_heads + head) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
+      }
 }
 
 // Shared by the calling thread and the pool's tasks; tasks may start after the call
@@ -285,17 +300,26 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t begin = std::clamp<int64_t>(cu[s], 0, sh.num_tokens);
     const int64_t end = std::clamp<int64_t>(cu[s + 1], begin, sh.num_tokens);
     if (end == begin || lens[s] < end - begin) continue;  // empty or inconsistent: zeros
+    const auto seq = static_cast<int32_t>(s);
+    if (end - begin == 1) {  // decode row: all heads in one item, blocks read in order
+      job->items.push_back({seq, 0, static_cast<int32_t>(sh.num_kv_heads),
+                            static_cast<int32_t>(begin), static_cast<int32_t>(end)});
+      continue;
+    }
     for (int64_t r = begin; r < end; r += kRowTile)
       for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-        job->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
+        job->items.push_back({seq, static_cast<int32_t>(h), static_cast<int32_t>(h + 1),
                               static_cast<int32_t>(r),
                               static_cast<int32_t>(std::min<int64_t>(r + kRowTile, end))});
   }
   // Longest items first (most keys x rows), so the threads finish together.
   std::stable_sort(job->items.begin(), job->items.end(),
                    [&](const WorkItem& a, const WorkItem& b) {
-                     return (int64_t)lens[a.seq] * (a.row_end - a.row_begin) >
-                            (int64_t)lens[b.seq] * (b.row_end - b.row_begin);
+                     auto cost = [&](const WorkItem& x) {
+                       return int64_t{lens[x.seq]} * (x.row_end - x.row_begin) *
+                              (x.head_end - x.head_begin);
+                     };
+                     return cost(a) > cost(b);
                    });
   const int64_t n_items = static_cast<int64_t>(job->items.size());
   const float* qp = q.typed_data();
