@@ -113,26 +113,26 @@ def _reference_points(llm: Any, num_tokens: int, *, repeats: int) -> dict[str, f
     runner = llm.engine.runner
     lay = runner.params["layers"]
     n = runner.model_config.num_layers
-    d = lay["wqkv"].shape[1]
-    w2d = [
+    d = lay["wqkv"].shape[-1]
+    w2d = [  # [out, in], as the params
         (
-            lay["wqkv"][i].reshape(d, -1),
-            lay["wo"][i].reshape(-1, d),
-            lay["w_gate_up"][i].reshape(d, -1),
+            lay["wqkv"][i].reshape(-1, d),
+            lay["wo"][i].reshape(d, -1),
+            lay["w_gate_up"][i].reshape(-1, d),
             lay["w_down"][i],
         )
         for i in range(n)
     ]
     jax.block_until_ready(w2d)
-    q_width = w2d[0][1].shape[0]
-    f = w2d[0][3].shape[0]
+    q_width = w2d[0][1].shape[1]
+    f = w2d[0][3].shape[1]
 
     @jax.jit
     def matmuls(ws, x):  # [T, D]
         for wqkv, wo, wgu, wd in ws:
-            x = x + (x @ wqkv)[:, :q_width] @ wo
-            gu = x @ wgu
-            x = x + (gu[:, :f] * gu[:, f:]) @ wd
+            x = x + (x @ wqkv.T)[:, :q_width] @ wo.T
+            gu = x @ wgu.T
+            x = x + (gu[:, :f] * gu[:, f:]) @ wd.T
         return x
 
     @jax.jit

@@ -30,7 +30,7 @@ from jaxpaged.models.llama import Params, param_shapes
 MARKER = "jaxpaged_orbax.json"
 PARAMS_DIR = "params"
 FORMAT = "jaxpaged-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: matmul weights stored [out, in] (version 1 held them [in, out])
 _KV_LEAVES = ("layers/wqkv", "layers/bqkv", "layers/wo")
 _SKIP_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf")
 
@@ -104,7 +104,8 @@ def _read_marker(folder: str) -> dict[str, Any]:
     if marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
         raise ValueError(
             f"{os.path.join(folder, MARKER)!r}: unsupported format {marker.get('format')!r} "
-            f"version {marker.get('version')!r} (expected {FORMAT!r} {FORMAT_VERSION})"
+            f"version {marker.get('version')!r} (expected {FORMAT!r} {FORMAT_VERSION}); "
+            "convert the model again with `python -m jaxpaged.convert`"
         )
     return marker
 

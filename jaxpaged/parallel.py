@@ -8,14 +8,14 @@ Megatron split (N = tensor_parallel_size), over the params layout of ``models.ll
 ==============  =========================  ===========================================
 leaf            shape                      split
 ==============  =========================  ===========================================
-wqkv, bqkv      [L, D, Hkv, G+2, hd]       KV heads (column-parallel: each device
-                                           computes q/k/v of its own KV heads)
-wo              [L, Hkv, G, hd, D]         KV heads (row-parallel: partial sums of the
+wqkv            [L, Hkv, G+2, hd, D]       KV heads (column-parallel: each device
+bqkv            [L, Hkv, G+2, hd]          computes q/k/v of its own KV heads)
+wo              [L, D, Hkv, G, hd]         KV heads (row-parallel: partial sums of the
                                            output projection, one all-reduce per layer)
-w_gate_up       [L, D, 2, F]               F (column-parallel)
-w_down          [L, F, D]                  F (row-parallel: one all-reduce per layer)
+w_gate_up       [L, 2, F, D]               F (column-parallel)
+w_down          [L, D, F]                  F (row-parallel: one all-reduce per layer)
 embed           [V, D]                     V when N divides V, else replicated
-lm_head         [D, V]                     V when N divides V, else replicated
+lm_head         [V, D]                     V when N divides V, else replicated
 norms           [L, D], [D], [L, hd]       replicated
 KV pool k, v    [L*NB, bs, Hkv, hd]        KV heads
 ==============  =========================  ===========================================
@@ -54,13 +54,13 @@ AXIS = "tp"
 # Axis of each leaf that is split over the mesh (None: replicated). Vocabulary-sized leaves
 # are split only when N divides V (see `leaf_spec`).
 _SPLIT_AXIS: dict[str, int | None] = {
-    "layers/wqkv": 2,
+    "layers/wqkv": 1,
     "layers/bqkv": 1,
-    "layers/wo": 1,
-    "layers/w_gate_up": 3,
-    "layers/w_down": 1,
+    "layers/wo": 2,
+    "layers/w_gate_up": 2,
+    "layers/w_down": 2,
     "embed": 0,
-    "lm_head": 1,
+    "lm_head": 0,
 }
 _VOCAB_LEAVES = ("embed", "lm_head")
 
@@ -142,11 +142,11 @@ def replicate_kv_heads(
         out = np.concatenate([q, kv], axis=2).reshape(hkv * r, gr + 2, *rest)
         return np.ascontiguousarray(np.moveaxis(out, (0, 1), (head_axis, head_axis + 1)))
 
-    layers["wqkv"] = split_qkv(layers["wqkv"], 2)  # [L, D, Hkv, G + 2, hd]
+    layers["wqkv"] = split_qkv(layers["wqkv"], 1)  # [L, Hkv, G + 2, hd, D]
     if "bqkv" in layers:
         layers["bqkv"] = split_qkv(layers["bqkv"], 1)  # [L, Hkv, G + 2, hd]
-    wo = np.asarray(layers["wo"])  # [L, Hkv, G, hd, D]; query-head order is unchanged
-    layers["wo"] = wo.reshape(wo.shape[0], hkv * r, gr, *wo.shape[3:])
+    wo = np.asarray(layers["wo"])  # [L, D, Hkv, G, hd]; query-head order is unchanged
+    layers["wo"] = wo.reshape(*wo.shape[:2], hkv * r, gr, wo.shape[4])
     params["layers"] = layers
     return tp_config(config, tensor_parallel_size), params
 

@@ -1,9 +1,10 @@
 """Load a Hugging Face Llama-family checkpoint (safetensors) into the stacked params pytree.
 
 Tensors are read straight from the safetensors files (memory-mapped, header parsed here, so
-bfloat16 needs no torch), transposed and fused into the layout of `llama.param_shapes` on the
-host, then put on the device once per leaf by `put_on_device`, the single place where a
-per-leaf sharding (tensor parallelism) is applied.
+bfloat16 needs no torch), fused into the layout of `llama.param_shapes` on the host (HF
+weights are [out, in] like the params, so this only reshapes and stacks), then put on the
+device once per leaf by `put_on_device`, the single place where a per-leaf sharding (tensor
+parallelism) is applied.
 
 Default dtype (`dtype=None`): on an accelerator (GPU/TPU) the checkpoint's half dtype
 (`torch_dtype` bfloat16 or float16), otherwise bfloat16; on CPU always float32, because XLA's
@@ -184,10 +185,10 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
 
     out["attn_norm"][i] = r("input_layernorm.weight")
     out["mlp_norm"][i] = r("post_attention_layernorm.weight")
-    wqkv = out["wqkv"][i]  # [D, Hkv, G + 2, hd]
-    wqkv[:, :, :g] = r("self_attn.q_proj.weight").T.reshape(d, hkv, g, hd)
-    wqkv[:, :, g] = r("self_attn.k_proj.weight").T.reshape(d, hkv, hd)
-    wqkv[:, :, g + 1] = r("self_attn.v_proj.weight").T.reshape(d, hkv, hd)
+    wqkv = out["wqkv"][i]  # [Hkv, G + 2, hd, D]
+    wqkv[:, :g] = r("self_attn.q_proj.weight").reshape(hkv, g, hd, d)
+    wqkv[:, g] = r("self_attn.k_proj.weight").reshape(hkv, hd, d)
+    wqkv[:, g + 1] = r("self_attn.v_proj.weight").reshape(hkv, hd, d)
     if c.qkv_bias:
         bqkv = out["bqkv"][i]  # [Hkv, G + 2, hd]
         bqkv[:, :g] = r("self_attn.q_proj.bias").reshape(hkv, g, hd)
@@ -196,10 +197,10 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
     if c.qk_norm:
         out["q_norm"][i] = r("self_attn.q_norm.weight")
         out["k_norm"][i] = r("self_attn.k_norm.weight")
-    out["wo"][i] = r("self_attn.o_proj.weight").T.reshape(hkv, g, hd, d)
-    out["w_gate_up"][i, :, 0] = r("mlp.gate_proj.weight").T
-    out["w_gate_up"][i, :, 1] = r("mlp.up_proj.weight").T
-    out["w_down"][i] = r("mlp.down_proj.weight").T
+    out["wo"][i] = r("self_attn.o_proj.weight").reshape(d, hkv, g, hd)
+    out["w_gate_up"][i, 0] = r("mlp.gate_proj.weight")
+    out["w_gate_up"][i, 1] = r("mlp.up_proj.weight")
+    out["w_down"][i] = r("mlp.down_proj.weight")
 
 
 def _num_tensors(config: ModelConfig) -> int:
@@ -234,7 +235,7 @@ def load_host_params(
             "final_norm": read("model.norm.weight", (d,)),
         }
         if not config.tie_word_embeddings:
-            host["lm_head"] = np.ascontiguousarray(read("lm_head.weight", (v, d)).T)
+            host["lm_head"] = read("lm_head.weight", (v, d))
     return host
 
 

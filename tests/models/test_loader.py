@@ -88,15 +88,16 @@ def test_fused_layout_matches_hf_tensors(qwen2):
     attn = hf.model.layers[1].self_attn
     q = attn.q_proj.weight.detach().numpy()  # [Hq * hd, D]
     for h in range(4):
-        np.testing.assert_array_equal(L["wqkv"][1, :, h // g, h % g], q[h * hd : (h + 1) * hd].T)
+        np.testing.assert_array_equal(L["wqkv"][1, h // g, h % g], q[h * hd : (h + 1) * hd])
     k = attn.k_proj.weight.detach().numpy()
-    np.testing.assert_array_equal(L["wqkv"][1, :, 1, g], k[hd : 2 * hd].T)
+    np.testing.assert_array_equal(L["wqkv"][1, 1, g], k[hd : 2 * hd])
     np.testing.assert_array_equal(L["bqkv"][1, 1, g + 1], attn.v_proj.bias.detach().numpy()[hd:])
     o = attn.o_proj.weight.detach().numpy()  # [D, Hq * hd]
-    np.testing.assert_array_equal(L["wo"][1, 1, 0], o[:, 2 * hd : 3 * hd].T)
+    np.testing.assert_array_equal(L["wo"][1, :, 1, 0], o[:, 2 * hd : 3 * hd])
     mlp = hf.model.layers[0].mlp
-    np.testing.assert_array_equal(L["w_gate_up"][0, :, 1], mlp.up_proj.weight.detach().numpy().T)
-    np.testing.assert_array_equal(params["lm_head"], hf.lm_head.weight.detach().numpy().T)
+    np.testing.assert_array_equal(L["w_gate_up"][0, 1], mlp.up_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(L["w_down"][0], mlp.down_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(params["lm_head"], hf.lm_head.weight.detach().numpy())
 
 
 def test_dtypes(qwen2, tmp_path):
@@ -147,7 +148,7 @@ def test_put_on_device_places_each_leaf_with_its_sharding(qwen2):
     shapes = param_shapes(config)
     expected = {"embed", "final_norm", "lm_head"} | {f"layers/{k}" for k in shapes["layers"]}
     assert set(seen) == expected
-    assert seen["layers/wqkv"] == shapes["layers"]["wqkv"] == (2, 64, 2, 4, 16)
+    assert seen["layers/wqkv"] == shapes["layers"]["wqkv"] == (2, 2, 4, 16, 64)
     assert all(
         leaf.sharding == jax.sharding.SingleDeviceSharding(device)
         for leaf in jax.tree.leaves(params)

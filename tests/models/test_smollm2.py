@@ -51,7 +51,7 @@ def test_config_is_smollm2(models):
         3,
     )
     assert config.tie_word_embeddings and "lm_head" not in params
-    assert params["layers"]["wqkv"].shape == (30, 576, 3, 5, 64)
+    assert params["layers"]["wqkv"].shape == (30, 3, 5, 64, 576)
 
 
 def test_full_sequence_logits_match(models):

@@ -58,7 +58,7 @@ def test_replicated_heads_compute_the_same_logits(num_kv_heads: int, n: int) -> 
     g = config.queries_per_kv
     wqkv, new = host["layers"]["wqkv"], new_host["layers"]["wqkv"]
     for h in range(num_kv_heads * r):
-        np.testing.assert_array_equal(new[:, :, h, -2:], wqkv[:, :, h // r, g:])
+        np.testing.assert_array_equal(new[:, h, -2:], wqkv[:, h // r, g:])
 
     tokens = jnp.array([3, 17, 42, 5, 77, 1], jnp.int32)
     positions = jnp.arange(6, dtype=jnp.int32)
@@ -80,13 +80,14 @@ def test_split_rules() -> None:
     assert parallel.kv_replication(config, 2) == 1
     assert parallel.kv_replication(config, 4) == 2
     spec = parallel.leaf_spec
-    assert spec("layers/wqkv", (2, 32, 2, 6, 8), 2) == jax.sharding.PartitionSpec(None, None, "tp")
-    assert spec("layers/w_down", (2, 64, 32), 2) == jax.sharding.PartitionSpec(None, "tp")
+    assert spec("layers/wqkv", (2, 2, 6, 8, 32), 2) == jax.sharding.PartitionSpec(None, "tp")
+    assert spec("layers/wo", (2, 32, 2, 4, 8), 2) == jax.sharding.PartitionSpec(None, None, "tp")
+    assert spec("layers/w_down", (2, 32, 64), 2) == jax.sharding.PartitionSpec(None, None, "tp")
     assert spec("layers/attn_norm", (2, 32), 2) == jax.sharding.PartitionSpec()
     assert spec("embed", (96, 32), 4) == jax.sharding.PartitionSpec("tp")
     assert spec("embed", (97, 32), 4) == jax.sharding.PartitionSpec()  # vocab: replicated
     with pytest.raises(ValueError, match="layers/w_gate_up"):
-        spec("layers/w_gate_up", (2, 32, 2, 66), 4)
+        spec("layers/w_gate_up", (2, 2, 66, 32), 4)
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         parallel.kv_replication(dataclasses.replace(config, num_heads=6, num_kv_heads=3), 2)
     with pytest.raises(ValueError, match="exceeds"):

@@ -27,13 +27,13 @@ from tp_cases import ENGINE_ARGS, MAX_TOKENS, PROMPTS, make_tiny_model  # noqa: 
 # Independent statement of the Megatron split (leaf -> split axis); vocab leaves only when N
 # divides V.
 SPLIT_AXIS = {
-    "layers/wqkv": 2,
+    "layers/wqkv": 1,
     "layers/bqkv": 1,
-    "layers/wo": 1,
-    "layers/w_gate_up": 3,
-    "layers/w_down": 1,
+    "layers/wo": 2,
+    "layers/w_gate_up": 2,
+    "layers/w_down": 2,
     "embed": 0,
-    "lm_head": 1,
+    "lm_head": 0,
 }
 
 
