@@ -10,11 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import sampler
-from jaxpaged.kernels import ragged_paged_attention, write_kv
+from jaxpaged.kernels import cpu, default_backend, ragged_paged_attention, write_kv
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, compute_logits, forward
+from jaxpaged.models.llama import LinearFn, Params, compute_logits, forward, linear_xla
 from jaxpaged.parallel import replicate_on, shard_attention
+
+# Steps of up to this many tokens run their matmuls in the native CPU kernel (when attention
+# runs natively too); larger ones in XLA's GEMM, whose weight packing pays off there.
+NATIVE_LINEAR_MAX_ROWS = 64
 
 
 class StepBatch(NamedTuple):
@@ -101,11 +105,36 @@ def step(
         out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
         return out, (k_pages, v_pages)
 
+    linear_fn = _linear_fn(params, batch.tokens.shape[0], backend, mesh)
     hidden, pool = forward(
-        params, batch.tokens, batch.positions, config=config, attention_fn=attention_fn, cache=pool
+        params,
+        batch.tokens,
+        batch.positions,
+        config=config,
+        attention_fn=attention_fn,
+        cache=pool,
+        linear_fn=linear_fn,
     )
-    logits = compute_logits(params, hidden[batch.sample_rows], config=config)  # [S, V]
+    rows = hidden[batch.sample_rows]  # [S, D]
+    logits = compute_logits(params, rows, config=config, linear_fn=linear_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
     out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
     return replicate_on(out, mesh), pool
+
+
+def _linear_fn(
+    params: Params, num_tokens: int, backend: str | None, mesh: jax.sharding.Mesh | None
+) -> LinearFn:
+    """The native few-row matmul kernel for small float32 steps on one CPU device when the
+    native kernels are in use ("cpu" attention backend), else XLA's dot."""
+    if backend is None:
+        backend = default_backend()
+    native = (
+        backend == "cpu"
+        and mesh is None
+        and num_tokens <= NATIVE_LINEAR_MAX_ROWS
+        and params["embed"].dtype == jnp.float32
+        and cpu.available()
+    )
+    return cpu.linear if native else linear_xla

@@ -1,6 +1,7 @@
-"""Ragged paged attention as a native CPU kernel (cpu_native.cc), called through XLA FFI.
+"""Native CPU kernels called through XLA FFI: ragged paged attention (cpu_native.cc) and
+few-row linear layers (cpu_linear.cc).
 
-The C++ source ships with the package and is compiled on first use with the system C++
+The C++ sources ship with the package and are compiled on first use with the system C++
 compiler into `$JAXPAGED_CACHE/native/` (keyed by source, compiler flags and CPU), so
 `pip install` needs no build step and the kernel is tuned for the machine it runs on.
 When no compiler is found or the build fails, `available()` is False and callers use the
@@ -27,8 +28,11 @@ import numpy as np
 
 from .xla import ragged_paged_attention_xla
 
-_SOURCE = Path(__file__).with_name("cpu_native.cc")
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc")
+_HEADERS = (_HERE / "cpu_parallel.h",)
 _TARGET = "jaxpaged_paged_attention"
+_LINEAR_TARGET = "jaxpaged_linear"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")
 _lock = threading.Lock()
 
@@ -53,23 +57,25 @@ def _compiler() -> str | None:
 
 
 def _build() -> Path:
-    """Compile cpu_native.cc once per (source, flags, CPU); returns the shared library."""
+    """Compile the kernels once per (sources, flags, CPU); returns the shared library."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _cpu_signature().encode()):
-        key.update(part)
+    for path in (*_SOURCES, *_HEADERS):
+        key.update(path.read_bytes())
+    for part in (" ".join(_FLAGS), _cpu_signature()):
+        key.update(part.encode())
     key.update(cxx.encode())
-    out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"kernels_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp]
+    cmd = [cxx, *_FLAGS, f"-I{include}", f"-I{_HERE}", *map(str, _SOURCES), "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
@@ -89,9 +95,11 @@ def _register() -> str | None:
     try:
         with _lock:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
-            jax.ffi.register_ffi_target(
-                _TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu"
-            )
+            for name, fn in (
+                (_TARGET, lib.JaxpagedPagedAttention),
+                (_LINEAR_TARGET, lib.JaxpagedLinear),
+            ):
+                jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"jaxpaged: native CPU attention unavailable, using XLA: {e}", stacklevel=3)
         return str(e)
@@ -181,3 +189,23 @@ def ragged_paged_attention_cpu(
     return ragged_paged_attention_xla(
         *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len, last_rows_fn=last_rows
     )
+
+
+def linear(
+    x: jax.Array,  # float32 [M, K]
+    w: jax.Array,  # float32 [L, N, K]: every layer's weight, [out, in]
+    layer: jax.Array | int,  # int32 []: which of the L weights
+) -> jax.Array:  # float32 [M, N]
+    """x @ w[layer].T in the C++ kernel: the layer is indexed inside the kernel, so the
+    stacked weight is read in place (no per-layer slice copy), once per call."""
+    reason = _register()
+    if reason is not None:
+        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"linear needs x [M, K] and w [L, N, K], got {x.shape} and {w.shape}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"linear needs float32 x and w, got {x.dtype} and {w.dtype}")
+    call = jax.ffi.ffi_call(
+        _LINEAR_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    )
+    return call(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))

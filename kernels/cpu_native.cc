@@ -6,7 +6,7 @@
 // walks its blocks in place: a K block is transposed once into a [D][B] tile in L1, the
 // scores of all the tile's query vectors (rows x GQA group) against it are FMAs along B,
 // then an online softmax and P.V along D. Work items are spread over XLA's intra-op
-// thread pool; the calling thread works too and returns when every item is done.
+// thread pool (cpu_parallel.h).
 //
 // Semantics are those of kernels/reference.py: row t of sequence s (cu_q_lens[s] <= t <
 // cu_q_lens[s + 1]) sits at position kv_lens[s] - q_len + (t - cu_q_lens[s]) and sees
@@ -14,18 +14,16 @@
 // then soft_cap * tanh(logits / soft_cap) if soft_cap > 0. Padding rows come out zero.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -241,25 +239,6 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
       }
 }
 
-// Shared by the calling thread and the pool's tasks; tasks may start after the call
-// has returned (nothing left to do then), so it lives as long as the last of them.
-struct Job {
-  std::vector<WorkItem> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename KV>
-void run_all(const std::shared_ptr<Job>& job, const Shapes& sh, const float* q,
-             const KV* k, const KV* v, const int32_t* kv_lens, const int32_t* tables,
-             const int32_t* cu, float* out) {
-  const int64_t n = static_cast<int64_t>(job->items.size());
-  for (int64_t i = job->next.fetch_add(1); i < n; i = job->next.fetch_add(1)) {
-    attend<KV>(sh, job->items[i], q, k, v, kv_lens, tables, cu, out);
-    job->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
@@ -295,25 +274,25 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   float* o = out->typed_data();
   std::memset(o, 0, sizeof(float) * sh.num_tokens * sh.num_q_heads * sh.head_dim);
 
-  auto job = std::make_shared<Job>();
+  std::vector<WorkItem> items;
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t begin = std::clamp<int64_t>(cu[s], 0, sh.num_tokens);
     const int64_t end = std::clamp<int64_t>(cu[s + 1], begin, sh.num_tokens);
     if (end == begin || lens[s] < end - begin) continue;  // empty or inconsistent: zeros
     const auto seq = static_cast<int32_t>(s);
     if (end - begin == 1) {  // decode row: all heads in one item, blocks read in order
-      job->items.push_back({seq, 0, static_cast<int32_t>(sh.num_kv_heads),
+      items.push_back({seq, 0, static_cast<int32_t>(sh.num_kv_heads),
                             static_cast<int32_t>(begin), static_cast<int32_t>(end)});
       continue;
     }
     for (int64_t r = begin; r < end; r += kRowTile)
       for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-        job->items.push_back({seq, static_cast<int32_t>(h), static_cast<int32_t>(h + 1),
+        items.push_back({seq, static_cast<int32_t>(h), static_cast<int32_t>(h + 1),
                               static_cast<int32_t>(r),
                               static_cast<int32_t>(std::min<int64_t>(r + kRowTile, end))});
   }
   // Longest items first (most keys x rows), so the threads finish together.
-  std::stable_sort(job->items.begin(), job->items.end(),
+  std::stable_sort(items.begin(), items.end(),
                    [&](const WorkItem& a, const WorkItem& b) {
                      auto cost = [&](const WorkItem& x) {
                        return int64_t{lens[x.seq]} * (x.row_end - x.row_begin) *
@@ -321,22 +300,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                      };
                      return cost(a) > cost(b);
                    });
-  const int64_t n_items = static_cast<int64_t>(job->items.size());
   const float* qp = q.typed_data();
   const int32_t* tp = tables.typed_data();
-  auto work = [job, sh, qp, kp = k_pages.untyped_data(), vp = v_pages.untyped_data(), lens,
-               tp, cu, o, dtype]() {
+  const void* kp = k_pages.untyped_data();
+  const void* vp = v_pages.untyped_data();
+  jaxpaged::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     if (dtype == ffi::DataType::F32)
-      run_all<float>(job, sh, qp, static_cast<const float*>(kp), static_cast<const float*>(vp),
-                     lens, tp, cu, o);
+      attend<float>(sh, items[i], qp, static_cast<const float*>(kp),
+                    static_cast<const float*>(vp), lens, tp, cu, o);
     else
-      run_all<uint16_t>(job, sh, qp, static_cast<const uint16_t*>(kp),
-                        static_cast<const uint16_t*>(vp), lens, tp, cu, o);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (job->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+      attend<uint16_t>(sh, items[i], qp, static_cast<const uint16_t*>(kp),
+                       static_cast<const uint16_t*>(vp), lens, tp, cu, o);
+  });
   return ffi::Error::Success();
 }
 

@@ -20,7 +20,9 @@ is a 2-D dot contracting the weight's last (minor) axis: on XLA:CPU that is 20-4
      "lm_head": [V, D]}                           # absent when tie_word_embeddings
 
 Attention is delegated to `attention_fn(q, k, v, layer, cache) -> (out, cache)` so the paged
-engine can substitute its KV-pool write + ragged paged attention without touching the model.
+engine can substitute its KV-pool write + ragged paged attention without touching the model, and
+every matmul to `linear_fn(x, w, index)` over the stacked weight, so the engine can run decode
+steps' few-row matmuls in a native CPU kernel that reads each layer's weight in place.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ AttentionFn = Callable[
 ]  # (q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd], layer int32 [], cache) -> (out [T, Hq, hd], cache)
 
 Params = dict[str, Any]
+
+LinearFn = Callable[
+    [jax.Array, jax.Array, jax.Array | int], jax.Array
+]  # (x [T, K], w [L, N, K] stacked [out, in] weights, index int32 []) -> x @ w[index].T [T, N]
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:
@@ -69,49 +75,60 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, in] times an [out..., in] weight, as one 2-D dot contracting both last axes: [T, out]
-    with the out axes flattened (a free reshape; the multi-axis einsum is slower on XLA:CPU)."""
-    return jnp.einsum("ti,oi->to", x, w.reshape(-1, w.shape[-1]))
+def linear_xla(
+    x: jax.Array,  # [T, K]
+    w: jax.Array,  # [L, N, K]: a stack of [out, in] weights
+    index: jax.Array | int,  # int32 []: which of the L
+) -> jax.Array:  # [T, N]
+    """x @ w[index].T as one 2-D dot contracting both minor axes (multi-axis einsums and
+    [in, out] weights are slower for few rows on XLA:CPU; bench/weight_layout.py)."""
+    return jnp.einsum("ti,oi->to", x, w[index])
 
 
 def _layer(
     x: jax.Array,  # [T, D]
-    lp: dict[str, jax.Array],  # one layer's params (leading L axis removed)
+    layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
     layer: jax.Array,  # int32 []
     positions: jax.Array,  # int32 [T]
     cache: Any,
     *,
     config: ModelConfig,
     attention_fn: AttentionFn,
+    linear_fn: LinearFn,
 ) -> tuple[jax.Array, Any]:
     c = config
-    t = x.shape[0]
-    g = c.queries_per_kv
+    t, d = x.shape
+    n, g, f = c.num_layers, c.queries_per_kv, c.intermediate_size
     eps = c.rms_norm_eps
     inv_freq = rope_inv_freq(c)
+    # Matmul weights go to linear_fn whole, as [L', out, in] views (free reshapes), so a
+    # native kernel can read the layer in place.
+    wqkv = layers["wqkv"].reshape(n, -1, d)
+    wo = layers["wo"].reshape(n, d, -1)
+    w_gate_up = layers["w_gate_up"].reshape(2 * n, f, d)  # gate of layer l at 2l, up at 2l + 1
 
-    h = rms_norm(x, lp["attn_norm"], eps)
-    qkv = _linear(h, lp["wqkv"]).reshape(t, c.num_kv_heads, g + 2, c.head_dim)
+    h = rms_norm(x, layers["attn_norm"][layer], eps)
+    qkv = linear_fn(h, wqkv, layer).reshape(t, c.num_kv_heads, g + 2, c.head_dim)
     if c.qkv_bias:
-        qkv = qkv + lp["bqkv"][None]
+        qkv = qkv + layers["bqkv"][layer][None]
     q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)
     k = qkv[:, :, g]  # [T, Hkv, hd]
     v = qkv[:, :, g + 1]
     if c.qk_norm:
-        q = rms_norm(q, lp["q_norm"], eps)
-        k = rms_norm(k, lp["k_norm"], eps)
+        q = rms_norm(q, layers["q_norm"][layer], eps)
+        k = rms_norm(k, layers["k_norm"][layer], eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
 
     attn, cache = attention_fn(q, k, v, layer, cache)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
-    x = x + _linear(attn, lp["wo"].reshape(x.shape[1], -1))
+    x = x + linear_fn(attn, wo, layer)
 
-    h = rms_norm(x, lp["mlp_norm"], eps)
+    h = rms_norm(x, layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
-    act = jax.nn.silu(_linear(h, lp["w_gate_up"][0])) * _linear(h, lp["w_gate_up"][1])
-    x = x + _linear(act, lp["w_down"])
+    gate = linear_fn(h, w_gate_up, 2 * layer)
+    up = linear_fn(h, w_gate_up, 2 * layer + 1)
+    x = x + linear_fn(jax.nn.silu(gate) * up, layers["w_down"], layer)
     return x, cache
 
 
@@ -123,19 +140,23 @@ def forward(
     config: ModelConfig,
     attention_fn: AttentionFn = dense_causal_attention,
     cache: Any = None,
+    linear_fn: LinearFn = linear_xla,
 ) -> tuple[jax.Array, Any]:
     """Run the decoder over T tokens; returns the final-normed hidden states [T, D] and the cache
-    as threaded through every layer's `attention_fn`."""
+    as threaded through every layer's `attention_fn`. ``linear_fn`` does every matmul."""
     x = jnp.take(params["embed"], tokens, axis=0)  # [T, D]
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    layers = params["layers"]
 
-    def body(carry, xs):
+    def body(carry, layer):
         x, cache = carry
-        lp, layer = xs
-        x, cache = _layer(x, lp, layer, positions, cache, config=config, attention_fn=attention_fn)
+        x, cache = _layer(
+            x, layers, layer, positions, cache,
+            config=config, attention_fn=attention_fn, linear_fn=linear_fn,
+        )  # fmt: skip
         return (x, cache), None
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layer_ids))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache
 
 
@@ -144,7 +165,10 @@ def compute_logits(
     hidden: jax.Array,  # [T, D]
     *,
     config: ModelConfig,
+    linear_fn: LinearFn | None = None,
 ) -> jax.Array:
     """Vocabulary logits [T, V] in float32 (tied embeddings reuse `embed`)."""
     w = params["embed"] if config.tie_word_embeddings else params["lm_head"]  # [V, D]
+    if linear_fn is not None:
+        return linear_fn(hidden, w[None], 0).astype(jnp.float32)
     return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
