@@ -129,3 +129,43 @@ def test_cpu_unavailable_falls_back_to_xla(tmp_path, env, reason):
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("False xla"), res.stdout
     assert reason in res.stdout
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 32, 64])
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 7), (20, 13)])  # K % 8 != 0, N % 4 != 0
+def test_linear_matches_numpy(rng, m, k, n):
+    """x @ w[index].T for every layer index of a stacked weight, against float64 numpy."""
+    layers = 3
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((layers, n, k), dtype=np.float32)
+    fn = jax.jit(cpu.linear)
+    for index in range(layers):
+        out = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.int32(index)))
+        ref = x.astype(np.float64) @ w[index].astype(np.float64).T
+        assert out.shape == (m, n)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_linear_in_scan_reads_each_layer(rng):
+    """Inside lax.scan over layer ids (as the decoder runs it) every layer uses its own weight."""
+    layers, d = 4, 64
+    w = rng.standard_normal((layers, d, d), dtype=np.float32) / 8
+    x = rng.standard_normal((3, d), dtype=np.float32)
+
+    def run(linear):
+        def body(h, layer):
+            return jnp.tanh(linear(h, jnp.asarray(w), layer)), None
+
+        return jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(layers))[0])(jnp.asarray(x))
+
+    from jaxpaged.models.llama import linear_xla
+
+    np.testing.assert_allclose(run(cpu.linear), run(linear_xla), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rejects_bad_input():
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="x \\[M, K\\] and w \\[L, N, K\\]"):
+        cpu.linear(x, jnp.zeros((1, 4, 9), jnp.float32), 0)
+    with pytest.raises(ValueError, match="float32"):
+        cpu.linear(x.astype(jnp.bfloat16), jnp.zeros((1, 4, 8), jnp.bfloat16), 0)
