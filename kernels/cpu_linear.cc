@@ -2,7 +2,7 @@
 //
 // Why native: XLA:CPU's GEMM packs the weight panel before multiplying, which pays off for
 // many rows but not for the 1-64 rows of a decode step, where the dot runs at about half
-// of the machine's matmul peak (bench/weight_layout.py). Here each group of 4 weight rows
+// of the machine's matmul peak (bench/weight_layout.py). Here each group of 3 weight rows
 // ([out, in] layout: a row is contiguous) is read from memory once, held in L1, and dotted
 // with every row of x in 4 x 3 register tiles. The weight is passed whole with all its
 // layers and indexed in place, so a decoder's lax.scan never copies a layer's slice.
@@ -22,8 +22,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kRowsPerItem = 64;  // weight rows (outputs) per parallel work item
-constexpr int64_t kN = 4;             // weight rows per register tile
-constexpr int64_t kM = 3;             // x rows per register tile
+// A register tile: 4 x 3 accumulators + 3 weight vectors + 1 x vector fill the 16 AVX2
+// registers exactly (larger tiles spill and run ~1.5x slower).
+constexpr int64_t kN = 3;  // weight rows per register tile
+constexpr int64_t kM = 4;  // x rows per register tile
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -62,6 +64,8 @@ void rows_of_x(const float* x, const float* w, float* y, int64_t M, int64_t K, i
   // Only the first pass over these weight rows prefetches the next group.
   for (; m + kM <= M; m += kM, prefetch_rows = 0)
     tile<kM, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
+  static_assert(kM == 4, "the remainder cases below assume 4-row tiles");
+  if (M - m == 3) tile<3, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
   if (M - m == 2) tile<2, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
   if (M - m == 1) tile<1, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
 }
