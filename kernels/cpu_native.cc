@@ -80,6 +80,80 @@ __attribute__((noinline)) void axpy(float p, const float* __restrict x, float* _
   for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
 }
 
+constexpr int kMaxGroup = 8;  // queries sharing one K/V read in the decode path
+
+// The NQ queries of one decode row (a GQA group) against keys [lo, hi) of a block, each
+// K/V row loaded once for all of them. q: [NQ][D]; scores/p: [NQ][kMaxBlockSize];
+// acc: [NQ][D]. D % 8 == 0.
+using ScoresFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
+using PvFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
+struct GroupKernels {
+  ScoresFn scores = nullptr;
+  PvFn pv = nullptr;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
+template <int NQ>
+void group_scores(const float* q, const float* const* krows, int64_t lo, int64_t hi, int64_t D,
+                  float* scores) {
+  for (int64_t j = lo; j < hi; ++j) {
+    __m256 acc[NQ];
+    for (int g = 0; g < NQ; ++g) acc[g] = _mm256_setzero_ps();
+    const float* k = krows[j];
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(k + d);
+      for (int g = 0; g < NQ; ++g)
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, acc[g]);
+    }
+    for (int g = 0; g < NQ; ++g) scores[g * kMaxBlockSize + j] = hsum8(acc[g]);
+  }
+}
+
+template <int NQ>
+void group_pv(const float* p, const float* const* vrows, int64_t lo, int64_t hi, int64_t D,
+              float* out) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 acc[NQ];
+    for (int g = 0; g < NQ; ++g) acc[g] = _mm256_loadu_ps(out + g * D + d);
+    for (int64_t j = lo; j < hi; ++j) {
+      const __m256 vv = _mm256_loadu_ps(vrows[j] + d);
+      for (int g = 0; g < NQ; ++g)
+        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * kMaxBlockSize + j]), vv, acc[g]);
+    }
+    for (int g = 0; g < NQ; ++g) _mm256_storeu_ps(out + g * D + d, acc[g]);
+  }
+}
+
+template <int NQ>
+constexpr GroupKernels group_kernels_for() {
+  return {&group_scores<NQ>, &group_pv<NQ>};
+}
+
+GroupKernels group_kernels(int64_t nq, int64_t D) {
+  if (D % 8 != 0) return {};
+  switch (nq) {
+    case 1: return group_kernels_for<1>();
+    case 2: return group_kernels_for<2>();
+    case 3: return group_kernels_for<3>();
+    case 4: return group_kernels_for<4>();
+    case 5: return group_kernels_for<5>();
+    case 6: return group_kernels_for<6>();
+    case 7: return group_kernels_for<7>();
+    case 8: return group_kernels_for<8>();
+    default: return {};
+  }
+}
+#else
+GroupKernels group_kernels(int64_t, int64_t) { return {}; }
+#endif
+
 struct Shapes {
   int64_t num_tokens, num_q_heads, head_dim;
   int64_t block_size, num_kv_heads, group;
@@ -126,9 +200,10 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
   const int64_t row_stride = Hkv * D;  // between consecutive tokens of a block
   alignas(64) float s[kMaxBlockSize];
+  alignas(64) float sm[kMaxGroup * kMaxBlockSize];  // scores of a decode row's queries
 
-  // Online-softmax update of state i with the scores s[lo..hi) of one block.
-  auto softmax_step = [&](int64_t i, int64_t lo, int64_t hi) {
+  // Online-softmax update of state i with the scores s[lo..hi) of one block; s becomes p.
+  auto softmax_step = [&](int64_t i, int64_t lo, int64_t hi, float* s) {
     float bmax = -INFINITY;
     for (int64_t j = lo; j < hi; ++j) {
       if (sh.soft_cap > 0) s[j] = sh.soft_cap * std::tanh(s[j] / sh.soft_cap);
@@ -191,13 +266,23 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
         const float* krows[kMaxBlockSize];
         for (int64_t j = 0; j < n_keys; ++j)
           krows[j] = as_float(row_of(k_pages, phys, j, h), &kbuf[j * D], D);
+        const auto group_fns = rows == 1 ? group_kernels(M, D) : GroupKernels{};
+        if (group_fns.scores != nullptr) {  // one row: its M queries share the visible keys
+          int64_t lo, hi;
+          if (!visible(0, kpos0, n_keys, lo, hi)) continue;
+          group_fns.scores(&qs[h * M * D], krows, lo, hi, D, sm);
+          for (int64_t mi = 0; mi < M; ++mi)
+            softmax_step(h * M + mi, lo, hi, &sm[mi * kMaxBlockSize]);
+          group_fns.pv(sm, vrows, lo, hi, D, &acc[h * M * D]);
+          continue;
+        }
         for (int64_t mi = 0; mi < M; ++mi) {
           int64_t lo, hi;
           if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
           const int64_t i = h * M + mi;
           const float* qv = &qs[i * D];
           for (int64_t j = lo; j < hi; ++j) s[j] = dot(qv, krows[j], D);
-          softmax_step(i, lo, hi);
+          softmax_step(i, lo, hi, s);
           float* a = &acc[i * D];
           for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
         }
@@ -222,7 +307,7 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 #pragma omp simd
           for (int64_t j = 0; j < B; ++j) s[j] += qd * kd[j];
         }
-        softmax_step(i, lo, hi);
+        softmax_step(i, lo, hi, s);
         float* a = &acc[i * D];
         for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
       }
