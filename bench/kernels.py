@@ -1,7 +1,8 @@
 """CPU benchmark of the attention backends: `python bench/kernels.py [--quick]`.
 
-Times the "xla" paged path (with and without the static hints the engine can pass),
-the jnp reference, and dense attention over a contiguous cache of the same work
+Times the "xla" paged path (with and without the static hints the engine can pass), the
+"cpu" backend (native decode rows + XLA prefill tiles) and the native kernel on every row
+when it builds, the jnp reference, and dense attention over a contiguous cache of the same work
 (`jax.nn.dot_product_attention`, XLA implementation), for decode and prefill shaped like
 SmolLM2 (9 query / 3 KV heads, head_dim 64, block 16, float32). Prints a markdown table
 with ratios and the KV-read bound from a measured memory copy.

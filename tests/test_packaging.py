@@ -4,6 +4,7 @@ and from a normal wheel (setuptools package-dir mapping)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -54,17 +55,30 @@ def test_wheel_contains_and_imports_subpackages(tmp_path):
     for sub in SUBPACKAGES:
         assert f"jaxpaged/{sub}/__init__.py" in names
     assert not any(n.startswith(("kernels/", "models/", "serving/", "tests/")) for n in names)
+    for src in ("cpu_native.cc", "cpu_linear.cc", "cpu_parallel.h"):  # built on first use
+        assert f"jaxpaged/kernels/{src}" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # Only the unpacked wheel may provide jaxpaged: run with -S-free path, editable finder off.
     env = dict(os.environ, PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
-    code = (
+    no_editable = (
         "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
-        "if 'editable' not in type(f).__module__.lower()];" + PROBE
+        "if 'editable' not in type(f).__module__.lower()];"
     )
+    code = no_editable + PROBE
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     for name, f in zip(SUBPACKAGES, out.stdout.split(), strict=True):
         assert Path(f) == site / "jaxpaged" / name / "__init__.py"
+    # The native CPU kernels compile from the installed sources (a fresh cache: no reuse).
+    build = no_editable + "from jaxpaged.kernels import cpu; print(cpu._register(), cpu.__file__)"
+    env["JAXPAGED_CACHE"] = str(tmp_path / "cache")
+    out = subprocess.run(
+        [sys.executable, "-c", build], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    if shutil.which("g++") or shutil.which("c++"):
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["None", str(site / "jaxpaged" / "kernels" / "cpu.py")]
+        assert list((tmp_path / "cache" / "native").glob("kernels_*.so"))
