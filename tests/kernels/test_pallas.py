@@ -15,7 +15,7 @@ import pytest
 
 from jaxpaged.kernels import ragged_paged_attention
 from jaxpaged.kernels.pallas_gpu import PallasConfig, ragged_paged_attention_pallas
-from jaxpaged.kernels.testing import DTYPES, TOLERANCE, make_case
+from jaxpaged.kernels.testing import DTYPES, make_case, run_and_compare
 
 
 def mixed_seqs(rng, block_size):
@@ -41,27 +41,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("d,bs,hq,hkv,dtype,window,cap,config", CASES)
-def test_pallas_interpret_matches_reference(rng, tools, d, bs, hq, hkv, dtype, window, cap, config):
-    seqs = mixed_seqs(rng, bs)
-    case = make_case(
-        rng,
-        seqs,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        block_size=bs,
-        dtype=DTYPES[dtype],
-        max_seqs=6,
-        pad_tokens=3,
-    )
-    args = tuple(map(jnp.asarray, case.args()))
-    opts = dict(sm_scale=case.sm_scale, sliding_window=window, soft_cap=cap)
-    ref = ragged_paged_attention(*args, **opts, backend="reference")
-    out = ragged_paged_attention_pallas(*args, **opts, interpret=True, config=config)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    err = tools["rel_err"](out, ref)
-    assert err < TOLERANCE[dtype], f"rel err {err} for {seqs}"
-    tools["check_padding_rows"](out, case)
+def test_pallas_interpret_matches_reference(rng, d, bs, hq, hkv, dtype, window, cap, config):
+    pallas = functools.partial(ragged_paged_attention_pallas, interpret=True, config=config)
+    run_and_compare(
+        rng, mixed_seqs(rng, bs), hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, backend="pallas",
+        max_seqs=6, pad=3, sliding_window=window, soft_cap=cap, fn=pallas,
+    )  # fmt: skip
 
 
 def test_pallas_decode_only_through_public_entry(rng, tools):
