@@ -116,7 +116,9 @@ def step(
         linear_fn=linear_fn,
     )
     rows = hidden[batch.sample_rows]  # [S, D]
-    logits = compute_logits(params, rows, config=config, linear_fn=linear_fn)  # [S, V]
+    # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
+    native_logits = linear_fn if linear_fn is not linear_xla else None
+    logits = compute_logits(params, rows, config=config, linear_fn=native_logits)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
     out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
