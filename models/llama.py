@@ -146,7 +146,7 @@ def forward(
     as threaded through every layer's `attention_fn`. ``linear_fn`` does every matmul."""
     x = jnp.take(params["embed"], tokens, axis=0)  # [T, D]
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    layers = params["layers"]
+    layers = jax.tree.map(jnp.asarray, params["layers"])  # host arrays can't take a traced index
 
     def body(carry, layer):
         x, cache = carry
