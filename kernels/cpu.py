@@ -30,7 +30,7 @@ from .xla import ragged_paged_attention_xla
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc")
-_HEADERS = (_HERE / "cpu_parallel.h",)
+_HEADERS = (_HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
 _TARGET = "jaxpaged_paged_attention"
 _LINEAR_TARGET = "jaxpaged_linear"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")

@@ -10,11 +10,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,14 +24,7 @@ constexpr int64_t kRowsPerItem = 64;  // weight rows (outputs) per parallel work
 constexpr int64_t kN = 3;  // weight rows per register tile
 constexpr int64_t kM = 4;  // x rows per register tile
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  return _mm_cvtss_f32(h);
-}
-
+#ifdef JAXPAGED_AVX2
 // y[m, n] for the tile's nm x rows and nn weight rows (nm <= kM, nn <= kN); K % 8 == 0.
 template <int NM, int NN>
 inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
@@ -54,7 +44,7 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
     }
   }
   for (int m = 0; m < NM; ++m)
-    for (int n = 0; n < NN; ++n) y[m * N + n] = hsum(acc[m][n]);
+    for (int n = 0; n < NN; ++n) y[m * N + n] = jaxpaged::hsum(acc[m][n]);
 }
 
 template <int NN>
@@ -74,7 +64,7 @@ void rows_of_x(const float* x, const float* w, float* y, int64_t M, int64_t K, i
 // Outputs [n0, n1) for every row of x.
 void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t n0, int64_t n1) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef JAXPAGED_AVX2
   if (K % 8 == 0) {
     int64_t n = n0;
     for (; n + kN <= n1; n += kN) {

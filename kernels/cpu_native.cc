@@ -19,11 +19,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -53,18 +50,14 @@ inline const float* as_float(const uint16_t* src, float* buf, int64_t n) {
 // otherwise vectorize the caller's loop over keys with slow gathers).
 __attribute__((noinline)) float dot(const float* __restrict a, const float* __restrict b,
                                     int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef JAXPAGED_AVX2
   if (n % 16 == 0) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
       s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
       s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
-    __m256 s = _mm256_add_ps(s0, s1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
+    return jaxpaged::hsum(_mm256_add_ps(s0, s1));
   }
 #endif
   float s = 0.0f;
@@ -92,14 +85,7 @@ struct GroupKernels {
   PvFn pv = nullptr;
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  return _mm_cvtss_f32(h);
-}
-
+#ifdef JAXPAGED_AVX2
 template <int NQ>
 void group_scores(const float* q, const float* const* krows, int64_t lo, int64_t hi, int64_t D,
                   float* scores) {
@@ -112,7 +98,7 @@ void group_scores(const float* q, const float* const* krows, int64_t lo, int64_t
       for (int g = 0; g < NQ; ++g)
         acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, acc[g]);
     }
-    for (int g = 0; g < NQ; ++g) scores[g * kMaxBlockSize + j] = hsum8(acc[g]);
+    for (int g = 0; g < NQ; ++g) scores[g * kMaxBlockSize + j] = jaxpaged::hsum(acc[g]);
   }
 }
 
