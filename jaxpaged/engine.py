@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ import jax
 from jaxpaged.compile_counter import CompileCounter, enable_persistent_cache
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.fair_lock import FairLock
 from jaxpaged.kv_cache import (
     KVLayout,
     configure_device_memory,
@@ -117,7 +117,7 @@ class LLMEngine:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
-        self._lock = threading.RLock()
+        self._lock = FairLock()  # a step cannot starve an abort or add_request
         self.compile_cache_dir = enable_persistent_cache()
         self._compiles = CompileCounter().open()
 
