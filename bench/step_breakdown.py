@@ -111,7 +111,7 @@ def _reference_points(llm: Any, num_tokens: int, *, repeats: int) -> dict[str, f
     import jax.numpy as jnp
 
     runner = llm.engine.runner
-    lay = runner.params["layers"]
+    lay = runner.params["layers"]  # (in panel layout under native_linear: same FLOPs and bytes)
     n = runner.model_config.num_layers
     d = lay["wqkv"].shape[-1]
     w2d = [  # [out, in], as the params
@@ -152,8 +152,8 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     import jax.numpy as jnp
 
     from jaxpaged import sampler
-    from jaxpaged.kernels import ragged_paged_attention, write_kv
-    from jaxpaged.models.llama import compute_logits, forward
+    from jaxpaged.kernels import cpu, ragged_paged_attention, write_kv
+    from jaxpaged.models.llama import compute_logits, forward, linear_xla
 
     runner = llm.engine.runner
     cfg = runner.model_config
@@ -161,17 +161,24 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     max_kv = bucket.max_blocks * runner.layout.block_size
     nb, bs = runner.layout.num_blocks, runner.layout.block_size
 
+    # the matmul kernel the steps use (the params hold its weight layout)
+    linear_fn = cpu.linear if runner.native_linear else linear_xla
+
     def no_attention(q, k, v, layer, cache):
         return q, cache
 
     @jax.jit
     def layers_without_attention(params, batch):
-        h, _ = forward(params, batch.tokens, batch.positions, config=cfg, attention_fn=no_attention)
+        h, _ = forward(
+            params, batch.tokens, batch.positions, config=cfg, attention_fn=no_attention,
+            linear_fn=linear_fn,
+        )  # fmt: skip
         return h
 
     @jax.jit
     def lm_head(params, h, rows):
-        return compute_logits(params, h[rows], config=cfg)
+        logits_fn = linear_fn if runner.native_linear else None
+        return compute_logits(params, h[rows], config=cfg, linear_fn=logits_fn)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def attention_all_layers(pool, batch, q, k, v):

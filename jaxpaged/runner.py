@@ -32,7 +32,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.parallel import kv_pool_sharding
 from jaxpaged.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
-from jaxpaged.step import StepBatch, StepOutput, step
+from jaxpaged.step import StepBatch, StepOutput, pack_native_linear, step, use_native_linear
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +133,12 @@ class Runner:
         # multi-host: rank 0's hook that announces each device call to the followers
         # (see jaxpaged.multihost); None on one host
         self.leader = None
-        self.params = params
         self.layout = layout
         self.max_model_len = max_model_len
         self.backend = attention_backend
+        # every matmul in the native CPU kernel, over weights packed once into its layout
+        self.native_linear = use_native_linear(params, model_config, attention_backend, mesh)
+        self.params = pack_native_linear(params, model_config) if self.native_linear else params
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -160,6 +162,7 @@ class Runner:
             num_logprobs=MAX_LOGPROBS,
             backend=self.backend,
             mesh=self.mesh,
+            native_linear=self.native_linear,
         )
 
     def activation_bytes(self) -> int:

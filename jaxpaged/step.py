@@ -13,12 +13,14 @@ from jaxpaged import sampler
 from jaxpaged.kernels import cpu, default_backend, ragged_paged_attention, write_kv
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import LinearFn, Params, compute_logits, forward, linear_xla
+from jaxpaged.models.llama import (
+    Params,
+    compute_logits,
+    forward,
+    linear_xla,
+    map_matmul_weights,
+)
 from jaxpaged.parallel import replicate_on, shard_attention
-
-# Steps of up to this many tokens run their matmuls in the native CPU kernel (when attention
-# runs natively too); larger ones in XLA's GEMM, whose weight packing pays off there.
-NATIVE_LINEAR_MAX_ROWS = 64
 
 
 class StepBatch(NamedTuple):
@@ -53,6 +55,7 @@ class StepOutput(NamedTuple):
         "max_q_len",
         "max_kv_len",
         "mesh",
+        "native_linear",
     ),
     donate_argnums=(1,),
 )
@@ -69,6 +72,7 @@ def step(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    native_linear: bool = False,
 ) -> tuple[StepOutput, KVPool]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. ``max_q_len`` / ``max_kv_len`` are the bucket's static
@@ -105,7 +109,7 @@ def step(
         out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
         return out, (k_pages, v_pages)
 
-    linear_fn = _linear_fn(params, batch.tokens.shape[0], backend, mesh)
+    linear_fn = cpu.linear if native_linear else linear_xla
     hidden, pool = forward(
         params,
         batch.tokens,
@@ -117,7 +121,7 @@ def step(
     )
     rows = hidden[batch.sample_rows]  # [S, D]
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
-    native_logits = linear_fn if linear_fn is not linear_xla else None
+    native_logits = cpu.linear if native_linear else None
     logits = compute_logits(params, rows, config=config, linear_fn=native_logits)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
@@ -125,18 +129,23 @@ def step(
     return replicate_on(out, mesh), pool
 
 
-def _linear_fn(
-    params: Params, num_tokens: int, backend: str | None, mesh: jax.sharding.Mesh | None
-) -> LinearFn:
-    """The native few-row matmul kernel for small float32 steps on one CPU device when the
-    native kernels are in use ("cpu" attention backend), else XLA's dot."""
-    if backend is None:
-        backend = default_backend()
-    native = (
-        backend == "cpu"
-        and mesh is None
-        and num_tokens <= NATIVE_LINEAR_MAX_ROWS
-        and params["embed"].dtype == jnp.float32
-        and cpu.available()
-    )
-    return cpu.linear if native else linear_xla
+def use_native_linear(
+    params: Params, config: ModelConfig, backend: str | None, mesh: jax.sharding.Mesh | None
+) -> bool:
+    """Whether the steps should run every matmul in the native CPU kernel: float32 weights on
+    one CPU device, the native kernels in use ("cpu" attention backend), and every output
+    size a multiple of the kernel's panel width. The caller then packs the weights once
+    (`pack_native_linear`)."""
+    if (backend or default_backend()) != "cpu" or mesh is not None:
+        return False
+    if params["embed"].dtype != jnp.float32 or not cpu.available():
+        return False
+    sizes = [config.vocab_size, config.hidden_size, config.intermediate_size]
+    sizes.append(config.num_kv_heads * (config.queries_per_kv + 2) * config.head_dim)
+    return all(n % cpu.PANEL == 0 for n in sizes)
+
+
+def pack_native_linear(params: Params, config: ModelConfig) -> Params:
+    """The params with every matmul weight in the native kernel's panel layout (one copy;
+    the embedding table stays as it is for the token lookup)."""
+    return map_matmul_weights(params, config, cpu.pack_panels)

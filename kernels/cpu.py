@@ -1,5 +1,5 @@
 """Native CPU kernels called through XLA FFI: ragged paged attention (cpu_native.cc) and
-few-row linear layers (cpu_linear.cc).
+linear layers over weights in panel layout (cpu_linear.cc).
 
 The C++ sources ship with the package and are compiled on first use with the system C++
 compiler into `$JAXPAGED_CACHE/native/` (keyed by source, compiler flags and CPU), so
@@ -191,18 +191,40 @@ def ragged_paged_attention_cpu(
     )
 
 
+PANEL = 16  # outputs per panel of the linear kernel's weight layout
+
+
+def pack_panels(w: jax.Array) -> jax.Array:  # [..., N, K] -> [..., N, K], panel layout
+    """The linear kernel's layout of [out, in] weights: the same shape, each [N, K] matrix
+    stored as [N/16, K, 16], so the 16 outputs of a panel have their weights contiguous at
+    every k (see cpu_linear.cc)."""
+    *lead, n, k = w.shape
+    if n % PANEL:
+        raise ValueError(f"pack_panels needs N % {PANEL} == 0, got weight shape {tuple(w.shape)}")
+    return jnp.swapaxes(jnp.reshape(w, (*lead, n // PANEL, PANEL, k)), -1, -2).reshape(w.shape)
+
+
+def unpack_panels(w: jax.Array) -> jax.Array:  # [..., N, K] panel layout -> [..., N, K]
+    """The inverse of `pack_panels`."""
+    *lead, n, k = w.shape
+    return jnp.swapaxes(jnp.reshape(w, (*lead, n // PANEL, k, PANEL)), -1, -2).reshape(w.shape)
+
+
 def linear(
     x: jax.Array,  # float32 [M, K]
-    w: jax.Array,  # float32 [L, N, K]: every layer's weight, [out, in]
+    w: jax.Array,  # float32 [L, N, K]: every layer's [out, in] weight, in panel layout
     layer: jax.Array | int,  # int32 []: which of the L weights
 ) -> jax.Array:  # float32 [M, N]
-    """x @ w[layer].T in the C++ kernel: the layer is indexed inside the kernel, so the
-    stacked weight is read in place (no per-layer slice copy), once per call."""
+    """x @ w[layer].T in the C++ kernel, with ``w`` from `pack_panels`. The layer is indexed
+    inside the kernel, so the stacked weight is read in place (no per-layer slice copy)."""
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"native CPU kernels unavailable: {reason}")
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"linear needs x [M, K] and w [L, N, K], got {x.shape} and {w.shape}")
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w.shape[1] % PANEL:
+        raise ValueError(
+            f"linear needs x [M, K] and w [L, N, K] with N % {PANEL} == 0, "
+            f"got {x.shape} and {w.shape}"
+        )
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"linear needs float32 x and w, got {x.dtype} and {w.dtype}")
     call = jax.ffi.ffi_call(

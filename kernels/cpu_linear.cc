@@ -1,11 +1,15 @@
-// y = x @ w[layer].T for few rows of x (decode), as an XLA FFI custom call (kernels/cpu.py).
+// y = x @ w[layer].T with w in panel layout, as an XLA FFI custom call (kernels/cpu.py).
 //
-// Why native: XLA:CPU's GEMM packs the weight panel before multiplying, which pays off for
-// many rows but not for the 1-64 rows of a decode step, where the dot runs at about half
-// of the machine's matmul peak (bench/weight_layout.py). Here each group of 3 weight rows
-// ([out, in] layout: a row is contiguous) is read from memory once, held in L1, and dotted
-// with every row of x in 4 x 3 register tiles. The weight is passed whole with all its
-// layers and indexed in place, so a decoder's lax.scan never copies a layer's slice.
+// Panel layout (cpu.pack_panels): an [N, K] weight, N % 16 == 0, is stored as [N/16, K, 16]:
+// panel p holds outputs 16p .. 16p+15, one contiguous row of 16 floats per k. A 6 x 16 tile
+// of y then costs, per k, two weight loads and six broadcasts of x for 12 FMAs, so the FMA
+// units set the pace; the dot form over [out, in] rows needed 15 loads per 12 FMAs and a
+// horizontal sum per output, and ran at about half of this (bench/weight_layout.py).
+//
+// Blocking: a kKc-deep slice of a panel (16 KB) stays in L1 while every 6-row block of a
+// kMc-row block of x (in L2) passes over it. A work item is (row block, group of panels),
+// so each weight streams from memory once per row block: once per call in decode. The
+// stacked weight is indexed in place, so a decoder's lax.scan never copies a layer out.
 
 #include <algorithm>
 #include <cstdint>
@@ -18,88 +22,113 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRowsPerItem = 64;  // weight rows (outputs) per parallel work item
-// A register tile: 4 x 3 accumulators + 3 weight vectors + 1 x vector fill the 16 AVX2
-// registers exactly (larger tiles spill and run ~1.5x slower).
-constexpr int64_t kN = 3;  // weight rows per register tile
-constexpr int64_t kM = 4;  // x rows per register tile
+constexpr int64_t kNr = 16;  // outputs per panel (two AVX2 vectors)
+constexpr int64_t kMr = 6;   // rows of x per register tile: 12 accumulators + 2 + 1 registers
+constexpr int64_t kKc = 256;  // depth of the panel slice held in L1
+constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2)
+constexpr int64_t kPc = 4;    // panels per work item
 
 #ifdef JAXPAGED_AVX2
-// y[m, n] for the tile's nm x rows and nn weight rows (nm <= kM, nn <= kN); K % 8 == 0.
-template <int NM, int NN>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
-                 int64_t prefetch_rows) {
-  __m256 acc[NM][NN];
-  for (int m = 0; m < NM; ++m)
-    for (int n = 0; n < NN; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NN];
-    for (int n = 0; n < NN; ++n) {
-      wv[n] = _mm256_loadu_ps(w + n * K + k);
-      if (prefetch_rows) __builtin_prefetch(w + (prefetch_rows + n) * K + k);
-    }
-    for (int m = 0; m < NM; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int n = 0; n < NN; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+// y[0:MR, 0:16] (+)= x[0:MR, 0:kc] @ panel[0:kc, 0:16]; rows of x and y are ldx / ldy apart.
+template <int MR>
+inline void tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
+                 int64_t kc, bool accumulate) {
+  __m256 lo[MR], hi[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kNr);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kNr + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xm = _mm256_broadcast_ss(x + m * ldx + k);
+      lo[m] = _mm256_fmadd_ps(xm, w0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xm, w1, hi[m]);
     }
   }
-  for (int m = 0; m < NM; ++m)
-    for (int n = 0; n < NN; ++n) y[m * N + n] = jaxpaged::hsum(acc[m][n]);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    float* row = y + m * ldy;
+    if (accumulate) {
+      lo[m] = _mm256_add_ps(lo[m], _mm256_loadu_ps(row));
+      hi[m] = _mm256_add_ps(hi[m], _mm256_loadu_ps(row + 8));
+    }
+    _mm256_storeu_ps(row, lo[m]);
+    _mm256_storeu_ps(row + 8, hi[m]);
+  }
 }
 
-template <int NN>
-void rows_of_x(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t prefetch_rows) {
+template <int MR>
+inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, float* y,
+                      int64_t ldy, int64_t kc, bool accumulate) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile_rows<MR - 1>(rows, x, ldx, panel, y, ldy, kc, accumulate);
+  }
+  tile<MR>(x, ldx, panel, y, ldy, kc, accumulate);
+}
+
+// Every row of a row block against one panel slice: 6-row tiles, and a remainder of 1 or 2
+// rows shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound).
+inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
+                      int64_t rows, int64_t kc, bool accumulate) {
+  int64_t full = rows / kMr;
+  if (full > 0 && rows % kMr > 0 && rows % kMr < 3) --full;
   int64_t m = 0;
-  // Only the first pass over these weight rows prefetches the next group.
-  for (; m + kM <= M; m += kM, prefetch_rows = 0)
-    tile<kM, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
-  static_assert(kM == 4, "the remainder cases below assume 4-row tiles");
-  if (M - m == 3) tile<3, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
-  if (M - m == 2) tile<2, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
-  if (M - m == 1) tile<1, NN>(x + m * K, w, y + m * N, K, N, prefetch_rows);
+  for (; m < full * kMr; m += kMr)
+    tile<kMr>(x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate);
+  int64_t left = rows - m;
+  if (left > kMr) {  // 7 or 8 rows: two tiles
+    const int64_t first = left - left / 2;
+    tile_rows<kMr>(first, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate);
+    m += first;
+    left -= first;
+  }
+  if (left > 0) tile_rows<kMr>(left, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate);
+}
+#else
+inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
+                      int64_t rows, int64_t kc, bool accumulate) {
+  for (int64_t m = 0; m < rows; ++m) {
+    float acc[kNr] = {};
+    for (int64_t k = 0; k < kc; ++k) {
+      const float xv = x[m * ldx + k];
+#pragma omp simd
+      for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * panel[k * kNr + j];
+    }
+    for (int64_t j = 0; j < kNr; ++j) y[m * ldy + j] = acc[j] + (accumulate ? y[m * ldy + j] : 0.0f);
+  }
 }
 #endif
 
-// Outputs [n0, n1) for every row of x.
-void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                 int64_t n0, int64_t n1) {
-#ifdef JAXPAGED_AVX2
-  if (K % 8 == 0) {
-    int64_t n = n0;
-    for (; n + kN <= n1; n += kN) {
-      const int64_t ahead = n + 2 * kN <= n1 ? kN : 0;
-      rows_of_x<kN>(x, w + n * K, y + n, M, K, N, ahead);
-    }
-    for (; n < n1; ++n) rows_of_x<1>(x, w + n * K, y + n, M, K, N, 0);
-    return;
+// Rows [m0, m0 + rows) of y, panels [p0, p1).
+void linear_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+                  int64_t rows, int64_t p0, int64_t p1) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t kc = std::min(kKc, K - k0);
+    for (int64_t p = p0; p < p1; ++p)
+      rows_tile(x + m0 * K + k0, K, w + p * K * kNr + k0 * kNr, y + m0 * N + p * kNr, N, rows,
+                kc, k0 > 0);
   }
-#endif
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w[n * K + k];
-      y[m * N + n] = s;
-    }
 }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1])
-    return ffi::Error::InvalidArgument("need x [M, K] and w [L, N, K]");
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[1] % kNr != 0)
+    return ffi::Error::InvalidArgument("need x [M, K] and w [L, N, K] with N % 16 == 0");
   const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[1];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + l * N * K;
   float* yp = y->typed_data();
-  const int64_t items = (N + kRowsPerItem - 1) / kRowsPerItem;
-  jaxpaged::parallel_for(pool, items, [&](int64_t i) {
-    const int64_t n0 = i * kRowsPerItem;
-    linear_rows(xp, wp, yp, M, K, N, n0, std::min(N, n0 + kRowsPerItem));
+  const int64_t panels = N / kNr;
+  const int64_t row_blocks = (M + kMc - 1) / kMc;
+  const int64_t panel_groups = (panels + kPc - 1) / kPc;
+  jaxpaged::parallel_for(pool, row_blocks * panel_groups, [&](int64_t i) {
+    const int64_t m0 = (i / panel_groups) * kMc, p0 = (i % panel_groups) * kPc;
+    linear_block(xp, wp, yp, K, N, m0, std::min(kMc, M - m0), p0, std::min(panels, p0 + kPc));
   });
   return ffi::Error::Success();
 }
@@ -110,7 +139,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, N, K], panel layout
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );

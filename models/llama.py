@@ -85,6 +85,40 @@ def linear_xla(
     return jnp.einsum("ti,oi->to", x, w[index])
 
 
+def _matmul_views(layers: dict[str, jax.Array], config: ModelConfig) -> dict[str, jax.Array]:
+    """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
+    (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
+    of layer l at 2l, up at 2l + 1), w_down [L, D, F]."""
+    n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
+    return {
+        "wqkv": layers["wqkv"].reshape(n, -1, d),
+        "wo": layers["wo"].reshape(n, d, -1),
+        "w_gate_up": layers["w_gate_up"].reshape(2 * n, f, d),
+        "w_down": layers["w_down"],
+    }
+
+
+def map_matmul_weights(
+    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+) -> Params:
+    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
+    ([L', out, in]; the vocabulary projection as [1, V, D], stored as "lm_head" even when
+    tied, since the embedding lookup needs the original). For kernels that want their own
+    layout of the same shape (kernels.cpu.pack_panels); such params only work with the
+    ``linear_fn`` that expects that layout."""
+    layers = dict(params["layers"])
+    for name, view in _matmul_views(layers, config).items():
+        layers[name] = fn(view).reshape(layers[name].shape)
+    out = {**params, "layers": layers}
+    out["lm_head"] = fn(_vocab_projection(params)[None])[0]
+    return out
+
+
+def _vocab_projection(params: Params) -> jax.Array:  # [V, D]
+    # "lm_head" is absent for tied embeddings unless map_matmul_weights added its own copy
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
 def _layer(
     x: jax.Array,  # [T, D]
     layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
@@ -97,18 +131,15 @@ def _layer(
     linear_fn: LinearFn,
 ) -> tuple[jax.Array, Any]:
     c = config
-    t, d = x.shape
-    n, g, f = c.num_layers, c.queries_per_kv, c.intermediate_size
+    t = x.shape[0]
+    g = c.queries_per_kv
     eps = c.rms_norm_eps
     inv_freq = rope_inv_freq(c)
-    # Matmul weights go to linear_fn whole, as [L', out, in] views (free reshapes), so a
-    # native kernel can read the layer in place.
-    wqkv = layers["wqkv"].reshape(n, -1, d)
-    wo = layers["wo"].reshape(n, d, -1)
-    w_gate_up = layers["w_gate_up"].reshape(2 * n, f, d)  # gate of layer l at 2l, up at 2l + 1
+    # Matmul weights go to linear_fn whole, so a native kernel can read the layer in place.
+    w = _matmul_views(layers, c)
 
     h = rms_norm(x, layers["attn_norm"][layer], eps)
-    qkv = linear_fn(h, wqkv, layer).reshape(t, c.num_kv_heads, g + 2, c.head_dim)
+    qkv = linear_fn(h, w["wqkv"], layer).reshape(t, c.num_kv_heads, g + 2, c.head_dim)
     if c.qkv_bias:
         qkv = qkv + layers["bqkv"][layer][None]
     q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)
@@ -122,13 +153,13 @@ def _layer(
 
     attn, cache = attention_fn(q, k, v, layer, cache)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
-    x = x + linear_fn(attn, wo, layer)
+    x = x + linear_fn(attn, w["wo"], layer)
 
     h = rms_norm(x, layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
-    gate = linear_fn(h, w_gate_up, 2 * layer)
-    up = linear_fn(h, w_gate_up, 2 * layer + 1)
-    x = x + linear_fn(jax.nn.silu(gate) * up, layers["w_down"], layer)
+    gate = linear_fn(h, w["w_gate_up"], 2 * layer)
+    up = linear_fn(h, w["w_gate_up"], 2 * layer + 1)
+    x = x + linear_fn(jax.nn.silu(gate) * up, w["w_down"], layer)
     return x, cache
 
 
@@ -168,7 +199,7 @@ def compute_logits(
     linear_fn: LinearFn | None = None,
 ) -> jax.Array:
     """Vocabulary logits [T, V] in float32 (tied embeddings reuse `embed`)."""
-    w = params["embed"] if config.tie_word_embeddings else params["lm_head"]  # [V, D]
+    w = _vocab_projection(params)  # [V, D]
     if linear_fn is not None:
         return linear_fn(hidden, w[None], 0).astype(jnp.float32)
     return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)

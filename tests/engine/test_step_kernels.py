@@ -1,4 +1,4 @@
-"""Which matmul kernel each step program uses."""
+"""Which matmul kernel the engine's steps use, and that the native one gives the same model."""
 
 from __future__ import annotations
 
@@ -8,25 +8,74 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import cpu
-from jaxpaged.models.llama import linear_xla
-from jaxpaged.step import NATIVE_LINEAR_MAX_ROWS, _linear_fn
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import compute_logits, forward, linear_xla
+from jaxpaged.step import pack_native_linear, use_native_linear
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
 
 
-def params(dtype):
-    return {"embed": jnp.zeros((8, 4), dtype)}
+def config(**overrides) -> ModelConfig:
+    base = dict(
+        model_type="llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    return ModelConfig(**{**base, **overrides})
 
 
-def test_decode_sized_float32_steps_use_the_native_matmul():
-    assert _linear_fn(params(jnp.float32), 1, None, None) is cpu.linear
-    assert _linear_fn(params(jnp.float32), NATIVE_LINEAR_MAX_ROWS, "cpu", None) is cpu.linear
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    from jaxpaged.models.llama import param_shapes
+
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    return jax.tree.map(
+        lambda shape: 0.2 * jax.random.normal(next(keys), shape, jnp.float32),
+        param_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
-def test_other_steps_use_xla():
-    f32 = params(jnp.float32)
-    assert _linear_fn(f32, NATIVE_LINEAR_MAX_ROWS + 1, None, None) is linear_xla  # prefill
-    assert _linear_fn(params(jnp.bfloat16), 8, None, None) is linear_xla
-    assert _linear_fn(f32, 8, "xla", None) is linear_xla  # kernels forced to XLA
+def test_float32_single_cpu_device_uses_the_native_matmul():
+    cfg = config()
+    f32 = random_params(cfg)
+    assert use_native_linear(f32, cfg, None, None)
+    assert use_native_linear(f32, cfg, "cpu", None)
+
+
+def test_other_setups_use_xla():
+    cfg = config()
+    f32 = random_params(cfg)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
+    assert not use_native_linear(bf16, cfg, None, None)
+    assert not use_native_linear(f32, cfg, "xla", None)  # kernels forced to XLA
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    assert _linear_fn(f32, 8, None, mesh) is linear_xla  # sharded weights: XLA's SPMD dots
+    assert not use_native_linear(f32, cfg, None, mesh)  # sharded weights: XLA's SPMD dots
+    odd = config(vocab_size=100)  # an output size the panels cannot tile
+    assert not use_native_linear(random_params(odd), odd, None, None)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 7, 130])
+def test_packed_params_with_the_native_matmul_match_xla(tied, num_tokens):
+    """The whole decoder and the logits: packed weights + cpu.linear against the original
+    weights + XLA's dots, on random weights and tokens."""
+    cfg = config(tie_word_embeddings=tied)
+    params = random_params(cfg, seed=num_tokens)
+    packed = pack_native_linear(params, cfg)
+    assert packed["embed"] is params["embed"]  # the lookup table stays as it is
+    tokens = jax.random.randint(jax.random.key(1), (num_tokens,), 0, cfg.vocab_size)
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)
+
+    def run(p, linear_fn, logits_fn):
+        hidden, _ = forward(p, tokens, positions, config=cfg, linear_fn=linear_fn)
+        return compute_logits(p, hidden, config=cfg, linear_fn=logits_fn)
+
+    want = jax.jit(lambda p: run(p, linear_xla, None))(params)
+    got = jax.jit(lambda p: run(p, cpu.linear, cpu.linear))(packed)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)

@@ -131,19 +131,33 @@ def test_cpu_unavailable_falls_back_to_xla(tmp_path, env, reason):
     assert reason in res.stdout
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 32, 64])
-@pytest.mark.parametrize("k,n", [(576, 960), (64, 7), (20, 13)])  # K % 8 != 0, N % 4 != 0
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 32, 64, 97, 200])  # 6-row tiles, 96-row blocks
+@pytest.mark.parametrize("k,n", [(576, 960), (300, 48), (13, 16)])  # K past one 256 slice, odd K
 def test_linear_matches_numpy(rng, m, k, n):
-    """x @ w[index].T for every layer index of a stacked weight, against float64 numpy."""
+    """x @ w[index].T for every layer index of a stacked weight in panel layout, against
+    float64 numpy on the unpacked weight."""
     layers = 3
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((layers, n, k), dtype=np.float32)
+    packed = cpu.pack_panels(jnp.asarray(w))
     fn = jax.jit(cpu.linear)
     for index in range(layers):
-        out = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.int32(index)))
+        out = np.asarray(fn(jnp.asarray(x), packed, jnp.int32(index)))
         ref = x.astype(np.float64) @ w[index].astype(np.float64).T
         assert out.shape == (m, n)
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_pack_panels_round_trip_and_layout(rng):
+    w = rng.standard_normal((2, 32, 5), dtype=np.float32)
+    packed = np.asarray(cpu.pack_panels(jnp.asarray(w)))
+    assert packed.shape == w.shape
+    # panel p, depth k holds outputs 16p .. 16p + 15 at input k, contiguously
+    flat = packed.reshape(2, 2, 5, 16)
+    np.testing.assert_array_equal(flat[1, 1, 3], w[1, 16:32, 3])
+    np.testing.assert_array_equal(np.asarray(cpu.unpack_panels(jnp.asarray(packed))), w)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        cpu.pack_panels(jnp.zeros((1, 24, 8)))
 
 
 def test_linear_in_scan_reads_each_layer(rng):
@@ -152,20 +166,27 @@ def test_linear_in_scan_reads_each_layer(rng):
     w = rng.standard_normal((layers, d, d), dtype=np.float32) / 8
     x = rng.standard_normal((3, d), dtype=np.float32)
 
-    def run(linear):
+    def run(linear, weight):
         def body(h, layer):
-            return jnp.tanh(linear(h, jnp.asarray(w), layer)), None
+            return jnp.tanh(linear(h, weight, layer)), None
 
         return jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(layers))[0])(jnp.asarray(x))
 
     from jaxpaged.models.llama import linear_xla
 
-    np.testing.assert_allclose(run(cpu.linear), run(linear_xla), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        run(cpu.linear, cpu.pack_panels(jnp.asarray(w))),
+        run(linear_xla, jnp.asarray(w)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_linear_rejects_bad_input():
     x = jnp.zeros((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="x \\[M, K\\] and w \\[L, N, K\\]"):
-        cpu.linear(x, jnp.zeros((1, 4, 9), jnp.float32), 0)
+        cpu.linear(x, jnp.zeros((1, 16, 9), jnp.float32), 0)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        cpu.linear(x, jnp.zeros((1, 24, 8), jnp.float32), 0)
     with pytest.raises(ValueError, match="float32"):
-        cpu.linear(x.astype(jnp.bfloat16), jnp.zeros((1, 4, 8), jnp.bfloat16), 0)
+        cpu.linear(x.astype(jnp.bfloat16), jnp.zeros((1, 16, 8), jnp.bfloat16), 0)
