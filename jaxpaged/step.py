@@ -109,7 +109,10 @@ def step(
         out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
         return out, (k_pages, v_pages)
 
-    linear_fn = cpu.linear if native_linear else linear_xla
+    linear_fn, logits_fn = linear_xla, None
+    if native_linear:  # padding rows cost nothing: the kernel stops at the real ones
+        linear_fn = functools.partial(cpu.linear, num_rows=batch.cu_q_lens[-1])
+        logits_fn = functools.partial(cpu.linear, num_rows=batch.num_seqs[0])
     hidden, pool = forward(
         params,
         batch.tokens,
@@ -121,8 +124,7 @@ def step(
     )
     rows = hidden[batch.sample_rows]  # [S, D]
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
-    native_logits = cpu.linear if native_linear else None
-    logits = compute_logits(params, rows, config=config, linear_fn=native_logits)  # [S, V]
+    logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
     out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)

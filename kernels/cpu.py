@@ -214,9 +214,13 @@ def linear(
     x: jax.Array,  # float32 [M, K]
     w: jax.Array,  # float32 [L, N, K]: every layer's [out, in] weight, in panel layout
     layer: jax.Array | int,  # int32 []: which of the L weights
+    *,
+    num_rows: jax.Array | int | None = None,  # int32 []: rows of x that are real (default M)
 ) -> jax.Array:  # float32 [M, N]
     """x @ w[layer].T in the C++ kernel, with ``w`` from `pack_panels`. The layer is indexed
-    inside the kernel, so the stacked weight is read in place (no per-layer slice copy)."""
+    inside the kernel, so the stacked weight is read in place (no per-layer slice copy).
+    Rows from ``num_rows`` on come out zero and cost nothing: a step padded to its bucket
+    pays for its real tokens only."""
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"native CPU kernels unavailable: {reason}")
@@ -230,4 +234,8 @@ def linear(
     call = jax.ffi.ffi_call(
         _LINEAR_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     )
-    return call(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
+
+    def scalar(v):
+        return jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
+
+    return call(x, w, scalar(layer), scalar(x.shape[0] if num_rows is None else num_rows))

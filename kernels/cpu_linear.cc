@@ -7,7 +7,8 @@
 // horizontal sum per output, and ran at about half of this (bench/weight_layout.py).
 //
 // Blocking: a kKc-deep slice of a panel (16 KB) stays in L1 while every 6-row block of a
-// kMc-row block of x (in L2) passes over it. A work item is (row block, group of panels),
+// kMc-row block of x (in L2) passes over it. Only the first num_rows rows are computed (the
+// rest of a padded step's bucket is zero-filled). A work item is (row block, group of panels),
 // so each weight streams from memory once per row block: once per call in decode. The
 // stacked weight is indexed in place, so a decoder's lax.scan never copies a layer out.
 
@@ -112,17 +113,21 @@ void linear_block(const float* x, const float* w, float* y, int64_t K, int64_t N
 }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> num_rows,
+                      ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[1] % kNr != 0)
     return ffi::Error::InvalidArgument("need x [M, K] and w [L, N, K] with N % 16 == 0");
-  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[1];
+  const int64_t K = xd[1], L = wd[0], N = wd[1];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
+  // Rows past num_rows are a step's padding: they get zeros, and cost nothing.
+  const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + l * N * K;
   float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
   const int64_t panels = N / kNr;
   const int64_t row_blocks = (M + kMc - 1) / kMc;
   const int64_t panel_groups = (panels + kPc - 1) / kPc;
@@ -141,5 +146,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLinear, LinearImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [L, N, K], panel layout
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );

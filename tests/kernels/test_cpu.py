@@ -148,6 +148,21 @@ def test_linear_matches_numpy(rng, m, k, n):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m,real", [(32, 24), (64, 1), (200, 131), (8, 0), (6, 6)])
+def test_linear_computes_only_the_real_rows(rng, m, real):
+    """A padded step passes its real row count: those rows match numpy, the padding rows
+    come out zero, whatever garbage x holds there."""
+    k, n = 96, 48
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    x[real:] = np.nan  # padding rows: must not be read into the real ones
+    w = rng.standard_normal((2, n, k), dtype=np.float32)
+    fn = jax.jit(cpu.linear)
+    out = np.asarray(fn(jnp.asarray(x), cpu.pack_panels(jnp.asarray(w)), 1, num_rows=real))
+    ref = x[:real].astype(np.float64) @ w[1].astype(np.float64).T
+    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-3)
+    np.testing.assert_array_equal(out[real:], 0.0)
+
+
 def test_pack_panels_round_trip_and_layout(rng):
     w = rng.standard_normal((2, 32, 5), dtype=np.float32)
     packed = np.asarray(cpu.pack_panels(jnp.asarray(w)))
