@@ -33,11 +33,13 @@ constexpr int64_t kPc = 4;    // panels per work item
 // y[0:MR, 0:16] (+)= x[0:MR, 0:kc] @ panel[0:kc, 0:16]; rows of x and y are ldx / ldy apart.
 template <int MR>
 inline void tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
-                 int64_t kc, bool accumulate) {
+                 int64_t kc, bool accumulate, const float* prefetch) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
+    // one 64-byte line (a k-row of the next slice) per k: the next slice arrives in time
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kNr), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kNr);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kNr + 8);
 #pragma GCC unroll 8
@@ -61,30 +63,34 @@ inline void tile(const float* x, int64_t ldx, const float* panel, float* y, int6
 
 template <int MR>
 inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, float* y,
-                      int64_t ldy, int64_t kc, bool accumulate) {
+                      int64_t ldy, int64_t kc, bool accumulate, const float* prefetch) {
   if constexpr (MR > 1) {
-    if (rows < MR) return tile_rows<MR - 1>(rows, x, ldx, panel, y, ldy, kc, accumulate);
+    if (rows < MR) return tile_rows<MR - 1>(rows, x, ldx, panel, y, ldy, kc, accumulate, prefetch);
   }
-  tile<MR>(x, ldx, panel, y, ldy, kc, accumulate);
+  tile<MR>(x, ldx, panel, y, ldy, kc, accumulate, prefetch);
 }
 
 // Every row of a row block against one panel slice: 6-row tiles, and a remainder of 1 or 2
-// rows shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound).
+// rows shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). The
+// first tile prefetches the next slice of the weight stream.
 inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
                       int64_t rows, int64_t kc, bool accumulate) {
+  const float* prefetch = panel + kc * kNr;
   int64_t full = rows / kMr;
   if (full > 0 && rows % kMr > 0 && rows % kMr < 3) --full;
   int64_t m = 0;
-  for (; m < full * kMr; m += kMr)
-    tile<kMr>(x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate);
+  for (; m < full * kMr; m += kMr, prefetch = nullptr)
+    tile<kMr>(x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate, prefetch);
   int64_t left = rows - m;
   if (left > kMr) {  // 7 or 8 rows: two tiles
     const int64_t first = left - left / 2;
-    tile_rows<kMr>(first, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate);
+    tile_rows<kMr>(first, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate, prefetch);
     m += first;
     left -= first;
+    prefetch = nullptr;
   }
-  if (left > 0) tile_rows<kMr>(left, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate);
+  if (left > 0)
+    tile_rows<kMr>(left, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate, prefetch);
 }
 #else
 inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
@@ -104,12 +110,11 @@ inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y,
 // Rows [m0, m0 + rows) of y, panels [p0, p1).
 void linear_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
                   int64_t rows, int64_t p0, int64_t p1) {
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kc = std::min(kKc, K - k0);
-    for (int64_t p = p0; p < p1; ++p)
+  // panel by panel, slice by slice: the item reads its weights as one sequential stream
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t k0 = 0; k0 < K; k0 += kKc)
       rows_tile(x + m0 * K + k0, K, w + p * K * kNr + k0 * kNr, y + m0 * N + p * kNr, N, rows,
-                kc, k0 > 0);
-  }
+                std::min(kKc, K - k0), k0 > 0);
 }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
