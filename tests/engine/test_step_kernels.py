@@ -10,6 +10,7 @@ import pytest
 from jaxpaged.kernels import cpu
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
+from jaxpaged.models.testing import random_params
 from jaxpaged.step import pack_native_linear, use_native_linear
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
@@ -30,17 +31,6 @@ def config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    from jaxpaged.models.llama import param_shapes
-
-    keys = iter(jax.random.split(jax.random.key(seed), 64))
-    return jax.tree.map(
-        lambda shape: 0.2 * jax.random.normal(next(keys), shape, jnp.float32),
-        param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
 def test_float32_single_cpu_device_uses_the_native_matmul():
     cfg = config()
     f32 = random_params(cfg)
@@ -51,7 +41,7 @@ def test_float32_single_cpu_device_uses_the_native_matmul():
 def test_other_setups_use_xla():
     cfg = config()
     f32 = random_params(cfg)
-    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
+    bf16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), f32)
     assert not use_native_linear(bf16, cfg, None, None)
     assert not use_native_linear(f32, cfg, "xla", None)  # kernels forced to XLA
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -66,7 +56,7 @@ def test_packed_params_with_the_native_matmul_match_xla(tied, num_tokens):
     """The whole decoder and the logits: packed weights + cpu.linear against the original
     weights + XLA's dots, on random weights and tokens."""
     cfg = config(tie_word_embeddings=tied)
-    params = random_params(cfg, seed=num_tokens)
+    params = random_params(cfg, seed=num_tokens, scale=0.2)
     packed = pack_native_linear(params, cfg)
     assert packed["embed"] is params["embed"]  # the lookup table stays as it is
     tokens = jax.random.randint(jax.random.key(1), (num_tokens,), 0, cfg.vocab_size)

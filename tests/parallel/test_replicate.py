@@ -13,6 +13,7 @@ import pytest
 
 from jaxpaged import parallel
 from jaxpaged.models import ModelConfig, compute_logits, forward, param_shapes
+from jaxpaged.models.testing import random_params
 
 
 def _config(**kw) -> ModelConfig:
@@ -31,21 +32,10 @@ def _config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def _random_params(config: ModelConfig, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-
-    def make(shape):
-        if isinstance(shape, dict):
-            return {k: make(v) for k, v in shape.items()}
-        return rng.normal(0, 0.3, shape).astype(np.float32)
-
-    return make(param_shapes(config))
-
-
 @pytest.mark.parametrize(("num_kv_heads", "n"), [(2, 4), (2, 8), (1, 4), (4, 4)])
 def test_replicated_heads_compute_the_same_logits(num_kv_heads: int, n: int) -> None:
     config = _config(num_kv_heads=num_kv_heads)
-    host = _random_params(config)
+    host = random_params(config)
     new_config, new_host = parallel.replicate_kv_heads(config, host, n)
     r = max(1, n // num_kv_heads)
     assert new_config.num_kv_heads == num_kv_heads * r
