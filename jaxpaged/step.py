@@ -142,9 +142,14 @@ def use_native_linear(
         return False
     if params["embed"].dtype != jnp.float32 or not cpu.available():
         return False
-    sizes = [config.vocab_size, config.hidden_size, config.intermediate_size]
-    sizes.append(config.num_kv_heads * (config.queries_per_kv + 2) * config.head_dim)
-    return all(n % cpu.PANEL == 0 for n in sizes)
+    out_sizes: list[int] = []
+
+    def record(w):  # [L', N, K]: the views pack_native_linear would pack (shapes only)
+        out_sizes.append(w.shape[-2])
+        return w
+
+    jax.eval_shape(lambda p: map_matmul_weights(p, config, record), params)
+    return all(n % cpu.PANEL == 0 for n in out_sizes)
 
 
 def pack_native_linear(params: Params, config: ModelConfig) -> Params:
