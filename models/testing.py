@@ -1,4 +1,4 @@
-"""Random params of any config's shapes, for tests that compare two ways of running a model."""
+"""A tiny config and random params, for tests that compare two ways of running a model."""
 
 from __future__ import annotations
 
@@ -6,6 +6,22 @@ import numpy as np
 
 from .config import ModelConfig
 from .llama import Params, param_shapes
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A 2-layer Qwen2-style config (q/k/v bias, GQA 4:1, every output size a multiple of 16)."""
+    base = dict(
+        model_type="qwen2",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        qkv_bias=True,
+    )
+    return ModelConfig(**{**base, **overrides})
 
 
 def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.3) -> Params:

@@ -8,45 +8,29 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import cpu
-from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
-from jaxpaged.models.testing import random_params
+from jaxpaged.models.testing import random_params, tiny_config
 from jaxpaged.step import pack_native_linear, use_native_linear
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
 
 
-def config(**overrides) -> ModelConfig:
-    base = dict(
-        model_type="llama",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    return ModelConfig(**{**base, **overrides})
-
-
 def test_float32_single_cpu_device_uses_the_native_matmul():
-    cfg = config()
+    cfg = tiny_config()
     f32 = random_params(cfg)
     assert use_native_linear(f32, cfg, None, None)
     assert use_native_linear(f32, cfg, "cpu", None)
 
 
 def test_other_setups_use_xla():
-    cfg = config()
+    cfg = tiny_config()
     f32 = random_params(cfg)
     bf16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), f32)
     assert not use_native_linear(bf16, cfg, None, None)
     assert not use_native_linear(f32, cfg, "xla", None)  # kernels forced to XLA
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
     assert not use_native_linear(f32, cfg, None, mesh)  # sharded weights: XLA's SPMD dots
-    odd = config(vocab_size=100)  # an output size the panels cannot tile
+    odd = tiny_config(vocab_size=100)  # an output size the panels cannot tile
     assert not use_native_linear(random_params(odd), odd, None, None)
 
 
@@ -55,7 +39,7 @@ def test_other_setups_use_xla():
 def test_packed_params_with_the_native_matmul_match_xla(tied, num_tokens):
     """The whole decoder and the logits: packed weights + cpu.linear against the original
     weights + XLA's dots, on random weights and tokens."""
-    cfg = config(tie_word_embeddings=tied)
+    cfg = tiny_config(tie_word_embeddings=tied)
     params = random_params(cfg, seed=num_tokens, scale=0.2)
     packed = pack_native_linear(params, cfg)
     assert packed["embed"] is params["embed"]  # the lookup table stays as it is

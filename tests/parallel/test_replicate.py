@@ -12,29 +12,13 @@ import numpy as np
 import pytest
 
 from jaxpaged import parallel
-from jaxpaged.models import ModelConfig, compute_logits, forward, param_shapes
-from jaxpaged.models.testing import random_params
-
-
-def _config(**kw) -> ModelConfig:
-    base = dict(
-        model_type="qwen2",  # q/k/v bias: bqkv is rewritten too
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
+from jaxpaged.models import compute_logits, forward, param_shapes
+from jaxpaged.models.testing import random_params, tiny_config
 
 
 @pytest.mark.parametrize(("num_kv_heads", "n"), [(2, 4), (2, 8), (1, 4), (4, 4)])
 def test_replicated_heads_compute_the_same_logits(num_kv_heads: int, n: int) -> None:
-    config = _config(num_kv_heads=num_kv_heads)
+    config = tiny_config(num_kv_heads=num_kv_heads)
     host = random_params(config)
     new_config, new_host = parallel.replicate_kv_heads(config, host, n)
     r = max(1, n // num_kv_heads)
@@ -66,7 +50,7 @@ def test_replicated_heads_compute_the_same_logits(num_kv_heads: int, n: int) -> 
 
 
 def test_split_rules() -> None:
-    config = _config()
+    config = tiny_config()
     assert parallel.kv_replication(config, 2) == 1
     assert parallel.kv_replication(config, 4) == 2
     spec = parallel.leaf_spec
