@@ -75,69 +75,163 @@ __attribute__((noinline)) void axpy(float p, const float* __restrict x, float* _
 
 constexpr int kMaxGroup = 8;  // queries sharing one K/V read in the decode path
 
-// The NQ queries of one decode row (a GQA group) against keys [lo, hi) of a block, each
-// K/V row loaded once for all of them. q: [NQ][D]; scores/p: [NQ][kMaxBlockSize];
-// acc: [NQ][D]. D % 8 == 0.
-using ScoresFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
-using PvFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
-struct GroupKernels {
-  ScoresFn scores = nullptr;
-  PvFn pv = nullptr;
-};
-
 #ifdef JAXPAGED_AVX2
+// exp of 8 floats (Cephes' range reduction and polynomial, ~1 ulp); -inf and anything below
+// the float range give exactly 0, as a masked key's probability must.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(zero_mask, y);
+}
+
+// The 4 sums of a0..a3's lanes, in order.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Scores of NQ queries (q: [NQ][D], scaled) against n keys (krows[j]: [D]); out:
+// [NQ][kMaxBlockSize]. Four keys at a time, so the lane sums are shared (hsum4).
 template <int NQ>
-void group_scores(const float* q, const float* const* krows, int64_t lo, int64_t hi, int64_t D,
-                  float* scores) {
-  for (int64_t j = lo; j < hi; ++j) {
+void decode_scores(const float* q, const float* const* krows, int64_t n, int64_t D,
+                   float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 acc[NQ][4];
+    for (int g = 0; g < NQ; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 k[4];
+      for (int c = 0; c < 4; ++c) k[c] = _mm256_loadu_ps(krows[j + c] + d);
+      for (int g = 0; g < NQ; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(qv, k[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < NQ; ++g)
+      _mm_storeu_ps(out + g * kMaxBlockSize + j, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (; j < n; ++j) {
     __m256 acc[NQ];
     for (int g = 0; g < NQ; ++g) acc[g] = _mm256_setzero_ps();
-    const float* k = krows[j];
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(k + d);
+      const __m256 kv = _mm256_loadu_ps(krows[j] + d);
       for (int g = 0; g < NQ; ++g)
         acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, acc[g]);
     }
-    for (int g = 0; g < NQ; ++g) scores[g * kMaxBlockSize + j] = jaxpaged::hsum(acc[g]);
+    for (int g = 0; g < NQ; ++g) out[g * kMaxBlockSize + j] = jaxpaged::hsum(acc[g]);
   }
 }
 
-template <int NQ>
-void group_pv(const float* p, const float* const* vrows, int64_t lo, int64_t hi, int64_t D,
-              float* out) {
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 acc[NQ];
-    for (int g = 0; g < NQ; ++g) acc[g] = _mm256_loadu_ps(out + g * D + d);
-    for (int64_t j = lo; j < hi; ++j) {
-      const __m256 vv = _mm256_loadu_ps(vrows[j] + d);
-      for (int g = 0; g < NQ; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * kMaxBlockSize + j]), vv, acc[g]);
+// acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * vrows[j] for NQ queries, D in tiles of CH
+// vectors held in registers across the n keys. acc: [NQ][D]; p: [NQ][kMaxBlockSize].
+template <int NQ, int CH>
+void decode_pv(const float* p, const float* alpha, const float* const* vrows, int64_t n,
+               int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * CH) {
+    __m256 a[NQ][CH];
+    for (int g = 0; g < NQ; ++g) {
+      const __m256 al = _mm256_set1_ps(alpha[g]);
+      for (int c = 0; c < CH; ++c)
+        a[g][c] = _mm256_mul_ps(al, _mm256_loadu_ps(acc + g * D + d0 + 8 * c));
     }
-    for (int g = 0; g < NQ; ++g) _mm256_storeu_ps(out + g * D + d, acc[g]);
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 v[CH];
+      for (int c = 0; c < CH; ++c) v[c] = _mm256_loadu_ps(vrows[j] + d0 + 8 * c);
+      for (int g = 0; g < NQ; ++g) {
+        const __m256 pg = _mm256_broadcast_ss(p + g * kMaxBlockSize + j);
+        for (int c = 0; c < CH; ++c) a[g][c] = _mm256_fmadd_ps(pg, v[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < NQ; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
   }
 }
 
+// The online-softmax step of NQ queries over one block: s [NQ][kMaxBlockSize] holds the
+// scores of keys [0, n) (keys outside a query's [lo, hi) are -inf); on return it holds
+// the probabilities, m/l are updated and alpha is what acc must be scaled by.
 template <int NQ>
-constexpr GroupKernels group_kernels_for() {
-  return {&group_scores<NQ>, &group_pv<NQ>};
+void decode_softmax(float* s, int64_t n, float* m, float* l, float* alpha) {
+  const int64_t nv = (n + 7) / 8;
+  for (int g = 0; g < NQ; ++g) {
+    float* sg = s + g * kMaxBlockSize;
+    for (int64_t j = n; j < nv * 8; ++j) sg[j] = -INFINITY;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t v = 0; v < nv; ++v) mx = _mm256_max_ps(mx, _mm256_load_ps(sg + 8 * v));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float m_new = std::max(m[g], _mm_cvtss_f32(h));
+    alpha[g] = m_new == -INFINITY ? 1.0f : std::exp(m[g] - m_new);
+    const __m256 mn = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t v = 0; v < nv; ++v) {
+      const __m256 pv = m_new == -INFINITY ? _mm256_setzero_ps()
+                                           : exp8(_mm256_sub_ps(_mm256_load_ps(sg + 8 * v), mn));
+      _mm256_store_ps(sg + 8 * v, pv);
+      sum = _mm256_add_ps(sum, pv);
+    }
+    l[g] = l[g] * alpha[g] + jaxpaged::hsum(sum);
+    m[g] = m_new;
+  }
 }
 
-GroupKernels group_kernels(int64_t nq, int64_t D) {
+struct DecodeKernels {
+  void (*scores)(const float*, const float* const*, int64_t, int64_t, float*) = nullptr;
+  void (*softmax)(float*, int64_t, float*, float*, float*) = nullptr;
+  void (*pv)(const float*, const float*, const float* const*, int64_t, int64_t, float*) =
+      nullptr;
+};
+
+template <int NQ>
+DecodeKernels decode_kernels_for(int64_t D) {
+  // PV tile: as many vectors per query as keep NQ x CH accumulators in 12 registers.
+  const int64_t vecs = D / 8;
+  const int cap = std::max(1, 12 / NQ);
+  DecodeKernels k{&decode_scores<NQ>, &decode_softmax<NQ>, nullptr};
+  if (cap >= 8 && vecs % 8 == 0) k.pv = &decode_pv<NQ, 8>;
+  else if (cap >= 4 && vecs % 4 == 0) k.pv = &decode_pv<NQ, 4>;
+  else if (cap >= 2 && vecs % 2 == 0) k.pv = &decode_pv<NQ, 2>;
+  else k.pv = &decode_pv<NQ, 1>;
+  return k;
+}
+
+// The kernels for one decode row's NQ = group queries, or none (no AVX2, D % 8, NQ > 8).
+DecodeKernels decode_kernels(int64_t nq, int64_t D) {
   if (D % 8 != 0) return {};
   switch (nq) {
-    case 1: return group_kernels_for<1>();
-    case 2: return group_kernels_for<2>();
-    case 3: return group_kernels_for<3>();
-    case 4: return group_kernels_for<4>();
-    case 5: return group_kernels_for<5>();
-    case 6: return group_kernels_for<6>();
-    case 7: return group_kernels_for<7>();
-    case 8: return group_kernels_for<8>();
+    case 1: return decode_kernels_for<1>(D);
+    case 2: return decode_kernels_for<2>(D);
+    case 3: return decode_kernels_for<3>(D);
+    case 4: return decode_kernels_for<4>(D);
+    case 5: return decode_kernels_for<5>(D);
+    case 6: return decode_kernels_for<6>(D);
+    case 7: return decode_kernels_for<7>(D);
+    case 8: return decode_kernels_for<8>(D);
     default: return {};
   }
 }
 #else
-GroupKernels group_kernels(int64_t, int64_t) { return {}; }
+struct DecodeKernels {
+  void* scores = nullptr;
+};
+DecodeKernels decode_kernels(int64_t, int64_t) { return {}; }
 #endif
 
 struct Shapes {
@@ -252,16 +346,6 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
         const float* krows[kMaxBlockSize];
         for (int64_t j = 0; j < n_keys; ++j)
           krows[j] = as_float(row_of(k_pages, phys, j, h), &kbuf[j * D], D);
-        const auto group_fns = rows == 1 ? group_kernels(M, D) : GroupKernels{};
-        if (group_fns.scores != nullptr) {  // one row: its M queries share the visible keys
-          int64_t lo, hi;
-          if (!visible(0, kpos0, n_keys, lo, hi)) continue;
-          group_fns.scores(&qs[h * M * D], krows, lo, hi, D, sm);
-          for (int64_t mi = 0; mi < M; ++mi)
-            softmax_step(h * M + mi, lo, hi, &sm[mi * kMaxBlockSize]);
-          group_fns.pv(sm, vrows, lo, hi, D, &acc[h * M * D]);
-          continue;
-        }
         for (int64_t mi = 0; mi < M; ++mi) {
           int64_t lo, hi;
           if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
@@ -309,6 +393,79 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
         for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
       }
 }
+
+#ifdef JAXPAGED_AVX2
+// A decode item: the one row of sequence w.seq, all KV heads, with its G queries per head
+// sharing every K/V row read (kernels from decode_kernels). Blocks are read in order, each
+// block's heads front to back, the next block prefetched while this one is scored.
+template <typename KV>
+void attend_decode(const Shapes& sh, const DecodeKernels& fns, const WorkItem& w,
+                   const float* q, const KV* k_pages, const KV* v_pages, const int32_t* kv_lens,
+                   const int32_t* tables, const int32_t* cu_q_lens, float* out) {
+  const int64_t D = sh.head_dim, B = sh.block_size, G = sh.group, Hkv = sh.num_kv_heads;
+  const int64_t Hq = sh.num_q_heads;
+  // The row's position (it sees keys 0..pos): the last of its sequence's rows sits at
+  // kv_len - 1.
+  const int64_t pos = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
+  const int64_t first = sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1)
+                                              : 0;
+  std::vector<float> qs(Hq * D), acc(Hq * D, 0.0f), m(Hq, -INFINITY), l(Hq, 0.0f);
+  const float* qrow = q + static_cast<int64_t>(w.row_begin) * Hq * D;
+  for (int64_t i = 0; i < Hq * D; ++i) qs[i] = qrow[i] * sh.sm_scale;
+
+  const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
+  const int64_t last_blk = std::min<int64_t>(pos / B, sh.max_blocks - 1);
+  auto valid = [&](int64_t phys) { return phys >= 0 && phys < sh.num_pool_blocks; };
+  auto row_of = [&](const KV* pages, int64_t phys, int64_t j, int64_t h) {
+    return pages + ((phys * B + j) * Hkv + h) * D;
+  };
+  alignas(64) float s[kMaxGroup * kMaxBlockSize];
+  alignas(64) float kbuf[kMaxBlockSize * kMaxHeadDim];  // K/V rows as float (bfloat16 pools)
+  alignas(64) float vbuf[kMaxBlockSize * kMaxHeadDim];
+  float alpha[kMaxGroup];
+  const int64_t block_bytes = B * Hkv * D * static_cast<int64_t>(sizeof(KV));
+
+  for (int64_t blk = first / B; blk <= last_blk; ++blk) {
+    const int64_t phys = table[blk];
+    if (!valid(phys)) continue;  // never read outside the pool
+    if (blk + 1 <= last_blk && valid(table[blk + 1])) {
+      const char* kn = reinterpret_cast<const char*>(row_of(k_pages, table[blk + 1], 0, 0));
+      const char* vn = reinterpret_cast<const char*>(row_of(v_pages, table[blk + 1], 0, 0));
+      for (int64_t c = 0; c < block_bytes; c += 64) {
+        __builtin_prefetch(kn + c);
+        __builtin_prefetch(vn + c);
+      }
+    }
+    const int64_t kpos0 = blk * B;
+    const int64_t lo = std::max<int64_t>(0, first - kpos0);
+    const int64_t hi = std::min<int64_t>(B, pos - kpos0 + 1);
+    if (hi <= lo) continue;
+    const int64_t n = hi - lo;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* krows[kMaxBlockSize];
+      const float* vrows[kMaxBlockSize];
+      for (int64_t j = 0; j < n; ++j) {
+        krows[j] = as_float(row_of(k_pages, phys, lo + j, h), &kbuf[j * D], D);
+        vrows[j] = as_float(row_of(v_pages, phys, lo + j, h), &vbuf[j * D], D);
+      }
+      fns.scores(&qs[h * G * D], krows, n, D, s);
+      if (sh.soft_cap > 0)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < n; ++j) {
+            float& x = s[g * kMaxBlockSize + j];
+            x = sh.soft_cap * std::tanh(x / sh.soft_cap);
+          }
+      fns.softmax(s, n, &m[h * G], &l[h * G], alpha);
+      fns.pv(s, alpha, vrows, n, D, &acc[h * G * D]);
+    }
+  }
+  float* dst = out + static_cast<int64_t>(w.row_begin) * Hq * D;
+  for (int64_t i = 0; i < Hq; ++i) {
+    const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[i * D + d] = acc[i * D + d] * inv;
+  }
+}
+#endif
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
@@ -375,12 +532,26 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* tp = tables.typed_data();
   const void* kp = k_pages.untyped_data();
   const void* vp = v_pages.untyped_data();
+  const DecodeKernels decode = decode_kernels(sh.group, sh.head_dim);
   jaxpaged::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const WorkItem& w = items[i];
+    const bool one_row = w.row_end - w.row_begin == 1 && w.head_end - w.head_begin == sh.num_kv_heads;
+#ifdef JAXPAGED_AVX2
+    if (one_row && decode.scores != nullptr) {
+      if (dtype == ffi::DataType::F32)
+        attend_decode<float>(sh, decode, w, qp, static_cast<const float*>(kp),
+                             static_cast<const float*>(vp), lens, tp, cu, o);
+      else
+        attend_decode<uint16_t>(sh, decode, w, qp, static_cast<const uint16_t*>(kp),
+                                static_cast<const uint16_t*>(vp), lens, tp, cu, o);
+      return;
+    }
+#endif
     if (dtype == ffi::DataType::F32)
-      attend<float>(sh, items[i], qp, static_cast<const float*>(kp),
-                    static_cast<const float*>(vp), lens, tp, cu, o);
+      attend<float>(sh, w, qp, static_cast<const float*>(kp), static_cast<const float*>(vp),
+                    lens, tp, cu, o);
     else
-      attend<uint16_t>(sh, items[i], qp, static_cast<const uint16_t*>(kp),
+      attend<uint16_t>(sh, w, qp, static_cast<const uint16_t*>(kp),
                        static_cast<const uint16_t*>(vp), lens, tp, cu, o);
   });
   return ffi::Error::Success();
