@@ -6,14 +6,17 @@
 // units set the pace; the dot form over [out, in] rows needed 15 loads per 12 FMAs and a
 // horizontal sum per output, and ran at about half of this (bench/weight_layout.py).
 //
-// Blocking: a kKc-deep slice of a panel (16 KB) stays in L1 while every 6-row block of a
-// kMc-row block of x (in L2) passes over it. Only the first num_rows rows are computed (the
-// rest of a padded step's bucket is zero-filled). A work item is (row block, group of panels),
-// so each weight streams from memory once per row block: once per call in decode. The
-// stacked weight is indexed in place, so a decoder's lax.scan never copies a layer out.
+// Blocking: x is first packed tile by tile ([K][tile rows], so a tile's broadcasts per k are
+// adjacent), then a kKc-deep slice of a panel (8 KB) stays in L1 while every row tile of a
+// kMc-row block of x passes over it; each tile prefetches its share of the slice kAhead
+// slices on into L2. Only the first num_rows rows are computed (the rest of a padded step's
+// bucket is zero-filled). A work item is (row block, group of panels), so each weight
+// streams from memory once per row block: once per call in decode. The stacked weight is
+// indexed in place, so a decoder's lax.scan never copies a layer out.
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
@@ -25,26 +28,46 @@ namespace {
 
 constexpr int64_t kNr = 16;  // outputs per panel (two AVX2 vectors)
 constexpr int64_t kMr = 6;   // rows of x per register tile: 12 accumulators + 2 + 1 registers
-constexpr int64_t kKc = 256;  // depth of the panel slice held in L1
+constexpr int64_t kKc = 128;  // depth of a panel slice (8 KB): it and the x tiles stay in L1
+constexpr int64_t kAhead = 2;  // slices between the one read and the one prefetched into L2
 constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2)
 constexpr int64_t kPc = 4;    // panels per work item
 
+// The row tiles of a block of `rows` rows: 6-row tiles, and a remainder of 1 or 2 rows
+// shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). Writes
+// (first row, row count) pairs; returns how many.
+inline int64_t split_rows(int64_t rows, int64_t (*out)[2]) {
+  int64_t full = rows / kMr;
+  if (full > 0 && rows % kMr > 0 && rows % kMr < 3) --full;
+  int64_t n = 0, m = 0;
+  for (; m < full * kMr; m += kMr) out[n][0] = m, out[n++][1] = kMr;
+  int64_t left = rows - m;
+  if (left > kMr) {
+    const int64_t first = left - left / 2;
+    out[n][0] = m, out[n++][1] = first;
+    m += first;
+    left -= first;
+  }
+  if (left > 0) out[n][0] = m, out[n++][1] = left;
+  return n;
+}
+constexpr int64_t kMaxTiles = kMc / kMr + 2;
+
 #ifdef JAXPAGED_AVX2
-// y[0:MR, 0:16] (+)= x[0:MR, 0:kc] @ panel[0:kc, 0:16]; rows of x and y are ldx / ldy apart.
+// y[0:MR, 0:16] (+)= x[0:MR, 0:kc] @ panel[0:kc, 0:16]. x is packed: x[k * MR + m].
 template <int MR>
-inline void tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
-                 int64_t kc, bool accumulate, const float* prefetch) {
+inline void tile(const float* x, const float* panel, float* y, int64_t ldy, int64_t kc,
+                 bool accumulate, const float* prefetch, int64_t pf_count) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    // one 64-byte line (a k-row of the next slice) per k: the next slice arrives in time
-    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kNr), _MM_HINT_T0);
+    if (k < pf_count) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kNr), _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kNr);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kNr + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const __m256 xm = _mm256_broadcast_ss(x + m * ldx + k);
+      const __m256 xm = _mm256_broadcast_ss(x + k * MR + m);
       lo[m] = _mm256_fmadd_ps(xm, w0, lo[m]);
       hi[m] = _mm256_fmadd_ps(xm, w1, hi[m]);
     }
@@ -61,44 +84,24 @@ inline void tile(const float* x, int64_t ldx, const float* panel, float* y, int6
   }
 }
 
-template <int MR>
-inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, float* y,
-                      int64_t ldy, int64_t kc, bool accumulate, const float* prefetch) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile_rows<MR - 1>(rows, x, ldx, panel, y, ldy, kc, accumulate, prefetch);
+inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y, int64_t ldy,
+                      int64_t kc, bool accumulate, const float* prefetch, int64_t pf_count) {
+  switch (rows) {
+    case 1: return tile<1>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
+    case 2: return tile<2>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
+    case 3: return tile<3>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
+    case 4: return tile<4>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
+    case 5: return tile<5>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
+    default: return tile<6>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
   }
-  tile<MR>(x, ldx, panel, y, ldy, kc, accumulate, prefetch);
-}
-
-// Every row of a row block against one panel slice: 6-row tiles, and a remainder of 1 or 2
-// rows shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). The
-// first tile prefetches the next slice of the weight stream.
-inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
-                      int64_t rows, int64_t kc, bool accumulate) {
-  const float* prefetch = panel + kc * kNr;
-  int64_t full = rows / kMr;
-  if (full > 0 && rows % kMr > 0 && rows % kMr < 3) --full;
-  int64_t m = 0;
-  for (; m < full * kMr; m += kMr, prefetch = nullptr)
-    tile<kMr>(x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate, prefetch);
-  int64_t left = rows - m;
-  if (left > kMr) {  // 7 or 8 rows: two tiles
-    const int64_t first = left - left / 2;
-    tile_rows<kMr>(first, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate, prefetch);
-    m += first;
-    left -= first;
-    prefetch = nullptr;
-  }
-  if (left > 0)
-    tile_rows<kMr>(left, x + m * ldx, ldx, panel, y + m * ldy, ldy, kc, accumulate, prefetch);
 }
 #else
-inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy,
-                      int64_t rows, int64_t kc, bool accumulate) {
+inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y, int64_t ldy,
+                      int64_t kc, bool accumulate, const float*, int64_t) {
   for (int64_t m = 0; m < rows; ++m) {
     float acc[kNr] = {};
     for (int64_t k = 0; k < kc; ++k) {
-      const float xv = x[m * ldx + k];
+      const float xv = x[k * rows + m];
 #pragma omp simd
       for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * panel[k * kNr + j];
     }
@@ -107,14 +110,40 @@ inline void rows_tile(const float* x, int64_t ldx, const float* panel, float* y,
 }
 #endif
 
-// Rows [m0, m0 + rows) of y, panels [p0, p1).
-void linear_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+// Rows [m0, m0 + rows) of y, panels [p0, p1); xp: that row block packed by pack_block.
+void linear_block(const float* xp, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
                   int64_t rows, int64_t p0, int64_t p1) {
+  int64_t tiles[kMaxTiles][2];
+  const int64_t nt = split_rows(rows, tiles);
+  const int64_t per_tile = (kKc + nt - 1) / nt;  // lines of the prefetched slice per tile
   // panel by panel, slice by slice: the item reads its weights as one sequential stream
   for (int64_t p = p0; p < p1; ++p)
-    for (int64_t k0 = 0; k0 < K; k0 += kKc)
-      rows_tile(x + m0 * K + k0, K, w + p * K * kNr + k0 * kNr, y + m0 * N + p * kNr, N, rows,
-                std::min(kKc, K - k0), k0 > 0);
+    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+      const int64_t kc = std::min(kKc, K - k0);
+      const float* panel = w + p * K * kNr + k0 * kNr;
+      const float* pf_base = panel + kAhead * kKc * kNr;  // the stream is contiguous
+      for (int64_t t = 0; t < nt; ++t) {
+        const int64_t pf_first = std::min(t * per_tile, kc);
+        const int64_t pf_count = std::min(per_tile, kc - pf_first);
+        tile_rows(tiles[t][1], xp + tiles[t][0] * K + k0 * tiles[t][1], panel,
+                  y + (m0 + tiles[t][0]) * N + p * kNr, N, kc, k0 > 0,
+                  pf_base + pf_first * kNr, pf_count);
+      }
+    }
+}
+
+// Rows [m0, m0 + rows) of x [M, K] as tiles, each [K][tile rows], tile t at xp + first_t * K.
+void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows) {
+  int64_t tiles[kMaxTiles][2];
+  const int64_t nt = split_rows(rows, tiles);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t r0 = tiles[t][0], r = tiles[t][1];
+    float* dst = xp + r0 * K;
+    for (int64_t m = 0; m < r; ++m) {
+      const float* src = x + (m0 + r0 + m) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * r + m] = src[k];
+    }
+  }
 }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -136,9 +165,13 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t panels = N / kNr;
   const int64_t row_blocks = (M + kMc - 1) / kMc;
   const int64_t panel_groups = (panels + kPc - 1) / kPc;
+  std::vector<float> packed(M * K);
+  for (int64_t m0 = 0; m0 < M; m0 += kMc)
+    pack_block(xp, packed.data() + m0 * K, K, m0, std::min(kMc, M - m0));
   jaxpaged::parallel_for(pool, row_blocks * panel_groups, [&](int64_t i) {
     const int64_t m0 = (i / panel_groups) * kMc, p0 = (i % panel_groups) * kPc;
-    linear_block(xp, wp, yp, K, N, m0, std::min(kMc, M - m0), p0, std::min(panels, p0 + kPc));
+    linear_block(packed.data() + m0 * K, wp, yp, K, N, m0, std::min(kMc, M - m0), p0,
+                 std::min(panels, p0 + kPc));
   });
   return ffi::Error::Success();
 }
