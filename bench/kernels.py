@@ -1,8 +1,7 @@
 """CPU benchmark of the attention backends: `python bench/kernels.py [--quick]`.
 
 Times the "xla" paged path (with and without the static hints the engine can pass), the
-"cpu" backend (native decode rows + XLA prefill tiles) and the native kernel on every row
-when it builds, the jnp reference, and dense attention over a contiguous cache of the same work
+"cpu" backend (the native kernel on every row) when it builds, the jnp reference, and dense attention over a contiguous cache of the same work
 (`jax.nn.dot_product_attention`, XLA implementation), for decode and prefill shaped like
 SmolLM2 (9 query / 3 KV heads, head_dim 64, block 16, float32). Prints a markdown table
 with ratios and the KV-read bound from a measured memory copy.
@@ -87,13 +86,8 @@ def run_case(name, seqs, rng, *, dense_shape, bw, reps, with_reference=True):
         reps=reps,
     )
     if cpu.available():
-        rows["cpu (native decode rows)"] = bench(
+        rows["cpu (native)"] = bench(
             jax.jit(functools.partial(call, backend="cpu", max_q_len=max_q, max_kv_len=max_kv)),
-            *args,
-            reps=reps,
-        )
-        rows["cpu, native on every row"] = bench(
-            jax.jit(functools.partial(cpu.ragged_paged_attention_native, sm_scale=case.sm_scale)),
             *args,
             reps=reps,
         )

@@ -169,9 +169,7 @@ def ragged_paged_attention(
     if backend == "xla":
         return ragged_paged_attention_xla(*args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len)
     if backend == "cpu":
-        return cpu.ragged_paged_attention_cpu(
-            *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len
-        )
+        return cpu.ragged_paged_attention_native(*args, **opts)
     from .pallas_gpu import ragged_paged_attention_pallas
 
     return ragged_paged_attention_pallas(

@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .xla import ragged_paged_attention_xla
-
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc")
 _HEADERS = (_HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
@@ -131,7 +129,9 @@ def ragged_paged_attention_native(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D]
-    """Every row in the C++ kernel. Inputs are validated by `ragged_paged_attention`."""
+    """The "cpu" backend: every row in the C++ kernel (decode rows and prefill tiles alike;
+    bench/kernels.py has it against the XLA path). Inputs are validated by
+    `ragged_paged_attention`."""
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"native CPU attention unavailable: {reason}")
@@ -153,42 +153,6 @@ def ragged_paged_attention_native(
         sliding_window=np.int64(sliding_window or 0),
     )
     return out.astype(q.dtype)
-
-
-def ragged_paged_attention_cpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [NB, B, Hkv, D]
-    v_pages: jax.Array,  # [NB, B, Hkv, D]
-    kv_lens: jax.Array,  # int32 [S]
-    block_tables: jax.Array,  # int32 [S, P]
-    cu_q_lens: jax.Array,  # int32 [S + 1]
-    num_seqs: jax.Array,  # int32 scalar or [1]
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    max_q_len: int | None = None,
-    max_kv_len: int | None = None,
-) -> jax.Array:  # [T, Hq, D]
-    """The "cpu" backend. Decode rows (the last row of every sequence) run in the C++
-    kernel, which reads each K/V row once; the other rows of prefill chunks run in the XLA
-    path's tiles, whose dense dots beat the kernel's per-row loops (bench/kernels.py)."""
-    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if max_q_len == 1:
-        return ragged_paged_attention_native(*args, **opts)
-    max_seqs = kv_lens.shape[0]
-    one_row_each = jnp.arange(max_seqs + 1, dtype=jnp.int32)
-    ones = jnp.asarray([max_seqs], jnp.int32)
-
-    def last_rows(q_last, lens):  # [S, Hq, D], int32 [S] -> [S, Hq, D]
-        return ragged_paged_attention_native(
-            q_last, k_pages, v_pages, lens, block_tables, one_row_each, ones, **opts
-        )
-
-    return ragged_paged_attention_xla(
-        *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len, last_rows_fn=last_rows
-    )
 
 
 PANEL = 16  # outputs per panel of the linear kernel's weight layout

@@ -29,7 +29,7 @@ namespace {
 
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 64;
-constexpr int kRowTile = 16;  // query rows of one sequence per work item (prefill)
+constexpr int kRowTile = 32;  // query rows of one sequence per work item (prefill)
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float
@@ -395,74 +395,92 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 }
 
 #ifdef JAXPAGED_AVX2
-// A decode item: the one row of sequence w.seq, all KV heads, with its G queries per head
-// sharing every K/V row read (kernels from decode_kernels). Blocks are read in order, each
-// block's heads front to back, the next block prefetched while this one is scored.
+// One work item with the vector kernels: rows [row_begin, row_end) of sequence w.seq, KV
+// heads [head_begin, head_end). Each row's G queries of a head share every K/V row read
+// (decode_kernels); the rows of a prefill tile take turns on a block while it is in L1.
+// Blocks are read in order, each block's heads front to back, the next block prefetched
+// while this one is scored.
 template <typename KV>
-void attend_decode(const Shapes& sh, const DecodeKernels& fns, const WorkItem& w,
-                   const float* q, const KV* k_pages, const KV* v_pages, const int32_t* kv_lens,
-                   const int32_t* tables, const int32_t* cu_q_lens, float* out) {
+void attend_rows(const Shapes& sh, const DecodeKernels& fns, const WorkItem& w, const float* q,
+                 const KV* k_pages, const KV* v_pages, const int32_t* kv_lens,
+                 const int32_t* tables, const int32_t* cu_q_lens, float* out) {
   const int64_t D = sh.head_dim, B = sh.block_size, G = sh.group, Hkv = sh.num_kv_heads;
   const int64_t Hq = sh.num_q_heads;
-  // The row's position (it sees keys 0..pos): the last of its sequence's rows sits at
-  // kv_len - 1.
-  const int64_t pos = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
-  const int64_t first = sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1)
-                                              : 0;
-  std::vector<float> qs(Hq * D), acc(Hq * D, 0.0f), m(Hq, -INFINITY), l(Hq, 0.0f);
-  const float* qrow = q + static_cast<int64_t>(w.row_begin) * Hq * D;
-  for (int64_t i = 0; i < Hq * D; ++i) qs[i] = qrow[i] * sh.sm_scale;
+  const int64_t rows = w.row_end - w.row_begin, H = w.head_end - w.head_begin;
+  // Row r's position (it sees keys 0..pos0 + r): a sequence's last row sits at kv_len - 1.
+  const int64_t pos0 = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
+  const int64_t last_pos = pos0 + rows - 1;
+  auto first_visible = [&](int64_t pos) {
+    return sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1) : 0;
+  };
+  // State of query g of head h (relative to head_begin) of row r: index (r * H + h) * G + g.
+  const int64_t NQ = rows * H * G;
+  std::vector<float> qs(NQ * D), acc(NQ * D, 0.0f), m(NQ, -INFINITY), l(NQ, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + ((w.row_begin + r) * Hq + w.head_begin * G) * D;
+    float* dst = &qs[r * H * G * D];
+    for (int64_t i = 0; i < H * G * D; ++i) dst[i] = src[i] * sh.sm_scale;
+  }
 
   const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
-  const int64_t last_blk = std::min<int64_t>(pos / B, sh.max_blocks - 1);
+  const int64_t last_blk = std::min<int64_t>(last_pos / B, sh.max_blocks - 1);
   auto valid = [&](int64_t phys) { return phys >= 0 && phys < sh.num_pool_blocks; };
   auto row_of = [&](const KV* pages, int64_t phys, int64_t j, int64_t h) {
-    return pages + ((phys * B + j) * Hkv + h) * D;
+    return pages + ((phys * B + j) * Hkv + w.head_begin + h) * D;
   };
   alignas(64) float s[kMaxGroup * kMaxBlockSize];
   alignas(64) float kbuf[kMaxBlockSize * kMaxHeadDim];  // K/V rows as float (bfloat16 pools)
   alignas(64) float vbuf[kMaxBlockSize * kMaxHeadDim];
   float alpha[kMaxGroup];
-  const int64_t block_bytes = B * Hkv * D * static_cast<int64_t>(sizeof(KV));
+  const int64_t head_bytes = H * D * static_cast<int64_t>(sizeof(KV));  // per token, adjacent
 
-  for (int64_t blk = first / B; blk <= last_blk; ++blk) {
+  for (int64_t blk = first_visible(pos0) / B; blk <= last_blk; ++blk) {
     const int64_t phys = table[blk];
     if (!valid(phys)) continue;  // never read outside the pool
     if (blk + 1 <= last_blk && valid(table[blk + 1])) {
-      const char* kn = reinterpret_cast<const char*>(row_of(k_pages, table[blk + 1], 0, 0));
-      const char* vn = reinterpret_cast<const char*>(row_of(v_pages, table[blk + 1], 0, 0));
-      for (int64_t c = 0; c < block_bytes; c += 64) {
-        __builtin_prefetch(kn + c);
-        __builtin_prefetch(vn + c);
+      for (int64_t j = 0; j < B; ++j) {
+        const char* kn = reinterpret_cast<const char*>(row_of(k_pages, table[blk + 1], j, 0));
+        const char* vn = reinterpret_cast<const char*>(row_of(v_pages, table[blk + 1], j, 0));
+        for (int64_t c = 0; c < head_bytes; c += 64) {
+          __builtin_prefetch(kn + c);
+          __builtin_prefetch(vn + c);
+        }
       }
     }
     const int64_t kpos0 = blk * B;
-    const int64_t lo = std::max<int64_t>(0, first - kpos0);
-    const int64_t hi = std::min<int64_t>(B, pos - kpos0 + 1);
-    if (hi <= lo) continue;
-    const int64_t n = hi - lo;
-    for (int64_t h = 0; h < Hkv; ++h) {
+    const int64_t n_keys = std::min<int64_t>(B, last_pos - kpos0 + 1);
+    for (int64_t h = 0; h < H; ++h) {
       const float* krows[kMaxBlockSize];
       const float* vrows[kMaxBlockSize];
-      for (int64_t j = 0; j < n; ++j) {
-        krows[j] = as_float(row_of(k_pages, phys, lo + j, h), &kbuf[j * D], D);
-        vrows[j] = as_float(row_of(v_pages, phys, lo + j, h), &vbuf[j * D], D);
+      for (int64_t j = 0; j < n_keys; ++j) {
+        krows[j] = as_float(row_of(k_pages, phys, j, h), &kbuf[j * D], D);
+        vrows[j] = as_float(row_of(v_pages, phys, j, h), &vbuf[j * D], D);
       }
-      fns.scores(&qs[h * G * D], krows, n, D, s);
-      if (sh.soft_cap > 0)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j = 0; j < n; ++j) {
-            float& x = s[g * kMaxBlockSize + j];
-            x = sh.soft_cap * std::tanh(x / sh.soft_cap);
-          }
-      fns.softmax(s, n, &m[h * G], &l[h * G], alpha);
-      fns.pv(s, alpha, vrows, n, D, &acc[h * G * D]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = pos0 + r;
+        const int64_t lo = std::max<int64_t>(0, first_visible(pos) - kpos0);
+        const int64_t hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
+        if (hi <= lo) continue;
+        const int64_t n = hi - lo, i = (r * H + h) * G;
+        fns.scores(&qs[i * D], krows + lo, n, D, s);
+        if (sh.soft_cap > 0)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < n; ++j) {
+              float& x = s[g * kMaxBlockSize + j];
+              x = sh.soft_cap * std::tanh(x / sh.soft_cap);
+            }
+        fns.softmax(s, n, &m[i], &l[i], alpha);
+        fns.pv(s, alpha, vrows + lo, n, D, &acc[i * D]);
+      }
     }
   }
-  float* dst = out + static_cast<int64_t>(w.row_begin) * Hq * D;
-  for (int64_t i = 0; i < Hq; ++i) {
-    const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) dst[i * D + d] = acc[i * D + d] * inv;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + ((w.row_begin + r) * Hq + w.head_begin * G) * D;
+    for (int64_t qi = 0; qi < H * G; ++qi) {
+      const int64_t i = r * H * G + qi;
+      const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = acc[i * D + d] * inv;
+    }
   }
 }
 #endif
@@ -532,18 +550,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* tp = tables.typed_data();
   const void* kp = k_pages.untyped_data();
   const void* vp = v_pages.untyped_data();
-  const DecodeKernels decode = decode_kernels(sh.group, sh.head_dim);
+  const DecodeKernels vec = decode_kernels(sh.group, sh.head_dim);
   jaxpaged::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const WorkItem& w = items[i];
-    const bool one_row = w.row_end - w.row_begin == 1 && w.head_end - w.head_begin == sh.num_kv_heads;
 #ifdef JAXPAGED_AVX2
-    if (one_row && decode.scores != nullptr) {
+    if (vec.scores != nullptr) {
       if (dtype == ffi::DataType::F32)
-        attend_decode<float>(sh, decode, w, qp, static_cast<const float*>(kp),
-                             static_cast<const float*>(vp), lens, tp, cu, o);
+        attend_rows<float>(sh, vec, w, qp, static_cast<const float*>(kp),
+                           static_cast<const float*>(vp), lens, tp, cu, o);
       else
-        attend_decode<uint16_t>(sh, decode, w, qp, static_cast<const uint16_t*>(kp),
-                                static_cast<const uint16_t*>(vp), lens, tp, cu, o);
+        attend_rows<uint16_t>(sh, vec, w, qp, static_cast<const uint16_t*>(kp),
+                              static_cast<const uint16_t*>(vp), lens, tp, cu, o);
       return;
     }
 #endif

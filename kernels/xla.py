@@ -17,8 +17,6 @@ named in `block_tables` are gathered: the pool itself is never copied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,10 +25,6 @@ from .reference import MASK_VALUE
 
 DEFAULT_Q_TILE = 64
 DEFAULT_KV_CHUNK = 128
-
-# (q_last [S, Hq, D]: each sequence's last query row, kv_lens int32 [S]; 0 = no sequence)
-#   -> [S, Hq, D]: attention of each row at position kv_lens - 1 over its sequence.
-LastRowsFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def _cdiv(a, b):
@@ -119,7 +113,6 @@ def ragged_paged_attention_xla(
     max_kv_len: int | None = None,
     q_tile: int = DEFAULT_Q_TILE,
     kv_chunk: int = DEFAULT_KV_CHUNK,
-    last_rows_fn: LastRowsFn | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention`; extra static hints:
 
@@ -128,8 +121,6 @@ def ragged_paged_attention_xla(
     max_kv_len: upper bound on kv_lens; lets a call whose contexts fit in one
       `kv_chunk` compile without a loop.
     q_tile / kv_chunk: tile sizes (rows of one sequence; KV tokens per step).
-    last_rows_fn: computes the last row of every sequence instead of the batched XLA
-      path (the native CPU kernel does, where it is much faster); see `LastRowsFn`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
@@ -166,23 +157,20 @@ def ragged_paged_attention_xla(
     last_pos = kv_lens - 1
     first = first_block_of(last_pos)
     n_chunks = static_chunks or chunks_for(first, last_pos, has_q)
-    if last_rows_fn is not None:
-        out_last = last_rows_fn(q[last_row], kv_lens).reshape(max_seqs, num_kv_heads, group, -1)
-    else:
-        out_last = _attend(
-            qg[last_row][:, None],
-            last_pos[:, None],
-            has_q[:, None],
-            block_tables,
-            first,
-            n_chunks,
-            k_pages,
-            v_pages,
-            blocks_per_chunk=blocks_per_chunk,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-        )[:, 0]  # [S, Hkv, G, D]
+    out_last = _attend(
+        qg[last_row][:, None],
+        last_pos[:, None],
+        has_q[:, None],
+        block_tables,
+        first,
+        n_chunks,
+        k_pages,
+        v_pages,
+        blocks_per_chunk=blocks_per_chunk,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )[:, 0]  # [S, Hkv, G, D]
     dest = jnp.where(has_q, last_row, num_tokens)
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
     out = out.at[dest].set(out_last, mode="drop", unique_indices=True)

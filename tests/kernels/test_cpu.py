@@ -19,16 +19,14 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for
 CPU_SWEEP = [c for c in SWEEP if c[4] != "float16"]  # float16 pools are the xla backend's
 
 
-@pytest.mark.parametrize("all_native", [False, True], ids=["cpu", "native-only"])
 @pytest.mark.parametrize("d,bs,hq,hkv,dtype,window,cap", CPU_SWEEP)
-def test_cpu_mixed_batch(rng, d, bs, hq, hkv, dtype, window, cap, all_native):
-    """The "cpu" backend (native decode rows + XLA prefill tiles), and the C++ kernel
-    alone on every row (prefill rows included)."""
+def test_cpu_mixed_batch(rng, d, bs, hq, hkv, dtype, window, cap):
+    """The "cpu" backend (the C++ kernel on every row): decode rows, prefill from scratch
+    and chunked prefill on a cached prefix in one batch."""
     seqs = mixed_seqs(rng, bs, n=8)
-    fn = cpu.ragged_paged_attention_native if all_native else None
     run_and_compare(
         rng, seqs, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, backend="cpu", max_seqs=10,
-        sliding_window=window, soft_cap=cap, fn=fn,
+        sliding_window=window, soft_cap=cap,
     )  # fmt: skip
 
 
@@ -43,10 +41,10 @@ def test_cpu_decode_batch(rng):
 def test_cpu_long_prefill_tiles(rng):
     """Prompts longer than a row tile, on top of cached prefixes, with and without a window."""
     seqs = [(70, 70), (45, 260), (1, 5), (33, 33)]
-    for window, fn in ((None, None), (37, None), (None, cpu.ragged_paged_attention_native)):
+    for window in (None, 37):
         run_and_compare(
             rng, seqs, hq=4, hkv=1, d=64, bs=8, dtype="float32", backend="cpu",
-            sliding_window=window, fn=fn,
+            sliding_window=window,
         )  # fmt: skip
 
 
