@@ -63,7 +63,7 @@ class SamplingTensors(NamedTuple):
     history: jax.Array  # [B, H] int32 prompt then output token ids, -1 padded
     num_prompt_history: jax.Array  # [B] int32 leading history entries that are prompt
     banned_ids: jax.Array  # [B, S] int32 ids masked out (min_tokens: EOS + stop ids), -1 padded
-    num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (0 = none)
+    num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (-1: no logprobs at all)
 
 
 class SamplerOutput(NamedTuple):
@@ -132,7 +132,7 @@ def build_sampling_tensors(
     history = np.full((b, history_len), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
     banned = np.full((b, max_banned), -1, np.int32)
-    num_logprobs = np.zeros(b, np.int32)
+    num_logprobs = np.full(b, -1, np.int32)
 
     for i, row in enumerate(rows):
         sp = row.sampling_params
@@ -178,7 +178,8 @@ def build_sampling_tensors(
                     f"max_banned={max_banned}"
                 )
             banned[i, : len(ids)] = ids
-        num_logprobs[i] = getattr(sp, "logprobs", None) or 0
+        wanted = getattr(sp, "logprobs", None)
+        num_logprobs[i] = -1 if wanted is None else wanted
 
     return SamplingTensors(
         temperature=temperature,
@@ -349,8 +350,6 @@ def sample(
     row may ask for; the top-K pass runs only when some row asks (``t.num_logprobs``)."""
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
-    # Raw logprobs as logits - logsumexp: no [B, V] log_softmax is materialised.
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
 
     needs_penalty = jnp.any(
         (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
@@ -387,9 +386,15 @@ def sample(
     sampled_ids = lax.cond(jnp.all(greedy), lambda _: greedy_ids, _sample_random, x)
     token_ids = jnp.where(greedy, greedy_ids, sampled_ids)
 
-    token_logprobs = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
+    # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the
+    # logsumexp is an exp over [B, V], a third of a greedy batch's sampling time.
     k = int(num_logprobs)
-    if k > 0:
+
+    def _logprobs(lg):
+        lse = jax.nn.logsumexp(lg, axis=-1)  # [B]
+        token = jnp.take_along_axis(lg, token_ids[:, None], axis=-1)[:, 0] - lse
+        if k == 0:
+            return token, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
 
         def _top(lg):
             vals, ids = lax.top_k(lg, k)
@@ -398,8 +403,16 @@ def sample(
         def _none(lg):
             return jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
 
-        top_ids, top_vals = lax.cond(jnp.any(t.num_logprobs > 0), _top, _none, logits)
-    else:
-        top_ids = jnp.zeros((b, 0), jnp.int32)
-        top_vals = jnp.zeros((b, 0), jnp.float32)
+        return token, *lax.cond(jnp.any(t.num_logprobs > 0), _top, _none, lg)
+
+    def _no_logprobs(_):
+        return (
+            jnp.zeros(b, jnp.float32),
+            jnp.zeros((b, k), jnp.int32),
+            jnp.zeros((b, k), jnp.float32),
+        )
+
+    token_logprobs, top_ids, top_vals = lax.cond(
+        jnp.any(t.num_logprobs >= 0), _logprobs, _no_logprobs, logits
+    )
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_vals)

@@ -30,8 +30,12 @@ constexpr int64_t kNr = 16;  // outputs per panel (two AVX2 vectors)
 constexpr int64_t kMr = 6;   // rows of x per register tile: 12 accumulators + 2 + 1 registers
 constexpr int64_t kKc = 128;  // depth of a panel slice (8 KB): it and the x tiles stay in L1
 constexpr int64_t kAhead = 2;  // slices between the one read and the one prefetched into L2
-constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2)
-constexpr int64_t kPc = 4;    // panels per work item
+#ifndef MC
+#define MC 96
+#define PC 4
+#endif
+constexpr int64_t kMc = MC;   // rows of x per work item (x block in L2)
+constexpr int64_t kPc = PC;    // panels per work item
 
 // The row tiles of a block of `rows` rows: 6-row tiles, and a remainder of 1 or 2 rows
 // shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). Writes

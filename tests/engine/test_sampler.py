@@ -393,6 +393,14 @@ def test_logprobs_are_raw_log_softmax():
     assert out.top_logprobs.shape == (b, k)
     none = sample_jit(jnp.asarray(logits), build([row(params())], b, v), num_logprobs=0)
     assert none.top_logprob_ids.shape == (b, 0)
+    # No row asks: the logsumexp pass is skipped and the logprobs are zeros.
+    assert not np.asarray(none.logprobs).any()
+    # logprobs=0 alone (the sampled token's only) still runs it.
+    one = sample_jit(
+        jnp.asarray(logits), build([row(params()), row(params(logprobs=0))], b, v), num_logprobs=0
+    )
+    ids = np.asarray(one.token_ids)
+    np.testing.assert_allclose(float(one.logprobs[1]), ref[1, ids[1]], atol=1e-5)
 
 
 def test_jitted_sample_compiles_once_for_any_parameter_mix():
@@ -419,7 +427,7 @@ def test_build_sampling_tensors_padding_and_errors():
     t = build([row(params(top_k=500, seed=9, logprobs=2))], 3, 100)
     assert t.top_k.tolist() == [100, 100, 100]  # clipped / off
     assert t.temperature.tolist() == [1.0, 0.0, 0.0]  # padding rows are greedy
-    assert t.num_logprobs.tolist() == [2, 0, 0]
+    assert t.num_logprobs.tolist() == [2, -1, -1]  # padding rows want no logprobs
     np.testing.assert_array_equal(t.key_data[0], seed_to_key_data(9))
     assert (t.history == -1).all()  # no penalty: history not filled
     with pytest.raises(ValueError, match="batch_size"):
