@@ -30,12 +30,8 @@ constexpr int64_t kNr = 16;  // outputs per panel (two AVX2 vectors)
 constexpr int64_t kMr = 6;   // rows of x per register tile: 12 accumulators + 2 + 1 registers
 constexpr int64_t kKc = 128;  // depth of a panel slice (8 KB): it and the x tiles stay in L1
 constexpr int64_t kAhead = 2;  // slices between the one read and the one prefetched into L2
-#ifndef MC
-#define MC 96
-#define PC 4
-#endif
-constexpr int64_t kMc = MC;   // rows of x per work item (x block in L2)
-constexpr int64_t kPc = PC;    // panels per work item
+constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2)
+constexpr int64_t kPc = 4;    // panels per work item
 
 // The row tiles of a block of `rows` rows: 6-row tiles, and a remainder of 1 or 2 rows
 // shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). Writes
@@ -65,8 +61,7 @@ inline void tile(const float* x, const float* panel, float* y, int64_t ldy, int6
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    if (k < pf_count) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kNr), _MM_HINT_T1);
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kNr);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kNr + 8);
 #pragma GCC unroll 8
@@ -75,7 +70,19 @@ inline void tile(const float* x, const float* panel, float* y, int64_t ldy, int6
       lo[m] = _mm256_fmadd_ps(xm, w0, lo[m]);
       hi[m] = _mm256_fmadd_ps(xm, w1, hi[m]);
     }
+  };
+  // Two loops, the first with the tile's prefetches, each unrolled by 4: a prefetch test
+  // inside one loop cost a third of the 32-row throughput (bench: 46-51 -> 69-71 GFLOP/s
+  // per core, standalone harness).
+  const int64_t with_pf = std::min(pf_count, kc);
+  int64_t k = 0;
+#pragma GCC unroll 4
+  for (; k < with_pf; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kNr), _MM_HINT_T1);
+    step(k);
   }
+#pragma GCC unroll 4
+  for (; k < kc; ++k) step(k);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     float* row = y + m * ldy;
