@@ -354,37 +354,43 @@ def sample(
     needs_penalty = jnp.any(
         (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
     )
-    x = lax.cond(needs_penalty, apply_penalties, lambda lg, _: lg, logits, t)
-    # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
-    banned_cols = jnp.where(t.banned_ids < 0, v, t.banned_ids)
-    banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
-    x = x.at[banned_rows, banned_cols].set(-jnp.inf, mode="drop")
-
     greedy = t.temperature < GREEDY_EPS  # [B]
-    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
-    def _sample_random(x):
-        x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
-        sampling = ~greedy
-        x = lax.cond(
-            jnp.any(sampling & (t.top_k < v)),
-            apply_top_k,
-            lambda lg, _k: lg,
-            x,
-            jnp.clip(t.top_k, 1, v),
-        )
-        x = lax.cond(
-            jnp.any(sampling & (t.top_p < 1.0)), apply_top_p, lambda lg, _p: lg, x, t.top_p
-        )
-        # min_p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p): no softmax.
-        x_max = jnp.max(x, axis=-1, keepdims=True)
-        x = jnp.where(x < x_max + jnp.log(t.min_p)[:, None], -jnp.inf, x)
-        u = jax.vmap(_row_uniform)(t.key_data, t.key_stream, t.key_counter)  # [B]
-        return sample_from_logits(x, u)
+    def _pick(logits):
+        x = lax.cond(needs_penalty, apply_penalties, lambda lg, _: lg, logits, t)
+        # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
+        banned_cols = jnp.where(t.banned_ids < 0, v, t.banned_ids)
+        banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
+        x = x.at[banned_rows, banned_cols].set(-jnp.inf, mode="drop")
+        greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
-    # All-greedy batches (the common benchmark case) skip the draw and the filters.
-    sampled_ids = lax.cond(jnp.all(greedy), lambda _: greedy_ids, _sample_random, x)
-    token_ids = jnp.where(greedy, greedy_ids, sampled_ids)
+        def _sample_random(x):
+            x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
+            sampling = ~greedy
+            x = lax.cond(
+                jnp.any(sampling & (t.top_k < v)),
+                apply_top_k,
+                lambda lg, _k: lg,
+                x,
+                jnp.clip(t.top_k, 1, v),
+            )
+            x = lax.cond(
+                jnp.any(sampling & (t.top_p < 1.0)), apply_top_p, lambda lg, _p: lg, x, t.top_p
+            )
+            # min_p keeps p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p): no softmax.
+            x_max = jnp.max(x, axis=-1, keepdims=True)
+            x = jnp.where(x < x_max + jnp.log(t.min_p)[:, None], -jnp.inf, x)
+            u = jax.vmap(_row_uniform)(t.key_data, t.key_stream, t.key_counter)  # [B]
+            return sample_from_logits(x, u)
+
+        # All-greedy batches skip the draw and the filters.
+        sampled_ids = lax.cond(jnp.all(greedy), lambda _: greedy_ids, _sample_random, x)
+        return jnp.where(greedy, greedy_ids, sampled_ids)
+
+    # The common case (greedy, no penalty, no ban) is one argmax over the raw logits: the
+    # general path's conditionals and scatter each copy the [B, V] logits.
+    plain = jnp.all(greedy) & ~needs_penalty & jnp.all(t.banned_ids < 0)
+    token_ids = lax.cond(plain, lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32), _pick, logits)
 
     # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the
     # logsumexp is an exp over [B, V], a third of a greedy batch's sampling time.

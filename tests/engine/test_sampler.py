@@ -438,3 +438,15 @@ def test_build_sampling_tensors_padding_and_errors():
         build([row(params(min_tokens=3, stop_token_ids=list(range(20))))], 2, 100)
     with pytest.raises(ValueError, match="engine_key_data"):
         build_sampling_tensors([], 2, vocab_size=10, engine_key_data=np.zeros(3), history_len=4)
+
+
+def test_all_greedy_batch_with_a_penalty_takes_the_penalised_argmax():
+    """A batch of greedy rows only skips the general path when nothing changes the logits:
+    a penalty on one row must still move that row off its raw argmax."""
+    logits = np.zeros((B, V), np.float32)
+    logits[:, 5] = 2.0  # raw argmax everywhere
+    logits[:, 9] = 1.5
+    greedy = params(temperature=0.0)
+    rows = [row(params(temperature=0.0, presence_penalty=1.0), output=[5]), row(greedy)]
+    out = sample_jit(jnp.asarray(logits), build(rows, B, V), num_logprobs=0)
+    assert np.asarray(out.token_ids)[:2].tolist() == [9, 5]
