@@ -157,19 +157,16 @@ def ragged_paged_attention_xla(
     last_pos = kv_lens - 1
     first = first_block_of(last_pos)
     n_chunks = static_chunks or chunks_for(first, last_pos, has_q)
-    out_last = _attend(
-        qg[last_row][:, None],
-        last_pos[:, None],
-        has_q[:, None],
-        block_tables,
-        first,
-        n_chunks,
-        k_pages,
-        v_pages,
-        blocks_per_chunk=blocks_per_chunk,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+
+    def attend(q_rows, pos, valid, tables, first, n_chunks):  # _attend on this pool
+        return _attend(
+            q_rows, pos, valid, tables, first, n_chunks, k_pages, v_pages,
+            blocks_per_chunk=blocks_per_chunk, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap,
+        )  # fmt: skip
+
+    out_last = attend(
+        qg[last_row][:, None], last_pos[:, None], has_q[:, None], block_tables, first, n_chunks
     )[:, 0]  # [S, Hkv, G, D]
     dest = jnp.where(has_q, last_row, num_tokens)
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
@@ -195,20 +192,7 @@ def ragged_paged_attention_xla(
             pos = kv_lens[s] - q_len[s] + offs
             f = first_block_of(pos[0])
             nc = static_chunks or chunks_for(f[None], jnp.max(jnp.where(ok, pos, 0))[None], ok[:1])
-            res = _attend(
-                qg[rows][None],
-                pos[None],
-                ok[None],
-                block_tables[s][None],
-                f[None],
-                nc,
-                k_pages,
-                v_pages,
-                blocks_per_chunk=blocks_per_chunk,
-                sm_scale=sm_scale,
-                sliding_window=sliding_window,
-                soft_cap=soft_cap,
-            )[0]
+            res = attend(qg[rows][None], pos[None], ok[None], block_tables[s][None], f[None], nc)[0]
             dest = jnp.where(ok, rows, num_tokens)
             return out.at[dest].set(res, mode="drop", unique_indices=True)
 
