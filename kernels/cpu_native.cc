@@ -2,11 +2,13 @@
 //
 // Why native: XLA:CPU cannot fuse the block-table gather into its dots, so the XLA path
 // copies every K/V chunk before reading it and runs many tiny batched dots; decode
-// attention costs ~10x its KV read. Here each (sequence, KV head, tile of query rows)
-// walks its blocks in place: a K block is transposed once into a [D][B] tile in L1, the
-// scores of all the tile's query vectors (rows x GQA group) against it are FMAs along B,
-// then an online softmax and P.V along D. Work items are spread over XLA's intra-op
-// thread pool (cpu_parallel.h).
+// attention costs ~10x its KV read. Here each work item (a decode row with all KV heads,
+// or a tile of a prefill's rows with one KV head) walks its blocks in place. With AVX2
+// (attend_rows), each row's G queries of a head share every K/V row read: scores four
+// keys at a time, a vectorized exp, P.V with accumulators in registers; a prefill tile's
+// rows take turns on a block while it is in L1. Without AVX2, or for head_dim % 8 or
+// G > 8, `attend` does the same work with scalar loops. Work items are spread over XLA's
+// intra-op thread pool (cpu_parallel.h).
 //
 // Semantics are those of kernels/reference.py: row t of sequence s (cu_q_lens[s] <= t <
 // cu_q_lens[s + 1]) sits at position kv_lens[s] - q_len + (t - cu_q_lens[s]) and sees

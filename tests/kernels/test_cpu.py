@@ -30,6 +30,14 @@ def test_cpu_mixed_batch(rng, d, bs, hq, hkv, dtype, window, cap):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(64, 16, 1), (36, 4, 2)], ids=["group16", "d36"])
+def test_cpu_scalar_path_shapes(rng, d, hq, hkv):
+    """Shapes the vector kernels leave to the scalar loops (a GQA group over 8 queries,
+    head_dim % 8 != 0), mixed decode and prefill rows."""
+    seqs = mixed_seqs(rng, 8, n=6)
+    run_and_compare(rng, seqs, hq=hq, hkv=hkv, d=d, bs=8, dtype="float32", backend="cpu")
+
+
 def test_cpu_decode_batch(rng):
     """A full decode step of SmolLM2's shape: 32 sequences, contexts up to 300 tokens."""
     seqs = [(1, int(rng.integers(1, 300))) for _ in range(32)]
