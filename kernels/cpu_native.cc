@@ -110,7 +110,7 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // Scores of NQ queries (q: [NQ][D], scaled) against n keys (krows[j]: [D]); out:
 // [NQ][kMaxBlockSize]. Four keys at a time, so the lane sums are shared (hsum4).
 template <int NQ>
-void decode_scores(const float* q, const float* const* krows, int64_t n, int64_t D,
+void row_scores(const float* q, const float* const* krows, int64_t n, int64_t D,
                    float* out) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -143,7 +143,7 @@ void decode_scores(const float* q, const float* const* krows, int64_t n, int64_t
 // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * vrows[j] for NQ queries, D in tiles of CH
 // vectors held in registers across the n keys. acc: [NQ][D]; p: [NQ][kMaxBlockSize].
 template <int NQ, int CH>
-void decode_pv(const float* p, const float* alpha, const float* const* vrows, int64_t n,
+void row_pv(const float* p, const float* alpha, const float* const* vrows, int64_t n,
                int64_t D, float* acc) {
   for (int64_t d0 = 0; d0 < D; d0 += 8 * CH) {
     __m256 a[NQ][CH];
@@ -165,11 +165,11 @@ void decode_pv(const float* p, const float* alpha, const float* const* vrows, in
   }
 }
 
-// The online-softmax step of NQ queries over one block: s [NQ][kMaxBlockSize] holds the
-// scores of keys [0, n) (keys outside a query's [lo, hi) are -inf); on return it holds
-// the probabilities, m/l are updated and alpha is what acc must be scaled by.
+// The online-softmax step of NQ queries over n keys of one block: s [NQ][kMaxBlockSize]
+// holds their scores (lanes n .. the next multiple of 8 are set to -inf here); on return
+// it holds the probabilities, m/l are updated and alpha is what acc must be scaled by.
 template <int NQ>
-void decode_softmax(float* s, int64_t n, float* m, float* l, float* alpha) {
+void row_softmax(float* s, int64_t n, float* m, float* l, float* alpha) {
   const int64_t nv = (n + 7) / 8;
   for (int g = 0; g < NQ; ++g) {
     float* sg = s + g * kMaxBlockSize;
@@ -194,7 +194,7 @@ void decode_softmax(float* s, int64_t n, float* m, float* l, float* alpha) {
   }
 }
 
-struct DecodeKernels {
+struct RowKernels {
   void (*scores)(const float*, const float* const*, int64_t, int64_t, float*) = nullptr;
   void (*softmax)(float*, int64_t, float*, float*, float*) = nullptr;
   void (*pv)(const float*, const float*, const float* const*, int64_t, int64_t, float*) =
@@ -202,38 +202,38 @@ struct DecodeKernels {
 };
 
 template <int NQ>
-DecodeKernels decode_kernels_for(int64_t D) {
+RowKernels row_kernels_for(int64_t D) {
   // PV tile: as many vectors per query as keep NQ x CH accumulators in 12 registers.
   const int64_t vecs = D / 8;
   const int cap = std::max(1, 12 / NQ);
-  DecodeKernels k{&decode_scores<NQ>, &decode_softmax<NQ>, nullptr};
-  if (cap >= 8 && vecs % 8 == 0) k.pv = &decode_pv<NQ, 8>;
-  else if (cap >= 4 && vecs % 4 == 0) k.pv = &decode_pv<NQ, 4>;
-  else if (cap >= 2 && vecs % 2 == 0) k.pv = &decode_pv<NQ, 2>;
-  else k.pv = &decode_pv<NQ, 1>;
+  RowKernels k{&row_scores<NQ>, &row_softmax<NQ>, nullptr};
+  if (cap >= 8 && vecs % 8 == 0) k.pv = &row_pv<NQ, 8>;
+  else if (cap >= 4 && vecs % 4 == 0) k.pv = &row_pv<NQ, 4>;
+  else if (cap >= 2 && vecs % 2 == 0) k.pv = &row_pv<NQ, 2>;
+  else k.pv = &row_pv<NQ, 1>;
   return k;
 }
 
 // The kernels for one decode row's NQ = group queries, or none (no AVX2, D % 8, NQ > 8).
-DecodeKernels decode_kernels(int64_t nq, int64_t D) {
+RowKernels row_kernels(int64_t nq, int64_t D) {
   if (D % 8 != 0) return {};
   switch (nq) {
-    case 1: return decode_kernels_for<1>(D);
-    case 2: return decode_kernels_for<2>(D);
-    case 3: return decode_kernels_for<3>(D);
-    case 4: return decode_kernels_for<4>(D);
-    case 5: return decode_kernels_for<5>(D);
-    case 6: return decode_kernels_for<6>(D);
-    case 7: return decode_kernels_for<7>(D);
-    case 8: return decode_kernels_for<8>(D);
+    case 1: return row_kernels_for<1>(D);
+    case 2: return row_kernels_for<2>(D);
+    case 3: return row_kernels_for<3>(D);
+    case 4: return row_kernels_for<4>(D);
+    case 5: return row_kernels_for<5>(D);
+    case 6: return row_kernels_for<6>(D);
+    case 7: return row_kernels_for<7>(D);
+    case 8: return row_kernels_for<8>(D);
     default: return {};
   }
 }
 #else
-struct DecodeKernels {
+struct RowKernels {
   void* scores = nullptr;
 };
-DecodeKernels decode_kernels(int64_t, int64_t) { return {}; }
+RowKernels row_kernels(int64_t, int64_t) { return {}; }
 #endif
 
 struct Shapes {
@@ -399,11 +399,11 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 #ifdef JAXPAGED_AVX2
 // One work item with the vector kernels: rows [row_begin, row_end) of sequence w.seq, KV
 // heads [head_begin, head_end). Each row's G queries of a head share every K/V row read
-// (decode_kernels); the rows of a prefill tile take turns on a block while it is in L1.
+// (row_kernels); the rows of a prefill tile take turns on a block while it is in L1.
 // Blocks are read in order, each block's heads front to back, the next block prefetched
 // while this one is scored.
 template <typename KV>
-void attend_rows(const Shapes& sh, const DecodeKernels& fns, const WorkItem& w, const float* q,
+void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, const float* q,
                  const KV* k_pages, const KV* v_pages, const int32_t* kv_lens,
                  const int32_t* tables, const int32_t* cu_q_lens, float* out) {
   const int64_t D = sh.head_dim, B = sh.block_size, G = sh.group, Hkv = sh.num_kv_heads;
@@ -552,7 +552,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* tp = tables.typed_data();
   const void* kp = k_pages.untyped_data();
   const void* vp = v_pages.untyped_data();
-  const DecodeKernels vec = decode_kernels(sh.group, sh.head_dim);
+  const RowKernels vec = row_kernels(sh.group, sh.head_dim);
   jaxpaged::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const WorkItem& w = items[i];
 #ifdef JAXPAGED_AVX2
