@@ -176,12 +176,17 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t panels = N / kNr;
   const int64_t row_blocks = (M + kMc - 1) / kMc;
   const int64_t panel_groups = (panels + kPc - 1) / kPc;
-  std::vector<float> packed(M * K);
-  for (int64_t m0 = 0; m0 < M; m0 += kMc)
-    pack_block(xp, packed.data() + m0 * K, K, m0, std::min(kMc, M - m0));
+  // The packed copy of x lives in a buffer kept by the calling thread across calls: a fresh
+  // multi-MB allocation per call (prefill) costs page faults and zeroing.
+  thread_local std::vector<float> packed;
+  if (packed.size() < static_cast<size_t>(M * K)) packed.resize(M * K);
+  float* xpk = packed.data();
+  jaxpaged::parallel_for(pool, row_blocks, [&](int64_t b) {
+    pack_block(xp, xpk + b * kMc * K, K, b * kMc, std::min(kMc, M - b * kMc));
+  });
   jaxpaged::parallel_for(pool, row_blocks * panel_groups, [&](int64_t i) {
     const int64_t m0 = (i / panel_groups) * kMc, p0 = (i % panel_groups) * kPc;
-    linear_block(packed.data() + m0 * K, wp, yp, K, N, m0, std::min(kMc, M - m0), p0,
+    linear_block(xpk + m0 * K, wp, yp, K, N, m0, std::min(kMc, M - m0), p0,
                  std::min(panels, p0 + kPc));
   });
   return ffi::Error::Success();
