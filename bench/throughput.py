@@ -2,6 +2,7 @@
 
     python bench/throughput.py [--model M] [--dtype float32] [--num-prompts 32]
         [--batch-size 8] [--seed 0] [--systems jaxpaged,hf-static,hf-cb] [--jsonl FILE]
+        [--rounds 1]
 
 Systems, all greedy, EOS ignored, the same token ids:
   jaxpaged   LLM.generate (continuous batching over the paged KV pool)
@@ -12,7 +13,9 @@ Systems, all greedy, EOS ignored, the same token ids:
 
 Each system must produce exactly the requested number of tokens per request (else the run
 fails). Useful output tokens/s excludes model loading and jaxpaged's warm-up (compilation),
-which is reported on its own. With jaxpaged in --systems it also times pure-decode steps at
+which is reported on its own. ``--rounds N`` runs the systems in turn N times (jaxpaged's
+prefix cache reset before each round) and quotes the median of the per-round ratios: this
+machine's speed drifts over minutes, for every system alike. With jaxpaged in --systems it also times pure-decode steps at
 batch 32 inside the engine and prints them next to this machine's roofline (peaks measured
 in the same run).
 """
@@ -23,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -63,8 +67,9 @@ def _check_counts(system: str, produced: Sequence[int], work: Sequence[BenchRequ
 
 
 # ----------------------------------------------------------------------------- jaxpaged
-def run_jaxpaged(args: argparse.Namespace, work: list[BenchRequest]) -> tuple[SystemResult, Any]:
-    from jaxpaged import LLM, SamplingParams
+def build_jaxpaged(args: argparse.Namespace) -> tuple[Any, float]:
+    """The LLM (warmed up unless --enforce-eager) and its load time, warm-up excluded."""
+    from jaxpaged import LLM
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -75,8 +80,12 @@ def run_jaxpaged(args: argparse.Namespace, work: list[BenchRequest]) -> tuple[Sy
         enforce_eager=args.enforce_eager,
         show_progress=False,
     )
-    built = time.perf_counter() - t0
-    warm = llm.engine.warmup_seconds
+    return llm, time.perf_counter() - t0 - llm.engine.warmup_seconds
+
+
+def run_jaxpaged(llm: Any, load_seconds: float, work: list[BenchRequest]) -> SystemResult:
+    from jaxpaged import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
               for r in work]  # fmt: skip
     t0 = time.perf_counter()
@@ -93,8 +102,8 @@ def run_jaxpaged(args: argparse.Namespace, work: list[BenchRequest]) -> tuple[Sy
         useful_tokens=sum(produced),
         generated_tokens=sum(produced),
         seconds=seconds,
-        load_seconds=built - warm,
-        warmup_seconds=warm,
+        load_seconds=load_seconds,
+        warmup_seconds=llm.engine.warmup_seconds,
         extra={
             "warmup_programs": llm.engine.warmup_programs,
             "compilations_after_warmup": m["num_compilations_after_warmup"],
@@ -102,7 +111,7 @@ def run_jaxpaged(args: argparse.Namespace, work: list[BenchRequest]) -> tuple[Sy
             "num_preemptions": m["num_preemptions"],
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
         },
-    ), llm
+    )
 
 
 # --------------------------------------------------------------------------- transformers
@@ -260,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="jaxpaged: no warm-up (smoke)")
     p.add_argument("--hf-cb-warmup", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--peaks-small", action="store_true", help="quick, rough peak measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems in turn this many times; ratios are per-round medians")  # fmt: skip
     p.add_argument("--json-out", default=None, help="write all results as JSON here")
     return p
 
@@ -274,8 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.num_prompts < 1 or args.batch_size < 1:
-        print("--num-prompts and --batch-size must be >= 1", file=sys.stderr)
+    if args.num_prompts < 1 or args.batch_size < 1 or args.rounds < 1:
+        print("--num-prompts, --batch-size and --rounds must be >= 1", file=sys.stderr)
         return 2
 
     from jaxpaged.models import load_tokenizer
@@ -300,27 +311,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    results: dict[str, SystemResult] = {}
+    rounds: list[dict[str, SystemResult]] = []
     report: dict[str, Any] = {"args": vars(args), "load_avg_start": os.getloadavg()}
     llm = None
-    for s in systems:
-        print(f"running {s} ...", flush=True)
-        if s == "jaxpaged":
-            results[s], llm = run_jaxpaged(args, work)
-        elif s == "hf-static":
-            results[s] = run_hf_static(args, work, folder, tokenizer)
-        else:
-            results[s] = run_hf_cb(args, work, folder, tokenizer)
-        r = results[s]
-        print(f"  {s}: {r.useful_tokens} useful tokens in {r.seconds:.1f} s = "
-              f"{r.tok_per_s:.1f} tok/s", flush=True)  # fmt: skip
+    for rnd in range(args.rounds):
+        results: dict[str, SystemResult] = {}
+        for s in systems:
+            print(f"running {s} (round {rnd + 1} of {args.rounds}) ...", flush=True)
+            if s == "jaxpaged":
+                if llm is None:
+                    llm, jax_load_s = build_jaxpaged(args)
+                llm.reset_prefix_cache()  # a later round must not reuse the last one's prompts
+                results[s] = run_jaxpaged(llm, jax_load_s, work)
+            elif s == "hf-static":
+                results[s] = run_hf_static(args, work, folder, tokenizer)
+            else:
+                results[s] = run_hf_cb(args, work, folder, tokenizer)
+            r = results[s]
+            print(f"  {s}: {r.useful_tokens} useful tokens in {r.seconds:.1f} s = "
+                  f"{r.tok_per_s:.1f} tok/s", flush=True)  # fmt: skip
+        rounds.append(results)
 
     print()
-    print(f"{'system':12s} {'requests':>8s} {'useful tok':>10s} {'generated':>10s} {'seconds':>8s} "
-          f"{'useful tok/s':>12s} {'load s':>7s} {'warm-up s':>9s}")  # fmt: skip
-    for r in results.values():
-        print(f"{r.system:12s} {r.num_requests:8d} {r.useful_tokens:10d} {r.generated_tokens:10d} "
-              f"{r.seconds:8.1f} {r.tok_per_s:12.1f} {r.load_seconds:7.1f} {r.warmup_seconds:9.1f}")  # fmt: skip
+    print(f"{'system':12s} {'round':>5s} {'requests':>8s} {'useful tok':>10s} {'generated':>10s} "
+          f"{'seconds':>8s} {'useful tok/s':>12s} {'load s':>7s} {'warm-up s':>9s}")  # fmt: skip
+    for s in systems:
+        for rnd, results in enumerate(rounds):
+            r = results[s]
+            print(f"{r.system:12s} {rnd + 1:5d} {r.num_requests:8d} {r.useful_tokens:10d} "
+                  f"{r.generated_tokens:10d} {r.seconds:8.1f} {r.tok_per_s:12.1f} "
+                  f"{r.load_seconds:7.1f} {r.warmup_seconds:9.1f}")  # fmt: skip
+    results = rounds[-1]
     if "jaxpaged" in results:
         e = results["jaxpaged"].extra
         print(f"jaxpaged warm-up: {results['jaxpaged'].warmup_seconds:.1f} s for "
@@ -329,11 +350,19 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"preemptions {e['num_preemptions']}")  # fmt: skip
         for other in ("hf-static", "hf-cb"):
             if other in results:
-                ratio = results["jaxpaged"].tok_per_s / results[other].tok_per_s
+                # per round: the two systems ran minutes apart, not hours; the median of the
+                # rounds is the figure to quote on a machine whose speed drifts
+                per_round = [r["jaxpaged"].tok_per_s / r[other].tok_per_s for r in rounds]
+                ratio = statistics.median(per_round)
                 report[f"ratio_vs_{other}"] = ratio
-                print(f"ratio jaxpaged / {other}: {ratio:.2f}x")
+                report[f"ratios_vs_{other}"] = per_round
+                detail = (f" (median of rounds: {', '.join(f'{x:.2f}x' for x in per_round)})"
+                          if len(per_round) > 1 else "")  # fmt: skip
+                print(f"ratio jaxpaged / {other}: {ratio:.2f}x{detail}")
     report["results"] = {k: {**dataclasses.asdict(v), "tok_per_s": v.tok_per_s}
                          for k, v in results.items()}  # fmt: skip
+    report["rounds"] = [{k: {**dataclasses.asdict(v), "tok_per_s": v.tok_per_s}
+                         for k, v in r.items()} for r in rounds]  # fmt: skip
 
     if llm is not None and args.decode_batch > 0:
         from step_breakdown import time_decode_steps

@@ -392,6 +392,12 @@ class LLMEngine:
                 self.scheduler.abort(r.request_id)
             return self._output(group)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix, so the next prompts are computed in full (benchmark
+        rounds that repeat a workload). Blocks in use keep their contents."""
+        with self._lock:
+            self.scheduler.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return bool(self._groups)

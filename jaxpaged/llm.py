@@ -144,6 +144,10 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``)."""
+        self.engine.reset_prefix_cache()
+
     def get_metrics(self) -> dict[str, float | int]:
         """Engine counters: preemptions, prefix cache, KV usage and waste, compilations."""
         s = self.engine.get_stats()

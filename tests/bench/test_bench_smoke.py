@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -145,8 +146,11 @@ def test_throughput_smoke(tmp_path, tiny_model):
         "--min-output", "3", "--max-output", "6", "--max-prompt-words", "10",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--no-hf-cb-warmup",
         "--peaks-small", "--decode-batch", "2", "--decode-steps", "2", "--json-out", str(out),
+        "--rounds", "2",
     ])  # fmt: skip
     report = json.loads(out.read_text())
+    assert len(report["rounds"]) == 2 and len(report["ratios_vs_hf-cb"]) == 2
+    assert report["ratio_vs_hf-cb"] == statistics.median(report["ratios_vs_hf-cb"])
     res = report["results"]
     assert set(res) == {"jaxpaged", "hf-static", "hf-cb"}
     useful = {k: v["useful_tokens"] for k, v in res.items()}

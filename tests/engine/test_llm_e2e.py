@@ -225,6 +225,24 @@ def test_n_samples_share_the_prompt(llm, workload):
     assert llm.get_metrics()["prefix_cache_hits"] - before >= 3 * (len(ids) - 1)
 
 
+def test_reset_prefix_cache_recomputes_the_prompt(llm, workload):
+    """After reset_prefix_cache a repeated prompt hits nothing (a benchmark round computes it
+    in full) and still gives the same greedy tokens."""
+    ids = workload[5][0]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    first = llm.generate([ids], params, use_tqdm=False)[0]
+    before = llm.get_metrics()["prefix_cache_hits"]
+    llm.generate([ids], params, use_tqdm=False)
+    assert llm.get_metrics()["prefix_cache_hits"] - before >= (len(ids) - 1) // 16 * 16 > 0
+    llm.reset_prefix_cache()
+    before = llm.get_metrics()["prefix_cache_hits"]
+    again = llm.generate([ids], params, use_tqdm=False)[0]
+    assert llm.get_metrics()["prefix_cache_hits"] == before
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_kv_blocks"], "blocks leaked"
+
+
 def test_no_compilation_after_warmup(bundled_model_path, workload):
     """A warmed-up engine serves varied batch sizes and lengths without compiling."""
     llm = LLM(
