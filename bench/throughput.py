@@ -15,9 +15,9 @@ Each system must produce exactly the requested number of tokens per request (els
 fails). Useful output tokens/s excludes model loading and jaxpaged's warm-up (compilation),
 which is reported on its own. ``--rounds N`` runs the systems in turn N times (jaxpaged's
 prefix cache reset before each round) and quotes the median of the per-round ratios: this
-machine's speed drifts over minutes, for every system alike. With jaxpaged in --systems it also times pure-decode steps at
-batch 32 inside the engine and prints them next to this machine's roofline (peaks measured
-in the same run).
+machine's speed drifts over minutes, for every system alike. With jaxpaged in --systems it
+also times pure-decode steps at batch 32 inside the engine and prints them next to this
+machine's roofline (peaks measured in the same run).
 """
 
 from __future__ import annotations
