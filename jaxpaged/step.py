@@ -112,7 +112,7 @@ def step(
     linear_fn, logits_fn = linear_xla, None
     if native_linear:  # padding rows cost nothing: the kernel stops at the real ones
         linear_fn = functools.partial(cpu.linear, num_rows=batch.cu_q_lens[-1])
-        logits_fn = functools.partial(cpu.linear, num_rows=batch.num_seqs[0])
+        logits_fn = functools.partial(cpu.linear, num_rows=batch.num_seqs[0], out_dtype=jnp.float32)
     hidden, pool = forward(
         params,
         batch.tokens,
@@ -134,22 +134,23 @@ def step(
 def use_native_linear(
     params: Params, config: ModelConfig, backend: str | None, mesh: jax.sharding.Mesh | None
 ) -> bool:
-    """Whether the steps should run every matmul in the native CPU kernel: float32 weights on
-    one CPU device, the native kernels in use ("cpu" attention backend), and every output
-    size a multiple of the kernel's panel width. The caller then packs the weights once
-    (`pack_native_linear`)."""
+    """Whether the steps should run every matmul in the native CPU kernel: float32 or
+    bfloat16 weights on one CPU device, the native kernels in use ("cpu" attention
+    backend), and every output size a multiple of the kernel's panel width. The caller then
+    packs the weights once (`pack_native_linear`)."""
     if (backend or default_backend()) != "cpu" or mesh is not None:
         return False
-    if params["embed"].dtype != jnp.float32 or not cpu.available():
+    if params["embed"].dtype not in (jnp.float32, jnp.bfloat16) or not cpu.available():
         return False
-    out_sizes: list[int] = []
+    views: list[tuple[int, jnp.dtype]] = []
 
     def record(w):  # [L', N, K]: the views pack_native_linear would pack (shapes only)
-        out_sizes.append(w.shape[-2])
+        views.append((w.shape[-2], jnp.dtype(w.dtype)))
         return w
 
     jax.eval_shape(lambda p: map_matmul_weights(p, config, record), params)
-    return all(n % cpu.PANEL == 0 for n in out_sizes)
+    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    return all(n % cpu.PANEL == 0 and dtype in floats for n, dtype in views)
 
 
 def pack_native_linear(params: Params, config: ModelConfig) -> Params:

@@ -175,16 +175,18 @@ def unpack_panels(w: jax.Array) -> jax.Array:  # [..., N, K] panel layout -> [..
 
 
 def linear(
-    x: jax.Array,  # float32 [M, K]
-    w: jax.Array,  # float32 [L, N, K]: every layer's [out, in] weight, in panel layout
+    x: jax.Array,  # float32 or bfloat16 [M, K]
+    w: jax.Array,  # float32 or bfloat16 [L, N, K]: every layer's [out, in] weight, panel layout
     layer: jax.Array | int,  # int32 []: which of the L weights
     *,
     num_rows: jax.Array | int | None = None,  # int32 []: rows of x that are real (default M)
-) -> jax.Array:  # float32 [M, N]
+    out_dtype: jnp.dtype | None = None,  # default: x's dtype
+) -> jax.Array:  # [M, N]
     """x @ w[layer].T in the C++ kernel, with ``w`` from `pack_panels`. The layer is indexed
     inside the kernel, so the stacked weight is read in place (no per-layer slice copy).
     Rows from ``num_rows`` on come out zero and cost nothing: a step padded to its bucket
-    pays for its real tokens only."""
+    pays for its real tokens only. bfloat16 weights are read as such (half the bytes of
+    float32); x, the accumulation and the result are float32 inside."""
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"native CPU kernels unavailable: {reason}")
@@ -193,8 +195,9 @@ def linear(
             f"linear needs x [M, K] and w [L, N, K] with N % {PANEL} == 0, "
             f"got {x.shape} and {w.shape}"
         )
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"linear needs float32 x and w, got {x.dtype} and {w.dtype}")
+    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    if jnp.dtype(x.dtype) not in floats or jnp.dtype(w.dtype) not in floats:
+        raise ValueError(f"linear needs float32/bfloat16 x and w, got {x.dtype} and {w.dtype}")
     call = jax.ffi.ffi_call(
         _LINEAR_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     )
@@ -202,4 +205,6 @@ def linear(
     def scalar(v):
         return jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
 
-    return call(x, w, scalar(layer), scalar(x.shape[0] if num_rows is None else num_rows))
+    rows = x.shape[0] if num_rows is None else num_rows
+    y = call(x.astype(jnp.float32), w, scalar(layer), scalar(rows))
+    return y.astype(out_dtype or x.dtype)

@@ -6,6 +6,10 @@
 // units set the pace; the dot form over [out, in] rows needed 15 loads per 12 FMAs and a
 // horizontal sum per output, and ran at about half of this (bench/weight_layout.py).
 //
+// Weights are float32 or bfloat16 (read as the top half of a float32: a shift, no rounding);
+// x, the accumulators and y are float32 either way, so a bfloat16 model streams half the
+// weight bytes, which is what bounds its decode steps.
+//
 // Blocking: x is first packed tile by tile ([K][tile rows], so a tile's broadcasts per k are
 // adjacent), then a kKc-deep slice of a panel (8 KB) stays in L1 while every row tile of a
 // kMc-row block of x passes over it; each tile prefetches its share of the slice kAhead
@@ -16,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -53,17 +58,35 @@ inline int64_t split_rows(int64_t rows, int64_t (*out)[2]) {
 }
 constexpr int64_t kMaxTiles = kMc / kMr + 2;
 
+// A weight element: float, or bfloat16 bits.
+using bf16_t = uint16_t;
+template <typename W>
+constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
+
 #ifdef JAXPAGED_AVX2
+// The 16 weights of a panel at one k, as two float32 vectors.
+inline void load_panel_row(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+inline void load_panel_row(const bf16_t* p, __m256& w0, __m256& w1) {
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi =
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+}
+
 // y[0:MR, 0:16] (+)= x[0:MR, 0:kc] @ panel[0:kc, 0:16]. x is packed: x[k * MR + m].
-template <int MR>
-inline void tile(const float* x, const float* panel, float* y, int64_t ldy, int64_t kc,
-                 bool accumulate, const float* prefetch, int64_t pf_count) {
+template <int MR, typename W>
+inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t kc,
+                 bool accumulate, const W* prefetch, int64_t pf_count) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   auto step = [&](int64_t k) __attribute__((always_inline)) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kNr);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kNr + 8);
+    __m256 w0, w1;
+    load_panel_row(panel + k * kNr, w0, w1);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m256 xm = _mm256_broadcast_ss(x + k * MR + m);
@@ -71,14 +94,14 @@ inline void tile(const float* x, const float* panel, float* y, int64_t ldy, int6
       hi[m] = _mm256_fmadd_ps(xm, w1, hi[m]);
     }
   };
-  // Two loops, the first with the tile's prefetches, each unrolled by 4: a prefetch test
-  // inside one loop cost a third of the 32-row throughput (bench: 46-51 -> 69-71 GFLOP/s
-  // per core, standalone harness).
+  // Two loops, the first with the tile's prefetches (one line per k), each unrolled by 4:
+  // a prefetch test inside one loop cost a third of the 32-row throughput (bench: 46-51 ->
+  // 69-71 GFLOP/s per core, standalone harness).
   const int64_t with_pf = std::min(pf_count, kc);
   int64_t k = 0;
 #pragma GCC unroll 4
   for (; k < with_pf; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kNr), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kLine<W>), _MM_HINT_T1);
     step(k);
   }
 #pragma GCC unroll 4
@@ -95,8 +118,9 @@ inline void tile(const float* x, const float* panel, float* y, int64_t ldy, int6
   }
 }
 
-inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y, int64_t ldy,
-                      int64_t kc, bool accumulate, const float* prefetch, int64_t pf_count) {
+template <typename W>
+inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
+                      int64_t kc, bool accumulate, const W* prefetch, int64_t pf_count) {
   switch (rows) {
     case 1: return tile<1>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
     case 2: return tile<2>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
@@ -107,14 +131,23 @@ inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y
   }
 }
 #else
-inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y, int64_t ldy,
-                      int64_t kc, bool accumulate, const float*, int64_t) {
+inline float weight(float w) { return w; }
+inline float weight(bf16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename W>
+inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
+                      int64_t kc, bool accumulate, const W*, int64_t) {
   for (int64_t m = 0; m < rows; ++m) {
     float acc[kNr] = {};
     for (int64_t k = 0; k < kc; ++k) {
       const float xv = x[k * rows + m];
 #pragma omp simd
-      for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * panel[k * kNr + j];
+      for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * weight(panel[k * kNr + j]);
     }
     for (int64_t j = 0; j < kNr; ++j) y[m * ldy + j] = acc[j] + (accumulate ? y[m * ldy + j] : 0.0f);
   }
@@ -122,23 +155,26 @@ inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y
 #endif
 
 // Rows [m0, m0 + rows) of y, panels [p0, p1); xp: that row block packed by pack_block.
-void linear_block(const float* xp, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+template <typename W>
+void linear_block(const float* xp, const W* w, float* y, int64_t K, int64_t N, int64_t m0,
                   int64_t rows, int64_t p0, int64_t p1) {
   int64_t tiles[kMaxTiles][2];
   const int64_t nt = split_rows(rows, tiles);
-  const int64_t per_tile = (kKc + nt - 1) / nt;  // lines of the prefetched slice per tile
+  constexpr int64_t slice_lines = kKc * kNr / kLine<W>;
+  const int64_t per_tile = (slice_lines + nt - 1) / nt;  // lines of the slice per tile
   // panel by panel, slice by slice: the item reads its weights as one sequential stream
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
-      const float* panel = w + p * K * kNr + k0 * kNr;
-      const float* pf_base = panel + kAhead * kKc * kNr;  // the stream is contiguous
+      const W* panel = w + p * K * kNr + k0 * kNr;
+      const W* pf_base = panel + kAhead * kKc * kNr;  // the stream is contiguous
+      const int64_t lines = kc * kNr / kLine<W>;
       for (int64_t t = 0; t < nt; ++t) {
-        const int64_t pf_first = std::min(t * per_tile, kc);
-        const int64_t pf_count = std::min(per_tile, kc - pf_first);
+        const int64_t pf_first = std::min(t * per_tile, lines);
+        const int64_t pf_count = std::min(per_tile, lines - pf_first);
         tile_rows(tiles[t][1], xp + tiles[t][0] * K + k0 * tiles[t][1], panel,
                   y + (m0 + tiles[t][0]) * N + p * kNr, N, kc, k0 > 0,
-                  pf_base + pf_first * kNr, pf_count);
+                  pf_base + pf_first * kLine<W>, pf_count);
       }
     }
 }
@@ -157,22 +193,9 @@ void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows) 
   }
 }
 
-ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> num_rows,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[1] % kNr != 0)
-    return ffi::Error::InvalidArgument("need x [M, K] and w [L, N, K] with N % 16 == 0");
-  const int64_t K = xd[1], L = wd[0], N = wd[1];
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
-  // Rows past num_rows are a step's padding: they get zeros, and cost nothing.
-  const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + l * N * K;
-  float* yp = y->typed_data();
-  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+template <typename W>
+void linear(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t K,
+            int64_t N) {
   const int64_t panels = N / kNr;
   const int64_t row_blocks = (M + kMc - 1) / kMc;
   const int64_t panel_groups = (panels + kPc - 1) / kPc;
@@ -189,6 +212,31 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     linear_block(xpk + m0 * K, wp, yp, K, N, m0, std::min(kMc, M - m0), p0,
                  std::min(panels, p0 + kPc));
   });
+}
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> num_rows,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[1] % kNr != 0)
+    return ffi::Error::InvalidArgument("need x [M, K] and w [L, N, K] with N % 16 == 0");
+  const auto dtype = w.element_type();
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
+  const int64_t K = xd[1], L = wd[0], N = wd[1];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
+  // Rows past num_rows are a step's padding: they get zeros, and cost nothing.
+  const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  if (dtype == ffi::DataType::BF16)
+    linear(pool, x.typed_data(), static_cast<const bf16_t*>(w.untyped_data()) + l * N * K, yp, M,
+           K, N);
+  else
+    linear(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()) + l * N * K, yp, M,
+           K, N);
   return ffi::Error::Success();
 }
 
@@ -198,7 +246,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, N, K], panel layout
+                                  .Arg<ffi::AnyBuffer>()  // w [L, N, K], f32/bf16, panel layout
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]

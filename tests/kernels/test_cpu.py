@@ -154,6 +154,26 @@ def test_linear_matches_numpy(rng, m, k, n):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m", [1, 7, 32, 200])
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_bfloat16_weights_match_numpy(rng, m, x_dtype):
+    """bfloat16 weights are read exactly (each value widened, not rounded again) and
+    accumulated in float32: against float64 numpy on the same bfloat16 values. The result
+    comes back in x's dtype unless out_dtype says otherwise."""
+    k, n, layers = 300, 96, 2
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), x_dtype)
+    w = jnp.asarray(rng.standard_normal((layers, n, k), dtype=np.float32), jnp.bfloat16)
+    packed = cpu.pack_panels(w)
+    assert packed.dtype == jnp.bfloat16
+    ref = np.asarray(x, np.float64) @ np.asarray(w[1], np.float64).T
+    out = jax.jit(lambda x, w: cpu.linear(x, w, 1, out_dtype=jnp.float32))(x, packed)
+    assert out.dtype == jnp.float32 and out.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    same = jax.jit(lambda x, w: cpu.linear(x, w, 1))(x, packed)
+    assert same.dtype == x_dtype
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(out.astype(x_dtype)))
+
+
 @pytest.mark.parametrize("m,real", [(32, 24), (64, 1), (200, 131), (8, 0), (6, 6)])
 def test_linear_computes_only_the_real_rows(rng, m, real):
     """A padded step passes its real row count: those rows match numpy, the padding rows
@@ -209,5 +229,7 @@ def test_linear_rejects_bad_input():
         cpu.linear(x, jnp.zeros((1, 16, 9), jnp.float32), 0)
     with pytest.raises(ValueError, match="N % 16 == 0"):
         cpu.linear(x, jnp.zeros((1, 24, 8), jnp.float32), 0)
-    with pytest.raises(ValueError, match="float32"):
-        cpu.linear(x.astype(jnp.bfloat16), jnp.zeros((1, 16, 8), jnp.bfloat16), 0)
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        cpu.linear(x, jnp.zeros((1, 16, 8), jnp.float16), 0)
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        cpu.linear(x.astype(jnp.float16), jnp.zeros((1, 16, 8), jnp.float32), 0)
