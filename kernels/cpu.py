@@ -31,6 +31,7 @@ _SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc")
 _HEADERS = (_HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
 _TARGET = "jaxpaged_paged_attention"
 _LINEAR_TARGET = "jaxpaged_linear"
+_WRITE_KV_TARGET = "jaxpaged_write_kv"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")
 _lock = threading.Lock()
 
@@ -96,6 +97,7 @@ def _register() -> str | None:
             for name, fn in (
                 (_TARGET, lib.JaxpagedPagedAttention),
                 (_LINEAR_TARGET, lib.JaxpagedLinear),
+                (_WRITE_KV_TARGET, lib.JaxpagedWriteKV),
             ):
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -153,6 +155,32 @@ def ragged_paged_attention_native(
         sliding_window=np.int64(sliding_window or 0),
     )
     return out.astype(q.dtype)
+
+
+def write_kv_native(
+    k_pages: jax.Array,  # [NB, B, Hkv, D]
+    v_pages: jax.Array,  # [NB, B, Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slots: jax.Array,  # int32 [T]: flat slot per row; out of range = padding, skipped
+) -> tuple[jax.Array, jax.Array]:  # (k_pages, v_pages)
+    """`write_kv` as a C++ copy of the new rows into the donated pools (the outputs alias
+    them). XLA:CPU runs a scatter into a 16-bit float pool by converting the whole pool to
+    float32 and back, seconds per step; this moves only the rows. Inputs are validated by
+    `write_kv`."""
+    reason = _register()
+    if reason is not None:
+        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
+    call = jax.ffi.ffi_call(
+        _WRITE_KV_TARGET,
+        (
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ),  # fmt: skip
+        input_output_aliases={0: 0, 1: 1},
+    )
+    return call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype),
+                slots.astype(jnp.int32))  # fmt: skip
 
 
 PANEL = 16  # outputs per panel of the linear kernel's weight layout

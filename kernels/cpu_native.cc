@@ -576,7 +576,47 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// Rows k[t], v[t] into flat slot slots[t] of the pools, in place: the outputs alias the
+// pools (cpu.write_kv_native), so only the new rows move. Slots outside the pool (padding)
+// are skipped. Rows arrive in the pool's dtype; any 2- or 4-byte element is copied as bytes.
+ffi::Error WriteKVImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
+                       ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  auto pd = k_pages.dimensions();
+  auto rd = k.dimensions();
+  if (pd.size() != 4 || rd.size() != 3 || rd[1] != pd[2] || rd[2] != pd[3] ||
+      k.element_type() != k_pages.element_type() || v.element_type() != k_pages.element_type() ||
+      v_pages.element_type() != k_pages.element_type() || slots.dimensions()[0] != rd[0])
+    return ffi::Error::InvalidArgument("need pools [NB, B, Hkv, D] and rows [T, Hkv, D] alike");
+  const int64_t num_slots = pd[0] * pd[1];
+  const size_t row_bytes = k.size_bytes() / std::max<int64_t>(rd[0], 1);
+  const int32_t* sl = slots.typed_data();
+  auto write = [&](const ffi::AnyBuffer& pages, const ffi::AnyBuffer& rows,
+                   ffi::Result<ffi::AnyBuffer>& out) {
+    char* dst = static_cast<char*>(out->untyped_data());
+    if (dst != pages.untyped_data())  // not aliased after all: start from the pool
+      std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+    const char* src = static_cast<const char*>(rows.untyped_data());
+    for (int64_t t = 0; t < rd[0]; ++t)
+      if (sl[t] >= 0 && sl[t] < num_slots)
+        std::memcpy(dst + sl[t] * row_bytes, src + t * row_bytes, row_bytes);
+  };
+  write(k_pages, k, k_out);
+  write(v_pages, v, v_out);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedWriteKV, WriteKVImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [NB, B, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // v_pages [NB, B, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // k [T, Hkv, D], pool dtype
+                                  .Arg<ffi::AnyBuffer>()         // v [T, Hkv, D], pool dtype
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [T]
+                                  .Ret<ffi::AnyBuffer>()         // k_pages (aliases arg 0)
+                                  .Ret<ffi::AnyBuffer>());       // v_pages (aliases arg 1)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import cpu
+
 
 def _check(
     k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
@@ -61,6 +63,11 @@ def write_kv(
     # Each padding row gets its own out-of-bounds index, so the indices stay unique and
     # the scatter can skip conflict handling; mode="drop" discards them.
     slots = jnp.where(slots < 0, num_slots + jnp.arange(num_tokens, dtype=jnp.int32), slots)
+
+    if k_pages.dtype.itemsize == 2 and jax.default_backend() == "cpu" and cpu.available():
+        # XLA:CPU scatters into a 16-bit float pool by converting all of it to float32 and
+        # back (seconds per step for a bfloat16 model); the native copy moves only the rows
+        return cpu.write_kv_native(k_pages, v_pages, k, v, slots)
 
     def scatter(pages: jax.Array, rows: jax.Array) -> jax.Array:
         flat = pages.reshape(num_slots, *shape[2:])  # [N * B, Hkv, D], a free bitcast
