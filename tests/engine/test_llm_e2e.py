@@ -272,3 +272,51 @@ def test_no_compilation_after_warmup(bundled_model_path, workload):
             use_tqdm=False,
         )
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+
+
+def test_bfloat16_engine_tracks_transformers(bundled_model_path, workload):
+    """A bfloat16 model on CPU (bf16 matmul weights, bf16 KV pool written in place), with
+    transformers teacher-forced on the engine's own tokens (so one bf16 near-tie cannot
+    derail the rest): every greedy token is float32 transformers' argmax up to a near-tie,
+    its logprob is close to float32's, and on average no further from it than transformers'
+    own bfloat16 model is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged.kernels import cpu
+
+    llm = LLM(bundled_model_path, dtype="bfloat16", num_kv_blocks=256, enforce_eager=True, **BASE)
+    assert llm.engine.runner.native_linear == cpu.available()
+    reqs = workload[:6]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([ids for ids, _ in reqs], params, use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_kv_blocks"], "blocks leaked"
+    llm.engine.close()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    models = {
+        dt: AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=dt)
+        for dt in (torch.float32, torch.bfloat16)
+    }
+    ours, theirs = [], []
+    try:
+        for (ids, _), out in zip(reqs, outs, strict=True):
+            got = list(out.outputs[0].token_ids)
+            assert len(got) == 8
+            ref = {}
+            with torch.no_grad():
+                for dt, model in models.items():
+                    logits = model(torch.tensor([ids + got])).logits[0].float()
+                    ref[dt] = torch.log_softmax(logits, -1)[len(ids) - 1 : len(ids) - 1 + 8]
+            f32 = ref[torch.float32]
+            for i, (tok, lp) in enumerate(zip(got, out.outputs[0].logprobs, strict=True)):
+                assert lp.token_id == tok
+                assert float(f32[i].max() - f32[i, tok]) < 0.25, (i, tok)  # argmax up to a tie
+                ours.append(abs(lp.logprob - float(f32[i, tok])))
+                theirs.append(abs(float(ref[torch.bfloat16][i, tok]) - float(f32[i, tok])))
+    finally:
+        torch.set_num_threads(threads)
+    assert max(ours) < 0.25, max(ours)
+    assert np.mean(ours) <= 1.5 * np.mean(theirs), (np.mean(ours), np.mean(theirs))
