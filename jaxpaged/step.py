@@ -140,7 +140,7 @@ def use_native_linear(
     packs the weights once (`pack_native_linear`)."""
     if (backend or default_backend()) != "cpu" or mesh is not None:
         return False
-    if params["embed"].dtype not in (jnp.float32, jnp.bfloat16) or not cpu.available():
+    if params["embed"].dtype not in cpu.LINEAR_DTYPES or not cpu.available():
         return False
     views: list[tuple[int, jnp.dtype]] = []
 
@@ -149,8 +149,7 @@ def use_native_linear(
         return w
 
     jax.eval_shape(lambda p: map_matmul_weights(p, config, record), params)
-    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    return all(n % cpu.PANEL == 0 and dtype in floats for n, dtype in views)
+    return all(n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views)
 
 
 def pack_native_linear(params: Params, config: ModelConfig) -> Params:

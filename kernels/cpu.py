@@ -184,6 +184,7 @@ def write_kv_native(
 
 
 PANEL = 16  # outputs per panel of the linear kernel's weight layout
+LINEAR_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # of its x and weights
 
 
 def pack_panels(w: jax.Array) -> jax.Array:  # [..., N, K] -> [..., N, K], panel layout
@@ -223,8 +224,7 @@ def linear(
             f"linear needs x [M, K] and w [L, N, K] with N % {PANEL} == 0, "
             f"got {x.shape} and {w.shape}"
         )
-    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    if jnp.dtype(x.dtype) not in floats or jnp.dtype(w.dtype) not in floats:
+    if jnp.dtype(x.dtype) not in LINEAR_DTYPES or jnp.dtype(w.dtype) not in LINEAR_DTYPES:
         raise ValueError(f"linear needs float32/bfloat16 x and w, got {x.dtype} and {w.dtype}")
     call = jax.ffi.ffi_call(
         _LINEAR_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)

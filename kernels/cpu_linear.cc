@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -131,14 +130,6 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
   }
 }
 #else
-inline float weight(float w) { return w; }
-inline float weight(bf16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
                       int64_t kc, bool accumulate, const W*, int64_t) {
@@ -147,7 +138,7 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
     for (int64_t k = 0; k < kc; ++k) {
       const float xv = x[k * rows + m];
 #pragma omp simd
-      for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * weight(panel[k * kNr + j]);
+      for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * jaxpaged::to_float(panel[k * kNr + j]);
     }
     for (int64_t j = 0; j < kNr; ++j) y[m * ldy + j] = acc[j] + (accumulate ? y[m * ldy + j] : 0.0f);
   }
@@ -246,7 +237,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [L, N, K], f32/bf16, panel layout
+                                  .Arg<ffi::AnyBuffer>()         // w [L, N, K] f32/bf16, panels
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]

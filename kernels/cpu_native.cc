@@ -33,13 +33,7 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 64;
 constexpr int kRowTile = 32;  // query rows of one sequence per work item (prefill)
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using jaxpaged::to_float;
 
 // A K/V row as float: the pool's own memory for float32, converted into `buf` otherwise.
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
