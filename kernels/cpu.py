@@ -106,6 +106,13 @@ def _register() -> str | None:
     return None
 
 
+def _require(what: str) -> None:
+    """Raises if the kernels did not build; ``what`` names the caller in the message."""
+    reason = _register()
+    if reason is not None:
+        raise RuntimeError(f"native CPU {what} unavailable: {reason}")
+
+
 def available() -> bool:
     """True when the native kernel is built and registered (builds it on first call)."""
     return _register() is None
@@ -134,9 +141,7 @@ def ragged_paged_attention_native(
     """The "cpu" backend: every row in the C++ kernel (decode rows and prefill tiles alike;
     bench/kernels.py has it against the XLA path). Inputs are validated by
     `ragged_paged_attention`."""
-    reason = _register()
-    if reason is not None:
-        raise RuntimeError(f"native CPU attention unavailable: {reason}")
+    _require("attention")
     if not supports(q.dtype, k_pages.dtype):
         raise ValueError(f"backend 'cpu' needs float32/bfloat16 q and pages, got {k_pages.dtype}")
     if q.shape[2] > 256 or k_pages.shape[1] > 64:
@@ -168,9 +173,7 @@ def write_kv_native(
     them). XLA:CPU runs a scatter into a 16-bit float pool by converting the whole pool to
     float32 and back, seconds per step; this moves only the rows. Inputs are validated by
     `write_kv`."""
-    reason = _register()
-    if reason is not None:
-        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
+    _require("kernels")
     call = jax.ffi.ffi_call(
         _WRITE_KV_TARGET,
         (
@@ -216,9 +219,7 @@ def linear(
     Rows from ``num_rows`` on come out zero and cost nothing: a step padded to its bucket
     pays for its real tokens only. bfloat16 weights are read as such (half the bytes of
     float32); x, the accumulation and the result are float32 inside."""
-    reason = _register()
-    if reason is not None:
-        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
+    _require("kernels")
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w.shape[1] % PANEL:
         raise ValueError(
             f"linear needs x [M, K] and w [L, N, K] with N % {PANEL} == 0, "

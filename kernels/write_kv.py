@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import cpu
+from .attention import default_backend
 
 
 def _check(
@@ -64,7 +65,7 @@ def write_kv(
     # the scatter can skip conflict handling; mode="drop" discards them.
     slots = jnp.where(slots < 0, num_slots + jnp.arange(num_tokens, dtype=jnp.int32), slots)
 
-    if k_pages.dtype.itemsize == 2 and jax.default_backend() == "cpu" and cpu.available():
+    if k_pages.dtype.itemsize == 2 and default_backend() == "cpu":
         # XLA:CPU scatters into a 16-bit float pool by converting all of it to float32 and
         # back (seconds per step for a bfloat16 model); the native copy moves only the rows
         return cpu.write_kv_native(k_pages, v_pages, k, v, slots)
