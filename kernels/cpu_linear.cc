@@ -177,10 +177,11 @@ void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows) 
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t r0 = tiles[t][0], r = tiles[t][1];
     float* dst = xp + r0 * K;
-    for (int64_t m = 0; m < r; ++m) {
-      const float* src = x + (m0 + r0 + m) * K;
-      for (int64_t k = 0; k < K; ++k) dst[k * r + m] = src[k];
-    }
+    const float* src = x + (m0 + r0) * K;
+    // k outer: the writes run contiguously and the r row streams are read in step (m outer
+    // wrote with a stride of r floats and took ~3x longer: 22 us for 32 x 576 floats)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t m = 0; m < r; ++m) dst[k * r + m] = src[m * K + k];
   }
 }
 
