@@ -468,23 +468,20 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
   const bool whole_blocks = H == Hkv;  // decode: each block read whole, trickled ahead
   const int64_t block_bytes = B * head_bytes;
   Trickle pf;
-  if (whole_blocks)  // the first blocks, which nothing before them prefetches
-    for (int64_t b = first_visible(pos0) / B, e = b + kAheadBlocks; b < e && b <= last_blk; ++b)
-      if (valid(table[b])) {
-        pf.start(row_of(k_pages, table[b], 0, 0), row_of(v_pages, table[b], 0, 0), block_bytes);
-        pf.flush();
-      }
+  auto trickle_block = [&](int64_t b) {  // starts block b's prefetch, if it is one to read
+    if (b > last_blk || !valid(table[b])) return false;
+    pf.start(row_of(k_pages, table[b], 0, 0), row_of(v_pages, table[b], 0, 0), block_bytes);
+    return true;
+  };
+  if (whole_blocks)  // the first blocks, which nothing before them prefetches: at once
+    for (int64_t b = first_visible(pos0) / B, e = b + kAheadBlocks; b < e; ++b)
+      if (trickle_block(b)) pf.flush();
 
   for (int64_t blk = first_visible(pos0) / B; blk <= last_blk; ++blk) {
     const int64_t phys = table[blk];
     if (!valid(phys)) continue;  // never read outside the pool
     if (whole_blocks) {
-      const int64_t ahead = blk + kAheadBlocks;
-      if (ahead <= last_blk && valid(table[ahead]))
-        pf.start(row_of(k_pages, table[ahead], 0, 0), row_of(v_pages, table[ahead], 0, 0),
-                 block_bytes);
-      else
-        pf.flush();
+      if (!trickle_block(blk + kAheadBlocks)) pf.flush();
     } else if (blk + 1 <= last_blk && valid(table[blk + 1])) {
       for (int64_t j = 0; j < B; ++j) {
         const char* kn = reinterpret_cast<const char*>(row_of(k_pages, table[blk + 1], j, 0));
