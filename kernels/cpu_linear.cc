@@ -179,7 +179,7 @@ void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows) 
     float* dst = xp + r0 * K;
     const float* src = x + (m0 + r0) * K;
     // k outer: the writes run contiguously and the r row streams are read in step (m outer
-    // wrote with a stride of r floats and took ~3x longer: 22 us for 32 x 576 floats)
+    // wrote with a stride of r floats: 16.4 vs 5.5 us for 32 x 576 floats, alone)
     for (int64_t k = 0; k < K; ++k)
       for (int64_t m = 0; m < r; ++m) dst[k * r + m] = src[m * K + k];
   }

@@ -72,7 +72,7 @@ __attribute__((noinline)) void axpy(float p, const float* __restrict x, float* _
 // Decode prefetch (Trickle): the block kAheadBlocks on is prefetched a few lines at a time,
 // kTrickleScores lines per four keys scored and kTricklePV per key in the P.V pass, so that
 // a block's 2 x 192 lines (SmolLM2: 16 tokens x 3 heads x 64) are out by its turn. Measured
-// on 2 cores, 32 sequences x ~190 tokens x 30 layers: 38-45 ms before, 22-30 ms after;
+// on 2 cores, 32 sequences x ~190 tokens x 30 layers: 37-45 ms before, 24-30 ms after;
 // distances 1-3 and 4-8 lines per call were within the noise of each other.
 constexpr int64_t kAheadBlocks = 2;
 constexpr int kTrickleScores = 8, kTricklePV = 1;
