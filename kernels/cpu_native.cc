@@ -69,20 +69,20 @@ __attribute__((noinline)) void axpy(float p, const float* __restrict x, float* _
   for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
 }
 
-// Decode prefetch (Trickle): the block kAheadBlocks on is prefetched a few lines at a time,
-// kTrickleScores lines per four keys scored and kTricklePV per key in the P.V pass, so that
-// a block's 2 x 192 lines (SmolLM2: 16 tokens x 3 heads x 64) are out by its turn. Measured
-// on 2 cores, 32 sequences x ~190 tokens x 30 layers: 37-45 ms before, 24-30 ms after;
+constexpr int kMaxGroup = 8;  // queries sharing one K/V read in the decode path
+
+// Decode prefetch: a K block and its V block (two contiguous byte ranges), kAheadBlocks on,
+// are prefetched a few lines per call through the compute of the blocks before them:
+// kTrickleScores lines per four keys scored, kTricklePV per key in the P.V pass, so a block's
+// 2 x 192 lines (SmolLM2: 16 tokens x 3 heads x 64) are out by its turn. Read in the
+// kernel's head-major order without prefetch, the hardware prefetchers reach ~half the
+// bandwidth of a contiguous read (5 vs 10 GB/s on one core); one burst of a whole block's
+// lines fills the core's miss queue and stalls the loads the compute waits on. Measured on
+// 2 cores, 32 sequences x ~190 tokens x 30 layers: 37-45 ms before, 24-30 ms after;
 // distances 1-3 and 4-8 lines per call were within the noise of each other.
 constexpr int64_t kAheadBlocks = 2;
 constexpr int kTrickleScores = 8, kTricklePV = 1;
-constexpr int kMaxGroup = 8;  // queries sharing one K/V read in the decode path
 
-// Prefetches a K block and its V block (two contiguous byte ranges) a few lines per call,
-// spread through the compute of the blocks before it. One burst of a whole block's lines
-// fills the core's miss queue and stalls the loads the compute is waiting on; read in the
-// kernel's head-major order without it, the hardware prefetchers reach ~half the bandwidth
-// of a contiguous read (measured: 5 vs 10 GB/s on one core).
 struct Trickle {
   const char* k = nullptr;
   const char* v = nullptr;
