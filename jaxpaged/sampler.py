@@ -34,7 +34,7 @@ Rows without penalties are left as -1 on the host, so their fill costs only the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -340,14 +340,21 @@ def sample_from_logits(
     return (j * block + i).astype(jnp.int32)
 
 
+def greedy_argmax(x: jax.Array) -> jax.Array:  # float32 [B, V] -> int32 [B]
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,  # [B, V] float32 raw model logits
     t: SamplingTensors,
     *,
     num_logprobs: int,
+    argmax: Callable[[jax.Array], jax.Array] = greedy_argmax,
 ) -> SamplerOutput:
     """Pick one token per row. ``num_logprobs`` (static) is K, the most top logprobs any
-    row may ask for; the top-K pass runs only when some row asks (``t.num_logprobs``)."""
+    row may ask for; the top-K pass runs only when some row asks (``t.num_logprobs``).
+    ``argmax`` ([B, V] float32 -> int32 [B], ``jnp.argmax``'s answer) picks greedy rows: a
+    backend may pass a faster one."""
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
 
@@ -362,7 +369,7 @@ def sample(
         banned_cols = jnp.where(t.banned_ids < 0, v, t.banned_ids)
         banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
         x = x.at[banned_rows, banned_cols].set(-jnp.inf, mode="drop")
-        greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        greedy_ids = argmax(x)
 
         def _sample_random(x):
             x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
@@ -390,7 +397,7 @@ def sample(
     # The common case (greedy, no penalty, no ban) is one argmax over the raw logits: the
     # general path's conditionals and scatter each copy the [B, V] logits.
     plain = jnp.all(greedy) & ~needs_penalty & jnp.all(t.banned_ids < 0)
-    token_ids = lax.cond(plain, lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32), _pick, logits)
+    token_ids = lax.cond(plain, argmax, _pick, logits)
 
     # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the
     # logsumexp is an exp over [B, V], a third of a greedy batch's sampling time.

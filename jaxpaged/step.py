@@ -126,7 +126,9 @@ def step(
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
     logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
-    out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs)
+    native = (backend or default_backend()) == "cpu" and mesh is None
+    argmax = cpu.argmax if native else sampler.greedy_argmax
+    out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs, argmax=argmax)
     out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
     return replicate_on(out, mesh), pool
 

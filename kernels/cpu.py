@@ -1,5 +1,6 @@
-"""Native CPU kernels called through XLA FFI: ragged paged attention (cpu_native.cc) and
-linear layers over weights in panel layout (cpu_linear.cc).
+"""Native CPU kernels called through XLA FFI: ragged paged attention (cpu_native.cc),
+linear layers over weights in panel layout (cpu_linear.cc) and greedy sampling's argmax
+(cpu_argmax.cc).
 
 The C++ sources ship with the package and are compiled on first use with the system C++
 compiler into `$JAXPAGED_CACHE/native/` (keyed by source, compiler flags and CPU), so
@@ -27,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc")
+_SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc", _HERE / "cpu_argmax.cc")
 _HEADERS = (_HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
 _TARGET = "jaxpaged_paged_attention"
 _LINEAR_TARGET = "jaxpaged_linear"
 _WRITE_KV_TARGET = "jaxpaged_write_kv"
+_ARGMAX_TARGET = "jaxpaged_argmax"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")
 _lock = threading.Lock()
 
@@ -98,6 +100,7 @@ def _register() -> str | None:
                 (_TARGET, lib.JaxpagedPagedAttention),
                 (_LINEAR_TARGET, lib.JaxpagedLinear),
                 (_WRITE_KV_TARGET, lib.JaxpagedWriteKV),
+                (_ARGMAX_TARGET, lib.JaxpagedArgmax),
             ):
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -237,3 +240,16 @@ def linear(
     rows = x.shape[0] if num_rows is None else num_rows
     y = call(x.astype(jnp.float32), w, scalar(layer), scalar(rows))
     return y.astype(out_dtype or x.dtype)
+
+
+def argmax(x: jax.Array) -> jax.Array:  # float32 [R, V] -> int32 [R]
+    """``jnp.argmax(x, axis=-1)`` in the C++ kernel (the first index of each row's maximum,
+    or of its first NaN), for greedy sampling: XLA:CPU's index-tracking reduce is several
+    times slower over a batch's logits (bench/RESULTS.md, seventh session)."""
+    _require("argmax")
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"argmax needs x [R, V] with V >= 1, got shape {x.shape}")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
+        raise ValueError(f"argmax needs float32 x, got {x.dtype}")
+    call = jax.ffi.ffi_call(_ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))
+    return call(x)

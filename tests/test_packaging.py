@@ -56,7 +56,7 @@ def test_wheel_contains_and_imports_subpackages(tmp_path):
         assert f"jaxpaged/{sub}/__init__.py" in names
     assert not any(n.startswith(("kernels/", "models/", "serving/", "tests/")) for n in names)
     # the native kernels' sources: built on first use
-    for src in ("cpu_native.cc", "cpu_linear.cc", "cpu_parallel.h", "cpu_simd.h"):
+    for src in ("cpu_native.cc", "cpu_linear.cc", "cpu_argmax.cc", "cpu_parallel.h", "cpu_simd.h"):
         assert f"jaxpaged/kernels/{src}" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -3,6 +3,7 @@ hand-written numpy version, seeds across batch compositions, logprobs, one compi
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import jax
@@ -10,11 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged.kernels import cpu
 from jaxpaged.sampler import (
     SamplingTensors,
     apply_penalties,
     apply_top_k_top_p,
     build_sampling_tensors,
+    greedy_argmax,
     sample,
     sample_from_logits,
     seed_to_key_data,
@@ -23,6 +26,17 @@ from jaxpaged.sampler import (
 ENGINE_KEY = seed_to_key_data(1234)
 B, V = 16, 64  # shared small shape: fewer compilations
 sample_jit = jax.jit(sample, static_argnames="num_logprobs")
+# The argmax the step passes on CPU (the native kernel) must pick what jnp.argmax picks.
+ARGMAXES = [
+    pytest.param(greedy_argmax, id="jnp"),
+    pytest.param(
+        cpu.argmax, id="native", marks=pytest.mark.skipif(not cpu.available(), reason="no C++")
+    ),
+]
+
+
+def sample_with(argmax):
+    return jax.jit(functools.partial(sample, argmax=argmax), static_argnames="num_logprobs")
 
 
 def params(**kw) -> SimpleNamespace:
@@ -238,7 +252,8 @@ def test_inverse_cdf_draw_matches_float64_reference():
     assert got[1] == v - 1 - np.argmax(finite[1][::-1])  # u -> 1: the last one
 
 
-def test_greedy_is_argmax_whatever_the_filters():
+@pytest.mark.parametrize("argmax", ARGMAXES)
+def test_greedy_is_argmax_whatever_the_filters(argmax):
     rng = np.random.default_rng(1)
     b, v = B, V
     logits = rng.normal(size=(b, v)).astype(np.float32)
@@ -248,7 +263,7 @@ def test_greedy_is_argmax_whatever_the_filters():
         params(temperature=1e-6, seed=3),
     ]
     rows = [row(sps[i % 3], rng_stream=i) for i in range(b - 3)]  # 3 padding rows
-    out = sample_jit(jnp.asarray(logits), build(rows, b, v), num_logprobs=0)
+    out = sample_with(argmax)(jnp.asarray(logits), build(rows, b, v), num_logprobs=0)
     np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
 
 
@@ -440,7 +455,8 @@ def test_build_sampling_tensors_padding_and_errors():
         build_sampling_tensors([], 2, vocab_size=10, engine_key_data=np.zeros(3), history_len=4)
 
 
-def test_all_greedy_batch_with_a_penalty_takes_the_penalised_argmax():
+@pytest.mark.parametrize("argmax", ARGMAXES)
+def test_all_greedy_batch_with_a_penalty_takes_the_penalised_argmax(argmax):
     """A batch of greedy rows only skips the general path when nothing changes the logits:
     a penalty on one row must still move that row off its raw argmax."""
     logits = np.zeros((B, V), np.float32)
@@ -448,5 +464,5 @@ def test_all_greedy_batch_with_a_penalty_takes_the_penalised_argmax():
     logits[:, 9] = 1.5
     greedy = params(temperature=0.0)
     rows = [row(params(temperature=0.0, presence_penalty=1.0), output=[5]), row(greedy)]
-    out = sample_jit(jnp.asarray(logits), build(rows, B, V), num_logprobs=0)
+    out = sample_with(argmax)(jnp.asarray(logits), build(rows, B, V), num_logprobs=0)
     assert np.asarray(out.token_ids)[:2].tolist() == [9, 5]

@@ -233,3 +233,38 @@ def test_linear_rejects_bad_input():
         cpu.linear(x, jnp.zeros((1, 16, 8), jnp.float16), 0)
     with pytest.raises(ValueError, match="float32/bfloat16"):
         cpu.linear(x.astype(jnp.float16), jnp.zeros((1, 16, 8), jnp.float32), 0)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 7), (32, 49152), (5, 1000), (17, 33), (2, 40)])
+def test_argmax_matches_jnp(rng, rows, vocab):
+    """Row-wise argmax against jnp.argmax on random logits, with planted ties (the first
+    index wins) in vector bodies and scalar tails alike."""
+    x = rng.standard_normal((rows, vocab), dtype=np.float32)
+    for r in range(rows):  # tie the maximum at two random places, the later one planted too
+        a, b = np.sort(rng.integers(0, vocab, 2))
+        x[r, a] = x[r, b] = x[r].max() + 1.0
+    got = np.asarray(jax.jit(cpu.argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+
+
+def test_argmax_nan_and_infinite_rows_match_jnp(rng):
+    """NaN counts as the maximum (the first NaN wins), all -inf rows give 0, +inf beats
+    any finite value: jnp.argmax's answers."""
+    x = rng.standard_normal((6, 100), dtype=np.float32)
+    x[0, 77] = np.nan
+    x[1, [3, 90]] = np.nan
+    x[2] = -np.inf
+    x[3, [10, 60]] = np.inf
+    x[4, 99] = np.nan  # in the scalar tail (100 = 3 * 32 + 4)
+    x[5, 0] = np.nan
+    got = np.asarray(jax.jit(cpu.argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got, [77, 3, 0, 10, 99, 0])
+
+
+def test_argmax_rejects_bad_input():
+    with pytest.raises(ValueError, match="x \\[R, V\\]"):
+        cpu.argmax(jnp.zeros((4,), jnp.float32))
+    with pytest.raises(ValueError, match="float32"):
+        cpu.argmax(jnp.zeros((2, 8), jnp.bfloat16))
