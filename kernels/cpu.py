@@ -216,12 +216,17 @@ def linear(
     *,
     num_rows: jax.Array | int | None = None,  # int32 []: rows of x that are real (default M)
     out_dtype: jnp.dtype | None = None,  # default: x's dtype
+    residual: jax.Array | None = None,  # [M, N]: added to the product
+    norm: tuple[jax.Array, float] | None = None,  # (weight [K], eps): RMSNorm x's rows first
 ) -> jax.Array:  # [M, N]
     """x @ w[layer].T in the C++ kernel, with ``w`` from `pack_panels`. The layer is indexed
     inside the kernel, so the stacked weight is read in place (no per-layer slice copy).
     Rows from ``num_rows`` on come out zero and cost nothing: a step padded to its bucket
     pays for its real tokens only. bfloat16 weights are read as such (half the bytes of
-    float32); x, the accumulation and the result are float32 inside."""
+    float32); x, the accumulation and the result are float32 inside. A ``residual`` is added
+    as the result is stored (padding rows get the residual's rows), and ``norm`` normalizes
+    x's rows as they are packed (``weight * x / rms(x)``, in float32): a decoder layer's
+    skip connections and norms without XLA passes of their own."""
     _require("kernels")
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w.shape[1] % PANEL:
         raise ValueError(
@@ -230,15 +235,26 @@ def linear(
         )
     if jnp.dtype(x.dtype) not in LINEAR_DTYPES or jnp.dtype(w.dtype) not in LINEAR_DTYPES:
         raise ValueError(f"linear needs float32/bfloat16 x and w, got {x.dtype} and {w.dtype}")
-    call = jax.ffi.ffi_call(
-        _LINEAR_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    )
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    if residual is not None and residual.shape != out.shape:
+        raise ValueError(f"residual must be {out.shape} like the product, got {residual.shape}")
+    if norm is not None and norm[0].shape != (x.shape[1],):
+        raise ValueError(f"norm weight must be [{x.shape[1]}] like x's rows, got {norm[0].shape}")
+    none = jnp.zeros((0,), jnp.float32)  # an absent norm weight or residual
 
     def scalar(v):
         return jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
 
     rows = x.shape[0] if num_rows is None else num_rows
-    y = call(x.astype(jnp.float32), w, scalar(layer), scalar(rows))
+    y = jax.ffi.ffi_call(_LINEAR_TARGET, out)(
+        x.astype(jnp.float32),
+        w,
+        scalar(layer),
+        scalar(rows),
+        none if norm is None else norm[0].astype(jnp.float32),
+        none if residual is None else residual.astype(jnp.float32),
+        norm_eps=np.float32(0.0 if norm is None else norm[1]),
+    )
     return y.astype(out_dtype or x.dtype)
 
 

@@ -14,11 +14,14 @@
 // adjacent), then a kKc-deep slice of a panel (8 KB) stays in L1 while every row tile of a
 // kMc-row block of x passes over it; each tile prefetches its share of the slice kAhead
 // slices on into L2. Only the first num_rows rows are computed (the rest of a padded step's
-// bucket is zero-filled). A work item is (row block, group of panels), so each weight
-// streams from memory once per row block: once per call in decode. The stacked weight is
-// indexed in place, so a decoder's lax.scan never copies a layer out.
+// bucket is zero-filled, or gets the residual's rows). An optional residual is added in the
+// first slice's store, so the decoder's skip connections need no pass of their own. A work
+// item is (row block, group of panels), so each weight streams from memory once per row
+// block: once per call in decode. The stacked weight is indexed in place, so a decoder's
+// lax.scan never copies a layer out.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -76,10 +79,12 @@ inline void load_panel_row(const bf16_t* p, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
 }
 
-// y[0:MR, 0:16] (+)= x[0:MR, 0:kc] @ panel[0:kc, 0:16]. x is packed: x[k * MR + m].
+// y[0:MR, 0:16] = base[0:MR, 0:16] + x[0:MR, 0:kc] @ panel[0:kc, 0:16], base (row stride
+// ldy like y) being y itself after the first slice, the residual or nothing (null) before.
+// x is packed: x[k * MR + m].
 template <int MR, typename W>
 inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t kc,
-                 bool accumulate, const W* prefetch, int64_t pf_count) {
+                 const float* base, const W* prefetch, int64_t pf_count) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
@@ -108,9 +113,9 @@ inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t 
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     float* row = y + m * ldy;
-    if (accumulate) {
-      lo[m] = _mm256_add_ps(lo[m], _mm256_loadu_ps(row));
-      hi[m] = _mm256_add_ps(hi[m], _mm256_loadu_ps(row + 8));
+    if (base != nullptr) {
+      lo[m] = _mm256_add_ps(lo[m], _mm256_loadu_ps(base + m * ldy));
+      hi[m] = _mm256_add_ps(hi[m], _mm256_loadu_ps(base + m * ldy + 8));
     }
     _mm256_storeu_ps(row, lo[m]);
     _mm256_storeu_ps(row + 8, hi[m]);
@@ -119,20 +124,20 @@ inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t 
 
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
-                      int64_t kc, bool accumulate, const W* prefetch, int64_t pf_count) {
+                      int64_t kc, const float* base, const W* prefetch, int64_t pf_count) {
   switch (rows) {
-    case 1: return tile<1>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
-    case 2: return tile<2>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
-    case 3: return tile<3>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
-    case 4: return tile<4>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
-    case 5: return tile<5>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
-    default: return tile<6>(x, panel, y, ldy, kc, accumulate, prefetch, pf_count);
+    case 1: return tile<1>(x, panel, y, ldy, kc, base, prefetch, pf_count);
+    case 2: return tile<2>(x, panel, y, ldy, kc, base, prefetch, pf_count);
+    case 3: return tile<3>(x, panel, y, ldy, kc, base, prefetch, pf_count);
+    case 4: return tile<4>(x, panel, y, ldy, kc, base, prefetch, pf_count);
+    case 5: return tile<5>(x, panel, y, ldy, kc, base, prefetch, pf_count);
+    default: return tile<6>(x, panel, y, ldy, kc, base, prefetch, pf_count);
   }
 }
 #else
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
-                      int64_t kc, bool accumulate, const W*, int64_t) {
+                      int64_t kc, const float* base, const W*, int64_t) {
   for (int64_t m = 0; m < rows; ++m) {
     float acc[kNr] = {};
     for (int64_t k = 0; k < kc; ++k) {
@@ -140,15 +145,16 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
 #pragma omp simd
       for (int64_t j = 0; j < kNr; ++j) acc[j] += xv * jaxpaged::to_float(panel[k * kNr + j]);
     }
-    for (int64_t j = 0; j < kNr; ++j) y[m * ldy + j] = acc[j] + (accumulate ? y[m * ldy + j] : 0.0f);
+    for (int64_t j = 0; j < kNr; ++j) y[m * ldy + j] = acc[j] + (base ? base[m * ldy + j] : 0.0f);
   }
 }
 #endif
 
 // Rows [m0, m0 + rows) of y, panels [p0, p1); xp: that row block packed by pack_block.
+// residual ([M, N] like y, or null) is added in the first slice's store.
 template <typename W>
-void linear_block(const float* xp, const W* w, float* y, int64_t K, int64_t N, int64_t m0,
-                  int64_t rows, int64_t p0, int64_t p1) {
+void linear_block(const float* xp, const W* w, const float* residual, float* y, int64_t K,
+                  int64_t N, int64_t m0, int64_t rows, int64_t p0, int64_t p1) {
   int64_t tiles[kMaxTiles][2];
   const int64_t nt = split_rows(rows, tiles);
   constexpr int64_t slice_lines = kKc * kNr / kLine<W>;
@@ -163,15 +169,18 @@ void linear_block(const float* xp, const W* w, float* y, int64_t K, int64_t N, i
       for (int64_t t = 0; t < nt; ++t) {
         const int64_t pf_first = std::min(t * per_tile, lines);
         const int64_t pf_count = std::min(per_tile, lines - pf_first);
-        tile_rows(tiles[t][1], xp + tiles[t][0] * K + k0 * tiles[t][1], panel,
-                  y + (m0 + tiles[t][0]) * N + p * kNr, N, kc, k0 > 0,
-                  pf_base + pf_first * kLine<W>, pf_count);
+        const int64_t at = (m0 + tiles[t][0]) * N + p * kNr;
+        const float* base = k0 > 0 ? y + at : residual != nullptr ? residual + at : nullptr;
+        tile_rows(tiles[t][1], xp + tiles[t][0] * K + k0 * tiles[t][1], panel, y + at, N, kc,
+                  base, pf_base + pf_first * kLine<W>, pf_count);
       }
     }
 }
 
 // Rows [m0, m0 + rows) of x [M, K] as tiles, each [K][tile rows], tile t at xp + first_t * K.
-void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows) {
+// With a norm weight ([K]) each row is RMS-normalized on the way: norm_w * (x / rms(x)).
+void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows,
+                const float* norm_w, float eps) {
   int64_t tiles[kMaxTiles][2];
   const int64_t nt = split_rows(rows, tiles);
   for (int64_t t = 0; t < nt; ++t) {
@@ -180,14 +189,27 @@ void pack_block(const float* x, float* xp, int64_t K, int64_t m0, int64_t rows) 
     const float* src = x + (m0 + r0) * K;
     // k outer: the writes run contiguously and the r row streams are read in step (m outer
     // wrote with a stride of r floats: 16.4 vs 5.5 us for 32 x 576 floats, alone)
+    if (norm_w == nullptr) {
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t m = 0; m < r; ++m) dst[k * r + m] = src[m * K + k];
+      continue;
+    }
+    float inv[kMr];
+    for (int64_t m = 0; m < r; ++m) {
+      const float* row = src + m * K;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
+      inv[m] = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+    }
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t m = 0; m < r; ++m) dst[k * r + m] = src[m * K + k];
+      for (int64_t m = 0; m < r; ++m) dst[k * r + m] = norm_w[k] * (src[m * K + k] * inv[m]);
   }
 }
 
 template <typename W>
-void linear(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t K,
-            int64_t N) {
+void linear(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* norm_w, float eps,
+            const float* residual, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t panels = N / kNr;
   const int64_t row_blocks = (M + kMc - 1) / kMc;
   const int64_t panel_groups = (panels + kPc - 1) / kPc;
@@ -197,18 +219,24 @@ void linear(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int6
   if (packed.size() < static_cast<size_t>(M * K)) packed.resize(M * K);
   float* xpk = packed.data();
   jaxpaged::parallel_for(pool, row_blocks, [&](int64_t b) {
-    pack_block(xp, xpk + b * kMc * K, K, b * kMc, std::min(kMc, M - b * kMc));
+    pack_block(xp, xpk + b * kMc * K, K, b * kMc, std::min(kMc, M - b * kMc), norm_w, eps);
   });
   jaxpaged::parallel_for(pool, row_blocks * panel_groups, [&](int64_t i) {
     const int64_t m0 = (i / panel_groups) * kMc, p0 = (i % panel_groups) * kPc;
-    linear_block(xpk + m0 * K, wp, yp, K, N, m0, std::min(kMc, M - m0), p0,
+    linear_block(xpk + m0 * K, wp, residual, yp, K, N, m0, std::min(kMc, M - m0), p0,
                  std::min(panels, p0 + kPc));
   });
 }
 
+// y = residual + norm(x) @ w[layer].T for the first num_rows rows of x [M, K]; the rest of
+// y is the residual's rows, or zero. The norm (an RMSNorm of x's rows, scaled by a [K]
+// weight) and the residual ([M, N]) are optional: a zero-size buffer leaves either out. They
+// fuse a decoder layer's norms and skip connections into its matmuls, which saves an XLA
+// pass over the rows for each (and reading back lines the other core wrote).
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> num_rows,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> num_rows,
+                      ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual_buf,
+                      float norm_eps, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[1] % kNr != 0)
@@ -217,18 +245,28 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
   const int64_t K = xd[1], L = wd[0], N = wd[1];
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
-  // Rows past num_rows are a step's padding: they get zeros, and cost nothing.
+  const int64_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("layer index out of range");
+  const int64_t norm_size = norm_weight.element_count();
+  const int64_t residual_size = residual_buf.element_count();
+  if ((norm_size != 0 && norm_size != K) || (residual_size != 0 && residual_size != xd[0] * N))
+    return ffi::Error::InvalidArgument("norm weight must be [K] and residual [M, N], or empty");
+  const float* norm_w = norm_size ? norm_weight.typed_data() : nullptr;
+  const float* residual = residual_size ? residual_buf.typed_data() : nullptr;
+  // Rows past num_rows are a step's padding: they cost nothing.
   const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
-  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
-  if (dtype == ffi::DataType::BF16)
-    linear(pool, x.typed_data(), static_cast<const bf16_t*>(w.untyped_data()) + l * N * K, yp, M,
-           K, N);
+  if (residual != nullptr)
+    std::copy(residual + M * N, residual + xd[0] * N, yp + M * N);
   else
-    linear(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()) + l * N * K, yp, M,
-           K, N);
+    std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  const float* xp = x.typed_data();
+  if (dtype == ffi::DataType::BF16)
+    linear(pool, xp, static_cast<const bf16_t*>(w.untyped_data()) + layer * N * K, norm_w,
+           norm_eps, residual, yp, M, K, N);
+  else
+    linear(pool, xp, static_cast<const float*>(w.untyped_data()) + layer * N * K, norm_w,
+           norm_eps, residual, yp, M, K, N);
   return ffi::Error::Success();
 }
 
@@ -241,5 +279,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLinear, LinearImpl,
                                   .Arg<ffi::AnyBuffer>()         // w [L, N, K] f32/bf16, panels
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm weight [K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [M, N] or [0]
+                                  .Attr<float>("norm_eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
+

@@ -21,14 +21,16 @@ is a 2-D dot contracting the weight's last (minor) axis: on XLA:CPU that is 20-4
 
 Attention is delegated to `attention_fn(q, k, v, layer, cache) -> (out, cache)` so the paged
 engine can substitute its KV-pool write + ragged paged attention without touching the model, and
-every matmul to `linear_fn(x, w, index)` over the stacked weight, so the engine can run decode
-steps' few-row matmuls in a native CPU kernel that reads each layer's weight in place.
+every matmul to `linear_fn(x, w, index, norm=None, residual=None)` over the stacked weight, so
+the engine can run decode steps' few-row matmuls in a native CPU kernel that reads each layer's
+weight in place, normalizes x as it packs it and adds the skip connection as it stores the
+product.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +44,25 @@ AttentionFn = Callable[
 
 Params = dict[str, Any]
 
-LinearFn = Callable[
-    [jax.Array, jax.Array, jax.Array | int], jax.Array
-]  # (x [T, K], w [L, N, K] stacked [out, in] weights, index int32 []) -> x @ w[index].T [T, N]
+
+class RMSNorm(NamedTuple):
+    """An RMSNorm for `linear_fn` to apply to x's rows before the product."""
+
+    weight: jax.Array  # [K]
+    eps: float
+
+
+class LinearFn(Protocol):
+    def __call__(
+        self,
+        x: jax.Array,  # [T, K]
+        w: jax.Array,  # [L, N, K] stacked [out, in] weights
+        index: jax.Array | int,  # int32 []
+        *,
+        norm: RMSNorm | None = None,
+        residual: jax.Array | None = None,  # [T, N]
+    ) -> jax.Array:  # residual + norm(x) @ w[index].T  [T, N]
+        ...
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:
@@ -79,10 +97,16 @@ def linear_xla(
     x: jax.Array,  # [T, K]
     w: jax.Array,  # [L, N, K]: a stack of [out, in] weights
     index: jax.Array | int,  # int32 []: which of the L
+    *,
+    norm: RMSNorm | None = None,
+    residual: jax.Array | None = None,  # [T, N]
 ) -> jax.Array:  # [T, N]
-    """x @ w[index].T as one 2-D dot contracting both minor axes (multi-axis einsums and
-    [in, out] weights are slower for few rows on XLA:CPU; bench/weight_layout.py)."""
-    return jnp.einsum("ti,oi->to", x, w[index])
+    """(residual +) norm(x) @ w[index].T as one 2-D dot contracting both minor axes (multi-axis
+    einsums and [in, out] weights are slower for few rows on XLA:CPU; bench/weight_layout.py)."""
+    if norm is not None:
+        x = rms_norm(x, norm.weight, norm.eps)
+    y = jnp.einsum("ti,oi->to", x, w[index])
+    return y if residual is None else residual + y
 
 
 def _matmul_views(layers: dict[str, jax.Array], config: ModelConfig) -> dict[str, jax.Array]:
@@ -138,8 +162,10 @@ def _layer(
     # Matmul weights go to linear_fn whole, so a native kernel can read the layer in place.
     w = _matmul_views(layers, c)
 
-    h = rms_norm(x, layers["attn_norm"][layer], eps)
-    qkv = linear_fn(h, w["wqkv"], layer).reshape(t, c.num_kv_heads, g + 2, c.head_dim)
+    attn_norm = RMSNorm(layers["attn_norm"][layer], eps)
+    qkv = linear_fn(x, w["wqkv"], layer, norm=attn_norm).reshape(
+        t, c.num_kv_heads, g + 2, c.head_dim
+    )
     if c.qkv_bias:
         qkv = qkv + layers["bqkv"][layer][None]
     q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)
@@ -153,13 +179,13 @@ def _layer(
 
     attn, cache = attention_fn(q, k, v, layer, cache)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
-    x = x + linear_fn(attn, w["wo"], layer)
+    x = linear_fn(attn, w["wo"], layer, residual=x)
 
-    h = rms_norm(x, layers["mlp_norm"][layer], eps)
+    mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
-    gate = linear_fn(h, w["w_gate_up"], 2 * layer)
-    up = linear_fn(h, w["w_gate_up"], 2 * layer + 1)
-    x = x + linear_fn(jax.nn.silu(gate) * up, w["w_down"], layer)
+    gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
+    up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
+    x = linear_fn(jax.nn.silu(gate) * up, w["w_down"], layer, residual=x)
     return x, cache
 
 

@@ -268,3 +268,52 @@ def test_argmax_rejects_bad_input():
         cpu.argmax(jnp.zeros((4,), jnp.float32))
     with pytest.raises(ValueError, match="float32"):
         cpu.argmax(jnp.zeros((2, 8), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m,real", [(1, 1), (7, 7), (32, 24), (200, 131), (8, 0)])
+@pytest.mark.parametrize("k,n", [(576, 960), (13, 16)])  # several slices; one short slice
+def test_linear_adds_the_residual(rng, m, real, k, n):
+    """residual + x @ w[index].T: the real rows against float64 numpy, the padding rows
+    carry the residual's rows through (a skipped layer's identity), whatever x holds there."""
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    x[real:] = np.nan
+    w = rng.standard_normal((2, n, k), dtype=np.float32)
+    res = rng.standard_normal((m, n), dtype=np.float32)
+    fn = jax.jit(lambda x, w, r: cpu.linear(x, w, 1, num_rows=real, residual=r))
+    out = np.asarray(fn(jnp.asarray(x), cpu.pack_panels(jnp.asarray(w)), jnp.asarray(res)))
+    ref = res[:real].astype(np.float64) + x[:real].astype(np.float64) @ w[1].astype(np.float64).T
+    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_array_equal(out[real:], res[real:])
+
+
+def test_linear_rejects_a_residual_of_the_wrong_shape():
+    x = jnp.zeros((2, 8), jnp.float32)
+    w = jnp.zeros((1, 16, 8), jnp.float32)
+    with pytest.raises(ValueError, match="residual must be \\(2, 16\\)"):
+        cpu.linear(x, w, 0, residual=jnp.zeros((2, 8), jnp.float32))
+
+
+@pytest.mark.parametrize("m,real", [(1, 1), (7, 7), (32, 24), (200, 131)])
+@pytest.mark.parametrize("k,n", [(576, 960), (13, 16)])
+def test_linear_normalizes_x_first(rng, m, real, k, n):
+    """norm=(weight, eps): weight * x / rms(x) per row, then the product (and the residual):
+    against float64 numpy."""
+    x = rng.standard_normal((m, k), dtype=np.float32) * 3.0
+    x[real:] = np.nan
+    w = rng.standard_normal((2, n, k), dtype=np.float32)
+    g = rng.standard_normal(k, dtype=np.float32)
+    res = rng.standard_normal((m, n), dtype=np.float32)
+    eps = 1e-5
+    fn = jax.jit(lambda x, w, g, r: cpu.linear(x, w, 0, num_rows=real, norm=(g, eps), residual=r))
+    out = np.asarray(fn(*map(jnp.asarray, (x, cpu.pack_panels(jnp.asarray(w)), g, res))))
+    x64 = x[:real].astype(np.float64)
+    normed = g * x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + eps)
+    ref = res[:real] + normed @ w[0].astype(np.float64).T
+    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_array_equal(out[real:], res[real:])
+
+
+def test_linear_rejects_a_norm_weight_of_the_wrong_shape():
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="norm weight must be \\[8\\]"):
+        cpu.linear(x, jnp.zeros((1, 16, 8), jnp.float32), 0, norm=(jnp.ones(16), 1e-6))
