@@ -218,15 +218,17 @@ def linear(
     out_dtype: jnp.dtype | None = None,  # default: x's dtype
     residual: jax.Array | None = None,  # [M, N]: added to the product
     norm: tuple[jax.Array, float] | None = None,  # (weight [K], eps): RMSNorm x's rows first
+    silu_gate: jax.Array | None = None,  # [M, K]: x becomes silu(silu_gate) * x, first of all
 ) -> jax.Array:  # [M, N]
     """x @ w[layer].T in the C++ kernel, with ``w`` from `pack_panels`. The layer is indexed
     inside the kernel, so the stacked weight is read in place (no per-layer slice copy).
     Rows from ``num_rows`` on come out zero and cost nothing: a step padded to its bucket
     pays for its real tokens only. bfloat16 weights are read as such (half the bytes of
     float32); x, the accumulation and the result are float32 inside. A ``residual`` is added
-    as the result is stored (padding rows get the residual's rows), and ``norm`` normalizes
-    x's rows as they are packed (``weight * x / rms(x)``, in float32): a decoder layer's
-    skip connections and norms without XLA passes of their own."""
+    as the result is stored (padding rows get the residual's rows); ``silu_gate`` (a SwiGLU
+    MLP's activation) and ``norm`` (``weight * x / rms(x)``) apply to x's rows as they are
+    packed, in float32: a decoder layer's activation, norms and skip connections without XLA
+    passes of their own."""
     _require("kernels")
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w.shape[1] % PANEL:
         raise ValueError(
@@ -238,9 +240,11 @@ def linear(
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {out.shape} like the product, got {residual.shape}")
+    if silu_gate is not None and silu_gate.shape != x.shape:
+        raise ValueError(f"silu_gate must be {x.shape} like x, got {silu_gate.shape}")
     if norm is not None and norm[0].shape != (x.shape[1],):
         raise ValueError(f"norm weight must be [{x.shape[1]}] like x's rows, got {norm[0].shape}")
-    none = jnp.zeros((0,), jnp.float32)  # an absent norm weight or residual
+    none = jnp.zeros((0,), jnp.float32)  # an absent gate, norm weight or residual
 
     def scalar(v):
         return jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
@@ -251,6 +255,7 @@ def linear(
         w,
         scalar(layer),
         scalar(rows),
+        none if silu_gate is None else silu_gate.astype(jnp.float32),
         none if norm is None else norm[0].astype(jnp.float32),
         none if residual is None else residual.astype(jnp.float32),
         norm_eps=np.float32(0.0 if norm is None else norm[1]),

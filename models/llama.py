@@ -21,10 +21,10 @@ is a 2-D dot contracting the weight's last (minor) axis: on XLA:CPU that is 20-4
 
 Attention is delegated to `attention_fn(q, k, v, layer, cache) -> (out, cache)` so the paged
 engine can substitute its KV-pool write + ragged paged attention without touching the model, and
-every matmul to `linear_fn(x, w, index, norm=None, residual=None)` over the stacked weight, so
-the engine can run decode steps' few-row matmuls in a native CPU kernel that reads each layer's
-weight in place, normalizes x as it packs it and adds the skip connection as it stores the
-product.
+every matmul to `linear_fn(x, w, index, norm=None, silu_gate=None, residual=None)` over the
+stacked weight, so the engine can run decode steps' few-row matmuls in a native CPU kernel that
+reads each layer's weight in place, applies the norm or the MLP's activation as it packs x and
+adds the skip connection as it stores the product.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class LinearFn(Protocol):
         index: jax.Array | int,  # int32 []
         *,
         norm: RMSNorm | None = None,
+        silu_gate: jax.Array | None = None,  # [T, K]
         residual: jax.Array | None = None,  # [T, N]
-    ) -> jax.Array:  # residual + norm(x) @ w[index].T  [T, N]
+    ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ w[index].T  [T, N]
         ...
 
 
@@ -99,10 +100,14 @@ def linear_xla(
     index: jax.Array | int,  # int32 []: which of the L
     *,
     norm: RMSNorm | None = None,
+    silu_gate: jax.Array | None = None,  # [T, K]
     residual: jax.Array | None = None,  # [T, N]
 ) -> jax.Array:  # [T, N]
-    """(residual +) norm(x) @ w[index].T as one 2-D dot contracting both minor axes (multi-axis
-    einsums and [in, out] weights are slower for few rows on XLA:CPU; bench/weight_layout.py)."""
+    """(residual +) norm(silu(silu_gate) * x) @ w[index].T as one 2-D dot contracting both
+    minor axes (multi-axis einsums and [in, out] weights are slower for few rows on XLA:CPU;
+    bench/weight_layout.py)."""
+    if silu_gate is not None:
+        x = jax.nn.silu(silu_gate) * x
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
     y = jnp.einsum("ti,oi->to", x, w[index])
@@ -185,7 +190,7 @@ def _layer(
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
     up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
-    x = linear_fn(jax.nn.silu(gate) * up, w["w_down"], layer, residual=x)
+    x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
     return x, cache
 
 

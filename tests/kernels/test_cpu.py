@@ -317,3 +317,42 @@ def test_linear_rejects_a_norm_weight_of_the_wrong_shape():
     x = jnp.zeros((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="norm weight must be \\[8\\]"):
         cpu.linear(x, jnp.zeros((1, 16, 8), jnp.float32), 0, norm=(jnp.ones(16), 1e-6))
+
+
+@pytest.mark.parametrize("m,real", [(1, 1), (7, 7), (32, 24)])
+@pytest.mark.parametrize("k,n", [(1536, 576), (13, 16)])  # vector body; scalar tail only
+def test_linear_applies_the_silu_gate_first(rng, m, real, k, n):
+    """silu_gate=g: (silu(g) * x) @ w.T (+ residual), a SwiGLU MLP's down projection, against
+    float64 numpy; gates span the exp's clamp (+-88) and beyond."""
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    g = rng.standard_normal((m, k), dtype=np.float32) * 4.0
+    g[0, :4] = [-100.0, 100.0, -88.5, 88.5]
+    x[real:] = np.nan
+    w = rng.standard_normal((1, n, k), dtype=np.float32)
+    res = rng.standard_normal((m, n), dtype=np.float32)
+    fn = jax.jit(lambda x, w, g, r: cpu.linear(x, w, 0, num_rows=real, silu_gate=g, residual=r))
+    out = np.asarray(fn(*map(jnp.asarray, (x, cpu.pack_panels(jnp.asarray(w)), g, res))))
+    g64 = g[:real].astype(np.float64)
+    act = g64 / (1.0 + np.exp(-g64)) * x[:real]
+    ref = res[:real] + act @ w[0].astype(np.float64).T
+    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_array_equal(out[real:], res[real:])
+
+
+def test_linear_rejects_a_silu_gate_of_the_wrong_shape():
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="silu_gate must be \\(2, 8\\)"):
+        cpu.linear(x, jnp.zeros((1, 16, 8), jnp.float32), 0, silu_gate=jnp.zeros((2, 16)))
+
+
+def test_silu_gate_is_accurate_elementwise(rng):
+    """Through an identity weight the output is silu(g) itself: within a few float32 ulps
+    of float64 over [-90, 90] (the vector exp is a polynomial, not libm's). Below -88.4 the
+    exp saturates, so silu's ~1e-37 values there are only absolutely close."""
+    k = 16
+    g = np.concatenate([np.linspace(-90, 90, 4000), rng.standard_normal(4000) * 3])
+    g = g.astype(np.float32).reshape(-1, k)
+    eye = cpu.pack_panels(jnp.eye(k, dtype=jnp.float32)[None])
+    out = np.asarray(jax.jit(lambda g: cpu.linear(jnp.ones_like(g), eye, 0, silu_gate=g))(g))
+    g64 = g.astype(np.float64)
+    np.testing.assert_allclose(out, g64 / (1.0 + np.exp(-g64)), rtol=4e-7, atol=1e-35)
