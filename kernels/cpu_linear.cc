@@ -178,30 +178,6 @@ void linear_block(const float* xp, const W* w, const float* residual, float* y, 
     }
 }
 
-#ifdef JAXPAGED_AVX2
-// e^x for 8 floats (Cephes' expf: a degree-5 polynomial after reducing by ln 2; within 2 ulp
-// of expf over the normal range). Inputs beyond +-88.4 are clamped; NaN stays NaN.
-inline __m256 exp8(__m256 x) {
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                    _mm256_set1_ps(88.3762626647949f));
-  const __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_or_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(scale)), nan);
-}
-#endif
-
 // out[i] = silu(gate[i]) * x[i] = gate / (1 + e^-gate) * x: a SwiGLU MLP's activation.
 void silu_gate(const float* gate, const float* x, float* out, int64_t n) {
   int64_t i = 0;
@@ -209,7 +185,7 @@ void silu_gate(const float* gate, const float* x, float* out, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 e = jaxpaged::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
     _mm256_storeu_ps(out + i,
                      _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(x + i)));
   }

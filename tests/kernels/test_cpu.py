@@ -270,20 +270,30 @@ def test_argmax_rejects_bad_input():
         cpu.argmax(jnp.zeros((2, 8), jnp.bfloat16))
 
 
+def check_fused(rng, m, real, k, n, **fused):
+    """cpu.linear with a residual and the ``fused`` pre-op (``norm=`` or ``silu_gate=``, each
+    a function of the rng giving the argument and its float64 action on x) against float64
+    numpy: the real rows match, the padding rows carry the residual's rows through (a skipped
+    layer's identity), whatever x holds there."""
+    x = rng.standard_normal((m, k), dtype=np.float32) * 3.0
+    x[real:] = np.nan  # padding rows: must not be read into the real ones
+    w = rng.standard_normal((2, n, k), dtype=np.float32)
+    res = rng.standard_normal((m, n), dtype=np.float32)
+    kwargs, act = {}, x[:real].astype(np.float64)
+    for name, make in fused.items():
+        kwargs[name], action = make(rng)
+        act = action(act)
+    fn = jax.jit(lambda x, w, r, kw: cpu.linear(x, w, 1, num_rows=real, residual=r, **kw))
+    out = np.asarray(fn(jnp.asarray(x), cpu.pack_panels(jnp.asarray(w)), jnp.asarray(res), kwargs))
+    ref = res[:real] + act @ w[1].astype(np.float64).T
+    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_array_equal(out[real:], res[real:])
+
+
 @pytest.mark.parametrize("m,real", [(1, 1), (7, 7), (32, 24), (200, 131), (8, 0)])
 @pytest.mark.parametrize("k,n", [(576, 960), (13, 16)])  # several slices; one short slice
 def test_linear_adds_the_residual(rng, m, real, k, n):
-    """residual + x @ w[index].T: the real rows against float64 numpy, the padding rows
-    carry the residual's rows through (a skipped layer's identity), whatever x holds there."""
-    x = rng.standard_normal((m, k), dtype=np.float32)
-    x[real:] = np.nan
-    w = rng.standard_normal((2, n, k), dtype=np.float32)
-    res = rng.standard_normal((m, n), dtype=np.float32)
-    fn = jax.jit(lambda x, w, r: cpu.linear(x, w, 1, num_rows=real, residual=r))
-    out = np.asarray(fn(jnp.asarray(x), cpu.pack_panels(jnp.asarray(w)), jnp.asarray(res)))
-    ref = res[:real].astype(np.float64) + x[:real].astype(np.float64) @ w[1].astype(np.float64).T
-    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
-    np.testing.assert_array_equal(out[real:], res[real:])
+    check_fused(rng, m, real, k, n)
 
 
 def test_linear_rejects_a_residual_of_the_wrong_shape():
@@ -296,21 +306,16 @@ def test_linear_rejects_a_residual_of_the_wrong_shape():
 @pytest.mark.parametrize("m,real", [(1, 1), (7, 7), (32, 24), (200, 131)])
 @pytest.mark.parametrize("k,n", [(576, 960), (13, 16)])
 def test_linear_normalizes_x_first(rng, m, real, k, n):
-    """norm=(weight, eps): weight * x / rms(x) per row, then the product (and the residual):
-    against float64 numpy."""
-    x = rng.standard_normal((m, k), dtype=np.float32) * 3.0
-    x[real:] = np.nan
-    w = rng.standard_normal((2, n, k), dtype=np.float32)
-    g = rng.standard_normal(k, dtype=np.float32)
-    res = rng.standard_normal((m, n), dtype=np.float32)
-    eps = 1e-5
-    fn = jax.jit(lambda x, w, g, r: cpu.linear(x, w, 0, num_rows=real, norm=(g, eps), residual=r))
-    out = np.asarray(fn(*map(jnp.asarray, (x, cpu.pack_panels(jnp.asarray(w)), g, res))))
-    x64 = x[:real].astype(np.float64)
-    normed = g * x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + eps)
-    ref = res[:real] + normed @ w[0].astype(np.float64).T
-    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
-    np.testing.assert_array_equal(out[real:], res[real:])
+    """norm=(weight, eps): weight * x / rms(x) per row, then the product."""
+
+    def norm(rng):
+        g, eps = rng.standard_normal(k, dtype=np.float32), 1e-5
+        return (
+            jnp.asarray(g),
+            eps,
+        ), lambda x: g * x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps)
+
+    check_fused(rng, m, real, k, n, norm=norm)
 
 
 def test_linear_rejects_a_norm_weight_of_the_wrong_shape():
@@ -322,21 +327,16 @@ def test_linear_rejects_a_norm_weight_of_the_wrong_shape():
 @pytest.mark.parametrize("m,real", [(1, 1), (7, 7), (32, 24)])
 @pytest.mark.parametrize("k,n", [(1536, 576), (13, 16)])  # vector body; scalar tail only
 def test_linear_applies_the_silu_gate_first(rng, m, real, k, n):
-    """silu_gate=g: (silu(g) * x) @ w.T (+ residual), a SwiGLU MLP's down projection, against
-    float64 numpy; gates span the exp's clamp (+-88) and beyond."""
-    x = rng.standard_normal((m, k), dtype=np.float32)
-    g = rng.standard_normal((m, k), dtype=np.float32) * 4.0
-    g[0, :4] = [-100.0, 100.0, -88.5, 88.5]
-    x[real:] = np.nan
-    w = rng.standard_normal((1, n, k), dtype=np.float32)
-    res = rng.standard_normal((m, n), dtype=np.float32)
-    fn = jax.jit(lambda x, w, g, r: cpu.linear(x, w, 0, num_rows=real, silu_gate=g, residual=r))
-    out = np.asarray(fn(*map(jnp.asarray, (x, cpu.pack_panels(jnp.asarray(w)), g, res))))
-    g64 = g[:real].astype(np.float64)
-    act = g64 / (1.0 + np.exp(-g64)) * x[:real]
-    ref = res[:real] + act @ w[0].astype(np.float64).T
-    np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
-    np.testing.assert_array_equal(out[real:], res[real:])
+    """silu_gate=g: (silu(g) * x) @ w.T, a SwiGLU MLP's down projection; gates span the exp's
+    clamp (+-88) and beyond."""
+
+    def gate(rng):
+        g = rng.standard_normal((m, k), dtype=np.float32) * 4.0
+        g[0, :4] = [-100.0, 100.0, -88.5, 88.5]
+        g64 = g[:real].astype(np.float64)
+        return jnp.asarray(g), lambda x: g64 / (1.0 + np.exp(-g64)) * x
+
+    check_fused(rng, m, real, k, n, silu_gate=gate)
 
 
 def test_linear_rejects_a_silu_gate_of_the_wrong_shape():
