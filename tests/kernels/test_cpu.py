@@ -283,8 +283,8 @@ def check_fused(rng, m, real, k, n, **fused):
     for name, make in fused.items():
         kwargs[name], action = make(rng)
         act = action(act)
-    fn = jax.jit(lambda x, w, r, kw: cpu.linear(x, w, 1, num_rows=real, residual=r, **kw))
-    out = np.asarray(fn(jnp.asarray(x), cpu.pack_panels(jnp.asarray(w)), jnp.asarray(res), kwargs))
+    fn = jax.jit(lambda x, w, r: cpu.linear(x, w, 1, num_rows=real, residual=r, **kwargs))
+    out = np.asarray(fn(jnp.asarray(x), cpu.pack_panels(jnp.asarray(w)), jnp.asarray(res)))
     ref = res[:real] + act @ w[1].astype(np.float64).T
     np.testing.assert_allclose(out[:real], ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
     np.testing.assert_array_equal(out[real:], res[real:])
