@@ -18,8 +18,8 @@
 // slices on into L2. Only the first num_rows rows are computed (the rest of a padded step's
 // bucket is zero-filled, or gets the residual's rows). The residual is added in the first
 // slice's store. A work item is (row block, group of panels), so each weight streams from
-// memory once per row block: once per call in decode. The stacked weight is indexed in place, so a decoder's
-// lax.scan never copies a layer out.
+// memory once per row block: once per call in decode. The stacked weight is indexed in
+// place, so a decoder's lax.scan never copies a layer out.
 
 #include <algorithm>
 #include <cmath>
@@ -186,8 +186,8 @@ void silu_gate(const float* gate, const float* x, float* out, int64_t n) {
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
     const __m256 e = jaxpaged::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(out + i,
-                     _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(x + i)));
+    const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(x + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * x[i];
