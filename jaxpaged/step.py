@@ -126,11 +126,15 @@ def step(
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
     logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
-    native = (backend or default_backend()) == "cpu" and mesh is None
-    argmax = cpu.argmax if native else sampler.greedy_argmax
+    argmax = cpu.argmax if on_native_cpu(backend, mesh) else sampler.greedy_argmax
     out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs, argmax=argmax)
     out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
     return replicate_on(out, mesh), pool
+
+
+def on_native_cpu(backend: str | None, mesh: jax.sharding.Mesh | None) -> bool:
+    """Whether the step runs on one CPU device with the native kernels ("cpu" backend)."""
+    return (backend or default_backend()) == "cpu" and mesh is None
 
 
 def use_native_linear(
@@ -140,7 +144,7 @@ def use_native_linear(
     bfloat16 weights on one CPU device, the native kernels in use ("cpu" attention
     backend), and every output size a multiple of the kernel's panel width. The caller then
     packs the weights once (`pack_native_linear`)."""
-    if (backend or default_backend()) != "cpu" or mesh is not None:
+    if not on_native_cpu(backend, mesh):
         return False
     if params["embed"].dtype not in cpu.LINEAR_DTYPES or not cpu.available():
         return False
