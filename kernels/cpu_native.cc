@@ -258,6 +258,27 @@ struct WorkItem {
   int32_t seq, head_begin, head_end, row_begin, row_end;  // KV heads [begin, end), rows
 };
 
+// Where an item's rows sit (row r at pos0 + r; a sequence's last row at kv_len - 1) and the
+// blocks they can see.
+struct ItemSpan {
+  int64_t pos0, last_pos, first_blk, last_blk;
+};
+ItemSpan item_span(const Shapes& sh, const WorkItem& w, const int32_t* kv_lens,
+                   const int32_t* cu_q_lens) {
+  const int64_t pos0 = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
+  const int64_t last_pos = pos0 + (w.row_end - w.row_begin) - 1;
+  const int64_t first_pos =
+      sh.sliding_window > 0 ? std::max<int64_t>(0, pos0 - sh.sliding_window + 1) : 0;
+  return {pos0, last_pos, first_pos / sh.block_size,
+          std::min<int64_t>(last_pos / sh.block_size, sh.max_blocks - 1)};
+}
+
+// A block's K and its V: what a decode item prefetches.
+struct BlockPair {
+  const void* k;
+  const void* v;
+};
+
 // One (sequence, KV heads, rows) item: online softmax over the visible blocks, block by
 // block, every head of the item per block (a decode item takes all heads, so each block's
 // contiguous K/V is read front to back once).
@@ -413,16 +434,21 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 // Blocks are read in order, each block's heads front to back; a decode item (all heads, so
 // whole blocks) trickles the block kAheadBlocks on into cache while it computes, a prefill
 // tile prefetches its head's rows of the next block at once (it computes far longer per block).
+//
+// A decode item's first blocks are prefetched at once, unless the item before it in a chain
+// (chained_decode) trickled them in its own last blocks: `after` holds the next item's
+// first blocks, trickled once this item's own run out.
 template <typename KV>
 void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, const float* q,
                  const KV* k_pages, const KV* v_pages, const int32_t* kv_lens,
-                 const int32_t* tables, const int32_t* cu_q_lens, float* out) {
+                 const int32_t* tables, const int32_t* cu_q_lens, float* out,
+                 const BlockPair* after = nullptr, int64_t n_after = 0,
+                 bool first_ready = false) {
   const int64_t D = sh.head_dim, B = sh.block_size, G = sh.group, Hkv = sh.num_kv_heads;
   const int64_t Hq = sh.num_q_heads;
   const int64_t rows = w.row_end - w.row_begin, H = w.head_end - w.head_begin;
-  // Row r's position (it sees keys 0..pos0 + r): a sequence's last row sits at kv_len - 1.
-  const int64_t pos0 = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
-  const int64_t last_pos = pos0 + rows - 1;
+  const ItemSpan span = item_span(sh, w, kv_lens, cu_q_lens);
+  const int64_t pos0 = span.pos0, last_pos = span.last_pos, last_blk = span.last_blk;
   auto first_visible = [&](int64_t pos) {
     return sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1) : 0;
   };
@@ -436,7 +462,6 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
   }
 
   const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
-  const int64_t last_blk = std::min<int64_t>(last_pos / B, sh.max_blocks - 1);
   auto valid = [&](int64_t phys) { return phys >= 0 && phys < sh.num_pool_blocks; };
   auto row_of = [&](const KV* pages, int64_t phys, int64_t j, int64_t h) {
     return pages + ((phys * B + j) * Hkv + w.head_begin + h) * D;
@@ -450,15 +475,20 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
   const int64_t block_bytes = B * head_bytes;
   Trickle pf;
   auto trickle_block = [&](int64_t b) {  // starts block b's prefetch, if it is one to read
-    if (b > last_blk || !valid(table[b])) return false;
+    if (b > last_blk) {  // past this item: the next item's first blocks, if chained
+      if (b - last_blk > n_after) return false;
+      pf.start(after[b - last_blk - 1].k, after[b - last_blk - 1].v, block_bytes);
+      return true;
+    }
+    if (!valid(table[b])) return false;
     pf.start(row_of(k_pages, table[b], 0, 0), row_of(v_pages, table[b], 0, 0), block_bytes);
     return true;
   };
-  if (whole_blocks)  // the first blocks, which nothing before them prefetches: at once
-    for (int64_t b = first_visible(pos0) / B, e = b + kAheadBlocks; b < e; ++b)
+  if (whole_blocks && !first_ready)  // the first blocks, if nothing before prefetched them
+    for (int64_t b = span.first_blk, e = b + kAheadBlocks; b < e; ++b)
       if (trickle_block(b)) pf.flush();
 
-  for (int64_t blk = first_visible(pos0) / B; blk <= last_blk; ++blk) {
+  for (int64_t blk = span.first_blk; blk <= last_blk; ++blk) {
     const int64_t phys = table[blk];
     if (!valid(phys)) continue;  // never read outside the pool
     if (whole_blocks) {
@@ -500,6 +530,7 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
       }
     }
   }
+  pf.flush();  // the rest of the next item's blocks
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = out + ((w.row_begin + r) * Hq + w.head_begin * G) * D;
     for (int64_t qi = 0; qi < H * G; ++qi) {
@@ -507,6 +538,51 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
       const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
       for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = acc[i * D + d] * inv;
     }
+  }
+}
+
+// Item boundaries [chains[c], chains[c + 1]) of the chains the threads take turns on: runs of
+// consecutive decode items (the longest first, as sorted), about four chains per thread, so
+// a thread goes from one sequence's blocks to the next without a burst of misses (the next
+// item's first blocks are trickled in during the current item's last). Prefill items, which
+// prefetch a block ahead at once, stay alone.
+std::vector<int64_t> decode_chains(const std::vector<WorkItem>& items, const Shapes& sh,
+                                   int64_t threads) {
+  auto whole = [&](const WorkItem& w) { return w.head_end - w.head_begin == sh.num_kv_heads; };
+  int64_t n_decode = 0;
+  for (const WorkItem& w : items) n_decode += whole(w) ? 1 : 0;
+  const int64_t per_chain = std::max<int64_t>(1, n_decode / (4 * std::max<int64_t>(1, threads)));
+  std::vector<int64_t> bounds{0};
+  const auto n = static_cast<int64_t>(items.size());
+  for (int64_t i = 1; i < n; ++i) {
+    const bool joins = whole(items[i]) && whole(items[i - 1]) && i - bounds.back() < per_chain;
+    if (!joins) bounds.push_back(i);
+  }
+  bounds.push_back(n);
+  return bounds;
+}
+
+// Items [begin, end) in order, each handing the next its first blocks to prefetch.
+template <typename KV>
+void attend_chain(const Shapes& sh, const RowKernels& fns, const std::vector<WorkItem>& items,
+                  int64_t begin, int64_t end, const float* q, const KV* k_pages,
+                  const KV* v_pages, const int32_t* kv_lens, const int32_t* tables,
+                  const int32_t* cu_q_lens, float* out) {
+  const int64_t stride = sh.block_size * sh.num_kv_heads * sh.head_dim;  // elements per block
+  for (int64_t i = begin; i < end; ++i) {
+    BlockPair after[kAheadBlocks];
+    int64_t n_after = 0;
+    if (i + 1 < end) {
+      const WorkItem& next = items[i + 1];
+      const ItemSpan span = item_span(sh, next, kv_lens, cu_q_lens);
+      const int32_t* table = tables + static_cast<int64_t>(next.seq) * sh.max_blocks;
+      for (int64_t b = span.first_blk; b <= span.last_blk && n_after < kAheadBlocks; ++b) {
+        if (table[b] < 0 || table[b] >= sh.num_pool_blocks) break;
+        after[n_after++] = {k_pages + table[b] * stride, v_pages + table[b] * stride};
+      }
+    }
+    attend_rows<KV>(sh, fns, items[i], q, k_pages, v_pages, kv_lens, tables, cu_q_lens, out,
+                    after, n_after, /*first_ready=*/i > begin);
   }
 }
 #endif
@@ -577,19 +653,24 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const void* kp = k_pages.untyped_data();
   const void* vp = v_pages.untyped_data();
   const RowKernels vec = row_kernels(sh.group, sh.head_dim);
+#ifdef JAXPAGED_AVX2
+  if (vec.scores != nullptr) {
+    const auto chains = decode_chains(items, sh, pool.num_threads());
+    jaxpaged::parallel_for(pool, static_cast<int64_t>(chains.size()) - 1, [&](int64_t c) {
+      if (dtype == ffi::DataType::F32)
+        attend_chain<float>(sh, vec, items, chains[c], chains[c + 1], qp,
+                            static_cast<const float*>(kp), static_cast<const float*>(vp), lens,
+                            tp, cu, o);
+      else
+        attend_chain<uint16_t>(sh, vec, items, chains[c], chains[c + 1], qp,
+                               static_cast<const uint16_t*>(kp),
+                               static_cast<const uint16_t*>(vp), lens, tp, cu, o);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   jaxpaged::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const WorkItem& w = items[i];
-#ifdef JAXPAGED_AVX2
-    if (vec.scores != nullptr) {
-      if (dtype == ffi::DataType::F32)
-        attend_rows<float>(sh, vec, w, qp, static_cast<const float*>(kp),
-                           static_cast<const float*>(vp), lens, tp, cu, o);
-      else
-        attend_rows<uint16_t>(sh, vec, w, qp, static_cast<const uint16_t*>(kp),
-                              static_cast<const uint16_t*>(vp), lens, tp, cu, o);
-      return;
-    }
-#endif
     if (dtype == ffi::DataType::F32)
       attend<float>(sh, w, qp, static_cast<const float*>(kp), static_cast<const float*>(vp),
                     lens, tp, cu, o);

@@ -46,6 +46,21 @@ def test_cpu_decode_batch(rng):
     )
 
 
+@pytest.mark.parametrize(
+    "dtype,window,cap", [("float32", None, None), ("bfloat16", 21, 4.0)], ids=["f32", "bf16"]
+)
+def test_cpu_decode_chains_with_prefill_rows(rng, dtype, window, cap):
+    """Enough decode rows that the kernel runs them in chains (each item prefetching the next
+    one's first blocks), some a single block long, with prefill rows between them."""
+    seqs = [(1, int(rng.integers(1, 120))) for _ in range(30)]
+    seqs[3:3] = [(17, 40)]
+    seqs[11:11] = [(1, 3), (1, 16), (5, 5)]
+    run_and_compare(
+        rng, seqs, hq=6, hkv=2, d=64, bs=16, dtype=dtype, backend="cpu",
+        sliding_window=window, soft_cap=cap,
+    )  # fmt: skip
+
+
 def test_cpu_long_prefill_tiles(rng):
     """Prompts longer than a row tile, on top of cached prefixes, with and without a window."""
     seqs = [(70, 70), (45, 260), (1, 5), (33, 33)]
