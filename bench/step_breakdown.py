@@ -70,25 +70,38 @@ def _abort(llm: Any, ids: Sequence[str]) -> None:
 
 
 def time_decode_steps(
-    llm: Any, prompts: Sequence[Sequence[int]], *, batch: int = 32, steps: int = 16
-) -> DecodeTiming:
-    """Wall time of ``steps`` pure-decode engine.step() calls at ``batch`` sequences."""
-    ids = prepare_decode(llm, prompts, batch=batch, steps=steps)
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch: int = 32,
+    steps: int = 16,
+    rounds: int = 1,
+    after_round: Callable[[], None] | None = None,
+) -> list[DecodeTiming]:
+    """Wall time of ``steps`` pure-decode engine.step() calls at ``batch`` sequences, for each
+    of ``rounds`` rounds on the same requests; ``after_round()`` runs between them (untimed),
+    so throughput.py can measure the machine's peaks next to each round's steps."""
+    ids = prepare_decode(llm, prompts, batch=batch, steps=steps * rounds)
     engine = llm.engine
+    timings = []
     try:
-        times = []
-        ctx: list[int] = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-            if i == steps // 2:
-                ctx = [r.num_tokens for r in engine.scheduler.running]
-            if len(engine.scheduler.running) != batch:
-                raise RuntimeError(f"batch fell to {len(engine.scheduler.running)} sequences")
+        for _ in range(rounds):
+            times = []
+            ctx: list[int] = []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+                if i == steps // 2:
+                    ctx = [r.num_tokens for r in engine.scheduler.running]
+                if len(engine.scheduler.running) != batch:
+                    raise RuntimeError(f"batch fell to {len(engine.scheduler.running)} sequences")
+            timings.append(DecodeTiming(step_seconds=times, context_lens=ctx, batch=batch))
+            if after_round is not None:
+                after_round()
     finally:
         _abort(llm, ids)
-    return DecodeTiming(step_seconds=times, context_lens=ctx, batch=batch)
+    return timings
 
 
 def _timed(fn: Callable[..., Any], *args: Any, repeats: int) -> float:

@@ -17,7 +17,8 @@ which is reported on its own. ``--rounds N`` runs the systems in turn N times (j
 prefix cache reset before each round) and quotes the median of the per-round ratios: this
 machine's speed drifts over minutes, for every system alike. With jaxpaged in --systems it
 also times pure-decode steps at batch 32 inside the engine and prints them next to this
-machine's roofline (peaks measured in the same run).
+machine's roofline, in --decode-rounds rounds with the peaks measured right after each
+round's steps (the ratio quoted is the median of the rounds').
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common import BenchRequest, load_jsonl_workload, make_workload
-from roofline import decode_step_cost, measure_peaks
+from roofline import MachinePeaks, decode_step_cost, measure_peaks
 
 SYSTEMS = ("jaxpaged", "hf-static", "hf-cb")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -243,6 +244,64 @@ def run_hf_cb(
 
 
 # ---------------------------------------------------------------------------------- main
+def _decode_step_report(
+    llm: Any, work: Sequence[BenchRequest], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Times pure-decode steps at ``--decode-batch`` sequences against the roofline, in
+    ``--decode-rounds`` rounds, measuring the machine's peaks right after each round's steps:
+    this VM's speed drifts by 15-30 % over minutes, so each round's ratio compares the step
+    with the machine as it was then; the reported ratio is their median."""
+    from step_breakdown import time_decode_steps
+
+    batch = min(args.decode_batch, args.max_num_seqs)
+    peaks: list[MachinePeaks] = []
+
+    def measure() -> None:
+        peaks.append(measure_peaks(matmul_n=256, bandwidth_mib=16, repeats=2) if args.peaks_small
+                     else measure_peaks(dtype="float32"))  # fmt: skip
+
+    timings = time_decode_steps(llm, [r.prompt_token_ids for r in work], batch=batch,
+                                steps=args.decode_steps, rounds=args.decode_rounds,
+                                after_round=measure)  # fmt: skip
+    cfg = llm.engine.model_config
+    rounds = []
+    print(f"decode step at batch {batch} ({len(timings)} rounds of {args.decode_steps} "
+          "engine.step(), the machine's peaks measured after each):")  # fmt: skip
+    for i, (timing, pk) in enumerate(zip(timings, peaks, strict=True), 1):
+        cost = decode_step_cost(cfg, timing.context_lens, dtype_bytes=_DTYPE_BYTES[args.dtype])
+        roof = cost.roofline_seconds(pk)
+        ratio = timing.median / roof
+        print(f"  round {i}: measured {timing.median * 1e3:.1f} ms (median, mean context "
+              f"{sum(timing.context_lens) / batch:.0f} tokens); roofline {roof * 1e3:.1f} ms "
+              f"({cost.bound(pk)}-bound): {cost.bytes / 1e6:.0f} MB (weights "
+              f"{cost.weight_bytes / 1e6:.0f} + KV {cost.kv_bytes / 1e6:.0f}) / "
+              f"{pk.mem_bandwidth / 1e9:.1f} GB/s = {cost.bytes / pk.mem_bandwidth * 1e3:.1f} ms; "
+              f"{cost.flops / 1e9:.2f} GFLOP / {pk.matmul_flops / 1e9:.0f} GFLOP/s = "
+              f"{cost.flops / pk.matmul_flops * 1e3:.1f} ms; {ratio:.2f}x")  # fmt: skip
+        rounds.append({
+            "median_s": timing.median,
+            "step_seconds": timing.step_seconds,
+            "mean_context": sum(timing.context_lens) / batch,
+            "roofline_s": roof,
+            "bound": cost.bound(pk),
+            "flops": cost.flops,
+            "bytes": cost.bytes,
+            "peaks": dataclasses.asdict(pk),
+            "ratio": ratio,
+        })  # fmt: skip
+    ratios = [r["ratio"] for r in rounds]
+    middle = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
+    print(f"  measured / roofline = {statistics.median(ratios):.2f}x (median of rounds: "
+          f"{', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
+    return {
+        "batch": batch,
+        "median_s": middle["median_s"],
+        "roofline_s": middle["roofline_s"],
+        "ratio": statistics.median(ratios),
+        "rounds": rounds,
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -264,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--decode-batch", type=int, default=32, help="decode step timing batch (0 = skip)"
     )
-    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
+    p.add_argument("--decode-rounds", type=int, default=3,
+                   help="decode step timing rounds, each with its own peak measurement")  # fmt: skip
     p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for HF")
     p.add_argument("--enforce-eager", action="store_true", help="jaxpaged: no warm-up (smoke)")
     p.add_argument("--hf-cb-warmup", action=argparse.BooleanOptionalAction, default=True)
@@ -365,37 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          for k, v in r.items()} for r in rounds]  # fmt: skip
 
     if llm is not None and args.decode_batch > 0:
-        from step_breakdown import time_decode_steps
-
-        batch = min(args.decode_batch, args.max_num_seqs)
-        timing = time_decode_steps(llm, [r.prompt_token_ids for r in work], batch=batch,
-                                   steps=args.decode_steps)  # fmt: skip
-        peaks = (measure_peaks(matmul_n=256, bandwidth_mib=16, repeats=2) if args.peaks_small
-                 else measure_peaks(dtype="float32"))  # fmt: skip
-        cfg = llm.engine.model_config
-        cost = decode_step_cost(cfg, timing.context_lens, dtype_bytes=_DTYPE_BYTES[args.dtype])
-        roof = cost.roofline_seconds(peaks)
-        print(f"decode step at batch {batch}: measured {timing.median * 1e3:.1f} ms (median of "
-              f"{len(timing.step_seconds)} engine.step(), mean context "
-              f"{sum(timing.context_lens) / batch:.0f} tokens)")  # fmt: skip
-        print(f"  roofline {roof * 1e3:.1f} ms ({cost.bound(peaks)}-bound): "
-              f"{cost.bytes / 1e6:.0f} MB (weights {cost.weight_bytes / 1e6:.0f} + KV "
-              f"{cost.kv_bytes / 1e6:.0f}) / {peaks.mem_bandwidth / 1e9:.1f} GB/s = "
-              f"{cost.bytes / peaks.mem_bandwidth * 1e3:.1f} ms; {cost.flops / 1e9:.2f} GFLOP / "
-              f"{peaks.matmul_flops / 1e9:.0f} GFLOP/s = {cost.flops / peaks.matmul_flops * 1e3:.1f} ms")  # fmt: skip
-        print(f"  measured / roofline = {timing.median / roof:.2f}x")
-        report["decode_step"] = {
-            "batch": batch,
-            "median_s": timing.median,
-            "step_seconds": timing.step_seconds,
-            "mean_context": sum(timing.context_lens) / batch,
-            "roofline_s": roof,
-            "bound": cost.bound(peaks),
-            "flops": cost.flops,
-            "bytes": cost.bytes,
-            "peaks": dataclasses.asdict(peaks),
-            "ratio": timing.median / roof,
-        }
+        report["decode_step"] = _decode_step_report(llm, work, args)
     report["load_avg_end"] = os.getloadavg()
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

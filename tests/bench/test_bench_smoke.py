@@ -145,7 +145,8 @@ def test_throughput_smoke(tmp_path, tiny_model):
         "bench/throughput.py", "--model", tiny_model, "--num-prompts", "3", "--batch-size", "2",
         "--min-output", "3", "--max-output", "6", "--max-prompt-words", "10",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--no-hf-cb-warmup",
-        "--peaks-small", "--decode-batch", "2", "--decode-steps", "2", "--json-out", str(out),
+        "--peaks-small", "--decode-batch", "2", "--decode-steps", "2", "--decode-rounds", "2",
+        "--json-out", str(out),
         "--rounds", "2",
     ])  # fmt: skip
     report = json.loads(out.read_text())
@@ -158,7 +159,11 @@ def test_throughput_smoke(tmp_path, tiny_model):
     # static batching pads each batch to its longest request
     assert res["hf-static"]["generated_tokens"] >= res["hf-static"]["useful_tokens"]
     assert res["jaxpaged"]["extra"]["compilations_after_warmup"] >= 0
-    assert report["decode_step"]["batch"] == 2 and report["decode_step"]["roofline_s"] > 0
+    step = report["decode_step"]
+    assert step["batch"] == 2 and step["roofline_s"] > 0 and len(step["rounds"]) == 2
+    assert step["ratio"] == statistics.median(r["ratio"] for r in step["rounds"])
+    for r in step["rounds"]:
+        assert len(r["step_seconds"]) == 2 and r["median_s"] / r["roofline_s"] == r["ratio"]
     assert "ratio jaxpaged / hf-static" in proc.stdout and "roofline" in proc.stdout
 
 
