@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-batch", type=int, default=32, help="decode step timing batch (0 = skip)"
     )
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
-    p.add_argument("--decode-rounds", type=int, default=3,
+    p.add_argument("--decode-rounds", type=int, default=5,
                    help="decode step timing rounds, each with its own peak measurement")  # fmt: skip
     p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for HF")
     p.add_argument("--enforce-eager", action="store_true", help="jaxpaged: no warm-up (smoke)")
