@@ -242,11 +242,15 @@ class Runner:
             return RunnerOutput(sampled_token_ids=())
         bucket = self.buckets.pick(plan.seqs)
         batch = self.build_batch(plan.seqs, bucket, eos_token_ids)
-        out = jax.device_get(self._run(batch, bucket))
+        out = self._run(batch, bucket)
         n = len(plan.seqs)
         want = [seq.request.sampling_params.logprobs for seq in plan.seqs]
         logprobs = None
-        if any(w is not None for w in want):
+        if all(w is None for w in want):  # the usual case: copy back the tokens alone
+            token_ids = np.asarray(out.token_ids)
+        else:
+            out = jax.device_get(out)
+            token_ids = out.token_ids
             logprobs = [
                 None
                 if w is None
@@ -262,7 +266,7 @@ class Runner:
                 )
                 for i, w in enumerate(want)
             ]
-        return RunnerOutput(sampled_token_ids=out.token_ids[:n].tolist(), logprobs=logprobs)
+        return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), logprobs=logprobs)
 
     # ------------------------------------------------------------ block moves
     def _padded(self, ids: Sequence[int]) -> np.ndarray:

@@ -290,13 +290,8 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   const int64_t rows = w.row_end - w.row_begin;
   const int64_t M = rows * G;  // query vectors per KV head
   const int64_t H = w.head_end - w.head_begin;
-  const int64_t q_start = cu_q_lens[w.seq];
-  const int64_t q_len = cu_q_lens[w.seq + 1] - q_start;
-  const int64_t kv_len = kv_lens[w.seq];
-  const int64_t pos0 = kv_len - q_len + (w.row_begin - q_start);  // position of first row
-  const int64_t last_pos = pos0 + rows - 1;
-  int64_t first_pos = 0;
-  if (sh.sliding_window > 0) first_pos = std::max<int64_t>(0, pos0 - sh.sliding_window + 1);
+  const ItemSpan span = item_span(sh, w, kv_lens, cu_q_lens);
+  const int64_t pos0 = span.pos0, last_pos = span.last_pos;
 
   // State of query vector mi of head h (relative to head_begin) is at index h * M + mi.
   std::vector<float> qs(H * M * D), acc(H * M * D, 0.0f), m_run(H * M, -INFINITY),
@@ -352,12 +347,12 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   alignas(64) float kbuf[kMaxBlockSize * kMaxHeadDim];  // K/V rows as float, [B][D]
   alignas(64) float vbuf[kMaxBlockSize * kMaxHeadDim];
 
-  for (int64_t blk = first_pos / B; blk <= last_pos / B && blk < sh.max_blocks; ++blk) {
+  for (int64_t blk = span.first_blk; blk <= span.last_blk; ++blk) {
     const int64_t phys = table[blk];
     if (phys < 0 || phys >= sh.num_pool_blocks) continue;  // never read outside the pool
     const int64_t kpos0 = blk * B;
     const int64_t n_keys = std::min<int64_t>(B, last_pos - kpos0 + 1);
-    if (blk + 1 <= last_pos / B && blk + 1 < sh.max_blocks) {  // next block's rows, early
+    if (blk + 1 <= span.last_blk) {  // next block's rows, early
       const int64_t next = table[blk + 1];
       if (next >= 0 && next < sh.num_pool_blocks) {
         const int64_t bytes = H * D * static_cast<int64_t>(sizeof(KV));  // heads are adjacent
@@ -436,7 +431,7 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 // tile prefetches its head's rows of the next block at once (it computes far longer per block).
 //
 // A decode item's first blocks are prefetched at once, unless the item before it in a chain
-// (chained_decode) trickled them in its own last blocks: `after` holds the next item's
+// (attend_chain) trickled them in its own last blocks: `after` holds the next item's
 // first blocks, trickled once this item's own run out.
 template <typename KV>
 void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, const float* q,
