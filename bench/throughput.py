@@ -346,8 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.num_prompts < 1 or args.batch_size < 1 or args.rounds < 1:
-        print("--num-prompts, --batch-size and --rounds must be >= 1", file=sys.stderr)
+    if min(args.num_prompts, args.batch_size, args.rounds, args.decode_rounds) < 1:
+        print("--num-prompts, --batch-size, --rounds and --decode-rounds must be >= 1",
+              file=sys.stderr)  # fmt: skip
         return 2
 
     from jaxpaged.models import load_tokenizer

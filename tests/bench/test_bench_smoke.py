@@ -173,6 +173,12 @@ def test_throughput_rejects_unknown_system():
     assert proc.returncode == 2 and "vllm" in proc.stderr
 
 
+def test_throughput_rejects_zero_decode_rounds():
+    proc = subprocess.run([sys.executable, "bench/throughput.py", "--decode-rounds", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--decode-rounds must be >= 1" in proc.stderr
+
+
 def test_step_breakdown_smoke(tmp_path, tiny_model):
     out = tmp_path / "b.json"
     _run(["bench/step_breakdown.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
