@@ -315,4 +315,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLinear, LinearImpl,
                                   .Attr<float>("norm_eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
-

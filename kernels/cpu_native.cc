@@ -263,13 +263,16 @@ struct WorkItem {
 struct ItemSpan {
   int64_t pos0, last_pos, first_blk, last_blk;
 };
+// The first key position a query at `pos` sees (the last `sliding_window` only, if > 0).
+inline int64_t first_visible(const Shapes& sh, int64_t pos) {
+  return sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1) : 0;
+}
+
 ItemSpan item_span(const Shapes& sh, const WorkItem& w, const int32_t* kv_lens,
                    const int32_t* cu_q_lens) {
   const int64_t pos0 = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
   const int64_t last_pos = pos0 + (w.row_end - w.row_begin) - 1;
-  const int64_t first_pos =
-      sh.sliding_window > 0 ? std::max<int64_t>(0, pos0 - sh.sliding_window + 1) : 0;
-  return {pos0, last_pos, first_pos / sh.block_size,
+  return {pos0, last_pos, first_visible(sh, pos0) / sh.block_size,
           std::min<int64_t>(last_pos / sh.block_size, sh.max_blocks - 1)};
 }
 
@@ -333,7 +336,7 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   // Keys of block `kpos0` query mi may see: [lo, hi) of the block's first n_keys.
   auto visible = [&](int64_t mi, int64_t kpos0, int64_t n_keys, int64_t& lo, int64_t& hi) {
     const int64_t pos = pos0 + mi / G;
-    lo = sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1 - kpos0) : 0;
+    lo = std::max<int64_t>(0, first_visible(sh, pos) - kpos0);
     hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
     return hi > lo;
   };
@@ -444,9 +447,6 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
   const int64_t rows = w.row_end - w.row_begin, H = w.head_end - w.head_begin;
   const ItemSpan span = item_span(sh, w, kv_lens, cu_q_lens);
   const int64_t pos0 = span.pos0, last_pos = span.last_pos, last_blk = span.last_blk;
-  auto first_visible = [&](int64_t pos) {
-    return sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1) : 0;
-  };
   // State of query g of head h (relative to head_begin) of row r: index (r * H + h) * G + g.
   const int64_t NQ = rows * H * G;
   std::vector<float> qs(NQ * D), acc(NQ * D, 0.0f), m(NQ, -INFINITY), l(NQ, 0.0f);
@@ -509,7 +509,7 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = pos0 + r;
-        const int64_t lo = std::max<int64_t>(0, first_visible(pos) - kpos0);
+        const int64_t lo = std::max<int64_t>(0, first_visible(sh, pos) - kpos0);
         const int64_t hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
         if (hi <= lo) continue;
         const int64_t n = hi - lo, i = (r * H + h) * G;

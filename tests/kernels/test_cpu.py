@@ -30,12 +30,16 @@ def test_cpu_mixed_batch(rng, d, bs, hq, hkv, dtype, window, cap):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("window", [None, 11], ids=["full", "window11"])
 @pytest.mark.parametrize("d,hq,hkv", [(64, 16, 1), (36, 4, 2)], ids=["group16", "d36"])
-def test_cpu_scalar_path_shapes(rng, d, hq, hkv):
+def test_cpu_scalar_path_shapes(rng, d, hq, hkv, window):
     """Shapes the vector kernels leave to the scalar loops (a GQA group over 8 queries,
-    head_dim % 8 != 0), mixed decode and prefill rows."""
+    head_dim % 8 != 0), mixed decode and prefill rows, with and without a sliding window."""
     seqs = mixed_seqs(rng, 8, n=6)
-    run_and_compare(rng, seqs, hq=hq, hkv=hkv, d=d, bs=8, dtype="float32", backend="cpu")
+    run_and_compare(
+        rng, seqs, hq=hq, hkv=hkv, d=d, bs=8, dtype="float32", backend="cpu",
+        sliding_window=window,
+    )  # fmt: skip
 
 
 def test_cpu_decode_batch(rng):
