@@ -35,9 +35,14 @@ class MachinePeaks:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeCost:
-    flops: float
+    matmul_flops: float  # the projections and the lm_head
+    attn_flops: float  # q.k and p.v over the cached tokens
     weight_bytes: float
     kv_bytes: float
+
+    @property
+    def flops(self) -> float:
+        return self.matmul_flops + self.attn_flops
 
     @property
     def bytes(self) -> float:
@@ -49,6 +54,16 @@ class DecodeCost:
     def bound(self, peaks: MachinePeaks) -> str:
         t_c = self.flops / peaks.matmul_flops
         return "compute" if t_c >= self.bytes / peaks.mem_bandwidth else "memory"
+
+    def serial_seconds(self, peaks: MachinePeaks) -> float:
+        """The matmuls (weights streamed under their FLOPs), then the attention (KV read
+        under its FLOPs): the floor of a step whose attention cannot overlap its matmuls, as
+        on a CPU where both phases use every core. The roofline above assumes they overlap."""
+        matmuls = max(
+            self.matmul_flops / peaks.matmul_flops, self.weight_bytes / peaks.mem_bandwidth
+        )
+        attention = max(self.attn_flops / peaks.matmul_flops, self.kv_bytes / peaks.mem_bandwidth)
+        return matmuls + attention
 
 
 def _best_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -133,7 +148,12 @@ def decode_step_cost(config: Any, context_lens: Sequence[int], *, dtype_bytes: i
     attn_flops = 4.0 * c.num_layers * c.num_heads * c.head_dim * ctx  # q.k and p.v
     weight_bytes = dtype_bytes * (n["layers_total"] + n["lm_head"])
     kv_bytes = dtype_bytes * 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * ctx
-    return DecodeCost(flops=matmul_flops + attn_flops, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    return DecodeCost(
+        matmul_flops=matmul_flops,
+        attn_flops=attn_flops,
+        weight_bytes=weight_bytes,
+        kv_bytes=kv_bytes,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -271,13 +271,15 @@ def _decode_step_report(
         cost = decode_step_cost(cfg, timing.context_lens, dtype_bytes=_DTYPE_BYTES[args.dtype])
         roof = cost.roofline_seconds(pk)
         ratio = timing.median / roof
+        serial = cost.serial_seconds(pk)
         print(f"  round {i}: measured {timing.median * 1e3:.1f} ms (median, mean context "
               f"{sum(timing.context_lens) / batch:.0f} tokens); roofline {roof * 1e3:.1f} ms "
               f"({cost.bound(pk)}-bound): {cost.bytes / 1e6:.0f} MB (weights "
               f"{cost.weight_bytes / 1e6:.0f} + KV {cost.kv_bytes / 1e6:.0f}) / "
               f"{pk.mem_bandwidth / 1e9:.1f} GB/s = {cost.bytes / pk.mem_bandwidth * 1e3:.1f} ms; "
               f"{cost.flops / 1e9:.2f} GFLOP / {pk.matmul_flops / 1e9:.0f} GFLOP/s = "
-              f"{cost.flops / pk.matmul_flops * 1e3:.1f} ms; {ratio:.2f}x")  # fmt: skip
+              f"{cost.flops / pk.matmul_flops * 1e3:.1f} ms; {ratio:.2f}x; matmuls then "
+              f"attention {serial * 1e3:.1f} ms: {timing.median / serial:.2f}x")  # fmt: skip
         rounds.append({
             "median_s": timing.median,
             "step_seconds": timing.step_seconds,
@@ -288,16 +290,23 @@ def _decode_step_report(
             "bytes": cost.bytes,
             "peaks": dataclasses.asdict(pk),
             "ratio": ratio,
+            "serial_s": serial,
+            "serial_ratio": timing.median / serial,
         })  # fmt: skip
     ratios = [r["ratio"] for r in rounds]
     middle = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
     print(f"  measured / roofline = {statistics.median(ratios):.2f}x (median of rounds: "
           f"{', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
+    serial_ratios = [r["serial_ratio"] for r in rounds]
+    print(f"  measured / (matmuls, then attention: the floor when they run one after the other) = "
+          f"{statistics.median(serial_ratios):.2f}x (median of rounds: "
+          f"{', '.join(f'{x:.2f}x' for x in serial_ratios)})")  # fmt: skip
     return {
         "batch": batch,
         "median_s": middle["median_s"],
         "roofline_s": middle["roofline_s"],
         "ratio": statistics.median(ratios),
+        "serial_ratio": statistics.median(serial_ratios),
         "rounds": rounds,
     }
 

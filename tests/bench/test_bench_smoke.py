@@ -136,6 +136,15 @@ def test_roofline_counts_match_hf_model():
     assert cost.weight_bytes == 4 * (3 * (layer + 2 * 48) + 300 * 48)
     peaks = roofline.MachinePeaks(matmul_flops=1e9, mem_bandwidth=1e9, dtype="float32", detail={})
     assert cost.roofline_seconds(peaks) == max(cost.flops, cost.bytes) / 1e9
+    # matmuls then attention: weights (3 * (layer + 2 * 48) + lm_head) * 4 bytes outweigh their
+    # 2 * 2 * (3 * layer + lm_head) FLOPs at equal rates, and the KV bytes its 4 * 3 * 6 * 8 * 30
+    attn_flops = 4 * 3 * 6 * 8 * 30
+    assert cost.serial_seconds(peaks) == pytest.approx(
+        (max(cost.flops - attn_flops, cost.weight_bytes) + max(attn_flops, cost.kv_bytes)) / 1e9
+    )
+    slow_memory = roofline.MachinePeaks(matmul_flops=1e9, mem_bandwidth=1e6, dtype="float32",
+                                        detail={})  # fmt: skip
+    assert cost.serial_seconds(slow_memory) == pytest.approx(cost.bytes / 1e6)
 
 
 # ------------------------------------------------------------------- scripts (subprocess)
@@ -164,6 +173,10 @@ def test_throughput_smoke(tmp_path, tiny_model):
     assert step["ratio"] == statistics.median(r["ratio"] for r in step["rounds"])
     for r in step["rounds"]:
         assert len(r["step_seconds"]) == 2 and r["median_s"] / r["roofline_s"] == r["ratio"]
+        assert (
+            r["serial_s"] >= r["roofline_s"] and r["median_s"] / r["serial_s"] == r["serial_ratio"]
+        )
+    assert step["serial_ratio"] == statistics.median(r["serial_ratio"] for r in step["rounds"])
     assert "ratio jaxpaged / hf-static" in proc.stdout and "roofline" in proc.stdout
 
 
