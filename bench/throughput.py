@@ -264,49 +264,51 @@ def _decode_step_report(
                                 steps=args.decode_steps, rounds=args.decode_rounds,
                                 after_round=measure)  # fmt: skip
     cfg = llm.engine.model_config
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     print(f"decode step at batch {batch} ({len(timings)} rounds of {args.decode_steps} "
           "engine.step(), the machine's peaks measured after each):")  # fmt: skip
     for i, (timing, pk) in enumerate(zip(timings, peaks, strict=True), 1):
         cost = decode_step_cost(cfg, timing.context_lens, dtype_bytes=_DTYPE_BYTES[args.dtype])
-        roof = cost.roofline_seconds(pk)
-        ratio = timing.median / roof
-        serial = cost.serial_seconds(pk)
-        print(f"  round {i}: measured {timing.median * 1e3:.1f} ms (median, mean context "
-              f"{sum(timing.context_lens) / batch:.0f} tokens); roofline {roof * 1e3:.1f} ms "
-              f"({cost.bound(pk)}-bound): {cost.bytes / 1e6:.0f} MB (weights "
-              f"{cost.weight_bytes / 1e6:.0f} + KV {cost.kv_bytes / 1e6:.0f}) / "
-              f"{pk.mem_bandwidth / 1e9:.1f} GB/s = {cost.bytes / pk.mem_bandwidth * 1e3:.1f} ms; "
-              f"{cost.flops / 1e9:.2f} GFLOP / {pk.matmul_flops / 1e9:.0f} GFLOP/s = "
-              f"{cost.flops / pk.matmul_flops * 1e3:.1f} ms; {ratio:.2f}x; matmuls then "
-              f"attention {serial * 1e3:.1f} ms: {timing.median / serial:.2f}x")  # fmt: skip
-        rounds.append({
+        r = {
             "median_s": timing.median,
             "step_seconds": timing.step_seconds,
             "mean_context": sum(timing.context_lens) / batch,
-            "roofline_s": roof,
+            "roofline_s": cost.roofline_seconds(pk),
             "bound": cost.bound(pk),
             "flops": cost.flops,
             "bytes": cost.bytes,
             "peaks": dataclasses.asdict(pk),
-            "ratio": ratio,
-            "serial_s": serial,
-            "serial_ratio": timing.median / serial,
-        })  # fmt: skip
-    ratios = [r["ratio"] for r in rounds]
+            "serial_s": cost.serial_seconds(pk),
+        }
+        r["ratio"] = r["median_s"] / r["roofline_s"]
+        r["serial_ratio"] = r["median_s"] / r["serial_s"]
+        rounds.append(r)
+        print(f"  round {i}: measured {r['median_s'] * 1e3:.1f} ms (median, mean context "
+              f"{r['mean_context']:.0f} tokens); roofline {r['roofline_s'] * 1e3:.1f} ms "
+              f"({r['bound']}-bound): {cost.bytes / 1e6:.0f} MB (weights "
+              f"{cost.weight_bytes / 1e6:.0f} + KV {cost.kv_bytes / 1e6:.0f}) / "
+              f"{pk.mem_bandwidth / 1e9:.1f} GB/s = {cost.bytes / pk.mem_bandwidth * 1e3:.1f} ms; "
+              f"{cost.flops / 1e9:.2f} GFLOP / {pk.matmul_flops / 1e9:.0f} GFLOP/s = "
+              f"{cost.flops / pk.matmul_flops * 1e3:.1f} ms; {r['ratio']:.2f}x; matmuls then "
+              f"attention {r['serial_s'] * 1e3:.1f} ms: {r['serial_ratio']:.2f}x")  # fmt: skip
+
+    def median_of_rounds(key: str, label: str) -> float:
+        values = [r[key] for r in rounds]
+        print(f"  measured / {label} = {statistics.median(values):.2f}x (median of rounds: "
+              f"{', '.join(f'{x:.2f}x' for x in values)})")  # fmt: skip
+        return statistics.median(values)
+
+    ratio = median_of_rounds("ratio", "roofline")
+    serial_ratio = median_of_rounds(
+        "serial_ratio", "(matmuls, then attention: the floor when they run one after the other)"
+    )
     middle = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
-    print(f"  measured / roofline = {statistics.median(ratios):.2f}x (median of rounds: "
-          f"{', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
-    serial_ratios = [r["serial_ratio"] for r in rounds]
-    print(f"  measured / (matmuls, then attention: the floor when they run one after the other) = "
-          f"{statistics.median(serial_ratios):.2f}x (median of rounds: "
-          f"{', '.join(f'{x:.2f}x' for x in serial_ratios)})")  # fmt: skip
     return {
         "batch": batch,
         "median_s": middle["median_s"],
         "roofline_s": middle["roofline_s"],
-        "ratio": statistics.median(ratios),
-        "serial_ratio": statistics.median(serial_ratios),
+        "ratio": ratio,
+        "serial_ratio": serial_ratio,
         "rounds": rounds,
     }
 
