@@ -300,7 +300,7 @@ def breakdown(
         schedule, build_batch, run, execute)  # fmt: skip
     try:
         if trace_dir:
-            jax.profiler.start_trace(trace_dir)
+            jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
