@@ -82,7 +82,11 @@ constexpr int kMaxGroup = 8;  // queries sharing one K/V read in the decode path
 // bandwidth of a contiguous read (5 vs 10 GB/s on one core); one burst of a whole block's
 // lines fills the core's miss queue and stalls the loads the compute waits on. Measured on
 // 2 cores, 32 sequences x ~190 tokens x 30 layers: 37-45 ms before, 24-30 ms after;
-// distances 1-3 and 4-8 lines per call were within the noise of each other.
+// distances 1-3 and 4-8 lines per call were within the noise of each other. The lines go
+// to L2 (prefetcht1), not L1: on the 2-core AVX-512 machine (tenth session) that took the
+// same 30 layers from 16-18 ms to 12-14 ms, as a core can keep more misses in flight to L2;
+// with the hint to L1 or non-temporal, a faster or slower trickle, or more blocks ahead,
+// none did better.
 constexpr int64_t kAheadBlocks = 2;
 constexpr int kTrickleScores = 8, kTricklePV = 1;
 
@@ -99,8 +103,8 @@ struct Trickle {
   }
   void step(int lines) {
     for (; lines > 0 && next < end; --lines, next += 64) {
-      __builtin_prefetch(k + next);
-      __builtin_prefetch(v + next);
+      __builtin_prefetch(k + next, 0, 2);  // read, into L2
+      __builtin_prefetch(v + next, 0, 2);
     }
   }
   void flush() { step(static_cast<int>((end - next + 63) / 64)); }
