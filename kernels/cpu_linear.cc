@@ -71,6 +71,26 @@ using bf16_t = uint16_t;
 template <typename W>
 constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(JAXPAGED_AVX2)
+// A tile's k loop over one slice: the first pf_count steps each also prefetch one line (of
+// the slice kAhead on) into L2, then the rest. Two loops, each unrolled by 4: a prefetch
+// test inside one loop cost a third of the 32-row throughput (bench: 46-51 -> 69-71
+// GFLOP/s per core, standalone harness).
+template <typename W, typename Step>
+__attribute__((always_inline)) inline void slice_loop(int64_t kc, const W* prefetch,
+                                                      int64_t pf_count, Step&& step) {
+  const int64_t with_pf = std::min(pf_count, kc);
+  int64_t k = 0;
+#pragma GCC unroll 4
+  for (; k < with_pf; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kLine<W>), _MM_HINT_T1);
+    step(k);
+  }
+#pragma GCC unroll 4
+  for (; k < kc; ++k) step(k);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // AVX-512: a panel's 16 weights at one k are one vector, so a tile of kMr = 8 rows keeps 8
 // accumulators and each broadcast of x feeds one FMA of 16 lanes. Against the AVX2 tile
@@ -94,15 +114,7 @@ inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t 
     for (int m = 0; m < MR; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * MR + m]), w, acc[m]);
   };
-  const int64_t with_pf = std::min(pf_count, kc);  // as in the AVX2 tile below
-  int64_t k = 0;
-#pragma GCC unroll 4
-  for (; k < with_pf; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kLine<W>), _MM_HINT_T1);
-    step(k);
-  }
-#pragma GCC unroll 4
-  for (; k < kc; ++k) step(k);
+  slice_loop(kc, prefetch, pf_count, step);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     if (base != nullptr) acc[m] = _mm512_add_ps(acc[m], _mm512_loadu_ps(base + m * ldy));
@@ -142,18 +154,7 @@ inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t 
       hi[m] = _mm256_fmadd_ps(xm, w1, hi[m]);
     }
   };
-  // Two loops, the first with the tile's prefetches (one line per k), each unrolled by 4:
-  // a prefetch test inside one loop cost a third of the 32-row throughput (bench: 46-51 ->
-  // 69-71 GFLOP/s per core, standalone harness).
-  const int64_t with_pf = std::min(pf_count, kc);
-  int64_t k = 0;
-#pragma GCC unroll 4
-  for (; k < with_pf; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kLine<W>), _MM_HINT_T1);
-    step(k);
-  }
-#pragma GCC unroll 4
-  for (; k < kc; ++k) step(k);
+  slice_loop(kc, prefetch, pf_count, step);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     float* row = y + m * ldy;
