@@ -7,6 +7,8 @@
 // of y then costs, per k, two weight loads and six broadcasts of x for 12 FMAs, so the FMA
 // units set the pace; the dot form over [out, in] rows needed 15 loads per 12 FMAs and a
 // horizontal sum per output, and ran at about half of this (bench/weight_layout.py).
+// With AVX-512 a panel row is one 16-lane vector and the tile is 8 x 16: one weight load and
+// eight broadcasts for 8 FMAs of 16 lanes.
 //
 // Weights are float32 or bfloat16 (read as the top half of a float32: a shift, no rounding);
 // x, the accumulators and y are float32 either way, so a bfloat16 model streams half the
@@ -35,8 +37,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kNr = 16;  // outputs per panel (two AVX2 vectors, one AVX-512 vector)
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define JAXPAGED_AVX512 1
+#ifdef JAXPAGED_AVX512
 constexpr int64_t kMr = 8;  // rows of x per register tile: 8 accumulators (of 32 registers)
 #else
 constexpr int64_t kMr = 6;  // rows of x per register tile: 12 accumulators + 2 + 1 registers
@@ -71,7 +72,7 @@ using bf16_t = uint16_t;
 template <typename W>
 constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(JAXPAGED_AVX2)
+#if defined(JAXPAGED_AVX512) || defined(JAXPAGED_AVX2)
 // A tile's k loop over one slice: the first pf_count steps each also prefetch one line (of
 // the slice kAhead on) into L2, then the rest. Two loops, each unrolled by 4: a prefetch
 // test inside one loop cost a third of the 32-row throughput (bench: 46-51 -> 69-71
@@ -91,7 +92,7 @@ __attribute__((always_inline)) inline void slice_loop(int64_t kc, const W* prefe
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef JAXPAGED_AVX512
 // AVX-512: a panel's 16 weights at one k are one vector, so a tile of kMr = 8 rows keeps 8
 // accumulators and each broadcast of x feeds one FMA of 16 lanes. Against the AVX2 tile
 // (two vectors per panel row, 6 rows) on the 2-core AVX-512 machine, a decode step's

@@ -162,7 +162,7 @@ struct Vec8 {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 };
-#if defined(__AVX512F__)
+#ifdef JAXPAGED_AVX512
 struct Vec16 {
   using V = __m512;
   static constexpr int kLanes = 16;
@@ -248,7 +248,7 @@ RowKernels row_kernels_for(int64_t D) {
   const int64_t vecs = D / 8;
   const int cap = std::max(1, 12 / NQ);
   RowKernels k{&row_scores<NQ>, &row_softmax<NQ>, nullptr};
-#if defined(__AVX512F__)
+#ifdef JAXPAGED_AVX512
   if (D % 16 == 0) {  // 16-lane P.V: up to 24 accumulators of the 32 registers
     const int64_t v16 = D / 16;
     const int cap16 = std::max(1, 24 / NQ);

@@ -18,6 +18,11 @@ inline float to_float(uint16_t bf16) {
 
 }  // namespace jaxpaged
 
+// JAXPAGED_AVX512: the compiler targets AVX-512 (F and BW), so 16-lane float vectors exist.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define JAXPAGED_AVX512 1
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define JAXPAGED_AVX2 1
 #include <immintrin.h>
