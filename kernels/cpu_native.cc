@@ -242,26 +242,29 @@ struct RowKernels {
              Trickle*) = nullptr;
 };
 
+// The P.V kernel for NQ queries in Vec's lanes: the widest tile of CH <= kMaxCH vectors
+// per query that divides D and keeps the NQ x CH accumulators within `regs` registers.
+template <typename Vec, int NQ, int kMaxCH>
+decltype(RowKernels::pv) pv_kernel(int64_t D, int regs) {
+  const int64_t vecs = D / Vec::kLanes;
+  const int cap = std::max(1, regs / NQ);
+  if constexpr (kMaxCH >= 8)
+    if (cap >= 8 && vecs % 8 == 0) return &row_pv<Vec, NQ, 8>;
+  if (cap >= 4 && vecs % 4 == 0) return &row_pv<Vec, NQ, 4>;
+  if (cap >= 2 && vecs % 2 == 0) return &row_pv<Vec, NQ, 2>;
+  return &row_pv<Vec, NQ, 1>;
+}
+
 template <int NQ>
 RowKernels row_kernels_for(int64_t D) {
-  // PV tile: as many vectors per query as keep NQ x CH accumulators in 12 registers.
-  const int64_t vecs = D / 8;
-  const int cap = std::max(1, 12 / NQ);
   RowKernels k{&row_scores<NQ>, &row_softmax<NQ>, nullptr};
 #ifdef JAXPAGED_AVX512
-  if (D % 16 == 0) {  // 16-lane P.V: up to 24 accumulators of the 32 registers
-    const int64_t v16 = D / 16;
-    const int cap16 = std::max(1, 24 / NQ);
-    if (cap16 >= 4 && v16 % 4 == 0) k.pv = &row_pv<Vec16, NQ, 4>;
-    else if (cap16 >= 2 && v16 % 2 == 0) k.pv = &row_pv<Vec16, NQ, 2>;
-    else k.pv = &row_pv<Vec16, NQ, 1>;
+  if (D % 16 == 0) {  // 16 lanes: up to 24 accumulators of the 32 registers
+    k.pv = pv_kernel<Vec16, NQ, 4>(D, 24);
     return k;
   }
 #endif
-  if (cap >= 8 && vecs % 8 == 0) k.pv = &row_pv<Vec8, NQ, 8>;
-  else if (cap >= 4 && vecs % 4 == 0) k.pv = &row_pv<Vec8, NQ, 4>;
-  else if (cap >= 2 && vecs % 2 == 0) k.pv = &row_pv<Vec8, NQ, 2>;
-  else k.pv = &row_pv<Vec8, NQ, 1>;
+  k.pv = pv_kernel<Vec8, NQ, 8>(D, 12);  // 8 lanes: 12 accumulators of the 16 registers
   return k;
 }
 
