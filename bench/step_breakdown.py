@@ -167,6 +167,7 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     from jaxpaged import sampler
     from jaxpaged.kernels import cpu, ragged_paged_attention, write_kv
     from jaxpaged.models.llama import compute_logits, forward, linear_xla
+    from jaxpaged.step import on_native_cpu
 
     runner = llm.engine.runner
     cfg = runner.model_config
@@ -209,9 +210,12 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
         pool, sums = jax.lax.scan(body, pool, jnp.arange(cfg.num_layers, dtype=jnp.int32))
         return pool, sums
 
+    # the greedy argmax the step uses (the native one on CPU)
+    argmax = cpu.argmax if on_native_cpu(runner.backend, runner.mesh) else sampler.greedy_argmax
+
     @jax.jit
     def sample(logits, tensors):
-        return sampler.sample(logits, tensors, num_logprobs=20)
+        return sampler.sample(logits, tensors, num_logprobs=20, argmax=argmax)
 
     t = batch.tokens.shape[0]
     dtype = runner.pool[0].dtype
