@@ -44,7 +44,7 @@ constexpr int64_t kMr = 6;  // rows of x per register tile: 12 accumulators + 2 
 #endif
 constexpr int64_t kKc = 128;  // depth of a panel slice (8 KB): it and the x tiles stay in L1
 constexpr int64_t kAhead = 2;  // slices between the one read and the one prefetched into L2
-constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2); panels: see panels_per_item
+constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2)
 
 // The row tiles of a block of `rows` rows: 6-row tiles, and a remainder of 1 or 2 rows
 // shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). Writes
@@ -276,7 +276,7 @@ void pack_tile(const float* x, float* dst, int64_t K, int64_t r0, int64_t r, con
 
 // Panels per work item: 4, or 3 or 2 where that makes the items a multiple of the threads.
 // SmolLM2's o and down projections have 36 panels: 9 items of 4 left one of two threads idle
-// through the last item (an eighth of the call), 12 items of 3 do not. A decode step went
+// through the last item (a tenth of the call), 12 items of 3 do not. A decode step went
 // 1.2-1.6 ms faster (paired runs of one compiled step, 26 of 38 pairs faster, twice).
 inline int64_t panels_per_item(int64_t panels, int64_t row_blocks, int64_t threads) {
   for (int64_t c = 4; c >= 2; --c)
