@@ -46,9 +46,9 @@ constexpr int64_t kKc = 128;  // depth of a panel slice (8 KB): it and the x til
 constexpr int64_t kAhead = 2;  // slices between the one read and the one prefetched into L2
 constexpr int64_t kMc = 96;   // rows of x per work item (x block in L2)
 
-// The row tiles of a block of `rows` rows: 6-row tiles, and a remainder of 1 or 2 rows
-// shares the last 6 as two tiles of 3-4 rows (a 1- or 2-row tile is load-bound). Writes
-// (first row, row count) pairs; returns how many.
+// The row tiles of a block of `rows` rows: kMr-row tiles (6 with AVX2, 8 with AVX-512), and
+// a remainder of 1 or 2 rows shares the last kMr as two tiles of about half as many (a 1- or
+// 2-row tile is load-bound). Writes (first row, row count) pairs; returns how many.
 inline int64_t split_rows(int64_t rows, int64_t (*out)[2]) {
   int64_t full = rows / kMr;
   if (full > 0 && rows % kMr > 0 && rows % kMr < 3) --full;
