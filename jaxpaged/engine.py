@@ -21,6 +21,7 @@ from jaxpaged.compile_counter import CompileCounter, enable_persistent_cache
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.fair_lock import FairLock
+from jaxpaged.host_malloc import jax_will_run_on_cpu, keep_step_buffers
 from jaxpaged.kv_cache import (
     KVLayout,
     configure_device_memory,
@@ -230,6 +231,8 @@ class LLMEngine:
         from jaxpaged.parallel import load_params, make_mesh
 
         configure_device_memory(gpu_memory_utilization)  # effective only before JAX starts
+        if jax_will_run_on_cpu():
+            keep_step_buffers()  # one malloc arena, too, if JAX has not started (host_malloc)
 
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         n = parallel.tensor_parallel_size
