@@ -230,9 +230,7 @@ class LLMEngine:
         from jaxpaged.models.resolve import resolve_model_folder
         from jaxpaged.parallel import load_params, make_mesh
 
-        configure_device_memory(gpu_memory_utilization)  # effective only before JAX starts
-        if jax_will_run_on_cpu():
-            keep_step_buffers()  # one malloc arena, too, if JAX has not started (host_malloc)
+        configure_process(gpu_memory_utilization)
 
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         n = parallel.tensor_parallel_size
@@ -551,6 +549,15 @@ class LLMEngine:
 
     def close(self) -> None:
         self._compiles.close()
+
+
+def configure_process(gpu_memory_utilization: float) -> None:
+    """Process settings that only take before JAX starts (later, only the malloc thresholds
+    do): device memory for the KV pool (kv_cache.configure_device_memory) and, on a
+    CPU-only JAX, the malloc tuning that lets XLA reuse each step's scratch (host_malloc)."""
+    configure_device_memory(gpu_memory_utilization)
+    if jax_will_run_on_cpu():
+        keep_step_buffers()
 
 
 def _params_dtype(params: Params) -> Any:

@@ -221,6 +221,13 @@ def main(
     args = parser.parse_args(argv)
     from jaxpaged import multihost
 
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
+    from jaxpaged.engine import configure_process
+
+    configure_process(args.gpu_memory_utilization)  # before anything starts JAX
     try:  # before anything touches a JAX device
         multihost.check_engine_args(
             num_processes=args.num_processes, preemption_mode=args.preemption_mode
@@ -238,10 +245,6 @@ def main(
         parser.error(
             f"--tensor-parallel-size {args.tensor_parallel_size} exceeds the "
             f"{jax.device_count()} available device(s)"
-        )
-    if not 0 < args.gpu_memory_utilization <= 1:
-        parser.error(
-            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
         )
     try:
         chat_template = _read_chat_template(args.chat_template)
