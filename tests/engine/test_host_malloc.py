@@ -87,13 +87,18 @@ def test_the_cpu_platform_is_recognised_before_and_after_jax_starts():
     from jaxpaged.host_malloc import jax_will_run_on_cpu
 
     assert jax_will_run_on_cpu()  # this process: started, on the CPU
+    # a fresh process, JAX_PLATFORMS unset (the installed plugins decide): the prediction
+    # made before JAX starts, then what JAX picks once started
     before_start = subprocess.run(
-        [sys.executable, "-c", "from jaxpaged.host_malloc import jax_will_run_on_cpu as f; "
-         "from jax._src import xla_bridge as b; print(b.backends_are_initialized(), f())"],
-        env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},  # plugins decide
+        [sys.executable, "-c", "import jax; from jaxpaged.host_malloc import jax_will_run_on_cpu "
+         "as f; from jax._src import xla_bridge as b; "
+         "print(b.backends_are_initialized(), f(), jax.default_backend())"],
+        env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
-    assert before_start.stdout.split() == ["False", "True"]
+    started, predicted, backend = before_start.stdout.split()
+    assert started == "False"
+    assert predicted == str(backend == "cpu"), before_start.stdout
 
 
 def test_max_bytes_must_be_positive():
