@@ -105,6 +105,8 @@ class LLMEngine:
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         cache_config = cache_config or CacheConfig()
+        # again for engines built on params in hand (JAX started: the thresholds still take)
+        configure_process(cache_config.gpu_memory_utilization)
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
         self.mesh = None
@@ -554,7 +556,8 @@ class LLMEngine:
 def configure_process(gpu_memory_utilization: float) -> None:
     """Process settings that only take before JAX starts (later, only the malloc thresholds
     do): device memory for the KV pool (kv_cache.configure_device_memory) and, on a
-    CPU-only JAX, the malloc tuning that lets XLA reuse each step's scratch (host_malloc)."""
+    CPU-only JAX, the malloc tuning that lets XLA reuse each step's scratch (host_malloc).
+    Idempotent: every engine applies it; from_args and serve before they start JAX."""
     configure_device_memory(gpu_memory_utilization)
     if jax_will_run_on_cpu():
         keep_step_buffers()

@@ -27,7 +27,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged import sampler
-from jaxpaged.host_malloc import keep_step_buffers
 from jaxpaged.kv_cache import KVLayout, copy_blocks, create_pool, gather_blocks, scatter_blocks
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
@@ -147,8 +146,6 @@ class Runner:
             block_size=layout.block_size,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
-        if jax.default_backend() == "cpu":
-            keep_step_buffers()  # no page faults for each step's scratch (host_malloc)
         self.pool = create_pool(
             layout=layout, sharding=None if mesh is None else kv_pool_sharding(mesh)
         )
