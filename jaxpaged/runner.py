@@ -27,9 +27,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged import sampler
+from jaxpaged.huge_pages import back_with_huge_pages
 from jaxpaged.kv_cache import KVLayout, copy_blocks, create_pool, gather_blocks, scatter_blocks
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params
+from jaxpaged.models.llama import Params, streamed_weights
 from jaxpaged.parallel import kv_pool_sharding
 from jaxpaged.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxpaged.step import StepBatch, StepOutput, pack_native_linear, step, use_native_linear
@@ -139,6 +140,8 @@ class Runner:
         # every matmul in the native CPU kernel, over weights packed once into its layout
         self.native_linear = use_native_linear(params, model_config, attention_backend, mesh)
         self.params = pack_native_linear(params, model_config) if self.native_linear else params
+        # host-resident weights on 2 MiB pages: a step streams them all (jaxpaged.huge_pages)
+        self.huge_page_bytes = back_with_huge_pages(streamed_weights(self.params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -143,6 +143,13 @@ def map_matmul_weights(
     return out
 
 
+def streamed_weights(params: Params) -> list[jax.Array]:
+    """The arrays every decode step reads in full: each layer's weights and norms and the
+    vocabulary projection (not the embedding table, of which a step reads a few rows, unless
+    it doubles as the projection)."""
+    return [*jax.tree.leaves(params["layers"]), _vocab_projection(params)]
+
+
 def _vocab_projection(params: Params) -> jax.Array:  # [V, D]
     # "lm_head" is absent for tied embeddings unless map_matmul_weights added its own copy
     return params["lm_head"] if "lm_head" in params else params["embed"]
