@@ -1,17 +1,19 @@
 """2 MiB pages under the weights a CPU engine streams every step.
 
-A batch-32 SmolLM2 decode step reads every matmul weight once from memory (~430 MB in
-float32), which with 4 KiB pages is ~100k pages a step: a TLB miss and a page walk each,
-and a stop for the hardware prefetchers at every page boundary. The panel GEMM ran its
-30 cold layers at 183 GFLOP/s on 4 KiB pages and 198 on 2 MiB pages (paired, 37 of 40
-faster); the engine's decode step went 1.8 ms faster (82 of 100 paired steps;
-bench/RESULTS.md, thirteenth session).
+A batch-32 SmolLM2 decode step reads every matmul weight once from memory (~510 MB in
+float32: the layers and the vocabulary projection), which with 4 KiB pages is ~125k pages a
+step: a TLB miss and a page walk each, and a stop for the hardware prefetchers at every page
+boundary. Measured on the 2-core dev VM (bench/RESULTS.md, thirteenth session): the panel
+GEMM over 30 cold layers, 32 rows, paired passes over a 4 KiB-page and a 2 MiB-page copy of
+the same weights: 183 -> 198 GFLOP/s for the gate/up shape (37 of 40 pairs faster), 184 -> 208
+for the down shape (77 of 80); the engine's whole decode step, alternating two copies of its
+weights: -1.8 ms (82 of 100 pairs faster).
 
 XLA:CPU takes its buffers from malloc, so they cannot be asked for huge pages up front. Once
 the weights are loaded, ``MADV_HUGEPAGE`` then ``MADV_COLLAPSE`` (Linux 6.1+) move the
 2 MiB-aligned interior of each buffer into huge pages in place: its address and contents
-stay, and the copy costs ~2.5 ms per MB, once, at load. Elsewhere (another OS, an older
-kernel, THP disabled, an accelerator's buffers) nothing changes.
+stay. The copy is paid once, at load: 1.3-1.8 s for SmolLM2's 504 MiB on the dev VM.
+Elsewhere (another OS, a kernel before 6.1, an accelerator's buffers) nothing changes at once.
 ``JAXPAGED_HUGE_PAGES=0`` turns it off.
 """
 
