@@ -203,6 +203,13 @@ def test_step_breakdown_smoke(tmp_path, tiny_model):
     }
 
 
+def test_huge_pages_ab_smoke(tiny_model):
+    proc = _run(["bench/huge_pages_ab.py", "--model", tiny_model, "--batch", "2", "--pairs", "2",
+                 "--max-model-len", "256", "--prompt-len", "20", "--enforce-eager"])  # fmt: skip
+    assert "weights on 4 KiB pages: decode step median" in proc.stdout
+    assert "2 MiB faster in" in proc.stdout and "of 2 pairs" in proc.stdout
+
+
 def test_serving_sweep_http_launch(tmp_path, tiny_model):
     prefix = tmp_path / "sweep"
     _run(["bench/serving.py", "--launch", "--model", tiny_model, "--num-prompts", "3",
