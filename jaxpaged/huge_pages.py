@@ -24,7 +24,7 @@ import ctypes.util
 import errno
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 
@@ -38,7 +38,7 @@ _MADV_COLLAPSE = 25
 _COLLAPSE_TRIES = 4
 
 
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None
@@ -73,7 +73,8 @@ def back_with_huge_pages(
     if not sys.platform.startswith("linux") or os.environ.get("JAXPAGED_HUGE_PAGES", "1") == "0":
         return 0
     arrays = list(arrays)
-    jax.block_until_ready(arrays)  # the collapse moves the pages present: all of them, then
+    # MADV_COLLAPSE moves only the pages already there: wait until XLA has written them all
+    jax.block_until_ready(arrays)
     buffers = [(p, n) for p, n in _host_buffers(arrays) if n >= min_bytes]
     madvise = _madvise() if buffers else None
     if madvise is None:
