@@ -28,11 +28,12 @@ import ctypes
 import ctypes.util
 import importlib.util
 import os
+from collections.abc import Callable
 from importlib.metadata import entry_points
 
 import jax
 
-__all__ = ["STEP_BUFFER_BYTES", "jax_will_run_on_cpu", "keep_step_buffers"]
+__all__ = ["STEP_BUFFER_BYTES", "jax_will_run_on_cpu", "keep_step_buffers", "libc_function"]
 
 # Above the scratch of the default engine's largest step program (72 MiB for SmolLM2 at
 # max_num_batched_tokens=2048) with room for its outputs: blocks up to this size are reused
@@ -44,6 +45,23 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
+def libc_function(
+    symbol: str, argtypes: tuple[type, ...], *, use_errno: bool = False
+) -> Callable[..., int] | None:
+    """The C library's ``symbol`` (returning int) through ctypes, or None where there is no
+    such C library or function (another OS, another libc)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(name, use_errno=use_errno), symbol)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def keep_step_buffers(max_bytes: int = STEP_BUFFER_BYTES) -> bool:
     """Makes glibc reuse freed blocks up to ``max_bytes`` instead of unmapping them, from one
     arena. Returns False (and changes nothing) where the C library has no ``mallopt`` (not
@@ -52,15 +70,9 @@ def keep_step_buffers(max_bytes: int = STEP_BUFFER_BYTES) -> bool:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if os.environ.get("JAXPAGED_MALLOC_TUNING", "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
     value = min(max_bytes, 2**31 - 1)
     # setting a threshold also stops glibc from adapting them
     return all(

@@ -20,13 +20,14 @@ Elsewhere (another OS, a kernel before 6.1, an accelerator's buffers) nothing ch
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import jax
+
+from jaxpaged.host_malloc import libc_function
 
 __all__ = ["HUGE_PAGE_BYTES", "back_with_huge_pages"]
 
@@ -36,19 +37,6 @@ _MADV_COLLAPSE = 25
 # EAGAIN is transient (a page still in a per-CPU LRU batch, lock contention), and a retry
 # skips the 2 MiB ranges already collapsed
 _COLLAPSE_TRIES = 4
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _host_buffers(arrays: Iterable[jax.Array]) -> list[tuple[int, int]]:
@@ -76,7 +64,11 @@ def back_with_huge_pages(
     # MADV_COLLAPSE moves only the pages already there: wait until XLA has written them all
     jax.block_until_ready(arrays)
     buffers = [(p, n) for p, n in _host_buffers(arrays) if n >= min_bytes]
-    madvise = _madvise() if buffers else None
+    madvise = (
+        libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), use_errno=True)
+        if buffers
+        else None
+    )
     if madvise is None:
         return 0
     collapsed = 0
