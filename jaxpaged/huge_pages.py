@@ -64,10 +64,10 @@ def back_with_huge_pages(
     # MADV_COLLAPSE moves only the pages already there: wait until XLA has written them all
     jax.block_until_ready(arrays)
     buffers = [(p, n) for p, n in _host_buffers(arrays) if n >= min_bytes]
-    madvise = (
-        libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), use_errno=True)
-        if buffers
-        else None
+    if not buffers:
+        return 0
+    madvise = libc_function(
+        "madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), use_errno=True
     )
     if madvise is None:
         return 0
