@@ -20,7 +20,9 @@
 // slices on into L2. Only the first num_rows rows are computed (the rest of a padded step's
 // bucket is zero-filled, or gets the residual's rows). The residual is added in the first
 // slice's store. A work item is (row block, group of panels), so each weight streams from
-// memory once per row block: once per call in decode. The stacked weight is indexed in
+// memory once per row block: once per call in decode. Each thread owns a contiguous run of
+// items (taking from the others' ends once its own is done), so the prefetches that run past
+// an item's last slice land in the same thread's next item. The stacked weight is indexed in
 // place, so a decoder's lax.scan never copies a layer out.
 
 #include <algorithm>
@@ -306,7 +308,9 @@ void linear(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* ga
     const int64_t r0 = m0 + tiles[t][0];
     pack_tile(xp, xpk + r0 * K, K, r0, tiles[t][1], gate, norm_w, eps);
   });
-  jaxpaged::parallel_for(pool, row_blocks * panel_groups, [&](int64_t i) {
+  // Each thread takes a contiguous run of items, so its weights are one stream whose
+  // prefetches run on into its next item (parallel_for_runs); a decode step went ~2 ms faster.
+  jaxpaged::parallel_for_runs(pool, row_blocks * panel_groups, [&](int64_t i) {
     const int64_t m0 = (i / panel_groups) * kMc, p0 = (i % panel_groups) * per_item;
     linear_block(xpk + m0 * K, wp, residual, yp, K, N, m0, std::min(kMc, M - m0), p0,
                  std::min(panels, p0 + per_item));

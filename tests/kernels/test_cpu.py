@@ -158,7 +158,8 @@ def test_cpu_unavailable_falls_back_to_xla(tmp_path, env, reason):
 
 # 6- or 8-row tiles (AVX2 or AVX-512) and their remainders, 96-row blocks
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 9, 10, 17, 32, 64, 97, 200])
-@pytest.mark.parametrize("k,n", [(576, 960), (300, 48), (13, 16)])  # K past one 256 slice, odd K
+# K past one 256 slice, odd K; 101 panels: items that split unevenly into the threads' runs
+@pytest.mark.parametrize("k,n", [(576, 960), (300, 48), (13, 16), (40, 1616)])
 def test_linear_matches_numpy(rng, m, k, n):
     """x @ w[index].T for every layer index of a stacked weight in panel layout, against
     float64 numpy on the unpacked weight."""
