@@ -125,6 +125,9 @@ class FakeAsyncEngine:
         self.block_size = block_size
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
+        # once this many tokens exist, stop stepping until the next abort: a cancel test can
+        # then look at a request that is certainly still running, however slow the machine
+        self.hold_until_abort_at: int | None = None
         self.tokenizer = FakeTokenizer()
         self.model_config = ModelConfig(
             model_type="llama",
@@ -207,6 +210,7 @@ class FakeAsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        self.hold_until_abort_at = None
         for q in (self._waiting, self._running):
             for r in list(q):
                 if r.request_id == request_id:
@@ -302,7 +306,8 @@ class FakeAsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
             await asyncio.sleep(self.step_delay)
-            self._step()
+            if self.hold_until_abort_at is None or self._gen_total < self.hold_until_abort_at:
+                self._step()
 
     def _step(self) -> None:
         self.steps += 1
