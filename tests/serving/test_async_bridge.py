@@ -88,7 +88,8 @@ def test_step_failure_over_the_real_async_engine(bridged):
 
     def failing_step():
         calls["n"] += 1
-        if calls["n"] > 3 and bridged.frontend.num_in_flight == 3:  # all three admitted
+        # after a few tokens, wait for all three to be in flight (none can finish first)
+        if calls["n"] > 3 and wait_until(lambda: bridged.frontend.num_in_flight == 3):
             raise RuntimeError("injected step failure")
         return real_step()
 
