@@ -125,9 +125,7 @@ class FakeAsyncEngine:
         self.block_size = block_size
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
-        # once this many tokens exist, stop stepping until the next abort: a cancel test can
-        # then look at a request that is certainly still running, however slow the machine
-        self.hold_until_abort_at: int | None = None
+        self._hold_at: int | None = None  # see hold_after
         self.tokenizer = FakeTokenizer()
         self.model_config = ModelConfig(
             model_type="llama",
@@ -208,9 +206,18 @@ class FakeAsyncEngine:
         self._waiting.append(req)
         self._wake.set()
 
+    def hold_after(self, num_tokens: int) -> None:
+        """Stops generating once `num_tokens` more tokens exist, until the next abort: a
+        cancel test then looks at a request that is certainly still running, however slow
+        the machine."""
+        self._hold_at = self._gen_total + num_tokens
+
+    def _held(self) -> bool:
+        return self._hold_at is not None and self._gen_total >= self._hold_at
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
-        self.hold_until_abort_at = None
+        self._hold_at = None
         for q in (self._waiting, self._running):
             for r in list(q):
                 if r.request_id == request_id:
@@ -306,7 +313,7 @@ class FakeAsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
             await asyncio.sleep(self.step_delay)
-            if self.hold_until_abort_at is None or self._gen_total < self.hold_until_abort_at:
+            if not self._held():
                 self._step()
 
     def _step(self) -> None:
@@ -400,12 +407,23 @@ class FakeLLMEngine:
             pass
         with self._lock:
             self.num_steps += 1
-            self._core._step()
+            if not self._core._held():
+                self._core._step()
             out, self._out[:] = list(self._out), []
             return out
 
+    def hold_after(self, num_tokens: int) -> None:
+        with self._lock:
+            self._core.hold_after(num_tokens)
+
+    @property
+    def aborted(self) -> list[str]:
+        return self._core.aborted
+
     def abort(self, request_id: str) -> RequestOutput | None:
         with self._lock:
+            self._core.aborted.append(request_id)
+            self._core._hold_at = None
             for q in (self._core._waiting, self._core._running):
                 for r in list(q):
                     if r.request_id == request_id:

@@ -57,25 +57,13 @@ def test_cancel_over_the_real_async_engine(bridged):
     client's cancel (not the length limit) must be what ends the request and frees it."""
     core = bridged.core
     free0 = core.get_stats().num_free_blocks
-    real_step, real_abort = core.step, core.abort
-    aborted = threading.Event()
-
-    def held_step():
-        if core.get_stats().generation_tokens_total >= 2:
-            aborted.wait(timeout=30)
-        return real_step()
-
-    def noted_abort(request_id):
-        aborted.set()
-        return real_abort(request_id)
-
-    core.step, core.abort = held_step, noted_abort
+    core.hold_after(2)
     with GenerationClient(bridged.grpc_target) as client:
         stream = client.stream("abc", max_tokens=200, ignore_eos=True)
         next(stream)
         assert core.get_stats().num_free_blocks < free0
         stream.close()
-    assert wait_until(aborted.is_set)
+    assert wait_until(lambda: len(core.aborted) == 1)
     assert wait_until(lambda: core.get_stats().num_free_blocks == free0)
     assert wait_until(lambda: bridged.frontend.num_in_flight == 0)
     assert core.get_stats().generation_tokens_total < 200

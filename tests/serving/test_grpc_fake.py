@@ -181,7 +181,7 @@ def test_cancel_and_deadline_abort(shared, stub):
     engine = shared.engine
     engine.step_delay = 0.01
     free0 = engine.get_stats().num_free_blocks
-    engine.hold_until_abort_at = engine.get_stats().generation_tokens_total + 2
+    engine.hold_after(2)
     call = stub.Generate(build_request("abcd", max_tokens=55, request_id="cancel-me"), timeout=30)
     next(call)
     assert engine.get_stats().num_free_blocks < free0
@@ -189,7 +189,7 @@ def test_cancel_and_deadline_abort(shared, stub):
     assert wait_until(lambda: "cancel-me" in engine.aborted)
     assert wait_until(lambda: engine.get_stats().num_free_blocks == free0)
 
-    engine.hold_until_abort_at = engine.get_stats().generation_tokens_total + 2
+    engine.hold_after(2)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(build_request("abcd", max_tokens=55, request_id="late"), timeout=0.2))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -197,7 +197,7 @@ def test_cancel_and_deadline_abort(shared, stub):
     assert wait_until(lambda: engine.get_stats().num_free_blocks == free0)
 
     # the sync client's iterator cancels when dropped early
-    engine.hold_until_abort_at = engine.get_stats().generation_tokens_total + 2
+    engine.hold_after(2)
     with GenerationClient(shared.grpc_target) as client:
         for _ in client.stream("abcd", max_tokens=55, request_id="dropped"):
             break
@@ -205,7 +205,7 @@ def test_cancel_and_deadline_abort(shared, stub):
     assert wait_until(lambda: shared.frontend.num_in_flight == 0)
 
     # Abort RPC by id: the stream ends with finish_reason "abort"
-    engine.hold_until_abort_at = engine.get_stats().generation_tokens_total + 2
+    engine.hold_after(2)
     call = stub.Generate(build_request("abcd", max_tokens=55, request_id="by-id"), timeout=30)
     next(call)
     stub.Abort(pb.AbortRequest(request_id="by-id"), timeout=10)

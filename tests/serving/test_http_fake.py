@@ -268,7 +268,7 @@ def test_disconnect_aborts_and_frees_blocks(server_factory):
     engine = FakeAsyncEngine(step_delay=0.01, num_kv_blocks=64)
     server = server_factory(engine)
     free0 = engine.get_stats().num_free_blocks
-    engine.hold_until_abort_at = 2
+    engine.hold_after(2)
     body = {"prompt": "abcd", "max_tokens": 200, "stream": True}
     with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -281,7 +281,7 @@ def test_disconnect_aborts_and_frees_blocks(server_factory):
 
     # non-streaming: the client gives up (timeout) -> abort
     n_aborted = len(engine.aborted)
-    engine.hold_until_abort_at = engine.get_stats().generation_tokens_total + 2
+    engine.hold_after(2)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.http + "/v1/completions", json={"prompt": "q", "max_tokens": 200}, timeout=0.3
