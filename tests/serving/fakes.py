@@ -216,6 +216,13 @@ class FakeAsyncEngine:
         return self._hold_at is not None and self._gen_total >= self._hold_at
 
     async def abort(self, request_id: str) -> None:
+        r = self._abort(request_id)
+        if r is not None:
+            r.stream.queue.put_nowait(self._snapshot(r))
+            r.stream.queue.put_nowait(None)
+
+    def _abort(self, request_id: str) -> _Req | None:
+        """Records the abort, ends any hold, and frees the request if it is still there."""
         self.aborted.append(request_id)
         self._hold_at = None
         for q in (self._waiting, self._running):
@@ -224,8 +231,8 @@ class FakeAsyncEngine:
                     q.remove(r)
                     r.finish = [f or "abort" for f in r.finish]
                     self._release(r)
-                    r.stream.queue.put_nowait(self._snapshot(r))
-                    r.stream.queue.put_nowait(None)
+                    return r
+        return None
 
     def get_stats(self) -> EngineStats:
         used = self.num_kv_blocks - self._free
@@ -313,10 +320,11 @@ class FakeAsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
             await asyncio.sleep(self.step_delay)
-            if not self._held():
-                self._step()
+            self._step()
 
     def _step(self) -> None:
+        if self._held():
+            return
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             self.kill()
@@ -407,8 +415,7 @@ class FakeLLMEngine:
             pass
         with self._lock:
             self.num_steps += 1
-            if not self._core._held():
-                self._core._step()
+            self._core._step()
             out, self._out[:] = list(self._out), []
             return out
 
@@ -422,16 +429,8 @@ class FakeLLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         with self._lock:
-            self._core.aborted.append(request_id)
-            self._core._hold_at = None
-            for q in (self._core._waiting, self._core._running):
-                for r in list(q):
-                    if r.request_id == request_id:
-                        q.remove(r)
-                        r.finish = [f or "abort" for f in r.finish]
-                        self._core._release(r)
-                        return self._core._snapshot(r)
-        return None
+            r = self._core._abort(request_id)
+            return None if r is None else self._core._snapshot(r)
 
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
         with self._lock:
