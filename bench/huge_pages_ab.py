@@ -3,7 +3,7 @@
     python bench/huge_pages_ab.py [--model M] [--batch 32] [--pairs 100]
 
 One engine, two copies of its (packed) weights, one moved onto huge pages
-(jaxpaged.huge_pages); the steps alternate between them in ABBA order on the same requests,
+(jaxpaged.kernels.cpu.huge_pages); the steps alternate between them in ABBA order on the same requests,
 so both see the same contexts and the same minute of this shared machine, and the paired
 differences carry the comparison (absolute step times drift by 10 % within minutes here).
 """
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from step_breakdown import prepare_decode
 
     from jaxpaged import LLM
-    from jaxpaged.huge_pages import back_with_huge_pages
+    from jaxpaged.kernels.cpu.huge_pages import back_with_huge_pages
     from jaxpaged.models.llama import streamed_weights
 
     os.environ["JAXPAGED_HUGE_PAGES"] = "0"  # the engine's own copy stays on small pages

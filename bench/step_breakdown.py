@@ -164,10 +164,10 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged import sampler
     from jaxpaged.kernels import cpu, ragged_paged_attention, write_kv
     from jaxpaged.models.llama import compute_logits, forward, linear_xla
-    from jaxpaged.step import on_native_cpu
+    from jaxpaged.worker import sampler
+    from jaxpaged.worker.step import on_native_cpu
 
     runner = llm.engine.runner
     cfg = runner.model_config

@@ -2,7 +2,7 @@
 
 * :class:`ModelConfig` (re-exported from :mod:`jaxpaged.models.config`): the architecture.
 * :class:`CacheConfig`: the paged KV cache (block size, how many blocks, swap space, prefix
-  caching). The runner turns it into a block count (see :mod:`jaxpaged.kv_cache`).
+  caching). The runner turns it into a block count (see :mod:`jaxpaged.worker.kv_cache`).
 * :class:`SchedulerConfig`: per-step limits and the preemption mode. Chunked prefill is always
   on: a prompt longer than the step's token budget is split over several steps.
 * :class:`ParallelConfig`: tensor parallelism over a device mesh.

@@ -1,15 +1,11 @@
-"""Generation without a server: `jaxpaged.generate(...)` for JAX research code, and the CLI
-
-    python -m jaxpaged.generate [--model M] [--max-tokens N] [--temperature T] [--chat] PROMPT
-
-which prints only the generated text on stdout (logs go to stderr). Both run on the paged
-engine. This module is itself callable, so `jaxpaged.generate(...)` works even after
-`import jaxpaged.generate` has bound the name to the module.
+"""Generation without a server: `jaxpaged.generate(...)` for JAX research code (the command
+line, `python -m jaxpaged.generate`, is :mod:`jaxpaged.cli.generate`). This module is itself
+callable, so `jaxpaged.generate(...)` works even after `import jaxpaged.generate` has bound the
+name to the module.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -59,61 +55,6 @@ def generate(
         llm.engine.close()
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxpaged.generate", description=__doc__)
-    p.add_argument("prompt", metavar="PROMPT")
-    p.add_argument(
-        "--model",
-        default=None,
-        help="local folder, HF hub id or .gguf file (default: the bundled SmolLM2)",
-    )
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    args = p.parse_args(argv)
-    if args.max_tokens < 1:
-        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {args.temperature}")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    # One prompt: compile only the shapes it uses instead of warming every bucket.
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=8,
-        enforce_eager=True,
-        seed=args.seed or 0,
-    )
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_tokens=min(args.max_tokens, args.max_model_len - 1),
-    )
-    if args.chat:
-        prompt: Prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
-    else:
-        prompt = args.prompt
-    try:
-        (out,) = llm.generate(prompt, params, use_tqdm=False)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    sys.stdout.write(out.outputs[0].text + "\n")
-    sys.stdout.flush()
-    return 0
-
-
 class _CallableModule(types.ModuleType):
     def __call__(self, *args: Any, **kwargs: Any) -> list[RequestOutput]:
         return generate(*args, **kwargs)
@@ -122,4 +63,6 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
+    from jaxpaged.cli.generate import main
+
     sys.exit(main())

@@ -1,8 +1,22 @@
-"""What generation returns: vLLM-shaped RequestOutput / CompletionOutput records."""
+"""What generation returns: vLLM-shaped RequestOutput / CompletionOutput records.
+
+A caller chooses per request how outputs arrive (:class:`RequestOutputKind`): ``DELTA``
+(streaming: each RequestOutput holds, for each sample that changed, only the new text, token
+ids and logprobs; a sample's last delta carries its finish_reason; the request's last output
+has ``finished=True``) or ``FINAL_ONLY`` (``LLM.generate``: one RequestOutput when the whole
+request is done, every sample complete). The engine never rebuilds a cumulative snapshot per
+step.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    DELTA = "delta"  # each output carries only what is new since the previous one
+    FINAL_ONLY = "final_only"  # one output, once the request is finished, with everything
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -16,7 +30,7 @@ class Logprob:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CompletionOutput:
-    """One of the n samples of a request, cumulative so far."""
+    """One of the n samples of a request: what is new (DELTA) or all of it (FINAL_ONLY)."""
 
     index: int
     text: str
@@ -42,7 +56,8 @@ class RequestMetrics:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RequestOutput:
-    """State of one user request after an engine step: every sample, cumulative."""
+    """One user request's news after an engine step: the samples that changed (DELTA), or
+    every sample, complete (FINAL_ONLY). ``index`` of each CompletionOutput names its sample."""
 
     request_id: str
     prompt: str | None

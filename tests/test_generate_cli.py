@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jaxpaged
 from jaxpaged import SamplingParams
-from jaxpaged.generate import main
+from jaxpaged.cli.generate import main
 from jaxpaged.models import load_model
 
 BOS, EOS = 256, 257

@@ -57,7 +57,7 @@ def test_wheel_contains_and_imports_subpackages(tmp_path):
     assert not any(n.startswith(("kernels/", "models/", "serving/", "tests/")) for n in names)
     # the native kernels' sources: built on first use
     for src in ("cpu_native.cc", "cpu_linear.cc", "cpu_argmax.cc", "cpu_parallel.h", "cpu_simd.h"):
-        assert f"jaxpaged/kernels/{src}" in names
+        assert f"jaxpaged/kernels/cpu/{src}" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # Only the unpacked wheel may provide jaxpaged: run with -S-free path, editable finder off.
@@ -81,5 +81,8 @@ def test_wheel_contains_and_imports_subpackages(tmp_path):
     )
     if shutil.which("g++") or shutil.which("c++"):
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == ["None", str(site / "jaxpaged" / "kernels" / "cpu.py")]
+        assert out.stdout.split() == [
+            "None",
+            str(site / "jaxpaged" / "kernels" / "cpu" / "__init__.py"),
+        ]
         assert list((tmp_path / "cache" / "native").glob("kernels_*.so"))

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxpaged.request import Request, RequestStatus
-from jaxpaged.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxpaged.sched.request import Request, RequestStatus
+from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 VOCAB = 1000
 

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from jaxpaged.block_pool import BlockPool, hash_block_tokens
-from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.block_pool import BlockPool, hash_block_tokens
+from jaxpaged.sched.request import Request
 
 
 def req(tokens, rid="r"):

@@ -10,7 +10,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "Hello world, the answer is 42. The quick brown fox jumps over the lazy dog.",

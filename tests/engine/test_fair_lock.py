@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jaxpaged.fair_lock import FairLock
+from jaxpaged.engine.fair_lock import FairLock
 
 
 def _holds_taken_while_waiting(lock, hold_s: float = 0.005) -> int:

@@ -1,4 +1,4 @@
-"""The malloc tuning that keeps XLA:CPU's per-step buffers mapped (jaxpaged.host_malloc).
+"""The malloc tuning that keeps XLA:CPU's per-step buffers mapped (jaxpaged.kernels.cpu.host_malloc).
 
 Each case runs the bundled model in a fresh process (the settings are process-wide, and
 the arena limit only takes before JAX starts): 32 sequences in pure decode, counting the
@@ -84,13 +84,13 @@ def test_decode_steps_reuse_their_scratch_instead_of_faulting_it_in(bundled_mode
 
 
 def test_the_cpu_platform_is_recognised_before_and_after_jax_starts():
-    from jaxpaged.host_malloc import jax_will_run_on_cpu
+    from jaxpaged.kernels.cpu.host_malloc import jax_will_run_on_cpu
 
     assert jax_will_run_on_cpu()  # this process: started, on the CPU
     # a fresh process, JAX_PLATFORMS unset (the installed plugins decide): the prediction
     # made before JAX starts, then what JAX picks once started
     before_start = subprocess.run(
-        [sys.executable, "-c", "import jax; from jaxpaged.host_malloc import jax_will_run_on_cpu "
+        [sys.executable, "-c", "import jax; from jaxpaged.kernels.cpu.host_malloc import jax_will_run_on_cpu "
          "as f; from jax._src import xla_bridge as b; "
          "print(b.backends_are_initialized(), f(), jax.default_backend())"],
         env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
@@ -102,7 +102,7 @@ def test_the_cpu_platform_is_recognised_before_and_after_jax_starts():
 
 
 def test_max_bytes_must_be_positive():
-    from jaxpaged.host_malloc import keep_step_buffers
+    from jaxpaged.kernels.cpu.host_malloc import keep_step_buffers
 
     with pytest.raises(ValueError, match="max_bytes"):
         keep_step_buffers(0)

@@ -1,4 +1,4 @@
-"""2 MiB pages under the weights a CPU engine streams (jaxpaged.huge_pages), checked against
+"""2 MiB pages under the weights a CPU engine streams (jaxpaged.kernels.cpu.huge_pages), checked against
 the kernel's own accounting in /proc/self/smaps: every advised range must end up backed by
 huge pages, with the arrays' addresses and contents unchanged."""
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.huge_pages import HUGE_PAGE_BYTES, back_with_huge_pages
+from jaxpaged.kernels.cpu.huge_pages import HUGE_PAGE_BYTES, back_with_huge_pages
 
 
 def _collapse_supported() -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.kv_cache import block_bytes, device_kv_budget, num_blocks_for
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.worker.kv_cache import block_bytes, device_kv_budget, num_blocks_for
 
 CFG = ModelConfig(
     model_type="llama",

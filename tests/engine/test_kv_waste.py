@@ -11,7 +11,7 @@ import numpy as np
 from fake_runner import FakeRunner, make_request
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.sched.scheduler import Scheduler
 
 MAX_MODEL_LEN = 2048
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import cpu
-from jaxpaged.sampler import (
+from jaxpaged.worker.sampler import (
     SamplingTensors,
     apply_penalties,
     apply_top_k_top_p,

@@ -16,8 +16,8 @@ from fake_runner import (
 )
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.request import RequestStatus
-from jaxpaged.scheduler import RunnerOutput, Scheduler
+from jaxpaged.sched.request import RequestStatus
+from jaxpaged.sched.scheduler import RunnerOutput, Scheduler
 
 
 def make(

@@ -12,7 +12,7 @@ import pytest
 from jaxpaged.kernels import cpu
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
 from jaxpaged.models.testing import random_params, tiny_config
-from jaxpaged.step import pack_native_linear, use_native_linear
+from jaxpaged.worker.step import pack_native_linear, use_native_linear
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
 

@@ -12,7 +12,7 @@ import transformers
 
 import jaxpaged
 from jaxpaged import SamplingParams
-from jaxpaged.generate import main
+from jaxpaged.cli.generate import main
 from jaxpaged.models import compute_logits, forward, load_model
 from jaxpaged.models.loader import load_eos_token_ids
 

@@ -16,7 +16,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 def main() -> None:
     model, rank, address, out_path, tp = sys.argv[1:6]
-    from jaxpaged import multihost
+    from jaxpaged.distributed import multihost
 
     multihost.initialize(num_processes=2, process_id=int(rank), coordinator_address=address)
     import jax

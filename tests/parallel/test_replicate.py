@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import parallel
+from jaxpaged.distributed import parallel
 from jaxpaged.models import compute_logits, forward, param_shapes
 from jaxpaged.models.testing import random_params, tiny_config
 

@@ -204,7 +204,7 @@ def check_warmup_no_recompile(ctx: Ctx) -> None:
     blocks) and a preemption that swaps blocks out and back compiles nothing new, and the
     pool keeps its head split throughout."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.parallel import kv_pool_sharding
+    from jaxpaged.distributed.parallel import kv_pool_sharding
 
     llm = LLM(
         ctx.model("llama"),
@@ -242,13 +242,15 @@ def check_orbax(ctx: Ctx) -> None:
     import jax
     import numpy as np
 
-    from jaxpaged import convert, parallel
+    from jaxpaged.cli import convert
+    from jaxpaged.distributed import orbax, parallel
+    from jaxpaged.distributed.loading import load_params
     from jaxpaged.models import load_model
 
     path = ctx.model("llama")
     out = os.path.join(ctx.workdir, "llama-orbax")
     assert convert.main([path, out]) == 0
-    assert convert.is_orbax_model(out) and not convert.is_orbax_model(path)
+    assert orbax.is_orbax_model(out) and not orbax.is_orbax_model(path)
 
     def same(a: Any, b: Any) -> None:
         la, lb = _leaves(a), _leaves(b)
@@ -259,13 +261,13 @@ def check_orbax(ctx: Ctx) -> None:
             assert la[k].sharding == lb[k].sharding, (k, la[k].sharding, lb[k].sharding)
 
     cfg0, p0 = load_model(path, progress=False)
-    cfg, p = convert.restore(out)
+    cfg, p = orbax.restore(out)
     assert cfg == cfg0
     same(p, p0)
     for n in (2, 4):
         mesh = parallel.make_mesh(n)
-        want_cfg, want = parallel.load_params(path, mesh=mesh, progress=False)
-        got_cfg, got = convert.restore(out, mesh=mesh)
+        want_cfg, want = load_params(path, mesh=mesh, progress=False)
+        got_cfg, got = orbax.restore(out, mesh=mesh)
         assert got_cfg == want_cfg and got_cfg.num_kv_heads == max(2, n)
         same(got, want)
 
@@ -275,12 +277,12 @@ def check_orbax(ctx: Ctx) -> None:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         with open(os.path.join(path, name), "rb") as src, open(os.path.join(out2, name), "wb") as d:
             d.write(src.read())
-    _, p2 = parallel.load_params(path, mesh=parallel.make_mesh(2), progress=False)
-    convert.save_params(p2, out2, dtype="float32")
-    _, back1 = convert.restore(out2)
+    _, p2 = load_params(path, mesh=parallel.make_mesh(2), progress=False)
+    orbax.save_params(p2, out2, dtype="float32")
+    _, back1 = orbax.restore(out2)
     same(back1, p0)
-    _, back4 = convert.restore(out2, mesh=parallel.make_mesh(4))
-    same(back4, parallel.load_params(path, mesh=parallel.make_mesh(4), progress=False)[1])
+    _, back4 = orbax.restore(out2, mesh=parallel.make_mesh(4))
+    same(back4, load_params(path, mesh=parallel.make_mesh(4), progress=False)[1])
 
     got, llm = greedy(out, 4)  # LLM(model=OUT) detects the Orbax folder
     assert got == ctx.ref("llama"), got

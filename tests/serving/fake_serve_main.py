@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fakes import FakeAsyncEngine  # noqa: E402
 
-from jaxpaged.serve import main  # noqa: E402
+from jaxpaged.cli.serve import main  # noqa: E402
 
 
 def factory() -> FakeAsyncEngine:

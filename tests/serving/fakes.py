@@ -375,7 +375,7 @@ def wait_until(cond, timeout: float = 10.0, interval: float = 0.01) -> bool:
 
 class FakeLLMEngine:
     """The synchronous engine interface (add_request / step / abort) with the same hand-computable
-    outputs as FakeAsyncEngine, for driving the real `jaxpaged.async_engine.AsyncEngine`
+    outputs as FakeAsyncEngine, for driving the real `jaxpaged.engine.async_engine.AsyncEngine`
     (its thread and asyncio bridge) without a model. `busy` seconds of pure-Python work per
     step hold the GIL like a real step's host side does."""
 

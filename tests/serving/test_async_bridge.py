@@ -1,4 +1,4 @@
-"""The serving stack over the real `jaxpaged.async_engine.AsyncEngine` (engine thread +
+"""The serving stack over the real `jaxpaged.engine.async_engine.AsyncEngine` (engine thread +
 asyncio bridge) driving a fake synchronous engine: concurrency, cancel and step failure go
 through the same code as with the model, in seconds."""
 
@@ -15,7 +15,7 @@ import pytest
 from fakes import FakeLLMEngine, expected_text, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxpaged.async_engine import AsyncEngine
+from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.serving.client import GenerationClient
 
 

@@ -189,7 +189,7 @@ def test_engine_build_failure_exits_1(serve_process):
     ],
 )
 def test_bad_flags_fail_clearly(flags, message, capsys):
-    from jaxpaged.serve import main
+    from jaxpaged.cli.serve import main
 
     with pytest.raises(SystemExit) as e:
         main(flags)
@@ -198,7 +198,7 @@ def test_bad_flags_fail_clearly(flags, message, capsys):
 
 
 def test_parse_size():
-    from jaxpaged.serve import parse_size
+    from jaxpaged.cli.serve import parse_size
 
     assert parse_size("1000") == 1000
     assert parse_size("2GiB") == 2 << 30
@@ -223,7 +223,7 @@ def test_cli_flags_reach_the_engine_builder(monkeypatch):
     import inspect
 
     from jaxpaged import async_engine, engine
-    from jaxpaged.serve import build_parser, engine_factory_from_args
+    from jaxpaged.cli.serve import build_parser, engine_factory_from_args
 
     seen = {}
     real_sig = inspect.signature(engine.LLMEngine.from_args)

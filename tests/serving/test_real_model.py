@@ -47,8 +47,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 @pytest.fixture(scope="module")
 def real():
-    from jaxpaged.async_engine import AsyncEngine
     from jaxpaged.engine import LLMEngine
+    from jaxpaged.engine.async_engine import AsyncEngine
     from jaxpaged.llm import LLM
     from jaxpaged.models import default_model_path
 

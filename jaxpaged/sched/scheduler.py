@@ -39,9 +39,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxpaged.block_pool import BlockPool, CopyPair
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.sched.block_pool import BlockPool, CopyPair
+from jaxpaged.sched.request import Request, RequestStatus
 
 __all__ = [
     "RequestUpdate",

@@ -17,24 +17,24 @@ from typing import Any
 
 import jax
 
-from jaxpaged.compile_counter import CompileCounter, enable_persistent_cache
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
-from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.fair_lock import FairLock
-from jaxpaged.host_malloc import jax_will_run_on_cpu, keep_step_buffers
-from jaxpaged.kv_cache import (
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.fair_lock import FairLock
+from jaxpaged.kernels.cpu.host_malloc import jax_will_run_on_cpu, keep_step_buffers
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import Params
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpaged.sampling_params import SamplingParams, validate_prompt
+from jaxpaged.sched.request import Request, RequestStatus
+from jaxpaged.sched.scheduler import Scheduler
+from jaxpaged.worker.compile_counter import CompileCounter, enable_persistent_cache
+from jaxpaged.worker.kv_cache import (
     KVLayout,
     configure_device_memory,
     device_kv_budget,
     num_blocks_for,
 )
-from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.request import Request, RequestStatus
-from jaxpaged.runner import Runner
-from jaxpaged.sampling_params import SamplingParams, validate_prompt
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class LLMEngine:
         parallel_config = parallel_config or ParallelConfig()
         self.mesh = None
         if parallel_config.tensor_parallel_size > 1:
-            from jaxpaged.parallel import make_mesh, shard_params
+            from jaxpaged.distributed.parallel import make_mesh, shard_params
 
             self.mesh = make_mesh(parallel_config.tensor_parallel_size)
             model_config, params = shard_params(model_config, params, self.mesh)
@@ -165,7 +165,7 @@ class LLMEngine:
                 if available is not None and self.mesh is not None:
                     available *= self.mesh.size  # the pool is split over the mesh
                 if available is not None and jax.process_count() > 1:
-                    from jaxpaged.multihost import agree_min_bytes
+                    from jaxpaged.distributed.multihost import agree_min_bytes
 
                     available = agree_min_bytes(available)  # every host: the same pool
         num_blocks = num_blocks_for(
@@ -227,10 +227,11 @@ class LLMEngine:
     ) -> LLMEngine:
         """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
         builds the engine around it; ``engine_args`` are :meth:`from_params`'s."""
+        from jaxpaged.distributed.loading import load_params
+        from jaxpaged.distributed.parallel import make_mesh
         from jaxpaged.models import load_tokenizer
         from jaxpaged.models.loader import load_eos_token_ids
         from jaxpaged.models.resolve import resolve_model_folder
-        from jaxpaged.parallel import load_params, make_mesh
 
         configure_process(gpu_memory_utilization)
 
@@ -573,12 +574,3 @@ def _eos_ids(config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None) -
     if tok_eos is not None and tok_eos not in ids:
         ids.append(tok_eos)
     return tuple(ids)
-
-
-def __getattr__(name: str) -> Any:
-    # AsyncEngine lives in its own module (it imports this one); reachable from here too.
-    if name in ("AsyncEngine", "RequestStream"):
-        from jaxpaged import async_engine
-
-        return getattr(async_engine, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-// y = x @ w[layer].T with w in panel layout, as an XLA FFI custom call (kernels/cpu.py), with
+// y = x @ w[layer].T with w in panel layout, as an XLA FFI custom call (kernels/cpu/__init__.py), with
 // a decoder layer's element-wise work folded in: optionally x -> silu(gate) * x and an RMSNorm
 // of x's rows as x is packed, and a residual added as y is stored.
 //

@@ -35,7 +35,7 @@ import collections
 import hashlib
 from collections.abc import Sequence
 
-from jaxpaged.request import Request
+from jaxpaged.sched.request import Request
 
 __all__ = ["BlockPool", "CopyPair", "hash_block_tokens"]
 

@@ -37,7 +37,6 @@ same K/V values it would read without replication.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -237,40 +236,3 @@ def replicate_on(x: Any, mesh: Mesh | None) -> Any:
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, replicated(mesh))
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_params(
-    folder: str | os.PathLike,
-    *,
-    mesh: Mesh | None = None,
-    dtype: str | None = None,
-    progress: bool = True,
-) -> tuple[ModelConfig, Params]:
-    """(config, params) from a Hugging Face folder or an Orbax folder written by
-    ``python -m jaxpaged.convert``, each weight sent straight to its shards on ``mesh``
-    (None: the default device). The config is the one the sharded model runs with."""
-    from jaxpaged import convert
-    from jaxpaged.models.loader import load_model
-
-    folder = os.fspath(folder)
-    if convert.is_orbax_model(folder):
-        return convert.restore(folder, mesh=mesh, dtype=dtype)
-    if mesh is None:
-        return load_model(folder, dtype=dtype, progress=progress)
-    n = mesh_size(mesh)
-    config = ModelConfig.from_pretrained(folder)
-    kv_replication(config, n)  # fail before reading any weight
-
-    def transform(cfg: ModelConfig, host: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
-        return replicate_kv_heads(cfg, host, n)
-
-    return load_model(
-        folder,
-        dtype=dtype,
-        shardings=param_sharding_fn(mesh),
-        progress=progress,
-        host_transform=transform,
-    )

@@ -1,4 +1,4 @@
-// Row-wise argmax of float32 logits, as an XLA FFI custom call (kernels/cpu.py): greedy
+// Row-wise argmax of float32 logits, as an XLA FFI custom call (kernels/cpu/__init__.py): greedy
 // sampling's only [S, V] pass. XLA:CPU's variadic (value, index) reduce takes 1.7-2 ms for
 // 32 x 49152 logits; two plain passes per row (the max, then its first index; the row stays
 // in L2 between them) take a fraction of that.

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import jax
 
-from jaxpaged.host_malloc import libc_function
+from .host_malloc import libc_function
 
 __all__ = ["HUGE_PAGE_BYTES", "back_with_huge_pages"]
 

@@ -9,9 +9,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpaged import sampler
+from jaxpaged.distributed.parallel import replicate_on, shard_attention
 from jaxpaged.kernels import cpu, default_backend, ragged_paged_attention, write_kv
-from jaxpaged.kv_cache import KVPool
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import (
     Params,
@@ -20,7 +19,8 @@ from jaxpaged.models.llama import (
     linear_xla,
     map_matmul_weights,
 )
-from jaxpaged.parallel import replicate_on, shard_attention
+from jaxpaged.worker import sampler
+from jaxpaged.worker.kv_cache import KVPool
 
 
 class StepBatch(NamedTuple):

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from jaxpaged.engine import EngineDeadError, EngineStats, LLMEngine, Prompt
+from jaxpaged.engine.llm_engine import EngineDeadError, EngineStats, LLMEngine, Prompt
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 

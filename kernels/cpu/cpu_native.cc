@@ -1,4 +1,4 @@
-// Ragged paged attention for CPUs, as an XLA FFI custom call (see kernels/cpu.py).
+// Ragged paged attention for CPUs, as an XLA FFI custom call (see kernels/cpu/__init__.py).
 //
 // Why native: XLA:CPU cannot fuse the block-table gather into its dots, so the XLA path
 // copies every K/V chunk before reading it and runs many tiny batched dots; decode

@@ -26,14 +26,20 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxpaged import sampler
-from jaxpaged.huge_pages import back_with_huge_pages
-from jaxpaged.kv_cache import KVLayout, copy_blocks, create_pool, gather_blocks, scatter_blocks
+from jaxpaged.distributed.parallel import kv_pool_sharding
+from jaxpaged.kernels.cpu.huge_pages import back_with_huge_pages
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, streamed_weights
-from jaxpaged.parallel import kv_pool_sharding
-from jaxpaged.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
-from jaxpaged.step import StepBatch, StepOutput, pack_native_linear, step, use_native_linear
+from jaxpaged.sched.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxpaged.worker import sampler
+from jaxpaged.worker.kv_cache import (
+    KVLayout,
+    copy_blocks,
+    create_pool,
+    gather_blocks,
+    scatter_blocks,
+)
+from jaxpaged.worker.step import StepBatch, StepOutput, pack_native_linear, step, use_native_linear
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +138,7 @@ class Runner:
         self.model_config = model_config
         self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
         # multi-host: rank 0's hook that announces each device call to the followers
-        # (see jaxpaged.multihost); None on one host
+        # (see jaxpaged.distributed.multihost); None on one host
         self.leader = None
         self.layout = layout
         self.max_model_len = max_model_len
@@ -140,7 +146,7 @@ class Runner:
         # every matmul in the native CPU kernel, over weights packed once into its layout
         self.native_linear = use_native_linear(params, model_config, attention_backend, mesh)
         self.params = pack_native_linear(params, model_config) if self.native_linear else params
-        # host-resident weights on 2 MiB pages: a step streams them all (jaxpaged.huge_pages)
+        # host-resident weights on 2 MiB pages: a step streams them all (jaxpaged.kernels.cpu.huge_pages)
         self.huge_page_bytes = back_with_huge_pages(streamed_weights(self.params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,

@@ -1,0 +1,1 @@
+"""Command lines: serve (the servers), generate (one prompt), convert (Orbax), client (gRPC)."""
