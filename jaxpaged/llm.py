@@ -10,7 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxpaged.engine import LLMEngine, Prompt
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
 Message = Mapping[str, str]
@@ -78,7 +78,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, prompt, params in zip(ids, prompt_list, params_list, strict=True):
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
                 added.append(rid)
         except Exception:
             for rid in added:

@@ -18,10 +18,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "validate_prompt"]
+__all__ = ["MAX_BANNED_IDS", "MAX_LOGPROBS", "MAX_N", "SamplingParams", "validate_prompt"]
 
 MAX_N = 128  # most samples of one prompt (OpenAI's limit)
-MAX_LOGPROBS = 20  # most top logprobs per token (OpenAI's limit)
+MAX_LOGPROBS = 20  # most top logprobs per token (OpenAI's limit; the step's static top-k)
+# most ids min_tokens holds back (EOS + stop_token_ids): the step's fixed-size ban list
+MAX_BANNED_IDS = 32
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 
 

@@ -19,14 +19,17 @@ Control flow (N processes, one per host, each owning its local accelerators):
 4. Every other rank runs :func:`follow`: receive the header, build a dummy batch of that
    bucket's shapes, receive rank 0's batch into it, run the same jitted step (or block copy)
    on its own params and KV shards, and drop the result (the sampled tokens are replicated,
-   so rank 0 alone reads them). ``Leader.stop`` ends the followers.
+   so rank 0 alone reads them; each rank keeps its own copy as the next step's input, as
+   rank 0 does). Penalty-row fills are announced the same way. ``Leader.stop`` ends the
+   followers.
 
 While rank 0 has no work, followers simply wait inside the next broadcast (no polling; a
 400 s idle wait was tested with CPU/gloo collectives). If a process dies, the
 ``jax.distributed`` coordination service ends the others.
 
-The scheduler, block tables and sampling state exist only on rank 0; followers are stateless
-apart from their device shards, so a step's whole input is the broadcast batch.
+The scheduler, block tables and sampling state exist only on rank 0; followers hold only
+device state (their shards, the penalty counts, the last sampled tokens), which the broadcast
+calls keep identical to rank 0's.
 Not supported across hosts: ``preemption_mode="swap"`` (swapping reads the KV shards of
 every host back to rank 0's memory); use ``"recompute"``.
 """
@@ -39,12 +42,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpaged.sched.scheduler import PenaltyRowInit
+from jaxpaged.worker import sampler
+from jaxpaged.worker.buckets import Bucket, pow2_ladder
 from jaxpaged.worker.kv_cache import copy_blocks
-from jaxpaged.worker.runner import Bucket, Runner, _pow2_ladder
+from jaxpaged.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
-OP_STEP, OP_COPY, OP_WARM_STEP, OP_WARM_COPY, OP_STOP = 1, 2, 3, 4, 5
+OP_STEP, OP_COPY, OP_WARM_STEP, OP_WARM_COPY, OP_STOP, OP_PENALTY_ROW = 1, 2, 3, 4, 5, 6
 _HEADER = 6  # op, num_tokens, num_seqs, max_blocks, decode_only, move_len
 
 
@@ -132,11 +138,21 @@ class Leader:
         _broadcast(_header(op, move_len=len(src)))
         _broadcast((np.asarray(src, np.int32), np.asarray(dst, np.int32)))
 
+    def announce_penalty_row(
+        self,
+        row: np.ndarray,  # int32 []
+        prompt: np.ndarray,  # int32 [max_model_len], -1 padded
+        output: np.ndarray,  # int32 [max_model_len], -1 padded
+    ) -> None:
+        _broadcast(_header(OP_PENALTY_ROW))
+        _broadcast((row, prompt, output))
+
     def warm_up(self) -> None:
         """Compile the broadcasts of every bucket and move size now (followers mirror it)."""
         for bucket in self.runner.buckets.all():
-            self.announce_step(self.runner.build_batch([], bucket), bucket, op=OP_WARM_STEP)
-        for n in _pow2_ladder(1, self.runner._max_move):
+            batch, _ = self.runner.build_batch([], bucket)
+            self.announce_step(batch, bucket, op=OP_WARM_STEP)
+        for n in pow2_ladder(1, self.runner._max_move):
             none = np.full(n, -1, np.int32)
             self.announce_copy(none, none, op=OP_WARM_COPY)
 
@@ -151,7 +167,7 @@ def lead(engine: Any) -> Leader:
     leader = Leader(engine.runner)
     leader.warm_up()
     # the broadcast programs compiled just now belong to warm-up, not to serving
-    engine._compiles_at_warmup = engine._compiles.count
+    engine.core.mark_compiled()
     engine.runner.leader = leader
     return leader
 
@@ -169,7 +185,7 @@ def follow(engine: Any) -> int:
         if op in (OP_STEP, OP_WARM_STEP):
             t, s, b, decode_only = (int(x) for x in header[1:5])
             bucket = Bucket(t, s, b, bool(decode_only))
-            batch = _broadcast(runner.build_batch([], bucket))
+            batch = _broadcast(runner.build_batch([], bucket)[0])
             if op == OP_STEP:
                 jax.block_until_ready(runner._run(batch, bucket))
                 steps += 1
@@ -185,5 +201,9 @@ def follow(engine: Any) -> int:
                     num_layers=runner.layout.num_layers,
                     num_blocks=runner.layout.num_blocks,
                 )
+        elif op == OP_PENALTY_ROW:
+            empty = PenaltyRowInit(row=0, prompt_token_ids=(), output_token_ids=())
+            row, prompt, output = _broadcast(runner.penalty_row_arrays(empty))
+            runner.penalties = sampler.init_penalty_row(runner.penalties, row, prompt, output)
         else:
             raise RuntimeError(f"follower: unknown op {op} from rank 0")

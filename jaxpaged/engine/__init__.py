@@ -1,18 +1,19 @@
-"""The engine: LLMEngine (synchronous) and AsyncEngine (asyncio, engine on its own thread)."""
+"""The engine: EngineCore (the loop, on one thread), LLMEngine (driven by the caller's
+thread) and AsyncEngine (asyncio; the core on a thread of its own)."""
 
 from jaxpaged.engine.async_engine import AsyncEngine, RequestStream
-from jaxpaged.engine.llm_engine import (
-    EngineDeadError,
-    EngineStats,
-    LLMEngine,
-    Prompt,
-    configure_process,
-)
+from jaxpaged.engine.core import EngineCore, EngineRequest, EngineStepError
+from jaxpaged.engine.llm_engine import LLMEngine, configure_process
+from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats, Prompt
 
 __all__ = [
     "AsyncEngine",
+    "EngineClient",
+    "EngineCore",
     "EngineDeadError",
+    "EngineRequest",
     "EngineStats",
+    "EngineStepError",
     "LLMEngine",
     "Prompt",
     "RequestStream",

@@ -1,10 +1,12 @@
-"""AsyncEngine: the LLMEngine on its own thread, with an asyncio stream per request.
+"""AsyncEngine: an engine's core on a thread of its own, with an asyncio stream per request.
 
-The engine thread loops ``engine.step()`` while there is work and sleeps on an event
-otherwise; each step's outputs are handed to the asyncio loop with
-``call_soon_threadsafe``. If a step raises, the engine is dead: every open stream raises
-EngineDeadError, new requests are refused, and ``errored`` turns true (servers report
-NOT_SERVING).
+The engine thread is the only one that touches the engine's state: it loops
+``core.step()`` while there is work and otherwise sleeps until the core's inbox gets
+something. asyncio code only queues (``add_request`` after validating in a worker thread,
+``abort``) and receives each step's outputs through ``call_soon_threadsafe``; nothing waits
+for a device step, and there is no lock. If a step raises, the engine is dead: every open
+stream ends (an error output, then EngineDeadError), new requests are refused, and
+``errored`` turns true (the servers report NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -12,17 +14,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
-from jaxpaged.engine.llm_engine import EngineDeadError, EngineStats, LLMEngine, Prompt
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.engine.core import EngineStepError
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
+_IDLE_WAIT = 0.05  # seconds the idle engine thread sleeps between looks at its stop flag
+
 
 class RequestStream:
-    """Async iterator of one request's cumulative outputs; ends after the finished one."""
+    """Async iterator of one request's outputs (deltas, or one final output); ends after
+    the one with ``finished=True``, or raises what the engine failed with."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -48,28 +59,28 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Serves an LLMEngine to asyncio code. Create it, then ``start()`` inside the loop."""
+    """Serves an LLMEngine's core to asyncio code (an ``EngineClient``). Create it, then
+    ``start()`` inside the loop."""
 
     def __init__(
         self, engine: LLMEngine, *, on_shutdown: Callable[[], object] | None = None
     ) -> None:
         self.engine = engine
+        self._core = engine.core
         self._on_shutdown = on_shutdown  # e.g. release the follower hosts of a multi-host run
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
         self._stop = False
-        self.dead_error: BaseException | None = None
-        self._stats: EngineStats | None = None
+        self._dead_error: BaseException | None = None
 
     # ------------------------------------------------------------- properties
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
@@ -77,22 +88,24 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
-    def engine_config(self) -> dict[str, object]:
+    def engine_config(self) -> Mapping[str, object]:
         return self.engine.engine_config
 
     @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    @property
     def errored(self) -> bool:
-        return self.dead_error is not None
+        return self._dead_error is not None
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
     def get_stats(self) -> EngineStats:
-        """The snapshot taken after the latest step: never waits for a running step."""
-        if self._stats is None:
-            self._stats = self.engine.get_stats()
-        return self._stats
+        """The snapshot the engine thread took after its latest step: never waits."""
+        return self._core.stats
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -107,7 +120,7 @@ class AsyncEngine:
         for rid in list(self._streams):
             await self.abort(rid)
         self._stop = True
-        self._wake.set()
+        self._core.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
@@ -117,45 +130,43 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- requests
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> RequestStream:
-        """Validates synchronously (ValueError naming the problem) and queues the request."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        """Validates (ValueError naming the problem; tokenizing runs in a worker thread, off
+        the event loop) and queues the request for the engine thread."""
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self._dead_error}")
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        # off the event loop: tokenizing, and the engine lock that a running step holds
-        added = asyncio.get_running_loop().run_in_executor(
-            None, self.engine.add_request, request_id, prompt, params
-        )
         try:
-            await asyncio.shield(added)
-        except asyncio.CancelledError:
-            # the caller went away mid-admission: drop the request once it is in
-            self._streams.pop(request_id, None)
-            added.add_done_callback(
-                lambda f: (
-                    f.cancelled()
-                    or f.exception() is not None
-                    or threading.Thread(target=self.engine.abort, args=(request_id,)).start()
-                )
+            request = await asyncio.to_thread(
+                self.engine.inputs.process, request_id, prompt, params, output_kind=output_kind
             )
-            raise
-        except BaseException:
+        except BaseException:  # invalid, or the caller went away while it was checked
             self._streams.pop(request_id, None)
             raise
-        self._wake.set()
+        self._core.add_request(request)
         return stream
 
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; aborts the request if the consumer stops early."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, output_kind=output_kind)
         try:
             async for out in stream:
                 yield out
@@ -164,11 +175,10 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Frees the request's blocks; its stream ends with finish_reason "abort"."""
-        out = await asyncio.to_thread(self.engine.abort, request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and out is not None:
-            stream.put(out)
+        """Queues the abort: the engine thread frees the request's blocks at its next step,
+        and its stream ends with finish_reason "abort"."""
+        if request_id in self._streams:
+            self._core.abort(request_id)
 
     # ----------------------------------------------------------- engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -180,8 +190,9 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _die(self, exc: BaseException) -> None:
-        self.dead_error = exc
+    def _die(self, exc: BaseException, outputs: list[RequestOutput]) -> None:
+        self._deliver(outputs)  # every open request's final "error" output
+        self._dead_error = exc
         err = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         for stream in self._streams.values():
             stream.put(err)
@@ -189,20 +200,21 @@ class AsyncEngine:
 
     def _run(self) -> None:
         assert self._loop is not None
-        loop = self._loop
+        loop, core = self._loop, self._core
         while not self._stop:
-            if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.get_stats()
-                self._wake.wait(0.05)
-                self._wake.clear()
+            if not core.has_work():
+                core.wait_for_work(_IDLE_WAIT)
                 continue
             try:
-                outputs = self.engine.step()
-            except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
+                outputs = core.step()
+            except EngineStepError as exc:
                 logger.exception("engine step failed")
-                self.engine.fail_all(exc)
-                loop.call_soon_threadsafe(self._die, exc)
+                cause = exc.__cause__ or exc
+                loop.call_soon_threadsafe(self._die, cause, exc.outputs)
                 return
-            self._stats = self.engine.get_stats()
+            except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
+                logger.exception("engine loop failed")
+                loop.call_soon_threadsafe(self._die, exc, core.fail_all(exc))
+                return
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, outputs)

@@ -148,3 +148,16 @@ class IncrementalDetokenizer:
         out = self._text[self._sent :]
         self._sent = len(self._text)
         return out
+
+
+class NullDetokenizer:
+    """For engines without a tokenizer (token-id prompts only): no text, no stop strings."""
+
+    stopped = False
+    stop_reason: str | None = None
+
+    def add_tokens(self, new_ids: Iterable[int]) -> tuple[str, bool]:
+        return "", False
+
+    def flush(self) -> str:
+        return ""

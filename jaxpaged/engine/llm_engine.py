@@ -1,9 +1,11 @@
-"""LLMEngine: the synchronous step loop that ties scheduler, runner and detokenizer together.
+"""LLMEngine: builds an engine (model, KV pool, runner, scheduler) and drives its
+:class:`~jaxpaged.engine.core.EngineCore` from the calling thread.
 
-``add_request`` validates and queues; each ``step`` schedules (host), executes (device),
-updates the scheduler with the sampled tokens, detokenizes them (stop strings end requests
-here) and returns a RequestOutput for every user request that changed. ``n > 1`` becomes n
-scheduler Requests of one group that share the prompt's blocks.
+``add_request`` validates in the caller's thread (:mod:`jaxpaged.engine.input_processor`) and
+puts the request on the core's inbox; each ``step`` runs one overlapped iteration of the core
+(plan and dispatch step k, finish step k-1) and returns the outputs it produced: deltas, or
+final outputs, as each request asked. ``LLM`` uses it this way; ``AsyncEngine`` runs the same
+core on a thread of its own.
 """
 
 from __future__ import annotations
@@ -11,21 +13,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.fair_lock import FairLock
+from jaxpaged.engine.core import EngineCore, EngineStepError
+from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
 from jaxpaged.kernels.cpu.host_malloc import jax_will_run_on_cpu, keep_step_buffers
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.sampling_params import SamplingParams, validate_prompt
-from jaxpaged.sched.request import Request, RequestStatus
+from jaxpaged.outputs import RequestOutput, RequestOutputKind
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.compile_counter import CompileCounter, enable_persistent_cache
 from jaxpaged.worker.kv_cache import (
@@ -38,55 +39,12 @@ from jaxpaged.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed while serving; no request can be served any more."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineStats:
-    """A snapshot of the engine's gauges and counters (for metrics endpoints and tests)."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float
-    kv_cache_waste: float  # mean over steps of 1 - stored tokens / slots of held blocks
-    num_kv_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_steps: int
-    num_compilations: int  # since the engine started, warm-up included
-    num_compilations_after_warmup: int
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    """One user request: its n samples and their detokenizers."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    samples: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    texts: list[str]
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(r.is_finished for r in self.samples)
+__all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "Prompt", "configure_process"]
 
 
 class LLMEngine:
-    """Synchronous engine. Thread-safe: every public method takes the engine lock."""
+    """Synchronous engine: one thread (the caller's) drives it. ``add_request`` and
+    ``abort`` may also come from other threads: they only queue."""
 
     def __init__(
         self,
@@ -120,7 +78,6 @@ class LLMEngine:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
-        self._lock = FairLock()  # a step cannot starve an abort or add_request
         self.compile_cache_dir = enable_persistent_cache()
         self._compiles = CompileCounter().open()
 
@@ -144,11 +101,13 @@ class LLMEngine:
                 max_num_seqs=scheduler_config.max_num_seqs,
                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                 max_model_len=scheduler_config.max_model_len,
+                eos_token_ids=eos,
                 seed=seed,
                 attention_backend=attention_backend,
                 mesh=self.mesh,
             )
 
+        eos = _eos_ids(model_config, tokenizer, eos_token_ids)
         available = None
         if cache_config.num_kv_blocks is None and cache_config.kv_cache_memory is None:
             if jax.local_devices()[0].platform != "cpu":
@@ -195,12 +154,26 @@ class LLMEngine:
             num_blocks=num_blocks,
             bytes_per_block=self.layout.bytes_per_block,
         )
-        self.eos_token_ids = _eos_ids(model_config, tokenizer, eos_token_ids)
-        self._groups: dict[str, _Group] = {}
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._waste_sum = 0.0
-        self._waste_steps = 0
+        self.eos_token_ids = eos
+        self.inputs = InputProcessor(
+            tokenizer=tokenizer,
+            vocab_size=model_config.vocab_size,
+            max_model_len=scheduler_config.max_model_len,
+            block_size=cache_config.block_size,
+            num_kv_blocks=num_blocks,
+            eos_token_ids=eos,
+        )
+        self.core = EngineCore(
+            scheduler=self.scheduler,
+            runner=self.runner,
+            tokenizer=tokenizer,
+            eos_token_ids=eos,
+            num_kv_blocks=num_blocks,
+            compilations=lambda: self._compiles.count,
+        )
+        self._live: set[str] = set()  # user request ids added and not yet finished
+        self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.dead_error: BaseException | None = None
         self.warmup_programs = 0
         self.warmup_seconds = 0.0
         if not enforce_eager:
@@ -211,7 +184,7 @@ class LLMEngine:
             logger.info(
                 "warm-up compiled %d programs in %.1f s", self.warmup_programs, self.warmup_seconds
             )
-        self._compiles_at_warmup = self._compiles.count
+        self.core.mark_compiled()
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -314,13 +287,8 @@ class LLMEngine:
         return self.scheduler_config.max_model_len
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text or ids; text prompts get the tokenizer's
-        special tokens (BOS where the model uses one)."""
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
-        return None, list(prompt)
+        """(text, token ids) of a prompt given as text or ids."""
+        return self.inputs.tokenize(prompt)
 
     def add_request(
         self,
@@ -329,210 +297,76 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> None:
         """Validates (ValueError naming the problem) and queues one request of params.n
-        samples."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        text, ids = self.tokenize(prompt)
-        validate_prompt(ids, self.max_model_len, self.model_config.vocab_size, params)
-        arrival = time.time() if arrival_time is None else arrival_time
-        with self._lock:
-            if request_id in self._groups:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            samples = [
-                Request(
-                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                    prompt_token_ids=ids,
-                    sampling_params=params,
-                    eos_token_ids=self.eos_token_ids,
-                    prompt=text,
-                    parent_id=None if params.n == 1 else request_id,
-                    sample_index=i,
-                    arrival_time=arrival,
-                )
-                for i in range(params.n)
-            ]
-            added: list[Request] = []
-            try:
-                for r in samples:
-                    self.scheduler.add_request(r)
-                    added.append(r)
-            except Exception:
-                for r in added:
-                    self.scheduler.abort(r.request_id)
-                raise
-            self._groups[request_id] = _Group(
-                request_id=request_id,
-                prompt=text,
-                prompt_token_ids=tuple(ids),
-                samples=samples,
-                detokenizers=[
-                    IncrementalDetokenizer(
-                        self.tokenizer,
-                        ids,
-                        skip_special_tokens=params.skip_special_tokens,
-                        stop=params.stop,
-                        include_stop_str_in_output=params.include_stop_str_in_output,
-                    )
-                    for _ in samples
-                ],
-                texts=["" for _ in samples],
-                arrival_time=arrival,
-            )
-            self._prompt_tokens_total += len(ids)
+        samples; its outputs come from :meth:`step`, as deltas or as one final output."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        if request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = self.inputs.process(
+            request_id, prompt, params, arrival_time=arrival_time, output_kind=output_kind
+        )
+        self._live.add(request_id)
+        self.core.add_request(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request in any state, freeing its blocks; returns its final output
         (finish_reason "abort"), or None if the id is unknown or already finished."""
-        with self._lock:
-            group = self._groups.pop(request_id, None)
-            if group is None:
-                return None
-            for r in group.samples:
-                self.scheduler.abort(r.request_id)
-            return self._output(group)
+        if request_id not in self._live:
+            return None
+        self.core.abort(request_id)
+        mine = None
+        for out in self.core.step_inbox():
+            if out.request_id == request_id:
+                mine = out
+            else:
+                self._ready.append(out)
+        self._live.discard(request_id)
+        return mine
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix, so the next prompts are computed in full (benchmark
         rounds that repeat a workload). Blocks in use keep their contents."""
-        with self._lock:
-            self.scheduler.pool.reset_prefix_cache()
+        self.core.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return bool(self._groups)
+        return bool(self._live)
 
     @property
     def num_unfinished_requests(self) -> int:
-        with self._lock:
-            return len(self._groups)
+        return len(self._live)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One scheduling + execution round. If the device step raises, every in-flight
-        request ends with finish_reason "error" (blocks freed) and the error propagates."""
-        with self._lock:
-            plan = self.scheduler.schedule()
-            if not plan.has_work:
-                return []
-            now = time.time()
-            touched: dict[str, _Group] = {}
-            for seq in plan.seqs:
-                group = self._groups[seq.request.group_id]
-                if group.first_scheduled_time is None:
-                    group.first_scheduled_time = now
-            try:
-                runner_out = self.runner.execute(plan, self.eos_token_ids)
-            except Exception as exc:
-                self._fail_all(exc)
-                raise
-            for update in self.scheduler.update(plan, runner_out):
-                req = update.request
-                group = self._groups[req.group_id]
-                touched[group.request_id] = group
-                i = req.sample_index
-                self._generation_tokens_total += len(update.new_token_ids)
-                delta, stopped = group.detokenizers[i].add_tokens(update.new_token_ids)
-                group.texts[i] += delta
-                if stopped and not req.is_finished:
-                    self.scheduler.finish(
-                        req.request_id,
-                        RequestStatus.FINISHED_STOPPED,
-                        stop_reason=group.detokenizers[i].stop_reason,
-                    )
-                if req.is_finished and not stopped:
-                    group.texts[i] += group.detokenizers[i].flush()
-            if plan.seqs:
-                self._waste_sum += self.scheduler.kv_cache_waste()
-                self._waste_steps += 1
-            outputs = []
-            for group in touched.values():
-                outputs.append(self._output(group))
-                if group.finished:
-                    del self._groups[group.request_id]
-            return outputs
-
-    def _fail_all(self, exc: BaseException) -> None:
-        logger.exception("engine step failed; ending %d requests", len(self._groups))
-        for group in self._groups.values():
-            group.error = f"{type(exc).__name__}: {exc}"
-            for r in group.samples:
-                if not r.is_finished:
-                    self.scheduler.finish(r.request_id, RequestStatus.FINISHED_ERROR)
+        """One overlapped iteration (see :class:`EngineCore`). If the device step raises,
+        every request ends with finish_reason "error" (blocks freed), the engine is dead and
+        the error propagates; the error outputs are in ``EngineStepError.outputs``."""
+        outputs, self._ready = self._ready, []
+        try:
+            outputs += self.core.step()
+        except EngineStepError as e:
+            self.dead_error = e.__cause__
+            self._live.clear()
+            e.outputs[:0] = outputs
+            raise
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        return outputs
 
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
         """Ends every request with an error (used when the engine must stop serving)."""
-        with self._lock:
-            self._fail_all(exc)
-            outs = [self._output(g) for g in self._groups.values()]
-            self._groups.clear()
-            return outs
-
-    def _output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for i, r in enumerate(group.samples):
-            logprobs = None
-            if r.sampling_params.logprobs is not None:
-                logprobs = tuple(
-                    Logprob(token_id=t, logprob=lp, top=top)
-                    for t, (lp, top) in zip(r.output_token_ids, r.output_logprobs, strict=False)
-                )
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=group.texts[i],
-                    token_ids=tuple(r.output_token_ids),
-                    logprobs=logprobs,
-                    finish_reason=r.finish_reason,
-                    stop_reason=r.stop_reason,
-                )
-            )
-        first_tokens = [r.first_token_time for r in group.samples if r.first_token_time]
-        finish_times = [r.finish_time for r in group.samples if r.finish_time]
-        finished = group.finished
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=tuple(completions),
-            finished=finished,
-            metrics=RequestMetrics(
-                arrival_time=group.arrival_time,
-                first_scheduled_time=group.first_scheduled_time,
-                first_token_time=min(first_tokens) if first_tokens else None,
-                finished_time=max(finish_times) if finished and finish_times else None,
-            ),
-            num_cached_tokens=group.samples[0].num_cached_tokens,
-            error=group.error,
-        )
+        outputs = self._ready + self.core.fail_all(exc)
+        self._ready = []
+        self._live.clear()
+        return outputs
 
     # ----------------------------------------------------------------- metrics
     def get_stats(self) -> EngineStats:
-        with self._lock:
-            s = self.scheduler
-            st = s.stats
-            compiles = self._compiles.count
-            return EngineStats(
-                num_running=len(s.running),
-                num_waiting=len(s.waiting),
-                num_swapped=len(s.swapped),
-                kv_cache_usage=s.kv_cache_usage(),
-                kv_cache_waste=self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
-                num_kv_blocks=self.layout.num_blocks,
-                num_free_blocks=s.pool.num_free_blocks,
-                num_preemptions=st.num_preemptions,
-                prefix_cache_queries=st.prefix_cache_queries,
-                prefix_cache_hits=st.prefix_cache_hits,
-                prompt_tokens_total=self._prompt_tokens_total,
-                generation_tokens_total=self._generation_tokens_total,
-                num_steps=st.num_steps,
-                num_compilations=compiles,
-                num_compilations_after_warmup=compiles - self._compiles_at_warmup,
-            )
+        """The snapshot taken after the latest step (never waits for the device)."""
+        return self.core.stats
 
     @property
     def engine_config(self) -> dict[str, object]:

@@ -172,7 +172,7 @@ class BlockPool:
             return []
         limit = (request.num_tokens - 1) // self.block_size
         blocks = []
-        for h in self.block_hashes(request, limit):
+        for h in self.block_hashes(request, limit)[:limit]:
             b = self._cached.get(h)
             if b is None:
                 break
@@ -180,9 +180,11 @@ class BlockPool:
         return blocks
 
     def register_computed(self, request: Request) -> None:
-        """Offers the request's full, computed blocks to the prefix cache (after a step).
-        A key already held by another block keeps that block; this one stays anonymous."""
-        n_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        """Offers the request's full, computed blocks whose tokens the host knows to the
+        prefix cache. A key already held by another block keeps that block; this one stays
+        anonymous."""
+        known = min(request.num_computed_tokens, request.num_tokens)
+        n_full = min(known // self.block_size, len(request.block_table))
         if not self.enable_prefix_caching:
             request.num_registered_blocks = n_full
             return

@@ -1,7 +1,11 @@
 """Request: one sequence being generated, as the scheduler, block pool and runner see it.
 
-A request's tokens are ``prompt_token_ids + output_token_ids``; the first
-``num_computed_tokens`` of them have their K/V in the cache. Logical block i of the sequence
+A request's known tokens are ``prompt_token_ids + output_token_ids``. Steps overlap: a step is
+scheduled and dispatched before the previous one's sampled tokens reach the host, so a request
+may also have ``num_inflight`` tokens sampled on the device that the host has not seen yet
+(``num_total_tokens`` counts them). The first ``num_computed_tokens`` of all tokens have their
+K/V in the cache or written by a step already dispatched (the scheduler advances it when it
+schedules). Logical block i of the sequence
 (tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block ``block_table[i]``
 (device) or, while SWAPPED, in host slot ``host_block_table[i]``.
 
@@ -9,8 +13,8 @@ A request's tokens are ``prompt_token_ids + output_token_ids``; the first
 differ in ``request_id`` and ``sample_index`` (0..n-1). The scheduler prefills the prompt
 once and forks the others from it (they share every prompt block, copy-on-write).
 
-The scheduler owns every mutable field; the engine reads them and sets only the inputs
-(ids, prompt, params, eos_token_ids, arrival_time, prompt text).
+The scheduler owns every mutable field and never hands a Request to another layer: what it
+tells the runner and the engine is plain data (``ScheduledSeq``, ``RequestUpdate``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any
 
 from jaxpaged.sampling_params import SamplingParams
 
@@ -70,7 +73,7 @@ class Request:
     # --- scheduler-owned state ---
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[Any] = dataclasses.field(default_factory=list)  # runner's, opaque
+    num_inflight: int = 0  # sampled by dispatched steps, not yet seen by the host
     num_computed_tokens: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)  # device block ids
     host_block_table: list[int] = dataclasses.field(default_factory=list)  # while SWAPPED
@@ -78,9 +81,10 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_table offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the cache (prefix hit or fork)
     num_preemptions: int = 0
-    arrival_order: int = -1  # FCFS priority, set by Scheduler.add_request
+    arrival_order: int = -1  # FCFS priority and engine-unique id, set by add_request
     rng_stream: int = 0  # engine-unique stream for unseeded sampling, set by add_request
     max_tokens: int = 0  # effective max output tokens, set by Scheduler.add_request
+    penalty_row: int = -1  # row of the on-device penalty counts while running, -1 = none
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -106,7 +110,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the host knows: prompt + output."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those sampled on the device and not yet seen."""
+        return self.num_tokens + self.num_inflight
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, seen or not (the next one's place in its stream)."""
+        return len(self.output_token_ids) + self.num_inflight
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -137,9 +152,13 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         """True while more than one token is uncomputed (prompt, or recompute after preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        return self.num_total_tokens - self.num_computed_tokens > 1
 
-    def slots(self, start: int, stop: int, block_size: int) -> list[int]:
-        """KV slots (block_id * block_size + offset) of positions [start, stop)."""
-        table = self.block_table
-        return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+    @property
+    def has_penalties(self) -> bool:
+        sp = self.sampling_params
+        return (
+            sp.repetition_penalty != 1.0
+            or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0
+        )

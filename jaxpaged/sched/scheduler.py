@@ -1,7 +1,15 @@
-"""Scheduler: continuous batching over the paged KV cache (host side only).
+"""Scheduler: continuous batching over the paged KV cache (host side only, no JAX).
 
-One engine step is ``out = scheduler.schedule()``, ``runner_out = runner.execute(out)``,
-``updates = scheduler.update(out, runner_out)``. Nothing here touches the device.
+Steps overlap. The engine loop is: ``plan_k = schedule()``, dispatch it to the device, then
+``update(plan_{k-1}, output_{k-1})`` with the tokens the previous step sampled, while step k
+runs. So when the scheduler plans step k it has not seen step k-1's tokens yet: a request that
+sampled in step k-1 has one token *in flight* (``Request.num_inflight``), and its decode in
+step k is fed from step k-1's on-device output (``ScheduledSeq.prev_row``). Used strictly in
+turn (schedule, run, update, schedule, ...) nothing is ever in flight and every fed token is a
+host token. Either way the outputs are the same: the overlap only changes when the host learns
+them. What it costs: a request that stops on EOS, a stop token id or a stop string in step k-1
+has already been given a step-k token, which is dropped (its blocks are freed at the update).
+Length limits cost nothing: a request whose last allowed token is in flight is not scheduled.
 
 Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``):
 
@@ -18,12 +26,17 @@ Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_t
    request starts from the longest cached prefix; a sample of an ``n > 1`` group starts as
    a fork of a sibling whose prompt is computed (sharing all its prompt blocks and
    recomputing only the last prompt token), and waits while a sibling is still prefilling.
+   A preempted request comes back only once its in-flight token is known.
 
 Every scheduled sequence feeds ``token_ids`` at positions ``start_pos ..``; it samples
-(``do_sample``) only when that reaches the end of its known tokens. :meth:`update` appends
+(``sampling`` is set) only when that reaches the end of its tokens. :meth:`update` appends
 sampled tokens and ends requests on token-based conditions (EOS after ``min_tokens`` unless
 ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``). Stop strings are the
-detokenizer's: the engine calls :meth:`finish`. :meth:`abort` ends a request in any state.
+engine's output processing: it calls :meth:`finish`. :meth:`abort` ends a request in any state.
+
+Penalties: a running request with repetition / presence / frequency penalties holds a row of
+the runner's on-device token counts (``penalty_row``); the plan says which rows to fill from a
+request's prompt and output (``penalty_rows_to_init``) and the step keeps them current.
 
 Metrics (:class:`SchedulerStats`): ``prefix_cache_queries`` / ``prefix_cache_hits`` are in
 tokens: at each admission, the tokens the request needs (prompt, or prompt + output after a
@@ -36,34 +49,56 @@ import bisect
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.outputs import Logprob
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
 from jaxpaged.sched.request import Request, RequestStatus
 
 __all__ = [
+    "PenaltyRowInit",
     "RequestUpdate",
     "RunnerOutput",
     "ScheduledSeq",
     "Scheduler",
     "SchedulerOutput",
     "SchedulerStats",
+    "SeqSampling",
 ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SeqSampling:
+    """How a sequence samples its next token in this step (a snapshot: plain values)."""
+
+    params: SamplingParams
+    key_stream: int  # sample index (seeded) or the request's engine-unique stream (unseeded)
+    key_counter: int  # output tokens sampled before this one
+    ban_stop_ids: bool  # fewer than min_tokens out: EOS and stop_token_ids are banned
+    penalty_row: int  # row of the request's on-device penalty counts; -1 = no penalties
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScheduledSeq:
     """One sequence's share of a step: feed ``token_ids`` at positions
     ``start_pos .. start_pos + num_tokens - 1`` (writing their K/V first), attending to
-    ``kv_len`` cached positions through ``block_table``."""
+    ``kv_len`` cached positions through ``block_table``. A decode whose token the host has not
+    seen yet feeds row ``prev_row`` of the previous step's sampled tokens instead
+    (``token_ids`` then holds one placeholder)."""
 
-    request: Request
-    token_ids: tuple[int, ...]  # a prompt chunk, or the last sampled token for a decode
-    start_pos: int  # == request.num_computed_tokens when scheduled
+    request_id: str
+    seq_id: int  # engine-unique: tells a request from a later one that reuses its id
+    token_ids: tuple[int, ...]
+    prev_row: int  # -1: token_ids are the input; >= 0: the previous step's sampled row
+    start_pos: int
     block_table: tuple[int, ...]  # device block ids; covers positions [0, kv_len)
-    do_sample: bool  # False for a non-final prefill chunk: its logits are not needed
+    sampling: SeqSampling | None  # None: a non-final prefill chunk (its logits are not needed)
+
+    @property
+    def do_sample(self) -> bool:
+        return self.sampling is not None
 
     @property
     def num_tokens(self) -> int:
@@ -74,17 +109,14 @@ class ScheduledSeq:
         """Cached tokens after this step's writes (the kernel's kv_lens entry)."""
         return self.start_pos + len(self.token_ids)
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
     def positions(self) -> range:
         return range(self.start_pos, self.kv_len)
 
     def __repr__(self) -> str:
         return (
             f"ScheduledSeq({self.request_id!r}, start_pos={self.start_pos}, "
-            f"num_tokens={self.num_tokens}, do_sample={self.do_sample})"
+            f"num_tokens={self.num_tokens}, prev_row={self.prev_row}, "
+            f"do_sample={self.do_sample})"
         )
 
     def slot_mapping(self, block_size: int) -> list[int]:
@@ -94,16 +126,27 @@ class ScheduledSeq:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PenaltyRowInit:
+    """Fill penalty row ``row`` from a request's tokens (before the step runs)."""
+
+    row: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerOutput:
     """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
     (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
-    ``blocks_to_copy`` (device src -> device dst, copy-on-write), then runs ``seqs``.
-    Run it even when ``seqs`` is empty but a list is not (:attr:`has_work`)."""
+    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``penalty_rows_to_init``,
+    then runs ``seqs``. Run it even when ``seqs`` is empty but a list is not
+    (:attr:`has_work`)."""
 
     seqs: tuple[ScheduledSeq, ...] = ()
     blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
     blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
     blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
+    penalty_rows_to_init: tuple[PenaltyRowInit, ...] = ()
     # requests that ended (finished, aborted, errored) since the last schedule(): drop state
     finished_request_ids: tuple[str, ...] = ()
     # requests preempted in this step (recompute: blocks gone; swap: blocks on the host)
@@ -120,28 +163,40 @@ class SchedulerOutput:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.seqs or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
+            self.seqs
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+            or self.penalty_rows_to_init
         )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunnerOutput:
-    """What the runner sampled, aligned with ``SchedulerOutput.seqs`` (entries of
-    sequences with ``do_sample=False`` are ignored; use -1)."""
+    """What the runner sampled, aligned with ``SchedulerOutput.seqs`` (entries of sequences
+    that do not sample are ignored; use -1). ``failed`` names sequences the runner could not
+    put into the batch, with the reason: those requests end with an error, the rest go on."""
 
     sampled_token_ids: Sequence[int]
-    # optional, same alignment; stored as-is on request.output_logprobs (format: runner's)
-    logprobs: Sequence[Any] | None = None
+    logprobs: Sequence[Logprob | None] | None = None  # same alignment
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RequestUpdate:
-    """What one step changed for one request."""
+    """What one step changed for one request (plain data for the engine's output
+    processing)."""
 
-    request: Request
+    request_id: str
     new_token_ids: tuple[int, ...]
-    new_logprobs: tuple[Any, ...] = ()
-    finished: bool = False
+    new_logprobs: tuple[Logprob, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "error" once finished
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -199,6 +254,10 @@ class Scheduler:
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished samples
         self._finished_ids: list[str] = []
         self._next_order = 0
+        # penalty rows: one per running request at most, so max_num_seqs of them
+        self._free_penalty_rows = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
+        # rows of the last planned step's sampled tokens: request id -> row
+        self._prev_rows: dict[str, int] = {}
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -288,6 +347,7 @@ class Scheduler:
         if old is RequestStatus.RUNNING:
             self.running.remove(request)
             self.pool.free(request)
+            self._release_penalty_row(request)
         elif old is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.pool.free_host(request)
@@ -306,30 +366,41 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        """Plans one step (see the module docstring). Mutates block tables and queues but
-        not ``num_computed_tokens``: that advances in :meth:`update`."""
+        """Plans one step (see the module docstring) and advances ``num_computed_tokens``
+        of every scheduled request: the step's K/V will be written before any later step
+        runs."""
         self.pool.release_host_slots()
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        scheduled: set[str] = set()
+        scheduled: list[Request] = []
+        fed: dict[str, int] = {}  # request id -> tokens it feeds in this step
         copies: list[CopyPair] = []
         swap_out: list[CopyPair] = []
         swap_in: list[CopyPair] = []
         preempted: list[str] = []
+        row_inits: list[PenaltyRowInit] = []
 
         def emit(req: Request, start: int, n: int) -> None:
             nonlocal budget
-            seqs.append(
-                ScheduledSeq(
-                    request=req,
-                    token_ids=tuple(req.token_ids_slice(start, start + n)),
-                    start_pos=start,
-                    block_table=tuple(req.block_table),
-                    do_sample=start + n == req.num_tokens,
-                )
-            )
-            scheduled.add(req.request_id)
+            seqs.append(self._scheduled_seq(req, start, n))
+            scheduled.append(req)
+            fed[req.request_id] = n
+            req.num_computed_tokens = start + n
+            if seqs[-1].do_sample:
+                req.num_inflight += 1
             budget -= n
+
+        def start_running(req: Request) -> None:
+            self._set_running(req)
+            if req.has_penalties:
+                req.penalty_row = self._free_penalty_rows.pop()
+                row_inits.append(
+                    PenaltyRowInit(
+                        row=req.penalty_row,
+                        prompt_token_ids=tuple(req.prompt_token_ids),
+                        output_token_ids=tuple(req.output_token_ids),
+                    )
+                )
 
         # 1. running: decodes first, then prefills; preempt the latest arrival on shortage.
         order = [r for r in self.running if not r.is_prefill]
@@ -337,12 +408,12 @@ class Scheduler:
         for req in order:
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.status is not RequestStatus.RUNNING or self._length_reached(req):
+                continue  # preempted earlier in this loop, or its last token is in flight
+            n = min(req.num_total_tokens - req.num_computed_tokens, budget)
             new_copies = self.pool.allocate_slots(req, n)
             while new_copies is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                victim = next(r for r in reversed(self.running) if r not in scheduled)
                 swap_out.extend(self._preempt(victim))
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -353,19 +424,19 @@ class Scheduler:
             copies.extend(new_copies)
             emit(req, req.num_computed_tokens, n)
 
-        # 2. swapped, oldest first.
+        # 2. swapped, oldest first (once their in-flight token is known).
         if not preempted:
             while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.pool.can_swap_in(req, n):
+                if req.num_inflight or not self.pool.can_swap_in(req, n):
                     break
                 self.swapped.pop(0)
                 swap_in.extend(self.pool.swap_in(req))
                 new_copies = self.pool.allocate_slots(req, n)
                 assert new_copies is not None  # checked by can_swap_in
                 copies.extend(new_copies)
-                self._set_running(req)
+                start_running(req)
                 emit(req, req.num_computed_tokens, n)
 
         # 3. waiting, first come first served (held n>1 samples are passed over).
@@ -373,7 +444,7 @@ class Scheduler:
             held: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.popleft()
-                admitted = self._admit(req, budget, held)
+                admitted = None if req.num_inflight else self._admit(req, budget, held, fed)
                 if admitted is None:
                     self.waiting.appendleft(req)
                     break
@@ -381,10 +452,15 @@ class Scheduler:
                     continue
                 start, n, new_copies = admitted
                 copies.extend(new_copies)
-                self._set_running(req)
+                start_running(req)
                 emit(req, start, n)
             self.waiting.extendleft(reversed(held))
 
+        # Full blocks computed by this step go into the prefix cache now: any step that
+        # finds them is dispatched after this one, which writes them.
+        for req in scheduled:
+            self.pool.register_computed(req)
+        self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
         self.stats.num_steps += 1
         return SchedulerOutput(
@@ -392,15 +468,58 @@ class Scheduler:
             blocks_to_swap_out=tuple(swap_out),
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(copies),
+            penalty_rows_to_init=tuple(row_inits),
             finished_request_ids=finished,
             preempted_request_ids=tuple(preempted),
         )
 
+    def _length_reached(self, req: Request) -> bool:
+        """Whether the request's last allowed token is already sampled (seen or not)."""
+        return (
+            req.num_generated >= req.max_tokens or req.num_total_tokens >= self.config.max_model_len
+        )
+
+    def _scheduled_seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
+        end = start + n
+        prev_row = -1
+        if end > req.num_tokens:  # feeds the token in flight: a decode of it alone
+            if n != 1 or req.num_inflight != 1 or req.request_id not in self._prev_rows:
+                raise RuntimeError(
+                    f"{req.request_id}: cannot feed tokens the host has not seen "
+                    f"(start {start}, {n} tokens, {req.num_tokens} known)"
+                )
+            prev_row = self._prev_rows[req.request_id]
+            token_ids: tuple[int, ...] = (0,)
+        else:
+            token_ids = tuple(req.token_ids_slice(start, end))
+        sampling = None
+        if end == req.num_total_tokens:
+            sp = req.sampling_params
+            generated = req.num_generated
+            sampling = SeqSampling(
+                params=sp,
+                key_stream=req.sample_index if sp.seed is not None else req.rng_stream,
+                key_counter=generated,
+                ban_stop_ids=generated < sp.min_tokens,
+                penalty_row=req.penalty_row,
+            )
+        return ScheduledSeq(
+            request_id=req.request_id,
+            seq_id=req.arrival_order,
+            token_ids=token_ids,
+            prev_row=prev_row,
+            start_pos=start,
+            block_table=tuple(req.block_table),
+            sampling=sampling,
+        )
+
     def _admit(
-        self, req: Request, budget: int, held: list[Request]
+        self, req: Request, budget: int, held: list[Request], fed: dict[str, int]
     ) -> tuple[int, int, list[CopyPair]] | bool | None:
         """Gives a waiting request its blocks. Returns (start, num_tokens, copies), False if
-        it is held (appended to ``held``), None if the pool cannot take it now."""
+        it is held (appended to ``held``), None if the pool cannot take it now. A sample of
+        an n > 1 group forks a sibling whose prompt an earlier step computed (``fed``: this
+        step's tokens, not yet written when the fork's copy-on-write runs)."""
         fresh = req.num_computed_tokens == 0 and not req.output_token_ids
         if fresh and req.parent_id is not None:
             n_prompt = req.num_prompt_tokens
@@ -409,7 +528,14 @@ class Scheduler:
                 for r in self._groups[req.parent_id]
                 if r is not req and r.status is RequestStatus.RUNNING
             ]
-            donor = next((r for r in siblings if r.num_computed_tokens >= n_prompt), None)
+            donor = next(
+                (
+                    r
+                    for r in siblings
+                    if r.num_computed_tokens - fed.get(r.request_id, 0) >= n_prompt
+                ),
+                None,
+            )
             if donor is not None:
                 self.pool.fork(donor, req, n_prompt)
                 req.num_computed_tokens = n_prompt - 1
@@ -443,9 +569,15 @@ class Scheduler:
         keys = [r.arrival_order for r in self.running]
         self.running.insert(bisect.bisect(keys, req.arrival_order), req)
 
+    def _release_penalty_row(self, req: Request) -> None:
+        if req.penalty_row >= 0:
+            self._free_penalty_rows.append(req.penalty_row)
+            req.penalty_row = -1
+
     def _preempt(self, victim: Request) -> list[CopyPair]:
         """Takes a running request off the device; returns its swap-out pairs (if any)."""
         self.running.remove(victim)
+        self._release_penalty_row(victim)
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         if (
@@ -469,9 +601,11 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[RequestUpdate]:
-        """Applies one executed step: advances computed tokens, registers full blocks in
-        the prefix cache, appends sampled tokens, ends requests that hit a token-based
-        stop condition (freeing their blocks). Returns one update per sampled request."""
+        """Applies one executed step's samples: appends each sampled token to its request
+        (whatever state it is in now: a request preempted since still gets its token), ends
+        requests that hit a token-based stop condition (freeing their blocks), and ends the
+        requests the runner could not batch with an error. Requests that ended since the
+        step was planned are skipped. Returns one update per request that changed."""
         seqs = scheduler_output.seqs
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
@@ -487,19 +621,25 @@ class Scheduler:
         now = self.clock()
         updates: list[RequestUpdate] = []
         for i, s in enumerate(seqs):
-            req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # ended (abort / finish) between schedule and update
-            req.num_computed_tokens = s.kv_len
-            self.pool.register_computed(req)
-            if not s.do_sample:
+            req = self.requests.get(s.request_id)
+            if req is None or req.arrival_order != s.seq_id or not s.do_sample:
+                continue  # ended since (abort / stop), or a chunk that does not sample
+            req.num_inflight -= 1
+            error = runner_output.failed.get(s.request_id)
+            if error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                updates.append(
+                    RequestUpdate(
+                        request_id=s.request_id,
+                        new_token_ids=(),
+                        finish_reason="error",
+                        error=error,
+                    )
+                )
                 continue
             token = int(sampled[i])
             req.output_token_ids.append(token)
-            new_lp: tuple[Any, ...] = ()
-            if logprobs is not None and logprobs[i] is not None:
-                req.output_logprobs.append(logprobs[i])
-                new_lp = (logprobs[i],)
+            lp = logprobs[i] if logprobs is not None else None
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
@@ -507,10 +647,11 @@ class Scheduler:
                 self._finish(req, status)
             updates.append(
                 RequestUpdate(
-                    request=req,
+                    request_id=s.request_id,
                     new_token_ids=(token,),
-                    new_logprobs=new_lp,
-                    finished=status is not None,
+                    new_logprobs=() if lp is None else (lp,),
+                    finish_reason=None if status is None else status.finish_reason,
+                    stop_reason=req.stop_reason if status is not None else None,
                 )
             )
         return updates
@@ -535,8 +676,8 @@ class Scheduler:
         return self.pool.usage
 
     def kv_cache_waste(self) -> float:
-        """1 - tokens stored / slots of held blocks, now (call after update()). Shared
-        blocks count once; only the unfilled tails of block tables waste slots."""
+        """1 - tokens stored / slots of held blocks, now. Shared blocks count once; only
+        the unfilled tails of block tables waste slots."""
         used = self.pool.num_used_blocks
         if used == 0:
             return 0.0

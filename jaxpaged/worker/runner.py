@@ -1,22 +1,17 @@
-"""Runner: owns the params and the KV pool on the device, pads each scheduled step into a shape
-bucket, runs the jitted step, and applies the scheduler's block copies and swaps.
+"""Runner: owns the device state (params, KV pool, penalty counts, the last step's sampled
+tokens), pads each scheduled step into a shape bucket (:mod:`jaxpaged.worker.buckets`) and
+dispatches the jitted step without waiting for it.
 
-Buckets. XLA compiles one program per input shape, so every step is padded to one of a few
-shapes, all compiled at start-up (warm-up) unless ``enforce_eager``:
-
-* decode steps (every sequence feeds one token): S sequences in powers of two from 1 up to
-  ``max_num_seqs``, compiled with ``max_q_len=1`` so attention skips its prefill path;
-* mixed steps (prefill chunks, with or without decodes): T tokens in powers of two from 16 up
-  to ``max_num_batched_tokens``, with S = min(T, max_num_seqs).
-
-Block tables are always full width (``max_model_len / block_size``): the attention kernels
-stop at the last KV chunk any sequence can see, so context length needs no bucket of its own
-and the program count stays at a handful (log2 of the two limits).
+``dispatch(plan)`` applies the plan's block swaps and copies and its penalty-row fills, builds
+the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
+device works. ``collect(pending)`` waits for that step and returns what it sampled. The engine
+dispatches step N+1 before it collects step N, so the device never waits for the host: a
+decode whose token the host has not seen yet reads it from the previous step's output on the
+device (``StepBatch.prev_rows``).
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import time
@@ -26,12 +21,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxpaged.distributed.parallel import kv_pool_sharding
+from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
 from jaxpaged.kernels.cpu.huge_pages import back_with_huge_pages
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, streamed_weights
-from jaxpaged.sched.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxpaged.outputs import Logprob
+from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
+from jaxpaged.sched.scheduler import PenaltyRowInit, RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxpaged.worker import sampler
+from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
 from jaxpaged.worker.kv_cache import (
     KVLayout,
     copy_blocks,
@@ -39,84 +37,25 @@ from jaxpaged.worker.kv_cache import (
     gather_blocks,
     scatter_blocks,
 )
-from jaxpaged.worker.step import StepBatch, StepOutput, pack_native_linear, step, use_native_linear
+from jaxpaged.worker.step import (
+    StepBatch,
+    StepOutput,
+    pack_native_linear,
+    step,
+    use_native_linear,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
-MAX_BANNED_IDS = 16
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PendingStep:
+    """A dispatched step: its outputs are device arrays that may not be computed yet."""
 
-def _pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
-    """Powers of two from lo while below hi, then hi itself."""
-    out = []
-    x = lo
-    while x < hi:
-        out.append(x)
-        x *= 2
-    out.append(hi)
-    return tuple(out)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Bucket:
-    """A compiled step shape: T token rows, S sequences, B block-table columns."""
-
-    num_tokens: int
+    out: StepOutput
     num_seqs: int
-    max_blocks: int
-    decode_only: bool
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BucketSet:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
-
-    @property
-    def decode_seqs(self) -> tuple[int, ...]:
-        # down to 1: XLA:CPU's dots cost ~3x more at 8 rows than at 1 (bench/RESULTS.md)
-        return _pow2_ladder(1, self.max_num_seqs)
-
-    @property
-    def mixed_tokens(self) -> tuple[int, ...]:
-        return _pow2_ladder(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
-
-    @property
-    def full_blocks(self) -> int:
-        return _cdiv(self.max_model_len, self.block_size)
-
-    def all(self) -> list[Bucket]:
-        out = [Bucket(s, s, self.full_blocks, True) for s in self.decode_seqs]
-        out += [
-            Bucket(t, min(t, self.max_num_seqs), self.full_blocks, False) for t in self.mixed_tokens
-        ]
-        return out
-
-    def pick(self, seqs: Sequence[ScheduledSeq]) -> Bucket:
-        n = len(seqs)
-        num_tokens = sum(s.num_tokens for s in seqs)
-        if all(s.num_tokens == 1 for s in seqs) and n <= self.max_num_seqs:
-            s = self.decode_seqs[bisect.bisect_left(self.decode_seqs, n)]
-            return Bucket(s, s, self.full_blocks, True)
-        i = bisect.bisect_left(self.mixed_tokens, num_tokens)
-        if i == len(self.mixed_tokens):
-            raise ValueError(
-                f"step of {num_tokens} tokens exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}"
-            )
-        # more sequences than tokens can't happen: each sequence feeds >= 1 token
-        t = self.mixed_tokens[i]
-        while min(t, self.max_num_seqs) < n:
-            i += 1
-            t = self.mixed_tokens[i]
-        return Bucket(t, min(t, self.max_num_seqs), self.full_blocks, False)
+    logprobs_wanted: tuple[int | None, ...]  # per sequence: top-k asked for, None = none
+    failed: dict[str, str]  # sequences left out of the batch: request id -> reason
 
 
 class Runner:
@@ -131,6 +70,7 @@ class Runner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -142,11 +82,12 @@ class Runner:
         self.leader = None
         self.layout = layout
         self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
         self.backend = attention_backend
         # every matmul in the native CPU kernel, over weights packed once into its layout
         self.native_linear = use_native_linear(params, model_config, attention_backend, mesh)
         self.params = pack_native_linear(params, model_config) if self.native_linear else params
-        # host-resident weights on 2 MiB pages: a step streams them all (jaxpaged.kernels.cpu.huge_pages)
+        # host-resident weights on 2 MiB pages: a step streams them all
         self.huge_page_bytes = back_with_huge_pages(streamed_weights(self.params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
@@ -158,9 +99,18 @@ class Runner:
         self.pool = create_pool(
             layout=layout, sharding=None if mesh is None else kv_pool_sharding(mesh)
         )
+        # one penalty row per running request at most; the scheduler hands them out
+        self.penalties = self._on_mesh(
+            sampler.create_penalty_state(max_num_seqs, model_config.vocab_size)
+        )
+        # the last step's sampled tokens (StepOutput.token_ids), read by the next step
+        self.sampled = self._on_mesh(jax.numpy.zeros((max_num_seqs,), jax.numpy.int32))
         # swapped-out blocks: host slot -> (k, v), each [L, block_size, Hkv, hd]
         self._host_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.warmed_up = False
+
+    def _on_mesh(self, tree):
+        return tree if self.mesh is None else jax.device_put(tree, replicated(self.mesh))
 
     # ------------------------------------------------------------------ step
     def _step_kwargs(self) -> dict[str, object]:
@@ -178,18 +128,23 @@ class Runner:
         """Scratch memory XLA plans for the largest step program: what the KV pool must leave
         free on the device (the "profiling step" of KV sizing, without running it)."""
         bucket = max(self.buckets.all(), key=lambda b: (b.num_tokens, b.max_blocks))
-        batch = self.build_batch([], bucket)
-        lowered = step.lower(self.params, self.pool, batch, **self._step_kwargs())
+        batch, _ = self.build_batch([], bucket)
+        lowered = step.lower(
+            self.params, self.pool, self.penalties, self.sampled, batch, **self._step_kwargs()
+        )
         analysis = lowered.compile().memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
     def build_batch(
-        self, seqs: Sequence[ScheduledSeq], bucket: Bucket, eos_token_ids: Sequence[int] = ()
-    ) -> StepBatch:
-        """Host-side padding of one step into ``bucket`` (numpy; one transfer per array)."""
+        self, seqs: Sequence[ScheduledSeq], bucket: Bucket
+    ) -> tuple[StepBatch, dict[int, str]]:
+        """Host-side padding of one step into ``bucket`` (numpy; one transfer per array), and
+        the sequences whose sampling settings could not be filled (index -> reason: they ride
+        as padding rows and their requests fail; the others are unaffected)."""
         t, s, b = bucket.num_tokens, bucket.num_seqs, bucket.max_blocks
         bs = self.layout.block_size
         tokens = np.zeros(t, np.int32)
+        prev_rows = np.full(t, -1, np.int32)
         positions = np.zeros(t, np.int32)
         slots = np.full(t, -1, np.int32)
         kv_lens = np.zeros(s, np.int32)
@@ -202,6 +157,7 @@ class Runner:
             pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
             table = np.asarray(seq.block_table, np.int32)
             tokens[row : row + n] = seq.token_ids
+            prev_rows[row] = seq.prev_row  # only a one-token decode is ever fed this way
             positions[row : row + n] = pos
             slots[row : row + n] = table[pos // bs] * bs + pos % bs
             nb = min(len(table), b)
@@ -211,17 +167,17 @@ class Runner:
             cu[i + 1] = row
             sample_rows[i] = row - 1
         cu[len(seqs) + 1 :] = row
-        sampling = sampler.build_sampling_tensors(
-            [seq.request for seq in seqs],
+        sampling, failed = sampler.build_sampling_tensors(
+            [seq.sampling for seq in seqs],
             s,
             vocab_size=self.model_config.vocab_size,
             engine_key_data=self.engine_key_data,
-            history_len=self.max_model_len,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=self.eos_token_ids,
             max_banned=MAX_BANNED_IDS,
         )
-        return StepBatch(
+        batch = StepBatch(
             tokens=tokens,
+            prev_rows=prev_rows,
             positions=positions,
             slot_mapping=slots,
             kv_lens=kv_lens,
@@ -231,6 +187,7 @@ class Runner:
             sample_rows=sample_rows,
             sampling=sampling,
         )
+        return batch, failed
 
     def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
         kwargs = self._step_kwargs()
@@ -238,44 +195,80 @@ class Runner:
             kwargs.update(max_q_len=1)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
-        out, self.pool = step(self.params, self.pool, batch, **kwargs)
+        out, self.pool, self.penalties = step(
+            self.params, self.pool, self.penalties, self.sampled, batch, **kwargs
+        )
+        self.sampled = out.token_ids
         return out
 
-    def execute(self, plan: SchedulerOutput, eos_token_ids: Sequence[int] = ()) -> RunnerOutput:
-        """Applies the plan's swaps and copies, then runs its sequences (one device->host
-        copy of the sampled tokens)."""
+    def dispatch(self, plan: SchedulerOutput) -> PendingStep | None:
+        """Applies the plan's swaps, copies and penalty-row fills, then launches its step
+        without waiting for it (None when the plan has no sequences)."""
         self._swap_out(plan.blocks_to_swap_out)
         self._swap_in(plan.blocks_to_swap_in)
         self._copy(plan.blocks_to_copy)
+        for init in plan.penalty_rows_to_init:
+            self._init_penalty_row(init)
         if not plan.seqs:
-            return RunnerOutput(sampled_token_ids=())
+            return None
         bucket = self.buckets.pick(plan.seqs)
-        batch = self.build_batch(plan.seqs, bucket, eos_token_ids)
+        batch, failed_rows = self.build_batch(plan.seqs, bucket)
         out = self._run(batch, bucket)
-        n = len(plan.seqs)
-        want = [seq.request.sampling_params.logprobs for seq in plan.seqs]
-        logprobs = None
-        if all(w is None for w in want):  # the usual case: copy back the tokens alone
-            token_ids = np.asarray(out.token_ids)
-        else:
-            out = jax.device_get(out)
-            token_ids = out.token_ids
-            logprobs = [
-                None
-                if w is None
-                else (
-                    float(out.logprobs[i]),
-                    dict(
-                        zip(
-                            out.top_ids[i, :w].tolist(),
-                            out.top_logprobs[i, :w].tolist(),
-                            strict=True,
-                        )
-                    ),
-                )
-                for i, w in enumerate(want)
-            ]
-        return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), logprobs=logprobs)
+        wanted = tuple(
+            None if s.sampling is None else s.sampling.params.logprobs for s in plan.seqs
+        )
+        # start the device->host copies now: they run as soon as the step is done
+        for x in out if any(w is not None for w in wanted) else (out.token_ids,):
+            x.copy_to_host_async()
+        failed = {plan.seqs[i].request_id: why for i, why in failed_rows.items()}
+        return PendingStep(out=out, num_seqs=len(plan.seqs), logprobs_wanted=wanted, failed=failed)
+
+    def collect(self, pending: PendingStep | None) -> RunnerOutput:
+        """Waits for a dispatched step and returns its sampled tokens (and logprobs)."""
+        if pending is None:
+            return RunnerOutput(sampled_token_ids=())
+        n = pending.num_seqs
+        want = pending.logprobs_wanted
+        if all(w is None for w in want):  # the usual case: the tokens alone
+            token_ids = np.asarray(pending.out.token_ids)
+            return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), failed=pending.failed)
+        out = jax.device_get(pending.out)
+        logprobs = [
+            None
+            if w is None
+            else Logprob(
+                token_id=int(out.token_ids[i]),
+                logprob=float(out.logprobs[i]),
+                top=dict(
+                    zip(out.top_ids[i, :w].tolist(), out.top_logprobs[i, :w].tolist(), strict=True)
+                ),
+            )
+            for i, w in enumerate(want)
+        ]
+        return RunnerOutput(
+            sampled_token_ids=out.token_ids[:n].tolist(), logprobs=logprobs, failed=pending.failed
+        )
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """dispatch + collect: one step, waiting for it (callers that do not overlap)."""
+        return self.collect(self.dispatch(plan))
+
+    # --------------------------------------------------------- penalty rows
+    def penalty_row_arrays(self, init: PenaltyRowInit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row [], prompt [H], output [H]) int32 inputs of ``init_penalty_row``, H =
+        max_model_len, -1 padded: one shape, one compiled program."""
+        h = self.max_model_len
+        prompt = np.full(h, -1, np.int32)
+        output = np.full(h, -1, np.int32)
+        prompt[: len(init.prompt_token_ids)] = init.prompt_token_ids
+        output[: len(init.output_token_ids)] = init.output_token_ids
+        return np.array(init.row, np.int32), prompt, output
+
+    def _init_penalty_row(self, init: PenaltyRowInit) -> None:
+        row, prompt, output = self.penalty_row_arrays(init)
+        if self.leader is not None:
+            self.leader.announce_penalty_row(row, prompt, output)
+        self.penalties = sampler.init_penalty_row(self.penalties, row, prompt, output)
 
     # ------------------------------------------------------------ block moves
     def _padded(self, ids: Sequence[int]) -> np.ndarray:
@@ -318,6 +311,7 @@ class Runner:
         )
 
     def _swap_out_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
+        # waits for the steps already dispatched: the blocks hold what they wrote
         dev, host = zip(*pairs, strict=True)
         k, v = jax.device_get(
             gather_blocks(
@@ -352,17 +346,20 @@ class Runner:
 
     # ---------------------------------------------------------------- warm-up
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
-        """Compiles every step bucket (and block-move sizes) now, so serving never compiles.
-        Returns (programs, seconds)."""
+        """Compiles every step bucket, the penalty-row fill and the block-move sizes now, so
+        serving never compiles. Returns (programs, seconds)."""
         start = time.perf_counter()
         buckets = self.buckets.all()
-        moves = _pow2_ladder(1, self._max_move)
-        total = len(buckets) + len(moves) * (3 if swap else 1)
+        moves = pow2_ladder(1, self._max_move)
+        total = len(buckets) + 1 + len(moves) * (3 if swap else 1)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
         for bucket in buckets:
-            batch = self.build_batch([], bucket)
+            batch, _ = self.build_batch([], bucket)
             jax.block_until_ready(self._run(batch, bucket))
             bar.update()
+        # row 0 is free while nothing runs: filling it with nothing leaves it as it was
+        self._init_penalty_row(PenaltyRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
+        bar.update()
         for n in moves:
             none = np.full(n, -1, np.int32)
             dims = dict(num_layers=self.layout.num_layers, num_blocks=self.layout.num_blocks)
@@ -373,7 +370,7 @@ class Runner:
                 bar.update()
                 self.pool = scatter_blocks(self.pool, none, (k, v), **dims)
                 bar.update()
-        jax.block_until_ready(self.pool)
+        jax.block_until_ready((self.pool, self.penalties))
         bar.close()
         self.warmed_up = True
         return total, time.perf_counter() - start

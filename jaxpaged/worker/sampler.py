@@ -6,7 +6,7 @@ temperature, top-k/top-p/min-p, penalised and seeded rows: nothing about the mix
 static. The costly stages run under ``lax.cond`` and are skipped at run time when no
 row needs them (the program is the same either way):
 
-* penalties: a scatter of the token history into ``[B, V]`` counts;
+* penalties: a gather of the rows' ``[B, V]`` token counts from the on-device state;
 * top-k, and top-p: each an exact per-row threshold search (32 passes, no sort);
 * the random draw and all filters, when every row is greedy.
 
@@ -25,15 +25,17 @@ request's seed as key data and the sample index (0..n-1) as stream, so a seeded 
 draws the same tokens whatever else is in the batch, at whatever row, across runs.
 Unseeded rows use the engine's key data and an engine-unique per-sequence stream.
 
-Penalty history: the token ids of prompt + output, padded with -1 to a fixed
-``history_len`` ([B, H] int32, H fixed by the runner, e.g. ``max_model_len``, so the shape
-never changes). Costs: O(B*H) host fill and transfer per step (4*B*H bytes; 256 KiB at
-B=32, H=2048) and, only when some row has a penalty, an O(B*H) scatter into ``[B, V]``.
-Rows without penalties are left as -1 on the host, so their fill costs only the memset.
+Penalty state (:class:`PenaltyState`): the runner keeps, on the device, one row per running
+request that has penalties: a ``[V]`` mask of its prompt's tokens and ``[V]`` counts of the
+tokens it generated. A row is filled once when the request starts running
+(:func:`init_penalty_row`, from its prompt and output so far) and the step adds each sampled
+token to its row (:func:`record_sampled`), so no token history crosses from the host per step
+and the counts stay exact when the host learns the tokens a step late.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -60,8 +62,7 @@ class SamplingTensors(NamedTuple):
     key_data: jax.Array  # [B, 2] uint32 threefry key data (seed or engine key)
     key_stream: jax.Array  # [B] uint32 sample index (seeded) or sequence stream (unseeded)
     key_counter: jax.Array  # [B] uint32 tokens generated so far by the sequence
-    history: jax.Array  # [B, H] int32 prompt then output token ids, -1 padded
-    num_prompt_history: jax.Array  # [B] int32 leading history entries that are prompt
+    penalty_rows: jax.Array  # [B] int32 row in the PenaltyState; -1 = no penalties
     banned_ids: jax.Array  # [B, S] int32 ids masked out (min_tokens: EOS + stop ids), -1 padded
     num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (-1: no logprobs at all)
 
@@ -76,13 +77,62 @@ class SamplerOutput(NamedTuple):
 
 
 class SamplingRow(Protocol):
-    """What :func:`build_sampling_tensors` reads from each scheduled sequence."""
+    """What :func:`build_sampling_tensors` reads of each sampling sequence (the scheduler's
+    ``SeqSampling``)."""
 
-    sampling_params: Any  # duck-typed SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    sample_index: int  # index among the request's n samples (stream of seeded rows)
-    rng_stream: int  # engine-unique per sequence (stream of unseeded rows)
+    params: Any  # duck-typed SamplingParams
+    key_stream: int  # sample index (seeded rows) or engine-unique stream (unseeded)
+    key_counter: int  # output tokens sampled before this one
+    ban_stop_ids: bool  # EOS and stop_token_ids may not be sampled yet (min_tokens)
+    penalty_row: int  # row in the PenaltyState, -1 = none
+
+
+class PenaltyState(NamedTuple):
+    """Per-request token statistics for penalties, on the device (donated every step)."""
+
+    prompt_mask: jax.Array  # bool [R, V]: token appears in the row's prompt
+    output_counts: jax.Array  # int32 [R, V]: times the row's request generated the token
+
+
+def create_penalty_state(num_rows: int, vocab_size: int) -> PenaltyState:
+    return PenaltyState(
+        prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),
+        output_counts=jnp.zeros((num_rows, vocab_size), jnp.int32),
+    )
+
+
+def _drop_padding(ids: jax.Array, size: int) -> jax.Array:
+    """ids < 0 -> ``size`` (out of range, so a scatter with mode="drop" skips them)."""
+    return jnp.where(ids < 0, size, ids)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def init_penalty_row(
+    state: PenaltyState,
+    row: jax.Array,  # int32 []
+    prompt_ids: jax.Array,  # int32 [H] the prompt, -1 padded
+    output_ids: jax.Array,  # int32 [H] the output so far, -1 padded
+) -> PenaltyState:
+    """Fills one row from a request's tokens (when it starts running). One compiled shape:
+    H is fixed by the runner (``max_model_len``)."""
+    v = state.prompt_mask.shape[1]
+    mask = jnp.zeros((v,), jnp.bool_).at[_drop_padding(prompt_ids, v)].set(True, mode="drop")
+    counts = jnp.zeros((v,), jnp.int32).at[_drop_padding(output_ids, v)].add(1, mode="drop")
+    return PenaltyState(
+        prompt_mask=state.prompt_mask.at[row].set(mask),
+        output_counts=state.output_counts.at[row].set(counts),
+    )
+
+
+def record_sampled(
+    state: PenaltyState,
+    rows: jax.Array,  # int32 [B] penalty rows of the batch, -1 = none
+    token_ids: jax.Array,  # int32 [B] the tokens just sampled
+) -> PenaltyState:
+    """Adds each sampled token to its row's counts (inside the jitted step)."""
+    r = state.output_counts.shape[0]
+    counts = state.output_counts.at[_drop_padding(rows, r), token_ids].add(1, mode="drop")
+    return state._replace(output_counts=counts)
 
 
 def seed_to_key_data(seed: int) -> np.ndarray:
@@ -92,132 +142,113 @@ def seed_to_key_data(seed: int) -> np.ndarray:
 
 
 def build_sampling_tensors(
-    rows: Sequence[SamplingRow],
+    rows: Sequence[SamplingRow | None],
     batch_size: int,
     *,
     vocab_size: int,
     engine_key_data: np.ndarray,  # [2] uint32, e.g. seed_to_key_data(engine seed)
-    history_len: int,
     eos_token_ids: Sequence[int] = (),
     max_banned: int = 16,
-) -> SamplingTensors:
-    """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows.
-
-    Padding rows are greedy with every filter off. ``history_len`` and ``max_banned`` fix
-    the shapes of the penalty history and the min_tokens ban list: keep them constant
-    while serving so the step never recompiles.
+) -> tuple[SamplingTensors, dict[int, str]]:
+    """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows, and the rows
+    that could not be filled (index -> reason; left as padding, so one bad row cannot stop
+    the batch). None rows (sequences that do not sample) and padding rows are greedy with
+    every filter off. ``max_banned`` fixes the shape of the min_tokens ban list: keep it
+    constant while serving so the step never recompiles.
     """
     n = len(rows)
     if n > batch_size:
         raise ValueError(f"rows: {n} rows do not fit batch_size={batch_size}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    if history_len < 1:
-        raise ValueError(f"history_len must be >= 1, got {history_len}")
     engine_key_data = np.asarray(engine_key_data, dtype=np.uint32)
     if engine_key_data.shape != (2,):
         raise ValueError(f"engine_key_data must have shape (2,), got {engine_key_data.shape}")
 
     b = batch_size
-    temperature = np.zeros(b, np.float32)
-    top_p = np.ones(b, np.float32)
-    top_k = np.full(b, vocab_size, np.int32)
-    min_p = np.zeros(b, np.float32)
-    rep = np.ones(b, np.float32)
-    pres = np.zeros(b, np.float32)
-    freq = np.zeros(b, np.float32)
-    key_data = np.zeros((b, 2), np.uint32)
-    key_stream = np.zeros(b, np.uint32)
-    key_counter = np.zeros(b, np.uint32)
-    history = np.full((b, history_len), -1, np.int32)
-    num_prompt = np.zeros(b, np.int32)
-    banned = np.full((b, max_banned), -1, np.int32)
-    num_logprobs = np.full(b, -1, np.int32)
-
-    for i, row in enumerate(rows):
-        sp = row.sampling_params
-        prompt = row.prompt_token_ids
-        output = row.output_token_ids
-        temperature[i] = sp.temperature
-        top_p[i] = sp.top_p
-        k = int(sp.top_k)
-        top_k[i] = vocab_size if k <= 0 else min(k, vocab_size)
-        min_p[i] = sp.min_p
-        rep[i] = sp.repetition_penalty
-        pres[i] = sp.presence_penalty
-        freq[i] = sp.frequency_penalty
-        if sp.seed is not None:
-            key_data[i] = seed_to_key_data(sp.seed)
-            key_stream[i] = int(row.sample_index) & _U32
-        else:
-            key_data[i] = engine_key_data
-            key_stream[i] = int(row.rng_stream) & _U32
-        key_counter[i] = len(output) & _U32
-        if (
-            sp.repetition_penalty != 1.0
-            or sp.presence_penalty != 0.0
-            or sp.frequency_penalty != 0.0
-        ):
-            total = len(prompt) + len(output)
-            if total > history_len:
-                raise ValueError(
-                    f"history_len={history_len} is shorter than row {i}'s "
-                    f"{total} prompt + output tokens (penalties need them all)"
-                )
-            history[i, : len(prompt)] = prompt
-            history[i, len(prompt) : total] = output
-            num_prompt[i] = len(prompt)
-        min_tokens = getattr(sp, "min_tokens", 0) or 0
-        if len(output) < min_tokens:
-            ids = [] if getattr(sp, "ignore_eos", False) else list(eos_token_ids)
-            ids += list(getattr(sp, "stop_token_ids", None) or ())
-            ids = sorted(set(ids))
-            if len(ids) > max_banned:
-                raise ValueError(
-                    f"stop_token_ids: {len(ids)} ids to hold back for min_tokens exceed "
-                    f"max_banned={max_banned}"
-                )
-            banned[i, : len(ids)] = ids
-        wanted = getattr(sp, "logprobs", None)
-        num_logprobs[i] = -1 if wanted is None else wanted
-
-    return SamplingTensors(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=rep,
-        presence_penalty=pres,
-        frequency_penalty=freq,
-        key_data=key_data,
-        key_stream=key_stream,
-        key_counter=key_counter,
-        history=history,
-        num_prompt_history=num_prompt,
-        banned_ids=banned,
-        num_logprobs=num_logprobs,
+    t = SamplingTensors(
+        temperature=np.zeros(b, np.float32),
+        top_p=np.ones(b, np.float32),
+        top_k=np.full(b, vocab_size, np.int32),
+        min_p=np.zeros(b, np.float32),
+        repetition_penalty=np.ones(b, np.float32),
+        presence_penalty=np.zeros(b, np.float32),
+        frequency_penalty=np.zeros(b, np.float32),
+        key_data=np.zeros((b, 2), np.uint32),
+        key_stream=np.zeros(b, np.uint32),
+        key_counter=np.zeros(b, np.uint32),
+        penalty_rows=np.full(b, -1, np.int32),
+        banned_ids=np.full((b, max_banned), -1, np.int32),
+        num_logprobs=np.full(b, -1, np.int32),
     )
+    failed: dict[int, str] = {}
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        try:
+            _fill_row(t, i, row, vocab_size, engine_key_data, eos_token_ids)
+        except (ValueError, TypeError, OverflowError) as e:
+            failed[i] = f"{type(e).__name__}: {e}"
+            for arr, pad in zip(t, _padding_values(vocab_size), strict=True):
+                arr[i] = pad
+    return t, failed
 
 
-def _row_scatter(ids: jax.Array, values: jax.Array, vocab_size: int) -> jax.Array:
-    """Sum ``values`` [B, H] into [B, V] at column ``ids`` [B, H]; ids < 0 are dropped."""
-    b = ids.shape[0]
-    cols = jnp.where(ids < 0, vocab_size, ids)  # out of range -> dropped (no wrap-around)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
-    out = jnp.zeros((b, vocab_size), values.dtype)
-    return out.at[rows, cols].add(values, mode="drop")
+def _padding_values(vocab_size: int) -> tuple[object, ...]:
+    """Each SamplingTensors field's value for a padding row (greedy, filters off)."""
+    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1, -1)
+
+
+def _fill_row(
+    t: SamplingTensors,
+    i: int,
+    row: SamplingRow,
+    vocab_size: int,
+    engine_key_data: np.ndarray,
+    eos_token_ids: Sequence[int],
+) -> None:
+    sp = row.params
+    t.temperature[i] = sp.temperature
+    t.top_p[i] = sp.top_p
+    k = int(sp.top_k)
+    t.top_k[i] = vocab_size if k <= 0 else min(k, vocab_size)
+    t.min_p[i] = sp.min_p
+    t.repetition_penalty[i] = sp.repetition_penalty
+    t.presence_penalty[i] = sp.presence_penalty
+    t.frequency_penalty[i] = sp.frequency_penalty
+    t.key_data[i] = engine_key_data if sp.seed is None else seed_to_key_data(sp.seed)
+    t.key_stream[i] = int(row.key_stream) & _U32
+    t.key_counter[i] = int(row.key_counter) & _U32
+    has_penalty = (
+        sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+    )
+    if has_penalty and row.penalty_row < 0:
+        raise ValueError("penalties: the sequence has no penalty row")
+    t.penalty_rows[i] = row.penalty_row
+    if row.ban_stop_ids:
+        ids = [] if sp.ignore_eos else list(eos_token_ids)
+        ids = sorted(set(ids + list(sp.stop_token_ids or ())))
+        max_banned = t.banned_ids.shape[1]
+        if len(ids) > max_banned:
+            raise ValueError(
+                f"stop_token_ids: {len(ids)} ids to hold back for min_tokens exceed "
+                f"max_banned={max_banned}"
+            )
+        t.banned_ids[i, : len(ids)] = ids
+    t.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
 
 
 def apply_penalties(
     logits: jax.Array,  # [B, V] float32
     t: SamplingTensors,
+    state: PenaltyState,
 ) -> jax.Array:  # [B, V]
     """vLLM penalties: repetition on prompt+output tokens, frequency/presence on output."""
-    b, v = logits.shape
-    valid = t.history >= 0  # [B, H]
-    is_output = valid & (jnp.arange(t.history.shape[1])[None, :] >= t.num_prompt_history[:, None])
-    seen = _row_scatter(t.history, valid.astype(jnp.int32), v) > 0  # [B, V]
-    out_counts = _row_scatter(t.history, is_output.astype(jnp.float32), v)  # [B, V]
+    r = state.output_counts.shape[0]
+    has_row = (t.penalty_rows >= 0)[:, None]  # [B, 1]
+    rows = jnp.clip(t.penalty_rows, 0, r - 1)
+    out_counts = jnp.where(has_row, state.output_counts[rows], 0).astype(jnp.float32)  # [B, V]
+    seen = has_row & (state.prompt_mask[rows] | (out_counts > 0))  # [B, V]
     rp = t.repetition_penalty[:, None]
     penalised = jnp.where(logits > 0, logits / rp, logits * rp)
     logits = jnp.where(seen, penalised, logits)
@@ -347,6 +378,7 @@ def greedy_argmax(x: jax.Array) -> jax.Array:  # float32 [B, V] -> int32 [B]
 def sample(
     logits: jax.Array,  # [B, V] float32 raw model logits
     t: SamplingTensors,
+    state: PenaltyState,
     *,
     num_logprobs: int,
     argmax: Callable[[jax.Array], jax.Array] = greedy_argmax,
@@ -364,7 +396,7 @@ def sample(
     greedy = t.temperature < GREEDY_EPS  # [B]
 
     def _pick(logits):
-        x = lax.cond(needs_penalty, apply_penalties, lambda lg, _: lg, logits, t)
+        x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, logits, t, state)
         # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
         banned_cols = jnp.where(t.banned_ids < 0, v, t.banned_ids)
         banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)

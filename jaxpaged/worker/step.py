@@ -1,5 +1,6 @@
 """The jitted engine step: model forward over the paged KV pool, logits of each sequence's last
-token, on-device sampling. Pure function of (params, pool, batch, rng); the pool is donated."""
+token, on-device sampling. Pure function of (params, pool, penalty state, previous step's
+sampled tokens, batch); the pool and the penalty state are donated."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class StepBatch(NamedTuple):
     """One step's inputs, padded to a bucket: T tokens, S sequences, B block-table columns."""
 
     tokens: jax.Array  # int32 [T]; padding rows 0
+    prev_rows: jax.Array  # int32 [T]; >= 0: take the previous step's sampled token of that row
     positions: jax.Array  # int32 [T]; padding rows 0
     slot_mapping: jax.Array  # int32 [T]; block_id * block_size + offset, -1 = padding
     kv_lens: jax.Array  # int32 [S]; cached tokens per sequence, this step's included
@@ -38,7 +40,7 @@ class StepBatch(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    token_ids: jax.Array  # int32 [S]
+    token_ids: jax.Array  # int32 [R]; row i < S: sequence i's token; R = the runner's max rows
     logprobs: jax.Array  # float32 [S]; log-probability of the sampled token
     top_ids: jax.Array  # int32 [S, K]
     top_logprobs: jax.Array  # float32 [S, K]
@@ -57,11 +59,13 @@ class StepOutput(NamedTuple):
         "mesh",
         "native_linear",
     ),
-    donate_argnums=(1,),
+    donate_argnums=(1, 2),
 )
 def step(
     params: Params,
     pool: KVPool,
+    penalties: sampler.PenaltyState,
+    prev_sampled: jax.Array,  # int32 [R] the previous step's StepOutput.token_ids
     batch: StepBatch,
     *,
     config: ModelConfig,
@@ -73,9 +77,11 @@ def step(
     max_kv_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     native_linear: bool = False,
-) -> tuple[StepOutput, KVPool]:
+) -> tuple[StepOutput, KVPool, sampler.PenaltyState]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
-    samples one token per sequence. ``max_q_len`` / ``max_kv_len`` are the bucket's static
+    samples one token per sequence. Decode tokens the host has not seen yet come straight
+    from ``prev_sampled`` (``batch.prev_rows``), so the host never waits for a step before
+    dispatching the next. ``max_q_len`` / ``max_kv_len`` are the bucket's static
     bounds, passed to the attention kernel so it reads only blocks that can be live. With a
     ``mesh`` (tensor parallelism) the attention runs per device on its heads under shard_map,
     and logits and outputs are gathered whole onto every device."""
@@ -113,9 +119,11 @@ def step(
     if native_linear:  # padding rows cost nothing: the kernel stops at the real ones
         linear_fn = functools.partial(cpu.linear, num_rows=batch.cu_q_lens[-1])
         logits_fn = functools.partial(cpu.linear, num_rows=batch.num_seqs[0], out_dtype=jnp.float32)
+    prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
+    tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
     hidden, pool = forward(
         params,
-        batch.tokens,
+        tokens,
         batch.positions,
         config=config,
         attention_fn=attention_fn,
@@ -127,9 +135,14 @@ def step(
     logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
     argmax = cpu.argmax if on_native_cpu(backend, mesh) else sampler.greedy_argmax
-    out = sampler.sample(logits, batch.sampling, num_logprobs=num_logprobs, argmax=argmax)
-    out = StepOutput(out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
-    return replicate_on(out, mesh), pool
+    out = sampler.sample(
+        logits, batch.sampling, penalties, num_logprobs=num_logprobs, argmax=argmax
+    )
+    penalties = sampler.record_sampled(penalties, batch.sampling.penalty_rows, out.token_ids)
+    num_rows = prev_sampled.shape[0]
+    token_ids = jnp.zeros((num_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
+    return replicate_on(out, mesh), pool, replicate_on(penalties, mesh)
 
 
 def on_native_cpu(backend: str | None, mesh: jax.sharding.Mesh | None) -> bool:

@@ -4,7 +4,10 @@ The "KV cache" is a numpy array of token ids, one slot per (block, offset): the 
 each fed token (and its position) into its slot, applies the plan's swap-out, swap-in and
 copy lists in the runner's order first, and then "attends": it reads positions
 ``0 .. kv_len - 1`` back through the block table, asserts they hold exactly the request's
-tokens, and samples ``next_token(those tokens)``. So a wrong slot, a missed copy-on-write,
+tokens (the host's, then, for a token the host has not seen yet, what the fake model makes of
+the context), and samples ``next_token(those tokens)``. Like the real runner it can run
+overlapped: ``dispatch`` a step before ``collect``-ing the previous one, a decode fed from the
+previous step's sampled row (``prev_row``). So a wrong slot, a missed copy-on-write,
 a bad swap or a wrongly shared prefix block either fails the assertion or changes the
 output, which tests compare with :func:`reference_output` (the same rule on the token list
 alone, no cache).
@@ -42,8 +45,12 @@ class FakeRunner:
     """Device pool [num_blocks, block_size] and host pool [num_host_blocks, block_size] of
     token ids (-1 = never written), plus the positions written, to catch misplaced writes."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, *, scheduler: Scheduler
+    ) -> None:
+        self.scheduler = scheduler  # to read the host's tokens of each request (checks only)
         self.block_size = block_size
+        self.sampled: list[int] = []  # the last step's sampled tokens, by row
         self.dev_tok = np.full((num_blocks, block_size), -1, np.int64)
         self.dev_pos = np.full((num_blocks, block_size), -1, np.int64)
         self.host_tok = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
@@ -51,6 +58,12 @@ class FakeRunner:
         self.steps: list[SchedulerOutput] = []
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(out))
+
+    def collect(self, pending: RunnerOutput | None) -> RunnerOutput:
+        return RunnerOutput(sampled_token_ids=()) if pending is None else pending
+
+    def dispatch(self, out: SchedulerOutput) -> RunnerOutput | None:
         self.steps.append(out)
         for dev, host in out.blocks_to_swap_out:
             self.host_tok[host] = self.dev_tok[dev]
@@ -70,19 +83,28 @@ class FakeRunner:
             slots = s.slot_mapping(self.block_size)
             assert not written & set(slots), f"{s.request_id}: two sequences write one slot"
             written |= set(slots)
-            flat_tok[slots] = s.token_ids
+            fed = list(s.token_ids)
+            if s.prev_row >= 0:
+                assert s.num_tokens == 1, f"{s.request_id}: only a decode reads the device"
+                fed = [self.sampled[s.prev_row]]
+            flat_tok[slots] = fed
             flat_pos[slots] = list(s.positions())
         sampled = []
         for s in out.seqs:
-            req = s.request
+            req = self.scheduler.requests.get(s.request_id)
             bs = self.block_size
             table = np.asarray(s.block_table)
             pos = np.arange(s.kv_len)
             slots = table[pos // bs] * bs + pos % bs
             cached = flat_tok[slots].tolist()
             assert flat_pos[slots].tolist() == pos.tolist(), f"{s.request_id}: misplaced K/V"
-            assert cached == req.all_token_ids[: s.kv_len], f"{s.request_id}: wrong K/V content"
+            if req is not None and req.arrival_order == s.seq_id:  # not ended since
+                known = req.all_token_ids
+                assert cached[: len(known)] == known[: s.kv_len], f"{s.request_id}: wrong K/V"
+                for j in range(len(known), s.kv_len):  # in flight: the model's own tokens
+                    assert cached[j] == next_token(cached[:j]), f"{s.request_id}: wrong K/V"
             sampled.append(next_token(cached) if s.do_sample else -1)
+        self.sampled = sampled
         return RunnerOutput(sampled_token_ids=sampled)
 
 
@@ -115,22 +137,41 @@ def check_invariants(sched: Scheduler) -> None:
 
 
 def run(
-    sched: Scheduler, runner: FakeRunner, max_steps: int = 1000, on_step=None
+    sched: Scheduler,
+    runner: FakeRunner,
+    max_steps: int = 1000,
+    on_step=None,
+    *,
+    overlap: bool = False,
 ) -> dict[str, list[int]]:
-    """Steps until no request is left; returns every finished request's output tokens."""
+    """Steps until no request is left; returns every finished request's output tokens.
+    ``overlap``: plan and dispatch step k before updating with step k-1 (the engine's loop).
+    ``on_step(plan, updates)`` sees each plan with the updates of its own step."""
     done: dict[str, list[int]] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            return done
-        out = sched.schedule()
-        check_invariants_during_step(sched, out)
-        updates = sched.update(out, runner.execute(out))
+    in_flight = None
+
+    def finish_step(plan, pending) -> None:
+        requests = {s.request_id: sched.requests.get(s.request_id) for s in plan.seqs}
+        updates = sched.update(plan, runner.collect(pending))
         check_invariants(sched)
         for u in updates:
             if u.finished:
-                done[u.request.request_id] = list(u.request.output_token_ids)
+                done[u.request_id] = list(requests[u.request_id].output_token_ids)
         if on_step is not None:
-            on_step(out, updates)
+            on_step(plan, updates)
+
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and in_flight is None:
+            return done
+        plan = sched.schedule()
+        check_invariants_during_step(sched, plan)
+        pending = runner.dispatch(plan)
+        if not overlap:
+            finish_step(plan, pending)
+            continue
+        if in_flight is not None:
+            finish_step(*in_flight)
+        in_flight = (plan, pending) if plan.seqs else None
     raise AssertionError(f"not finished after {max_steps} steps")
 
 
@@ -142,10 +183,15 @@ def check_invariants_during_step(sched: Scheduler, out: SchedulerOutput) -> None
     ids = [s.request_id for s in out.seqs]
     assert len(set(ids)) == len(ids)
     for s in out.seqs:
-        assert s.start_pos == s.request.num_computed_tokens
+        req = sched.requests[s.request_id]
+        assert s.kv_len == req.num_computed_tokens  # advanced when scheduled
         assert s.num_tokens >= 1
-        assert s.do_sample == (s.kv_len == s.request.num_tokens)
+        if s.do_sample:  # reaches the end of its tokens: one more is now in flight
+            assert s.kv_len == req.num_total_tokens - 1 and req.num_inflight >= 1
+        else:  # a prefill chunk that stops short of the end
+            assert s.kv_len < req.num_total_tokens
         assert len(s.block_table) == -(-s.kv_len // sched.block_size)
+        assert (s.prev_row >= 0) == (s.start_pos >= req.num_tokens)  # fed the unseen token
 
 
 def make_request(

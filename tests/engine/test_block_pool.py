@@ -81,6 +81,18 @@ def test_prefix_hits_only_full_computed_blocks_and_not_the_last_token():
     assert [pool.ref_count(x) for x in a.block_table] == [2, 2, 1]
 
 
+def test_prefix_keeps_the_last_token_even_with_every_block_hash_memoised():
+    """A request whose prompt fills its blocks exactly and whose hashes are all memoised (a
+    fork copies its parent's) still leaves its last token to compute: a zero-token step
+    would sample from nothing."""
+    pool = BlockPool(16, 4)
+    a = req(range(1, 9), "a")
+    computed(pool, a, 8)  # two full blocks, both registered
+    c = req(range(1, 9), "c")
+    c.block_hashes = list(a.block_hashes)  # as fork() leaves them
+    assert pool.find_prefix(c) == a.block_table[:1]
+
+
 def test_freed_cached_blocks_are_reused_until_evicted_lru():
     pool = BlockPool(4, 2)
     a = req([1, 2, 3, 4, 5], "a")

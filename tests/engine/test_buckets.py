@@ -8,7 +8,7 @@ import random
 import pytest
 
 from jaxpaged.sched.scheduler import ScheduledSeq
-from jaxpaged.worker.runner import Bucket, BucketSet
+from jaxpaged.worker.buckets import Bucket, BucketSet
 
 BUCKETS = BucketSet(max_num_seqs=48, max_num_batched_tokens=300, max_model_len=1000, block_size=16)
 

@@ -16,6 +16,7 @@ from fake_runner import (
 )
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.outputs import Logprob
 from jaxpaged.sched.request import RequestStatus
 from jaxpaged.sched.scheduler import RunnerOutput, Scheduler
 
@@ -44,7 +45,7 @@ def make(
         if num_host_blocks is None
         else num_host_blocks,
     )
-    runner = FakeRunner(num_blocks, block_size, sched.pool.num_host_blocks)
+    runner = FakeRunner(num_blocks, block_size, sched.pool.num_host_blocks, scheduler=sched)
     return sched, runner
 
 
@@ -83,7 +84,7 @@ def test_single_request_lifecycle_and_times():
         num_blocks=16,
         clock=lambda: float(next(ticks)),
     )
-    runner = FakeRunner(16, 4)
+    runner = FakeRunner(16, 4, scheduler=sched)
     req = make_request("a", [5, 6, 7, 8, 9], max_tokens=3)
     sched.add_request(req)
     out, ups = step(sched, runner)
@@ -115,7 +116,7 @@ def test_continuous_batching_admits_the_step_after_a_finish():
         ids.append([s.request_id for s in out.seqs])
         for u in ups:
             if u.finished:
-                finished_at[u.request.request_id] = i
+                finished_at[u.request_id] = i
     assert finished_at["a"] == 1
     assert ids[0] == ["a", "b"] and ids[1] == ["a", "b"]
     assert ids[2] == ["b", "c"]  # c joins right after a leaves
@@ -177,8 +178,9 @@ def test_decodes_first_and_prefill_rides_in_the_same_step():
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_under_a_tiny_pool(mode):
+def test_preemption_under_a_tiny_pool(mode, overlap):
     # 6 blocks of 4 = 24 slots; three requests that each grow to 16 tokens.
     sched, runner = make(num_blocks=6, mode=mode, budget=32)
     prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8, 9], "c": [10, 11, 12]}
@@ -190,10 +192,10 @@ def test_preemption_under_a_tiny_pool(mode):
     def on_step(out, ups):
         preempted.extend(out.preempted_request_ids)
         for s in out.seqs:
-            if s.request.num_preemptions and s.start_pos == 0:
+            if s.request_id in preempted and s.start_pos == 0:
                 resumed.append((s.request_id, s.token_ids))
 
-    done = run(sched, runner, on_step=on_step)
+    done = run(sched, runner, on_step=on_step, overlap=overlap)
     assert sched.stats.num_preemptions > 0
     # the victim is the latest arrival still running
     assert preempted[0] == "c"
@@ -477,9 +479,23 @@ def test_logprobs_are_passed_through():
     sched.add_request(make_request("a", [1, 2], max_tokens=2, logprobs=1))
     out = sched.schedule()
     res = runner.execute(out)
-    ups = sched.update(out, RunnerOutput(sampled_token_ids=res.sampled_token_ids, logprobs=["x"]))
-    assert ups[0].new_logprobs == ("x",)
-    assert sched.get_request("a").output_logprobs == ["x"]
+    lp = Logprob(token_id=res.sampled_token_ids[0], logprob=-0.5, top={3: -0.1})
+    ups = sched.update(out, RunnerOutput(sampled_token_ids=res.sampled_token_ids, logprobs=[lp]))
+    assert ups[0].new_logprobs == (lp,)
+
+
+def test_a_sequence_the_runner_could_not_batch_fails_alone():
+    sched, runner = make()
+    sched.add_request(make_request("bad", [1, 2], max_tokens=4))
+    sched.add_request(make_request("good", [3, 4], max_tokens=4))
+    out = sched.schedule()
+    res = runner.execute(out)
+    res = RunnerOutput(sampled_token_ids=res.sampled_token_ids, failed={"bad": "ValueError: x"})
+    ups = {u.request_id: u for u in sched.update(out, res)}
+    assert ups["bad"].finish_reason == "error" and ups["bad"].error == "ValueError: x"
+    assert not ups["good"].finished and ups["good"].new_token_ids == (next_token([3, 4]),)
+    assert run(sched, runner) == {"good": reference_output([3, 4], 4)}
+    assert_all_free(sched)
 
 
 def test_kv_cache_waste_and_usage_by_hand():
@@ -492,13 +508,15 @@ def test_kv_cache_waste_and_usage_by_hand():
     assert sched.kv_cache_waste() == pytest.approx(2 / 8)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix", [True, False])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_stress(mode, seed, prefix):
-    """Shared prefixes, n > 1 groups, chunked prefill, a tiny pool and random aborts: every
-    step keeps the invariants, every surviving request matches the reference, every block
-    comes back."""
+def test_random_workload_stress(mode, seed, prefix, overlap):
+    """Shared prefixes, n > 1 groups, chunked prefill, a tiny pool and random aborts, with
+    steps run in turn or overlapped as the engine runs them (update of step k-1 after step k
+    is planned and dispatched; aborts land between the two): every step keeps the
+    invariants, every surviving request matches the reference, every block comes back."""
     rng = random.Random(seed)
     sched, runner = make(
         num_blocks=14,
@@ -527,9 +545,19 @@ def test_random_workload_stress(mode, seed, prefix):
             everyone.append(r)
             expected[r.request_id] = reference_output(prompt, max_tokens)
     pending.sort(key=lambda x: x[0])
-    done = {}
+    done: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {}
+    in_flight = None
+
+    def finish(plan, res):
+        for u in sched.update(plan, runner.collect(res)):
+            tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+            if u.finished:
+                done[u.request_id] = tokens.pop(u.request_id)
+        check_invariants(sched)
+
     t = 0
-    while pending or sched.has_unfinished_requests():
+    while pending or sched.has_unfinished_requests() or in_flight is not None:
         while pending and pending[0][0] <= t:
             sched.add_request(pending.pop(0)[1])
         if rng.random() < 0.05 and sched.requests:
@@ -538,10 +566,13 @@ def test_random_workload_stress(mode, seed, prefix):
             aborted.add(rid)
         out = sched.schedule()
         check_invariants_during_step(sched, out)
-        for u in sched.update(out, runner.execute(out)):
-            if u.finished:
-                done[u.request.request_id] = list(u.request.output_token_ids)
-        check_invariants(sched)
+        res = runner.dispatch(out)
+        if overlap:
+            if in_flight is not None:
+                finish(*in_flight)
+            in_flight = (out, res) if out.seqs else None
+        else:
+            finish(out, res)
         t += 1
         assert t < 2000
     assert set(done) | aborted == set(expected)
@@ -593,4 +624,86 @@ def test_n_samples_when_the_first_finishes_at_its_prefill():
     ]
     done = run(sched, runner)
     assert done == {"g-1": reference_output(prompt, 4), "g-2": reference_output(prompt, 4)}
+    assert_all_free(sched)
+
+
+def test_overlapped_decodes_read_the_unseen_token_from_the_device():
+    """Planned before the previous step's tokens are known, each decode feeds the previous
+    step's sampled row; the outputs are the reference's, and no step is planned past
+    max_tokens (the last token in flight already ends the request)."""
+    sched, runner = make()
+    prompt = [3, 1, 4, 1, 5]
+    sched.add_request(make_request("a", prompt, max_tokens=6))
+    plans = []
+    done = run(sched, runner, overlap=True, on_step=lambda plan, ups: plans.append(plan))
+    assert done == {"a": reference_output(prompt, 6)}
+    seqs = [s for p in plans for s in p.seqs]
+    assert sum(s.do_sample for s in seqs) == 6
+    assert seqs[0].prev_row == -1 and seqs[0].token_ids == tuple(prompt)
+    for s in seqs[1:]:  # every decode: the host had not seen its input yet
+        assert s.prev_row == 0 and s.token_ids == (0,) and s.num_tokens == 1
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stop_token_ends_the_request_exactly_under_overlap(overlap):
+    prompt = [4, 5, 6]
+    ref = reference_output(prompt, 10)
+    sched, runner = make()
+    sched.add_request(make_request("s", prompt, max_tokens=10, stop_token_ids=[ref[2]]))
+    sched.add_request(make_request("other", prompt, max_tokens=10))
+    plans = []
+    done = run(sched, runner, overlap=overlap, on_step=lambda plan, ups: plans.append(plan))
+    assert done == {"s": ref[:3], "other": ref}
+    sampled = sum(s.do_sample for p in plans for s in p.seqs if s.request_id == "s")
+    # overlapped, the step after the stop token was already planned: its token is dropped
+    assert sampled == (4 if overlap else 3)
+    assert_all_free(sched)
+
+
+def test_penalty_rows_are_handed_out_filled_and_reused():
+    sched, runner = make(max_num_seqs=2, num_blocks=6, block_size=4, budget=64)
+    pen = dict(repetition_penalty=1.2)
+    sched.add_request(make_request("p0", [1, 2, 3, 4, 5], max_tokens=8, **pen))
+    sched.add_request(make_request("plain", [6, 7], max_tokens=2))
+    sched.add_request(make_request("p1", [8, 9], max_tokens=3, frequency_penalty=0.5))
+    inits, rows_in_use = [], []
+
+    def on_step(plan, ups):
+        inits.extend(plan.penalty_rows_to_init)
+        rows = [s.sampling.penalty_row for s in plan.seqs if s.do_sample]
+        rows_in_use.append(sorted(r for r in rows if r >= 0))
+        for s in plan.seqs:
+            if s.do_sample and s.request_id == "plain":
+                assert s.sampling.penalty_row == -1
+
+    done = run(sched, runner, on_step=on_step)
+    assert set(done) == {"p0", "plain", "p1"}
+    assert all(0 <= i.row < 2 for i in inits)
+    by_prompt = {i.prompt_token_ids: i for i in inits}
+    assert by_prompt[(1, 2, 3, 4, 5)].output_token_ids == ()
+    assert (8, 9) in by_prompt  # p1 got a row once "plain" left
+    assert all(len(set(r)) == len(r) for r in rows_in_use)  # never two requests on one row
+    assert sorted(sched._free_penalty_rows) == [0, 1]
+    assert_all_free(sched)
+
+
+def test_a_preempted_request_gets_its_penalty_row_back_with_its_output():
+    sched, runner = make(num_blocks=4, block_size=4, max_num_seqs=2, budget=64)
+    sched.add_request(make_request("a", [1, 2, 3, 4, 5, 6], max_tokens=9))
+    sched.add_request(make_request("b", [7, 8, 9], max_tokens=9, presence_penalty=0.3))
+    inits = []
+    done = run(sched, runner, on_step=lambda plan, ups: inits.extend(plan.penalty_rows_to_init))
+    assert sched.stats.num_preemptions > 0
+    assert done == {
+        "a": reference_output([1, 2, 3, 4, 5, 6], 9),
+        "b": reference_output([7, 8, 9], 9),
+    }
+    b_inits = [i for i in inits if i.prompt_token_ids == (7, 8, 9)]
+    assert len(b_inits) >= 2 and b_inits[0].output_token_ids == ()
+    resumed = b_inits[1]
+    assert resumed.output_token_ids == tuple(
+        reference_output([7, 8, 9], len(resumed.output_token_ids))
+    )
+    assert len(resumed.output_token_ids) > 0
     assert_all_free(sched)

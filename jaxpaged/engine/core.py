@@ -1,0 +1,269 @@
+"""EngineCore: the engine loop. One thread owns the scheduler, the runner and the output
+processing; nothing here takes a lock. Other threads talk to it through its inbox
+(:meth:`EngineCore.add_request`, :meth:`EngineCore.abort`, both safe from any thread), drained
+at the start of every step, and get outputs back from :meth:`EngineCore.step`.
+
+The step overlaps host and device work::
+
+    plan_k = scheduler.schedule()        # host: sees tokens up to step k-2
+    pending_k = runner.dispatch(plan_k)  # device starts step k (its decodes read step k-1's
+                                         # tokens on the device)
+    out_{k-1} = runner.collect(pending_{k-1})   # waits for step k-1, which ran meanwhile
+    scheduler.update(plan_{k-1}, out_{k-1}); output processing -> deltas
+
+so while the device runs step k, the host finishes step k-1 and then plans step k+1: the device
+waits for Python only when the host work of a step takes longer than the step itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.protocol import EngineStats
+from jaxpaged.outputs import RequestOutput, RequestOutputKind
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.request import Request, RequestStatus
+from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+
+__all__ = ["EngineCore", "EngineRequest", "Runner"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    """A validated, tokenized user request on its way to the engine thread (plain data)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class Runner:
+    """What the core needs of a runner (the real one is jaxpaged.worker.runner.Runner)."""
+
+    def dispatch(self, plan: SchedulerOutput) -> Any: ...  # noqa: ANN401
+
+    def collect(self, pending: Any) -> RunnerOutput: ...  # noqa: ANN401
+
+
+class EngineCore:
+    """The engine state and its loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        runner: Runner,
+        tokenizer: Any,
+        eos_token_ids: tuple[int, ...],
+        num_kv_blocks: int,
+        compilations: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.num_kv_blocks = num_kv_blocks
+        self.outputs = OutputProcessor(tokenizer, clock)
+        self._compilations = compilations
+        self._compilations_at_warmup = compilations()
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._waste_sum = 0.0
+        self._waste_steps = 0
+        self.stats = self._snapshot()
+
+    # ----------------------------------------------------- any thread: the inbox
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a validated request for the engine thread."""
+        self._inbox.put(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Queues an abort: the request ends (finish_reason "abort") at the next step."""
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Ends a ``wait_for_work`` early (e.g. to stop the engine thread)."""
+        self._wake.set()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Blocks until something arrives in the inbox (or ``timeout`` seconds pass)."""
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def mark_compiled(self) -> None:
+        """Compilations up to now belong to warm-up (not to serving)."""
+        self._compilations_at_warmup = self._compilations()
+
+    # ------------------------------------------------------- engine thread only
+    def has_work(self) -> bool:
+        return (
+            bool(len(self.outputs))
+            or self._in_flight is not None
+            or not self._inbox.empty()
+            or self.scheduler.has_unfinished_requests()
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: drain the inbox, plan and dispatch step k, then finish step k-1.
+        A device failure ends every request with an error and is raised."""
+        outputs = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        pending = None
+        try:
+            if plan.has_work:
+                self.outputs.scheduled((s.request_id for s in plan.seqs), self._num_cached_tokens)
+                pending = self.runner.dispatch(plan)
+            if self._in_flight is not None:
+                prev_plan, prev_pending = self._in_flight
+                self._in_flight = None
+                result = self.runner.collect(prev_pending)
+                outputs += self._apply(prev_plan, result)
+        except Exception as exc:
+            self._in_flight = None
+            outputs += self.fail_all(exc)
+            raise EngineStepError(outputs) from exc
+        if plan.seqs:
+            self._in_flight = (plan, pending)
+            self._waste_sum += self.scheduler.kv_cache_waste()
+            self._waste_steps += 1
+        self.stats = self._snapshot()
+        return outputs
+
+    def step_inbox(self) -> list[RequestOutput]:
+        """Applies what is in the inbox now (adds, aborts) without running a step: an abort
+        frees the request's blocks at once."""
+        outputs = self._drain_inbox()
+        self.stats = self._snapshot()
+        return outputs
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Ends every request with finish_reason "error" and frees its blocks."""
+        logger.error("engine failed (%s); ending %d requests", exc, len(self.outputs))
+        outputs = self.outputs.fail_all(f"{type(exc).__name__}: {exc}")
+        for rid in list(self.scheduler.requests):
+            self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+        self.stats = self._snapshot()
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ private
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if isinstance(item, _Abort):
+                ids, out = self.outputs.end(item.request_id, "abort")
+                for sid in ids:
+                    self.scheduler.abort(sid)
+                if out is not None:
+                    outputs.append(out)
+            else:
+                outputs += self._admit(item)
+
+    def _admit(self, item: EngineRequest) -> list[RequestOutput]:
+        """Hands a request to the scheduler. The caller validated it; if the scheduler still
+        refuses it, that request ends with an error and nobody else notices."""
+        if item.request_id in self.outputs:
+            logger.error("request_id %r is already in use; dropped", item.request_id)
+            return []
+        ids = self.outputs.add(
+            item.request_id,
+            prompt=item.prompt,
+            prompt_token_ids=item.prompt_token_ids,
+            params=item.params,
+            kind=item.output_kind,
+            arrival_time=item.arrival_time,
+        )
+        n = len(ids)
+        try:
+            for i, sid in enumerate(ids):
+                self.scheduler.add_request(
+                    Request(
+                        request_id=sid,
+                        prompt_token_ids=list(item.prompt_token_ids),
+                        sampling_params=item.params,
+                        eos_token_ids=self.eos_token_ids,
+                        prompt=item.prompt,
+                        parent_id=None if n == 1 else item.request_id,
+                        sample_index=i,
+                        arrival_time=item.arrival_time,
+                    )
+                )
+        except ValueError as exc:
+            logger.error("request %r refused by the scheduler: %s", item.request_id, exc)
+            for sid in ids:
+                self.scheduler.abort(sid)
+            _, out = self.outputs.end(item.request_id, "error", f"ValueError: {exc}")
+            return [] if out is None else [out]
+        self._prompt_tokens_total += len(item.prompt_token_ids)
+        return []
+
+    def _apply(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        updates = self.scheduler.update(plan, result)
+        self._generation_tokens_total += sum(len(u.new_token_ids) for u in updates)
+        return self.outputs.process(updates, self._finish_on_stop_string)
+
+    def _finish_on_stop_string(self, sample_id: str, stop: str) -> None:
+        self.scheduler.finish(sample_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+
+    def _num_cached_tokens(self, sample_id: str) -> int:
+        req = self.scheduler.get_request(sample_id)
+        return 0 if req is None else req.num_cached_tokens
+
+    def _snapshot(self) -> EngineStats:
+        s = self.scheduler
+        st = s.stats
+        compiles = self._compilations()
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_swapped=len(s.swapped),
+            kv_cache_usage=s.kv_cache_usage(),
+            kv_cache_waste=self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_blocks=s.pool.num_free_blocks,
+            num_preemptions=st.num_preemptions,
+            prefix_cache_queries=st.prefix_cache_queries,
+            prefix_cache_hits=st.prefix_cache_hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_steps=st.num_steps,
+            num_compilations=compiles,
+            num_compilations_after_warmup=compiles - self._compilations_at_warmup,
+        )
+
+
+class EngineStepError(RuntimeError):
+    """A step failed on the device; ``outputs`` are the final (error) outputs of every
+    request that was in flight."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__("engine step failed")
+        self.outputs = outputs

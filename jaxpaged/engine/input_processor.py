@@ -1,0 +1,116 @@
+"""Admission, in the caller's thread: tokenize a request and check it against every bound the
+step relies on, so that a request the engine cannot take is refused with a ValueError naming
+the problem (HTTP 400 / INVALID_ARGUMENT in the servers) before it reaches the engine thread.
+
+The bounds are defined once: the vocabulary and ``max_model_len`` (the model and the
+scheduler), the KV pool's size in blocks (a request must fit the whole pool on its own),
+``MAX_LOGPROBS`` and ``MAX_N`` (sampling_params, also the step's static sizes), and
+``MAX_BANNED_IDS`` (the step's fixed-size list of ids that ``min_tokens`` holds back: EOS
+and ``stop_token_ids``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jaxpaged.engine.core import EngineRequest
+from jaxpaged.engine.protocol import Prompt
+from jaxpaged.outputs import RequestOutputKind
+from jaxpaged.sampling_params import MAX_BANNED_IDS, SamplingParams, validate_prompt
+
+__all__ = ["InputProcessor", "banned_ids_for_min_tokens"]
+
+
+def banned_ids_for_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
+    """The ids ``min_tokens`` holds back until it is reached: EOS (unless ``ignore_eos``)
+    and ``stop_token_ids``."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return ids
+
+
+class InputProcessor:
+    """Turns (request id, prompt, params) into a validated :class:`EngineRequest`."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        num_kv_blocks: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text or ids; text prompts get the tokenizer's
+        special tokens (BOS where the model uses one)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
+        return None, list(prompt)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> EngineRequest:
+        """Validates everything (ValueError naming the field) and returns the request."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
+        text, ids = self.tokenize(prompt)
+        validate_prompt(ids, self.max_model_len, self.vocab_size, params)
+        self.check_params(params, len(ids))
+        return EngineRequest(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=tuple(int(t) for t in ids),
+            params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            output_kind=output_kind,
+        )
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """The bounds of the engine (not of SamplingParams alone) a request must fit."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (this engine has none)")
+        if params.min_tokens > 0:
+            banned = banned_ids_for_min_tokens(params, self.eos_token_ids)
+            if len(banned) > MAX_BANNED_IDS:
+                raise ValueError(
+                    f"stop_token_ids: with min_tokens > 0 the engine holds back at most "
+                    f"{MAX_BANNED_IDS} ids (EOS included unless ignore_eos), got {len(banned)}"
+                )
+        max_tokens = params.effective_max_tokens(num_prompt_tokens, self.max_model_len)
+        # the last output token is never fed back, so its K/V is never stored
+        need = -(-(num_prompt_tokens + max_tokens - 1) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"max_tokens: the request needs up to {need} KV blocks (prompt "
+                f"{num_prompt_tokens} + max_tokens {max_tokens} tokens, block_size "
+                f"{self.block_size}) but the pool has {self.num_kv_blocks}; lower max_tokens "
+                "or enlarge the KV cache (num_kv_blocks / kv_cache_memory / "
+                "gpu_memory_utilization)"
+            )

@@ -1,0 +1,94 @@
+"""Step shapes. XLA compiles one program per input shape, so every step is padded to one of a
+few buckets, all compiled at start-up (warm-up) unless ``enforce_eager``:
+
+* decode steps (every sequence feeds one token): S sequences in powers of two from 1 up to
+  ``max_num_seqs``, compiled with ``max_q_len=1`` so attention skips its prefill path;
+* mixed steps (prefill chunks, with or without decodes): T tokens in powers of two from 16 up
+  to ``max_num_batched_tokens``, with S = min(T, max_num_seqs).
+
+Block tables are always full width (``max_model_len / block_size``): the attention kernels
+stop at the last KV chunk any sequence can see, so context length needs no bucket of its own
+and the program count stays at a handful (log2 of the two limits).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+
+from jaxpaged.sched.scheduler import ScheduledSeq
+
+__all__ = ["Bucket", "BucketSet", "pow2_ladder"]
+
+
+def pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo while below hi, then hi itself."""
+    out = []
+    x = lo
+    while x < hi:
+        out.append(x)
+        x *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    """A compiled step shape: T token rows, S sequences, B block-table columns."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+    decode_only: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BucketSet:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    @property
+    def decode_seqs(self) -> tuple[int, ...]:
+        # down to 1: XLA:CPU's dots cost ~3x more at 8 rows than at 1 (bench/RESULTS.md)
+        return pow2_ladder(1, self.max_num_seqs)
+
+    @property
+    def mixed_tokens(self) -> tuple[int, ...]:
+        return pow2_ladder(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @property
+    def full_blocks(self) -> int:
+        return _cdiv(self.max_model_len, self.block_size)
+
+    def all(self) -> list[Bucket]:
+        out = [Bucket(s, s, self.full_blocks, True) for s in self.decode_seqs]
+        out += [
+            Bucket(t, min(t, self.max_num_seqs), self.full_blocks, False) for t in self.mixed_tokens
+        ]
+        return out
+
+    def pick(self, seqs: Sequence[ScheduledSeq]) -> Bucket:
+        n = len(seqs)
+        num_tokens = sum(s.num_tokens for s in seqs)
+        if all(s.num_tokens == 1 for s in seqs) and n <= self.max_num_seqs:
+            s = self.decode_seqs[bisect.bisect_left(self.decode_seqs, n)]
+            return Bucket(s, s, self.full_blocks, True)
+        i = bisect.bisect_left(self.mixed_tokens, num_tokens)
+        if i == len(self.mixed_tokens):
+            raise ValueError(
+                f"step of {num_tokens} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}"
+            )
+        # more sequences than tokens can't happen: each sequence feeds >= 1 token
+        t = self.mixed_tokens[i]
+        while min(t, self.max_num_seqs) < n:
+            i += 1
+            t = self.mixed_tokens[i]
+        return Bucket(t, min(t, self.max_num_seqs), self.full_blocks, False)
