@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +14,15 @@ import pytest
 
 from jaxpaged.kernels import cpu
 from jaxpaged.worker.sampler import (
+    PenaltyState,
     SamplingTensors,
     apply_penalties,
     apply_top_k_top_p,
     build_sampling_tensors,
+    create_penalty_state,
     greedy_argmax,
+    init_penalty_row,
+    record_sampled,
     sample,
     sample_from_logits,
     seed_to_key_data,
@@ -25,7 +30,21 @@ from jaxpaged.worker.sampler import (
 
 ENGINE_KEY = seed_to_key_data(1234)
 B, V = 16, 64  # shared small shape: fewer compilations
-sample_jit = jax.jit(sample, static_argnames="num_logprobs")
+H = 64  # penalty-row fills: prompt / output padded to this many ids
+
+
+class Built(NamedTuple):
+    """A batch's sampling tensors and the penalty state its rows point at."""
+
+    t: SamplingTensors
+    state: PenaltyState
+
+
+def _sample(logits, built, *, num_logprobs, argmax=greedy_argmax):
+    return sample(logits, built.t, built.state, num_logprobs=num_logprobs, argmax=argmax)
+
+
+sample_jit = jax.jit(_sample, static_argnames="num_logprobs")
 # The argmax the step passes on CPU (the native kernel) must pick what jnp.argmax picks.
 ARGMAXES = [
     pytest.param(greedy_argmax, id="jnp"),
@@ -36,7 +55,7 @@ ARGMAXES = [
 
 
 def sample_with(argmax):
-    return jax.jit(functools.partial(sample, argmax=argmax), static_argnames="num_logprobs")
+    return jax.jit(functools.partial(_sample, argmax=argmax), static_argnames="num_logprobs")
 
 
 def params(**kw) -> SimpleNamespace:
@@ -62,23 +81,49 @@ def params(**kw) -> SimpleNamespace:
 
 def row(sp, prompt=(1, 2, 3), output=(), sample_index=0, rng_stream=0) -> SimpleNamespace:
     return SimpleNamespace(
-        sampling_params=sp,
-        prompt_token_ids=list(prompt),
-        output_token_ids=list(output),
+        params=sp,
+        prompt=list(prompt),
+        output=list(output),
         sample_index=sample_index,
         rng_stream=rng_stream,
     )
 
 
-def build(rows, batch_size, vocab_size, history_len=16, **kw) -> SamplingTensors:
-    return build_sampling_tensors(
-        rows,
-        batch_size,
-        vocab_size=vocab_size,
-        engine_key_data=ENGINE_KEY,
-        history_len=history_len,
-        **kw,
+def has_penalty(sp) -> bool:
+    return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+
+
+def padded(ids) -> np.ndarray:
+    out = np.full(H, -1, np.int32)
+    out[: len(ids)] = list(ids)
+    return out
+
+
+def build(rows, batch_size, vocab_size, **kw) -> Built:
+    """Sampling tensors of ``rows`` as the scheduler would snapshot them (the stream of a
+    seeded row is its sample index, else its engine stream; min_tokens bans until reached),
+    and a penalty state whose row i holds row i's prompt and output when it has penalties."""
+    state = create_penalty_state(batch_size, vocab_size)
+    seqs = []
+    for i, r in enumerate(rows):
+        sp = r.params
+        penalty_row = i if has_penalty(sp) else -1
+        if penalty_row >= 0:
+            state = init_penalty_row(state, np.int32(i), padded(r.prompt), padded(r.output))
+        seqs.append(
+            SimpleNamespace(
+                params=sp,
+                key_stream=r.sample_index if sp.seed is not None else r.rng_stream,
+                key_counter=len(r.output),
+                ban_stop_ids=len(r.output) < sp.min_tokens,
+                penalty_row=penalty_row,
+            )
+        )
+    t, failed = build_sampling_tensors(
+        seqs, batch_size, vocab_size=vocab_size, engine_key_data=ENGINE_KEY, **kw
     )
+    assert not failed, failed
+    return Built(t, state)
 
 
 # --- analytic reference -------------------------------------------------------------
@@ -267,18 +312,20 @@ def test_greedy_is_argmax_whatever_the_filters(argmax):
     np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
 
 
-def ref_penalties(logits, history, n_prompt, rep, pres, freq):
+def ref_penalties(logits, rows):
+    """vLLM's penalties by hand, float64: repetition on prompt + output tokens, frequency and
+    presence on output tokens."""
     out = logits.astype(np.float64).copy()
-    for i in range(out.shape[0]):
-        toks = [t for t in history[i] if t >= 0]
-        seen = set(toks)
+    for i, r in enumerate(rows):
+        sp = r.params
         counts = {}
-        for t in toks[n_prompt[i] :]:
+        for t in r.output:
             counts[t] = counts.get(t, 0) + 1
-        for t in seen:
-            out[i, t] = out[i, t] / rep[i] if out[i, t] > 0 else out[i, t] * rep[i]
+        for t in set(r.prompt) | set(r.output):
+            rp = sp.repetition_penalty
+            out[i, t] = out[i, t] / rp if out[i, t] > 0 else out[i, t] * rp
         for t, c in counts.items():
-            out[i, t] -= freq[i] * c + pres[i]
+            out[i, t] -= sp.frequency_penalty * c + sp.presence_penalty
     return out
 
 
@@ -293,33 +340,44 @@ def test_penalties_change_exactly_the_right_logits():
         params(
             temperature=0.0, repetition_penalty=0.6, presence_penalty=-0.4, frequency_penalty=1.1
         ),
-        params(temperature=0.0),  # no penalty: logits untouched even with a history
+        params(temperature=0.0),  # no penalty: logits untouched even with a filled state row
     ]
     rows = []
     for sp in sps:
         prompt = rng.integers(0, v, rng.integers(1, 6)).tolist()
         output = rng.integers(0, v, rng.integers(0, 8)).tolist() + [prompt[0]] * 2
         rows.append(row(sp, prompt, output))
-    t = build(rows, b, v)
-    # The no-penalty row's history is left empty by the host; fill it to prove it is ignored.
-    hist = np.asarray(t.history).copy()
-    hist[4, :3] = [0, 1, 2]
-    t = t._replace(history=hist)
-    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), t))
-    want = ref_penalties(
-        logits,
-        hist,
-        np.asarray(t.num_prompt_history),
-        np.asarray(t.repetition_penalty),
-        np.asarray(t.presence_penalty),
-        np.asarray(t.frequency_penalty),
-    )
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    t, state = build(rows, b, v)
+    # The no-penalty row points at no state row; fill row 4 anyway to prove it is not read.
+    state = init_penalty_row(state, np.int32(4), padded([0, 1, 2]), padded([3, 3]))
+    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), t, state))
+    want = ref_penalties(logits[:4], rows[:4])
+    np.testing.assert_allclose(got[:4], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[4:], logits[4:])
     changed = got != logits
     assert changed[:4].any(axis=1).all() and not changed[4:].any()
     # Through sample(): greedy rows pick the argmax of the penalised logits.
-    out = sample_jit(jnp.asarray(logits), t, num_logprobs=0)
-    np.testing.assert_array_equal(np.asarray(out.token_ids)[:5], want[:5].argmax(-1))
+    out = sample_jit(jnp.asarray(logits), Built(t, state), num_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[:4], want.argmax(-1))
+
+
+def test_the_step_keeps_penalty_counts_current():
+    """Counts updated on the device after each draw equal a fill from the host's tokens:
+    no history needs to cross from the host."""
+    rng = np.random.default_rng(7)
+    sp = params(temperature=0.0, frequency_penalty=0.3, repetition_penalty=1.1)
+    prompt, output = [1, 2, 3], [4, 4]
+    built = build([row(sp, prompt, output), row(params())], B, V)
+    state = built.state
+    for _ in range(5):
+        logits = jnp.asarray(rng.normal(size=(B, V)).astype(np.float32))
+        out = sample_jit(logits, Built(built.t, state), num_logprobs=0)
+        state = record_sampled(state, built.t.penalty_rows, out.token_ids)
+        output.append(int(out.token_ids[0]))
+    want = build([row(sp, prompt, output)], B, V).state
+    np.testing.assert_array_equal(np.asarray(state.output_counts[0]), want.output_counts[0])
+    np.testing.assert_array_equal(np.asarray(state.prompt_mask[0]), want.prompt_mask[0])
+    assert int(state.output_counts[1:].sum()) == 0  # rows without penalties record nothing
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
@@ -370,9 +428,10 @@ def test_seeded_rows_reproduce_across_batches_positions_and_steps():
         for s in (42, 43)
         for i in (0, 1)
     ]
-    t = build(rows * 4, B, v)
+    t, state = build(rows * 4, B, v)
     t = t._replace(key_counter=np.repeat(np.arange(4, dtype=np.uint32), 4))
-    ids = np.asarray(sample_jit(jnp.asarray(np.tile(base, (B, 1))), t, num_logprobs=0).token_ids)
+    logits = jnp.asarray(np.tile(base, (B, 1)))
+    ids = np.asarray(sample_jit(logits, Built(t, state), num_logprobs=0).token_ids)
     per_stream = ids.reshape(4, 4).T
     assert len({tuple(s) for s in per_stream}) == 4
 
@@ -419,7 +478,7 @@ def test_logprobs_are_raw_log_softmax():
 
 
 def test_jitted_sample_compiles_once_for_any_parameter_mix():
-    fn = jax.jit(sample, static_argnames="num_logprobs")
+    fn = jax.jit(_sample, static_argnames="num_logprobs")
     b, v = 8, 136  # a shape no other test uses (jit caches are shared per function)
     rng = np.random.default_rng(5)
     mixes = [
@@ -439,20 +498,45 @@ def test_jitted_sample_compiles_once_for_any_parameter_mix():
 
 
 def test_build_sampling_tensors_padding_and_errors():
-    t = build([row(params(top_k=500, seed=9, logprobs=2))], 3, 100)
+    t, _ = build([row(params(top_k=500, seed=9, logprobs=2))], 3, 100)
     assert t.top_k.tolist() == [100, 100, 100]  # clipped / off
     assert t.temperature.tolist() == [1.0, 0.0, 0.0]  # padding rows are greedy
     assert t.num_logprobs.tolist() == [2, -1, -1]  # padding rows want no logprobs
     np.testing.assert_array_equal(t.key_data[0], seed_to_key_data(9))
-    assert (t.history == -1).all()  # no penalty: history not filled
+    assert (t.penalty_rows == -1).all()  # no penalty: no state row
     with pytest.raises(ValueError, match="batch_size"):
         build([row(params())] * 4, 3, 100)
-    with pytest.raises(ValueError, match="history_len"):
-        build([row(params(frequency_penalty=0.1), prompt=range(10), output=range(10))], 2, 100)
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        build([row(params(min_tokens=3, stop_token_ids=list(range(20))))], 2, 100)
     with pytest.raises(ValueError, match="engine_key_data"):
-        build_sampling_tensors([], 2, vocab_size=10, engine_key_data=np.zeros(3), history_len=4)
+        build_sampling_tensors([], 2, vocab_size=10, engine_key_data=np.zeros(3))
+    # A row that cannot be filled fails alone: it rides as padding, the others are kept.
+    good = SimpleNamespace(
+        params=params(temperature=0.5),
+        key_stream=0,
+        key_counter=0,
+        ban_stop_ids=False,
+        penalty_row=-1,
+    )
+    many_stops = SimpleNamespace(
+        params=params(min_tokens=3, stop_token_ids=list(range(20))),
+        key_stream=0,
+        key_counter=0,
+        ban_stop_ids=True,
+        penalty_row=-1,
+    )
+    no_row = SimpleNamespace(
+        params=params(frequency_penalty=0.1),
+        key_stream=0,
+        key_counter=0,
+        ban_stop_ids=False,
+        penalty_row=-1,
+    )
+    t, failed = build_sampling_tensors(
+        [many_stops, good, no_row], 4, vocab_size=100, engine_key_data=ENGINE_KEY, max_banned=16
+    )
+    assert set(failed) == {0, 2}
+    assert "stop_token_ids" in failed[0] and "penalty row" in failed[2]
+    assert t.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert (t.banned_ids[0] == -1).all() and t.frequency_penalty[2] == 0.0
 
 
 @pytest.mark.parametrize("argmax", ARGMAXES)
