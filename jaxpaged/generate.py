@@ -13,6 +13,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
 from jaxpaged.llm import LLM
 from jaxpaged.models.config import ModelConfig
@@ -36,17 +37,22 @@ def generate(
 ) -> list[RequestOutput]:
     """One call from JAX research code: a model by name or folder (None = the bundled one), or
     params + config (+ a tokenizer, needed for text prompts) already in memory. Engine
-    arguments are LLM's (max_model_len, num_kv_blocks, enforce_eager, ...)."""
+    arguments are :class:`~jaxpaged.args.EngineArgs` fields (max_model_len, num_kv_blocks,
+    enforce_eager, ...); ``show_progress`` defaults to ``use_tqdm``."""
+    engine_args.setdefault("show_progress", use_tqdm)
     if params is None and config is None:
-        llm = LLM(model, show_progress=use_tqdm, **engine_args)
+        llm = LLM(model, **engine_args)
     else:
         if params is None or config is None:
             raise ValueError("params and config must be given together")
         if model is not None:
             raise ValueError("give either model or params + config, not both")
         engine_args.setdefault("max_model_len", min(config.max_position_embeddings, 4096))
-        engine = LLMEngine.from_params(
-            config, params, tokenizer, show_progress=use_tqdm, **engine_args
+        engine = LLMEngine.from_engine_args(
+            EngineArgs.from_kwargs(**engine_args),
+            model_config=config,
+            params=params,
+            tokenizer=tokenizer,
         )
         llm = LLM.from_engine(engine)
     try:

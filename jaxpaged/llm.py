@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -37,11 +38,13 @@ class LLM:
     """An engine for offline generation: ``LLM().generate(prompts, SamplingParams(...))``.
 
     ``model=None`` serves the bundled SmolLM2-135M-Instruct; otherwise a local Hugging Face
-    folder, a hub id, or a .gguf file.
+    folder, a hub id, or a .gguf file. The keywords are :class:`~jaxpaged.args.EngineArgs`
+    fields; an unknown one is a ValueError naming its close matches.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine.from_args(model, **engine_args)
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     @classmethod

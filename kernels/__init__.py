@@ -1,4 +1,4 @@
-"""Paged-attention kernels over the KV block pool (see DESIGN.md, "The kernel interface").
+"""Paged-attention kernels over the KV block pool (docs/architecture.md, "The kernel interface").
 
 `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
 *, sm_scale, sliding_window=None, soft_cap=None, backend=None, interpret=None,
@@ -7,7 +7,7 @@ max_q_len=None, max_kv_len=None)` and `write_kv(k_pages, v_pages, k, v, slot_map
 Backends (`backend=`; None picks by platform):
   "pallas"     Pallas Triton kernels (pallas_gpu.py), default on NVIDIA GPUs;
                `interpret=True` runs them anywhere (tests).
-  "cpu"        native C++ kernel through XLA FFI (cpu.py, cpu_native.cc), default on
+  "cpu"        native C++ kernel through XLA FFI (cpu/, cpu/cpu_native.cc), default on
                CPUs where it compiles (float32/bfloat16 pools).
   "xla"        gathers + einsums with an online softmax (xla.py), default elsewhere.
   "reference"  readable pure jnp (reference.py), the definition of the semantics.

@@ -29,7 +29,7 @@ def rel_err(out, ref) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Case:
-    """One problem in the DESIGN kernel layout, as numpy arrays."""
+    """One problem in the kernel layout of docs/architecture.md, as numpy arrays."""
 
     q: np.ndarray  # [T, Hq, D]
     k_pages: np.ndarray  # [NB, B, Hkv, D]

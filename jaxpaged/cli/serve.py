@@ -12,48 +12,15 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxpaged.args import EngineArgs, non_negative_float, parse_size, positive_int
+
 __all__ = ["build_parser", "main", "parse_size"]
 
 log = logging.getLogger("jaxpaged.serve")
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4294967296', '4GiB', '512MiB', '1.5G' (argparse type)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
 
 
 def _port(text: str) -> int:
@@ -69,13 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        metavar="MODEL",
-        help="HF hub id, local folder or .gguf file (default: bundled SmolLM2)",
-    )
     s = p.add_argument_group("server")
     s.add_argument(
         "--host", default="127.0.0.1", help="address for HTTP and gRPC (default 127.0.0.1)"
@@ -90,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-queue-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="refuse requests (429 / RESOURCE_EXHAUSTED) while this many wait for their first token",
     )
     s.add_argument(
         "--shutdown-timeout",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM/SIGINT (default 30)",
     )
@@ -109,40 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"))
-    e.add_argument("--max-model-len", type=_positive_int, default=None)
-    e.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    e.add_argument("--block-size", type=_positive_int, default=16)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=None,
-        help="bytes for the KV cache (CPU; e.g. 2GiB)",
-    )
-    e.add_argument(
-        "--num-kv-blocks",
-        type=_positive_int,
-        default=None,
-        help="exact KV block count (overrides memory sizing)",
-    )
-    e.add_argument(
-        "--swap-space",
-        type=_non_negative_float,
-        default=4.0,
-        help="GiB of host memory for swapped blocks",
-    )
-    e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument(
-        "--enforce-eager", action="store_true", help="skip warm-up; compile shapes on first use"
-    )
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=1)
+    EngineArgs.add_cli_args(p)
     d = p.add_argument_group("several hosts (jax.distributed)")
-    d.add_argument("--num-processes", type=_positive_int, default=1)
+    d.add_argument("--num-processes", type=positive_int, default=1)
     d.add_argument("--process-id", type=int, default=0)
     d.add_argument(
         "--coordinator-address", default=None, help="host:port of process 0 (num_processes > 1)"
@@ -193,23 +122,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     """The LLMEngine the flags describe (every host of a multi-host run builds the same one)."""
     from jaxpaged.engine import LLMEngine
 
-    return LLMEngine.from_args(
-        args.model,
-        dtype=None if args.dtype in (None, "auto") else args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        swap_space=args.swap_space,
-        preemption_mode=args.preemption_mode,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def main(
@@ -219,18 +132,16 @@ def main(
     from the flags (for tests and embedding)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    engine_args = EngineArgs.from_cli_args(args)
     from jaxpaged.distributed import multihost
-
-    if not 0 < args.gpu_memory_utilization <= 1:
-        parser.error(
-            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-        )
     from jaxpaged.engine import configure_process
 
-    configure_process(args.gpu_memory_utilization)  # before anything starts JAX
     try:  # before anything touches a JAX device
+        engine_args.cache_config()  # the settings the model does not decide
+        engine_args.parallel_config()
+        configure_process(engine_args.gpu_memory_utilization)  # before anything starts JAX
         multihost.check_engine_args(
-            num_processes=args.num_processes, preemption_mode=args.preemption_mode
+            num_processes=args.num_processes, preemption_mode=engine_args.preemption_mode
         )
         multihost.initialize(
             num_processes=args.num_processes,

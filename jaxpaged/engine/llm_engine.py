@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from jaxpaged.args import EngineArgs
 from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
 from jaxpaged.engine.core import EngineCore, EngineStepError
 from jaxpaged.engine.input_processor import InputProcessor
@@ -188,42 +189,87 @@ class LLMEngine:
 
     # ------------------------------------------------------------ construction
     @classmethod
-    def from_args(
+    def from_engine_args(
         cls,
-        model: str | os.PathLike | None = None,
+        args: EngineArgs,
         *,
-        dtype: str | None = None,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        show_progress: bool = True,
-        **engine_args: Any,
+        model_config: ModelConfig | None = None,
+        params: Params | None = None,
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] | None = None,
     ) -> LLMEngine:
-        """Loads a model (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
-        builds the engine around it; ``engine_args`` are :meth:`from_params`'s."""
+        """The one construction path: an engine over ``params`` already in memory (with their
+        ``model_config``, a tokenizer for text prompts, extra EOS ids), or, without params,
+        over ``args.model`` loaded. The settings the model does not decide are checked before
+        any weight is read."""
+        cache_config, parallel_config = args.cache_config(), args.parallel_config()
+        if params is None:
+            if model_config is not None or tokenizer is not None or eos_token_ids is not None:
+                raise ValueError(
+                    "model_config, tokenizer and eos_token_ids come with params "
+                    "(without params, args.model is loaded with its own)"
+                )
+            model_config, params, tokenizer, eos_token_ids = cls._load(args, parallel_config)
+        else:
+            cls._check_in_memory(args, model_config, params)
+        return cls(
+            model_config=model_config,
+            params=params,
+            tokenizer=tokenizer,
+            cache_config=cache_config,
+            scheduler_config=args.scheduler_config(model_config),
+            parallel_config=parallel_config,
+            seed=args.seed,
+            enforce_eager=args.enforce_eager,
+            attention_backend=args.attention_backend,
+            show_progress=args.show_progress,
+            eos_token_ids=eos_token_ids,
+        )
+
+    @staticmethod
+    def _load(
+        args: EngineArgs, parallel_config: ParallelConfig
+    ) -> tuple[ModelConfig, Params, Any, tuple[int, ...]]:
+        """(config, params, tokenizer, EOS ids) of ``args.model`` (None = the bundled SmolLM2;
+        a folder, hub id or .gguf file), the weights sent straight to their shards."""
         from jaxpaged.distributed.loading import load_params
         from jaxpaged.distributed.parallel import make_mesh
         from jaxpaged.models import load_tokenizer
         from jaxpaged.models.loader import load_eos_token_ids
         from jaxpaged.models.resolve import resolve_model_folder
 
-        configure_process(gpu_memory_utilization)
-
-        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
-        n = parallel.tensor_parallel_size
+        configure_process(args.gpu_memory_utilization)  # before the load starts JAX
+        n = parallel_config.tensor_parallel_size
         mesh = make_mesh(n) if n > 1 else None
-        folder = resolve_model_folder(model)
-        # weights go straight to their shards; Orbax folders (jaxpaged.convert) are detected
-        model_config, params = load_params(folder, mesh=mesh, dtype=dtype, progress=show_progress)
-        return cls.from_params(
-            model_config,
-            params,
-            load_tokenizer(folder),
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            show_progress=show_progress,
-            eos_token_ids=load_eos_token_ids(folder, model_config),
-            **engine_args,
+        folder = resolve_model_folder(args.model)
+        # Orbax folders (jaxpaged.convert) are detected
+        model_config, params = load_params(
+            folder, mesh=mesh, dtype=args.load_dtype, progress=args.show_progress
         )
+        eos = load_eos_token_ids(folder, model_config)
+        return model_config, params, load_tokenizer(folder), eos
+
+    @staticmethod
+    def _check_in_memory(
+        args: EngineArgs, model_config: ModelConfig | None, params: Params
+    ) -> None:
+        """ValueError for settings that contradict params already in memory."""
+        if model_config is None:
+            raise ValueError("params need their model_config")
+        if args.model is not None:
+            raise ValueError(f"give either model ({args.model!r}) or params, not both")
+        have = str(_params_dtype(params))
+        if args.load_dtype is not None and args.load_dtype != have:
+            raise ValueError(
+                f"dtype={args.dtype!r}, but the params given are {have}: dtype applies when "
+                "loading a model (cast the params, or leave dtype unset)"
+            )
+
+    @classmethod
+    def from_args(cls, model: str | os.PathLike | None = None, **kwargs: Any) -> LLMEngine:
+        """Loads ``model`` (None = the bundled SmolLM2; a folder, hub id or .gguf file) and
+        builds the engine around it; ``kwargs`` are :class:`EngineArgs` fields."""
+        return cls.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
 
     @classmethod
     def from_params(
@@ -232,52 +278,16 @@ class LLMEngine:
         params: Params,
         tokenizer: Any = None,
         *,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory: int | None = None,
-        num_kv_blocks: int | None = None,
-        swap_space: float = 4.0,
-        preemption_mode: str = "recompute",
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        attention_backend: str | None = None,
-        show_progress: bool = True,
         eos_token_ids: Sequence[int] | None = None,
+        **kwargs: Any,
     ) -> LLMEngine:
-        """An engine over params already in memory, configured with vLLM's flat arguments
-        (``max_model_len`` defaults to the model's, the token budget to 512-2048)."""
-        if max_model_len is None:
-            max_model_len = model_config.max_position_embeddings
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(512, min(2048, max_num_seqs))
-        return cls(
+        """An engine over params already in memory; ``kwargs`` are :class:`EngineArgs`
+        fields (vLLM's flat arguments; ``max_model_len`` defaults to the model's)."""
+        return cls.from_engine_args(
+            EngineArgs.from_kwargs(**kwargs),
             model_config=model_config,
             params=params,
             tokenizer=tokenizer,
-            cache_config=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                swap_space=swap_space,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                preemption_mode=preemption_mode,
-            ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            seed=seed,
-            enforce_eager=enforce_eager,
-            attention_backend=attention_backend,
-            show_progress=show_progress,
             eos_token_ids=eos_token_ids,
         )
 

@@ -1,6 +1,6 @@
 """KV memory waste of the paged cache on a mixed workload, against contiguous reservation.
 
-Waste is what DESIGN.md promises to bound: 1 - tokens stored / slots of allocated blocks,
+Waste is what the paged cache bounds (docs/architecture.md): 1 - tokens stored / slots of allocated blocks,
 averaged over steps (the engine's ``kv_cache_waste`` metric). A contiguous cache reserves
 ``max_model_len`` slots per running request, so its waste is 1 - tokens / (n * max_model_len).
 """

@@ -215,36 +215,3 @@ def test_generated_stubs_are_current(tmp_path):
     for name in ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"):
         with open(os.path.join(ROOT, "serving", name)) as a, open(tmp_path / name) as b:
             assert a.read() == b.read(), f"serving/{name} is stale: run `make proto`"
-
-
-def test_cli_flags_reach_the_engine_builder(monkeypatch):
-    """The factory built from the flags calls LLMEngine.from_args with arguments its signature
-    accepts and the flag values (no model is loaded: from_args is replaced)."""
-    import inspect
-
-    from jaxpaged import async_engine, engine
-    from jaxpaged.cli.serve import build_parser, engine_factory_from_args
-
-    seen = {}
-    real_sig = inspect.signature(engine.LLMEngine.from_args)
-
-    def fake_from_args(*args, **kwargs):
-        real_sig.bind(*args, **kwargs)  # raises TypeError on a wrong name
-        seen.update(kwargs, model=args[0])
-        return object()
-
-    monkeypatch.setattr(engine.LLMEngine, "from_args", fake_from_args)
-    monkeypatch.setattr(async_engine, "AsyncEngine", lambda e: ("async", e))
-    args = build_parser().parse_args(
-        ["m.gguf", "--max-model-len", "512", "--num-kv-blocks", "64", "--kv-cache-memory", "1GiB",
-         "--no-enable-prefix-caching", "--preemption-mode", "swap", "--enforce-eager", "--dtype", "bfloat16",
-         "--swap-space", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--seed", "7"]
-    )  # fmt: skip
-    out = engine_factory_from_args(args)()
-    assert out[0] == "async"
-    assert seen["model"] == "m.gguf"
-    assert seen["max_model_len"] == 512 and seen["num_kv_blocks"] == 64
-    assert seen["kv_cache_memory"] == 1 << 30 and seen["enable_prefix_caching"] is False
-    assert seen["preemption_mode"] == "swap" and seen["enforce_eager"] is True
-    assert seen["dtype"] == "bfloat16" and seen["swap_space"] == 2.0 and seen["seed"] == 7
-    assert seen["max_num_seqs"] == 8 and seen["max_num_batched_tokens"] == 128

@@ -1,0 +1,298 @@
+"""EngineArgs: every engine setting, defined once.
+
+``LLM(**kwargs)``, ``jaxpaged.generate(**kwargs)``, ``LLMEngine.from_args`` / ``from_params``
+and the engine flags of ``python -m jaxpaged.serve`` all derive from the fields below: each
+field carries its default, its help text and its command-line form, so a setting is added
+(or renamed) in one place. Values are checked where they are used: the configs built here
+(:class:`CacheConfig`, :class:`SchedulerConfig`, :class:`ParallelConfig`) raise ValueError
+naming the field. An unknown keyword is a ValueError naming it and its close matches.
+
+Settings of the process rather than the engine stay with the ``serve`` command: the server's
+address and limits, and the multi-host flags (``jax.distributed`` must start before any engine
+exists, and the engine learns the process count from JAX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from jaxpaged.config import PREEMPTION_MODES, CacheConfig, ParallelConfig, SchedulerConfig
+from jaxpaged.models.config import ModelConfig
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DTYPES",
+    "CliForm",
+    "EngineArgs",
+    "fraction",
+    "non_negative_float",
+    "parse_size",
+    "positive_int",
+]
+
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
+ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
+
+# ------------------------------------------------------------------ argparse value types
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4294967296', '4GiB', '512MiB', '1.5G' (argparse type)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    """A float >= 0 (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def fraction(text: str) -> float:
+    """A float in (0, 1] (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+# ------------------------------------------------------------------ the fields
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CliForm:
+    """How one EngineArgs field appears on the command line. A flag name without a leading
+    dash is a positional argument; a bool field becomes ``--flag / --no-flag``."""
+
+    flags: tuple[str, ...]
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+def _setting(default: Any, help: str, *flags: str, **cli: Any) -> Any:
+    """A dataclass field with its help text and command-line form in the metadata."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "cli": CliForm(flags=flags, **cli)}
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """Everything that configures an engine (vLLM's names and meanings)."""
+
+    model: str | os.PathLike[str] | None = _setting(
+        None,
+        "HF hub id, local folder, Orbax folder or .gguf file (default: bundled SmolLM2)",
+        "model",
+        metavar="MODEL",
+    )
+    dtype: str | None = _setting(
+        None,
+        "weights and KV cache dtype of a loaded model; auto/unset: float32 on CPU, else the "
+        "checkpoint's half dtype (or bfloat16)",
+        "--dtype",
+        choices=DTYPES,
+    )
+    tensor_parallel_size: int = _setting(
+        1,
+        "devices the weights and KV pool are split over (all hosts together)",
+        "-tp",
+        "--tensor-parallel-size",
+        parse=positive_int,
+    )
+    max_model_len: int | None = _setting(
+        None,
+        "most tokens (prompt + output) of one request (default: the model's context length)",
+        "--max-model-len",
+        parse=positive_int,
+    )
+    max_num_seqs: int = _setting(
+        64,
+        "most requests running at once (sequences in one step)",
+        "--max-num-seqs",
+        parse=positive_int,
+    )
+    max_num_batched_tokens: int | None = _setting(
+        None,
+        "token budget of one step, prefill chunks plus decodes (default: "
+        "max(512, min(2048, max_num_seqs)))",
+        "--max-num-batched-tokens",
+        parse=positive_int,
+    )
+    block_size: int = _setting(16, "tokens per KV cache block", "--block-size", parse=positive_int)
+    gpu_memory_utilization: float = _setting(
+        0.9,
+        "share of accelerator memory for weights, activations and the KV pool",
+        "--gpu-memory-utilization",
+        parse=fraction,
+    )
+    kv_cache_memory: int | None = _setting(
+        None,
+        "bytes for the KV cache (CPU; on the command line e.g. 2GiB)",
+        "--kv-cache-memory",
+        parse=parse_size,
+    )
+    num_kv_blocks: int | None = _setting(
+        None,
+        "exact KV block count (overrides memory sizing)",
+        "--num-kv-blocks",
+        parse=positive_int,
+    )
+    swap_space: float = _setting(
+        4.0,
+        "GiB of host memory for the blocks of swapped-out requests",
+        "--swap-space",
+        parse=non_negative_float,
+    )
+    preemption_mode: str = _setting(
+        "recompute",
+        "what a preempted request's blocks become: freed and recomputed, or swapped to host",
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+    )
+    enable_prefix_caching: bool = _setting(
+        True, "share the KV blocks of equal prompt prefixes", "--enable-prefix-caching"
+    )
+    enforce_eager: bool = _setting(
+        False, "skip warm-up; compile shapes on first use", "--enforce-eager"
+    )
+    attention_backend: str | None = _setting(
+        None,
+        "paged-attention kernel (default: by platform)",
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+    )
+    seed: int = _setting(0, "seed of unseeded requests' sampling", "--seed", parse=int)
+    show_progress: bool = _setting(
+        True, "progress bars while loading and warming up", "--show-progress"
+    )
+
+    # ------------------------------------------------------------ keywords
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from keywords, with a ValueError (not a TypeError) for an unknown one:
+        LLM(...) and jaxpaged.generate(...) pass their keywords through here."""
+        names = cls.field_names()
+        for key in kwargs:
+            if key not in names:
+                raise ValueError(_unknown_message(key, names))
+        return cls(**kwargs)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    # ------------------------------------------------------------ command line
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+        """Adds one argument per field to ``parser`` (in an "engine" group) and returns the
+        group; :meth:`from_cli_args` reads them back."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            group.add_argument(*f.metadata["cli"].flags, **_argparse_kwargs(f))
+        return group
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of a namespace parsed with :meth:`add_cli_args`'s arguments (other
+        attributes, e.g. the server's, are ignored)."""
+        return cls(**{name: getattr(namespace, name) for name in cls.field_names()})
+
+    # ------------------------------------------------------------ configs
+    @property
+    def load_dtype(self) -> str | None:
+        """The dtype to load weights in; None (also for "auto") leaves it to the loader."""
+        return None if self.dtype == "auto" else self.dtype
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space=self.swap_space,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        """Per-step limits; unset ones derive from the model (max_model_len) and from
+        max_num_seqs (the token budget: 512-2048, enough for one decode token per sequence)."""
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = model_config.max_position_embeddings
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None and _is_int(self.max_num_seqs):
+            max_num_batched_tokens = max(512, min(2048, self.max_num_seqs))
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,
+        )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _argparse_kwargs(f: dataclasses.Field[Any]) -> dict[str, Any]:
+    """argparse.add_argument keywords for one field: its default, help and CLI form."""
+    cli: CliForm = f.metadata["cli"]
+    help_text = f.metadata["help"]
+    kwargs: dict[str, Any] = {"default": f.default}
+    if f.default is not None:
+        help_text += f" (default: {f.default})"
+    if not cli.flags[0].startswith("-"):
+        kwargs["nargs"] = "?"  # an optional positional: `serve [MODEL]`
+    elif isinstance(f.default, bool):
+        kwargs["action"] = argparse.BooleanOptionalAction
+    kwargs["help"] = help_text.replace("%", "%%")
+    if cli.parse is not None:
+        kwargs["type"] = cli.parse
+    if cli.choices is not None:
+        kwargs["choices"] = cli.choices
+    if cli.metavar is not None:
+        kwargs["metavar"] = cli.metavar
+    return kwargs
+
+
+def _unknown_message(key: str, names: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, names, n=3)
+    if close:
+        return f"unknown engine argument {key!r}; did you mean {' or '.join(map(repr, close))}?"
+    return f"unknown engine argument {key!r}; engine arguments are: {', '.join(names)}"
