@@ -222,18 +222,18 @@ def test_cli_flags_reach_the_engine_builder(monkeypatch):
     accepts and the flag values (no model is loaded: from_args is replaced)."""
     import inspect
 
-    from jaxpaged import async_engine, engine
     from jaxpaged.cli.serve import build_parser, engine_factory_from_args
+    from jaxpaged.engine import async_engine, llm_engine
 
     seen = {}
-    real_sig = inspect.signature(engine.LLMEngine.from_args)
+    real_sig = inspect.signature(llm_engine.LLMEngine.from_args)
 
     def fake_from_args(*args, **kwargs):
         real_sig.bind(*args, **kwargs)  # raises TypeError on a wrong name
         seen.update(kwargs, model=args[0])
         return object()
 
-    monkeypatch.setattr(engine.LLMEngine, "from_args", fake_from_args)
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_args", fake_from_args)
     monkeypatch.setattr(async_engine, "AsyncEngine", lambda e: ("async", e))
     args = build_parser().parse_args(
         ["m.gguf", "--max-model-len", "512", "--num-kv-blocks", "64", "--kv-cache-memory", "1GiB",
