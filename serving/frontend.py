@@ -18,10 +18,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from jaxpaged.engine import EngineDeadError
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.engine.protocol import EngineClient, EngineDeadError, Prompt
+from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.serving.metrics import ServingMetrics
+from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
 
 __all__ = [
     "EngineDeadError",
@@ -36,6 +36,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "close_all",
+    "output_kind_for",
 ]
 
 log = logging.getLogger("jaxpaged.serving")
@@ -98,6 +99,12 @@ def field_of(message: str) -> str | None:
     return word if word.isidentifier() else None
 
 
+def output_kind_for(*, stream: bool) -> RequestOutputKind:
+    """A streaming response forwards each delta; a non-streaming one needs only the one
+    complete output at the end (the engine then builds no per-step outputs for it)."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServingConfig:
     """Server settings that are not engine settings."""
@@ -127,20 +134,35 @@ class ServingConfig:
 
 
 class RequestHandle:
-    """One admitted engine request: an async iterator of cumulative RequestOutput snapshots.
-    Use inside ``async with``: leaving before the last snapshot aborts the request."""
+    """One admitted engine request: an async iterator of the engine's RequestOutputs as they
+    arrive (deltas, or the one FINAL_ONLY output). Counts tokens and finish reasons into
+    ``totals`` (usage, metrics) and keeps no text. Use inside ``async with``: leaving before
+    the final output aborts the request."""
 
-    def __init__(self, frontend: Frontend, request_id: str, stream: Any, arrival: float) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        request_id: str,
+        stream: AsyncIterator[RequestOutput],
+        arrival: float,
+        output_kind: RequestOutputKind,
+    ) -> None:
         self.request_id = request_id
-        self.started = False  # a first snapshot arrived
-        self.finished = False
-        self.last: RequestOutput | None = None
+        self.output_kind = output_kind
+        self.started = False  # a first output arrived
+        self.finished = False  # the final output arrived, or the engine dropped the request
+        self.totals = RequestTotals()
         self._frontend = frontend
         self._stream = stream
         self._arrival = arrival
-        self._last_time = arrival
-        self._num_tokens: dict[int, int] = {}
+        self._last_time = arrival  # time.monotonic() of the latest output that brought tokens
+        self._failed = False  # an output said the engine failed this request
         self._closed = False
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Outputs arrive as tokens are generated (DELTA), not once at the end."""
+        return self.output_kind is RequestOutputKind.DELTA
 
     async def __aenter__(self) -> RequestHandle:
         return self
@@ -155,15 +177,8 @@ class RequestHandle:
         frontend = self._frontend
         try:
             async for out in self._stream:
-                now = time.monotonic()
-                self.started = True
-                self._observe_tokens(out, now)
-                self.last = out
-                if out.finished:
-                    self.finished = True
-                if out.finished and (
-                    out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
-                ):
+                self._observe(out, time.monotonic())
+                if out.finished and self._failed:
                     raise EngineFailure(
                         f"the engine failed while serving this request: {out.error}"
                     )
@@ -182,16 +197,36 @@ class RequestHandle:
         if not self.finished:
             raise EngineFailure("the engine ended the stream without a final output")
 
-    def _observe_tokens(self, out: RequestOutput, now: float) -> None:
-        new = 0
-        for c in out.outputs:
-            n = len(c.token_ids)
-            new += max(0, n - self._num_tokens.get(c.index, 0))
-            self._num_tokens[c.index] = n
-        if new and self.started and self._last_time != self._arrival:
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        """Counts one output into the totals and the inter-token-latency metric."""
+        self.started = True
+        had_tokens = self._last_time != self._arrival
+        new = self.totals.add(out)
+        self._failed = (
+            self._failed
+            or out.error is not None
+            or any(c.finish_reason == "error" for c in out.outputs)
+        )
+        if new and had_tokens:
             self._frontend.metrics.observe_inter_token(now - self._last_time, new)
         if new:
             self._last_time = now
+        if out.finished:
+            self.finished = True
+            if not self.streams_tokens:
+                self._observe_spread_inter_token()
+
+    def _observe_spread_inter_token(self) -> None:
+        """A FINAL_ONLY request's tokens arrive together: its gaps between tokens (each
+        sample's tokens after its first) share the engine's first-token-to-finish span."""
+        m = self.totals.metrics
+        if m is None or m.first_token_time is None or m.finished_time is None:
+            return
+        first_tokens = sum(1 for n in self.totals.num_tokens.values() if n)
+        gaps = self.totals.num_completion_tokens - first_tokens
+        if gaps > 0:
+            span = max(0.0, m.finished_time - m.first_token_time)
+            self._frontend.metrics.observe_inter_token(span, gaps)
 
     def close_nowait(self) -> asyncio.Task | None:
         """Forgets the request and, unless it finished, starts its abort in a task of its own
@@ -202,8 +237,8 @@ class RequestHandle:
         frontend = self._frontend
         frontend._in_flight.pop(self.request_id, None)
         frontend._changed()
-        if self.last is not None and self.last.finished:
-            frontend.metrics.observe_finished(self.last)
+        if self.totals.finished:
+            frontend.metrics.observe_finished(self.totals)
         if self.finished or frontend.engine is None:
             return None
         task = asyncio.get_running_loop().create_task(frontend._abort_quietly(self.request_id))
@@ -231,7 +266,7 @@ class Frontend:
     def __init__(self, config: ServingConfig, metrics: ServingMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else ServingMetrics()
-        self.engine: Any = None  # AsyncEngine once loaded
+        self.engine: EngineClient | None = None  # once loaded
         self.phase = Phase.LOADING
         self.failure: BaseException | None = None
         self._in_flight: dict[str, RequestHandle] = {}
@@ -256,7 +291,7 @@ class Frontend:
         for fn in self._listeners:
             fn(phase)
 
-    def attach_engine(self, engine: Any) -> None:
+    def attach_engine(self, engine: EngineClient) -> None:
         """The engine is loaded and started: accept requests."""
         self.engine = engine
         if self.phase == Phase.LOADING:
@@ -285,8 +320,25 @@ class Frontend:
 
     @property
     def num_queued(self) -> int:
-        """Requests being admitted or admitted and still waiting for their first output."""
-        return self._admitting + sum(1 for h in self._in_flight.values() if not h.started)
+        """Requests being admitted or admitted and still waiting for their first token. A
+        streaming request shows its first token; a FINAL_ONLY one shows nothing until it
+        ends, so those are counted from the engine's waiting queue (see _final_only_waiting)."""
+        handles = list(self._in_flight.values())
+        unstarted = sum(1 for h in handles if h.streams_tokens and not h.started)
+        final_only = sum(1 for h in handles if not h.streams_tokens and not h.finished)
+        return self._admitting + unstarted + self._final_only_waiting(final_only, unstarted)
+
+    def _final_only_waiting(self, final_only: int, unstarted: int) -> int:
+        """How many of the `final_only` open FINAL_ONLY requests wait in the engine: its
+        waiting requests less the `unstarted` streaming ones (which may be among them), at
+        most `final_only`. The engine's stats lag by up to one step."""
+        if not final_only or self.engine is None:
+            return 0
+        try:
+            waiting = self.engine.get_stats().num_waiting
+        except Exception:  # a dead engine: admission refuses on its own
+            return 0
+        return min(final_only, max(0, waiting - unstarted))
 
     def _changed(self) -> None:
         if self._in_flight:
@@ -341,10 +393,17 @@ class Frontend:
         return [int(t) for t in ids]
 
     async def open(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> RequestHandle:
-        """Admits one request to the engine. Raises InvalidRequest (bad prompt or params),
-        Overloaded (queue full), Unavailable (loading, draining or engine dead)."""
+        """Admits one request to the engine; its handle yields outputs of `output_kind`
+        (DELTA to stream, FINAL_ONLY for one complete output). Raises InvalidRequest (bad
+        prompt or params), Overloaded (queue full), Unavailable (loading, draining or engine
+        dead)."""
         self.check_ready()
         if request_id in self._in_flight:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
@@ -355,12 +414,14 @@ class Frontend:
                 f"too many requests waiting ({self.num_queued} >= --max-queue-len {limit}); "
                 "retry later"
             )
+        engine = self.engine
+        assert engine is not None  # check_ready passed: the engine is attached
         arrival = time.monotonic()
         self._admitting += 1
         try:
-            # AsyncEngine.add_request runs the blocking part (tokenizing, the engine's step lock)
-            # off the loop, and aborts the request itself if this call is cancelled meanwhile
-            stream = await self.engine.add_request(request_id, prompt, params)
+            # the engine runs the blocking part (tokenizing, its step lock) off the loop, and
+            # aborts the request itself if this call is cancelled meanwhile
+            stream = await engine.add_request(request_id, prompt, params, output_kind=output_kind)
         except EngineDeadError as e:
             self.mark_failed(e)
             raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
@@ -368,12 +429,14 @@ class Frontend:
             raise InvalidRequest(str(e), param=field_of(str(e))) from e
         finally:
             self._admitting -= 1
-        handle = RequestHandle(self, request_id, stream, arrival)
+        handle = RequestHandle(self, request_id, stream, arrival, output_kind)
         self._in_flight[request_id] = handle
         self._changed()
         return handle
 
     async def abort(self, request_id: str) -> None:
+        """Asks the engine to end the request (it does so on its own thread); the request's
+        stream then ends with finish_reason "abort"."""
         if self.engine is not None:
             await self.engine.abort(request_id)
 
@@ -386,7 +449,8 @@ class Frontend:
     # ---- shutdown -------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> int:
         """Stops admitting, waits up to `timeout` s for in-flight requests, then aborts the rest
-        (their streams end with finish_reason "abort"). Returns how many were aborted."""
+        (their streams end with finish_reason "abort" once the engine has processed the
+        aborts). Returns how many were aborted."""
         if self.phase in (Phase.SERVING, Phase.LOADING):
             self._set_phase(Phase.DRAINING)
         n = self.num_in_flight

@@ -21,18 +21,19 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 import jaxpaged
-from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
-from jaxpaged.serving.deltas import Delta, DeltaTracker
 from jaxpaged.serving.frontend import (
     Frontend,
     InvalidRequest,
     Phase,
     ServingError,
     field_of,
+    output_kind_for,
 )
+from jaxpaged.serving.metrics import RequestTotals
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
 
@@ -83,18 +84,20 @@ def _logprobs_pb(logprobs: tuple[Logprob, ...] | None) -> list[pb.TokenLogprob]:
     ]
 
 
-def _delta_pb(d: Delta) -> pb.CompletionDelta:
+def _completion_pb(c: CompletionOutput) -> pb.CompletionDelta:
+    """One sample's news (DELTA) or the whole sample (FINAL_ONLY): the message is the same."""
     return pb.CompletionDelta(
-        index=d.index,
-        token_ids=d.token_ids,
-        text=d.text,
-        logprobs=_logprobs_pb(d.logprobs),
-        finish_reason=d.finish_reason or "",
-        stop_reason="" if d.stop_reason is None else str(d.stop_reason),
+        index=c.index,
+        token_ids=c.token_ids,
+        text=c.text,
+        logprobs=_logprobs_pb(c.logprobs),
+        finish_reason=c.finish_reason or "",
+        stop_reason="" if c.stop_reason is None else str(c.stop_reason),
     )
 
 
-def _final_fields(out: RequestOutput) -> dict[str, Any]:
+def _final_fields(out: RequestOutput, totals: RequestTotals) -> dict[str, Any]:
+    """Usage (counted over the whole stream) and timings, for the request's last message."""
     m = out.metrics
 
     def since_arrival(t: float | None) -> float:
@@ -102,9 +105,9 @@ def _final_fields(out: RequestOutput) -> dict[str, Any]:
 
     return {
         "usage": pb.Usage(
-            prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=sum(len(c.token_ids) for c in out.outputs),
-            cached_prompt_tokens=out.num_cached_tokens,
+            prompt_tokens=totals.num_prompt_tokens,
+            completion_tokens=totals.num_completion_tokens,
+            cached_prompt_tokens=totals.num_cached_tokens,
         ),
         "timings": pb.Timings(
             arrival_time=m.arrival_time,
@@ -113,6 +116,19 @@ def _final_fields(out: RequestOutput) -> dict[str, Any]:
             e2e_latency_s=since_arrival(m.finished_time),
         ),
     }
+
+
+def _response_pb(
+    request_id: str, out: RequestOutput, totals: RequestTotals, *, first: bool
+) -> pb.GenerateResponse:
+    """One message per engine output; the prompt's ids ride on the first only."""
+    return pb.GenerateResponse(
+        request_id=request_id,
+        outputs=[_completion_pb(c) for c in out.outputs],
+        finished=out.finished,
+        prompt_token_ids=out.prompt_token_ids if first else (),
+        **(_final_fields(out, totals) if out.finished else {}),
+    )
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -150,27 +166,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     [{"role": m.role, "content": m.content} for m in request.chat.messages]
                 )
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-            handle = await frontend.open(rid, prompt, params)
+            handle = await frontend.open(
+                rid, prompt, params, output_kind=output_kind_for(stream=request.stream)
+            )
         except ServingError as e:
             await self._fail(context, e)
             return
         async with handle:
-            tracker = DeltaTracker()
             first = True
             try:
                 async for out in handle:
-                    if not request.stream and not out.finished:
-                        continue
-                    deltas = tracker.update(out)
-                    msg = pb.GenerateResponse(
-                        request_id=rid,
-                        outputs=[_delta_pb(d) for d in deltas],
-                        finished=out.finished,
-                        prompt_token_ids=out.prompt_token_ids if first else (),
-                        **(_final_fields(out) if out.finished else {}),
-                    )
+                    yield _response_pb(rid, out, handle.totals, first=first)
                     first = False
-                    yield msg
             except ServingError as e:
                 await self._fail(context, e)
 

@@ -12,22 +12,23 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jaxpaged.outputs import Logprob, RequestOutput
-from jaxpaged.serving.deltas import Delta, DeltaTracker, merge_handles
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from jaxpaged.serving.deltas import merge_handles
 from jaxpaged.serving.frontend import (
     Frontend,
     InvalidRequest,
     RequestHandle,
     ServingError,
     close_all,
+    output_kind_for,
 )
-from jaxpaged.serving.metrics import CONTENT_TYPE
+from jaxpaged.serving.metrics import CONTENT_TYPE, RequestTotals
 from jaxpaged.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 __all__ = ["create_app"]
@@ -117,10 +118,11 @@ class _Formatter:
         return {"content": content}
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outs)
+def _usage(totals: Sequence[RequestTotals]) -> dict:
+    """OpenAI usage over several requests (a completion with a list of prompts)."""
+    prompt = sum(t.num_prompt_tokens for t in totals)
+    completion = sum(t.num_completion_tokens for t in totals)
+    cached = sum(t.num_cached_tokens for t in totals)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -151,18 +153,21 @@ def create_app(frontend: Frontend) -> FastAPI:
         check_model(body.model)
         return body
 
-    async def open_all(prompts: list[Any], params: Any, prefix: str) -> list[RequestHandle]:
+    async def open_all(
+        prompts: list[Any], params: Any, prefix: str, output_kind: RequestOutputKind
+    ) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
-                handles.append(await frontend.open(rid, prompt, params))
+                handles.append(await frontend.open(rid, prompt, params, output_kind=output_kind))
         except BaseException:
             await close_all(handles)
             raise
         return handles
 
     async def collect(handles: list[RequestHandle]) -> list[RequestOutput]:
+        """The last output of each request (with FINAL_ONLY, its one complete output)."""
         try:
             last: list[RequestOutput | None] = [None] * len(handles)
             async for i, out in merge_handles(handles):
@@ -172,18 +177,19 @@ def create_app(frontend: Frontend) -> FastAPI:
             await close_all(handles)
 
     async def sse(
-        handles: list[RequestHandle], chunks: Callable[[int, Delta], list[dict]], tail: list[Any]
+        handles: list[RequestHandle],
+        chunks: Callable[[int, CompletionOutput], list[dict]],
+        tail: list[Callable[[], dict]],
     ) -> AsyncIterator[str]:
-        trackers = [DeltaTracker() for _ in handles]
-        finals: list[RequestOutput | None] = [None] * len(handles)
+        """Server-sent events: chunks(position of the request, one sample's delta) for each
+        sample of each output as it arrives, then the tail's objects, then [DONE]."""
         try:
             async for i, out in merge_handles(handles):
-                finals[i] = out
-                for d in trackers[i].update(out):
-                    for chunk in chunks(i, d):
+                for delta in out.outputs:
+                    for chunk in chunks(i, delta):
                         yield _sse(chunk)
-            for obj in tail:
-                yield _sse(obj(finals) if callable(obj) else obj)
+            for make in tail:
+                yield _sse(make())
         except ServingError as e:
             yield _sse(
                 {
@@ -239,10 +245,12 @@ def create_app(frontend: Frontend) -> FastAPI:
         created = int(time.time())
         fmt = _Formatter(frontend.engine.tokenizer)
         n = params.n
-        handles = await open_all(prompts, params, cid)
-        text_len: dict[int, int] = {}
+        handles = await open_all(prompts, params, cid, output_kind_for(stream=body.stream))
+        text_len: dict[int, int] = {}  # choice index -> length of its text sent so far
 
-        def choice(i: int, d: Delta) -> dict:
+        def choice(i: int, d: CompletionOutput) -> dict:
+            """The choice of sample d of prompt i; its logprobs' text offsets continue from
+            the text this choice has already sent."""
             index = i * n + d.index
             offset = text_len.get(index, 0)
             text_len[index] = offset + len(d.text)
@@ -265,23 +273,19 @@ def create_app(frontend: Frontend) -> FastAPI:
                 "choices": choices,
             }
 
+        def usage() -> dict:
+            return _usage([h.totals for h in handles])
+
         if body.stream:
-            tail = (
-                [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}]
-                if body.include_usage
-                else []
-            )
+            tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(
                 sse(handles, lambda i, d: [head([choice(i, d)])], tail),
                 media_type="text/event-stream",
             )
         outs = await _until_disconnect(request, collect(handles))
-        choices = []
-        for i, out in enumerate(outs):
-            for d in DeltaTracker().update(out):
-                choices.append(choice(i, d))
+        choices = [choice(i, c) for i, out in enumerate(outs) for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({**head(choices), "usage": _usage(outs)})
+        return JSONResponse({**head(choices), "usage": usage()})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -292,7 +296,10 @@ def create_app(frontend: Frontend) -> FastAPI:
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         fmt = _Formatter(frontend.engine.tokenizer)
-        handles = await open_all([prompt], params, cid)
+        handles = await open_all([prompt], params, cid, output_kind_for(stream=body.stream))
+
+        def usage() -> dict:
+            return _usage([h.totals for h in handles])
 
         def head(choices: list[dict]) -> dict:
             return {
@@ -306,7 +313,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         if body.stream:
             started: set[int] = set()
 
-            def chunks(_: int, d: Delta) -> list[dict]:
+            def chunks(_: int, d: CompletionOutput) -> list[dict]:
+                """A role chunk before a sample's first content, its content, and a finish
+                chunk on its last delta."""
                 out = []
                 if d.index not in started:
                     started.add(d.index)
@@ -353,11 +362,7 @@ def create_app(frontend: Frontend) -> FastAPI:
                     )
                 return out
 
-            tail = (
-                [lambda finals: {**head([]), "usage": _usage([f for f in finals if f])}]
-                if body.include_usage
-                else []
-            )
+            tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
         (out,) = await _until_disconnect(request, collect(handles))
         choices = [
@@ -368,8 +373,8 @@ def create_app(frontend: Frontend) -> FastAPI:
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in out.outputs
+            for c in sorted(out.outputs, key=lambda c: c.index)
         ]
-        return JSONResponse({**head(choices), "object": "chat.completion", "usage": _usage([out])})
+        return JSONResponse({**head(choices), "object": "chat.completion", "usage": usage()})
 
     return app

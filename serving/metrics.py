@@ -2,20 +2,22 @@
 servers in one process, e.g. in tests, do not collide).
 
 Engine-side numbers (queue lengths, KV usage, token and preemption totals) are read from
-``AsyncEngine.get_stats()`` at scrape time; latency histograms are observed by the serving
-layer from each finished request's ``RequestMetrics``.
+``EngineClient.get_stats()`` at scrape time; latency histograms are observed by the serving
+layer from each finished request's :class:`RequestTotals` (counted from its outputs as they
+arrive, so no output is kept).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import RequestMetrics, RequestOutput
 
-__all__ = ["CONTENT_TYPE", "ServingMetrics"]
+__all__ = ["CONTENT_TYPE", "RequestTotals", "ServingMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -23,6 +25,38 @@ _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
+
+
+@dataclasses.dataclass(kw_only=True)
+class RequestTotals:
+    """What one request's outputs add up to: token counts per sample, finish reasons and the
+    latest timings. Usage and the latency metrics read these; the text is never kept."""
+
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # sample -> tokens
+    finish_reasons: dict[int, str] = dataclasses.field(default_factory=dict)  # sample -> reason
+    metrics: RequestMetrics | None = None  # from the latest output
+    finished: bool = False  # the request's final output arrived
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.num_tokens.values())
+
+    def add(self, out: RequestOutput) -> int:
+        """Counts one output (a delta, or a FINAL_ONLY output holding everything); returns
+        how many tokens it brought."""
+        self.num_prompt_tokens = len(out.prompt_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        self.metrics = out.metrics
+        self.finished = self.finished or out.finished
+        new = 0
+        for c in out.outputs:
+            new += len(c.token_ids)
+            self.num_tokens[c.index] = self.num_tokens.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish_reasons[c.index] = c.finish_reason
+        return new
 
 
 class _EngineCollector:
@@ -139,16 +173,20 @@ class ServingMetrics:
         for _ in range(num_tokens):
             self.itl.observe(per)
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        m = out.metrics
+    def observe_finished(self, totals: RequestTotals) -> None:
+        """Latencies and finish reasons of a request whose final output arrived."""
+        m = totals.metrics
+        if m is None:
+            return
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
-        for c in out.outputs:
-            self.finished.labels(finished_reason=c.finish_reason or "unknown").inc()
+        for index in sorted(totals.num_tokens.keys() | totals.finish_reasons.keys()):
+            reason = totals.finish_reasons.get(index, "unknown")
+            self.finished.labels(finished_reason=reason).inc()
 
     def count_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from jaxpaged.engine.protocol import EngineClient
 from jaxpaged.serving.frontend import Frontend, Phase, ServingConfig
 from jaxpaged.serving.grpc_service import build_grpc_server
 from jaxpaged.serving.http_app import create_app
@@ -115,7 +116,7 @@ class Server:
         self._stop.set()
 
     # ---- engine -------------------------------------------------------------------------------
-    async def load(self, factory: Callable[[], Any]) -> bool:
+    async def load(self, factory: Callable[[], EngineClient]) -> bool:
         """Builds the engine with `factory()` in a thread (the loop keeps answering health
         checks), then starts it. Returns False if a stop was requested first."""
         loop = asyncio.get_running_loop()
@@ -139,7 +140,7 @@ class Server:
         self.attach(done.result())
         return True
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: EngineClient) -> None:
         """Starts an already built engine and opens for requests."""
         engine.start()
         self.frontend.attach_engine(engine)
@@ -223,7 +224,7 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
         fut.set_result(value)
 
 
-def kv_pool_summary(engine: Any) -> list[str]:
+def kv_pool_summary(engine: EngineClient) -> list[str]:
     """Start-up lines about the KV pool: blocks, GiB, sequences of max_model_len that fit."""
     try:
         stats = engine.get_stats()
@@ -248,7 +249,7 @@ def kv_pool_summary(engine: Any) -> list[str]:
 
 async def serve(
     config: ServingConfig,
-    engine_factory: Callable[[], Any],
+    engine_factory: Callable[[], EngineClient],
     *,
     log_level: str = "info",
     install_signal_handlers: bool = True,

@@ -1,11 +1,17 @@
-"""A fake AsyncEngine with the real one's interface, whose outputs are computable by hand, for
-serving tests (fault injection, overload, cancel) without a model.
+"""Fake engines whose outputs are computable by hand, for serving tests (fault injection,
+overload, cancel) without a model. ``FakeAsyncEngine`` implements ``EngineClient`` (checked
+member by member in test_engine_client.py); ``FakeLLMEngine`` is the synchronous engine
+interface that the real ``AsyncEngine`` drives.
 
 Tokenizer: one token per character, id = ord(char) (ASCII), EOS = 3. Generation: sample j
 of a request whose prompt ids sum to S emits, at output position i, the letter
-``chr(ord('a') + (S + i + j) % 26)``. Scheduling: FCFS, at most `max_num_seqs` running, one
-token per running sample per step of `step_delay` seconds; a request holds
-ceil((prompt + generated) / block_size) blocks (per sample) from a pool of `num_kv_blocks`.
+``chr(ord('a') + (S + i + j) % 26)`` with logprob ``-0.5 * (1 + i % 3)``. Scheduling: FCFS,
+at most `max_num_seqs` running; each step gives every unfinished sample of every running
+request `tokens_per_step` tokens (with `interleave`, only the sample of each request that
+has the fewest, so samples take turns); a request holds n * ceil((prompt + longest sample +
+1) / block_size) blocks from a pool of `num_kv_blocks`. Outputs follow the contract of
+``jaxpaged.outputs``: DELTA (only what is new, per changed sample) or FINAL_ONLY (one
+complete output at the end).
 """
 
 from __future__ import annotations
@@ -16,10 +22,17 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Mapping
 
-from jaxpaged.engine import EngineDeadError
+from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpaged.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+)
 from jaxpaged.sampling_params import SamplingParams, validate_prompt
 
 VOCAB = 128
@@ -29,6 +42,11 @@ EOS = 3
 def expected_text(prompt_ids: list[int], num_tokens: int, index: int = 0) -> str:
     s = sum(prompt_ids)
     return "".join(chr(ord("a") + (s + i + index) % 26) for i in range(num_tokens))
+
+
+def expected_logprob(position: int) -> float:
+    """The logprob the fakes give the token at `position` of any sample."""
+    return -0.5 * (1 + position % 3)
 
 
 class FakeTokenizer:
@@ -61,27 +79,27 @@ class FakeTokenizer:
         return {"input_ids": self.encode(text)} if tokenize else text
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_compilations: int
+def _model_config() -> ModelConfig:
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        eos_token_ids=(EOS,),
+    )
 
 
 class _Stream:
+    """One request's outputs as an async iterator; None ends it, an exception is raised."""
+
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def __aiter__(self):
+    def __aiter__(self) -> _Stream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -93,218 +111,266 @@ class _Stream:
         return item
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, eq=False)
 class _Req:
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    stream: _Stream
+    output_kind: RequestOutputKind
     arrival: float
-    generated: list[list[int]]
-    finish: list[str | None]
+    generated: list[list[int]]  # per sample: every token id so far
+    finish: list[str | None]  # per sample
+    sent: list[int]  # per sample: tokens already in an output (DELTA)
+    reported: list[bool]  # per sample: its finish_reason is already in an output (DELTA)
+    stream: _Stream | None = None  # FakeAsyncEngine only
     blocks: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
 
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
 
-class FakeAsyncEngine:
+
+def _new_req(
+    request_id: str,
+    prompt: Prompt,
+    params: SamplingParams,
+    output_kind: RequestOutputKind,
+    *,
+    tokenizer: FakeTokenizer,
+    max_model_len: int,
+    arrival: float | None = None,
+) -> _Req:
+    """Validates like the real engine (ValueError naming the problem) and builds a request."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError("params must be a SamplingParams")
+    if not isinstance(output_kind, RequestOutputKind):
+        raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+    validate_prompt(ids, max_model_len, VOCAB, params)
+    n = params.n
+    return _Req(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_ids=ids,
+        params=params,
+        output_kind=output_kind,
+        arrival=time.time() if arrival is None else arrival,
+        generated=[[] for _ in range(n)],
+        finish=[None] * n,
+        sent=[0] * n,
+        reported=[False] * n,
+    )
+
+
+class _FakeCore:
+    """The fakes' scheduler and generator (no asyncio, no locking): steps requests and
+    builds their outputs in each request's output kind."""
+
     def __init__(
         self,
         *,
-        max_model_len: int = 256,
-        max_num_seqs: int = 4,
-        num_kv_blocks: int = 256,
-        block_size: int = 4,
-        step_delay: float = 0.005,
-        fail_at_step: int | None = None,
+        max_model_len: int,
+        max_num_seqs: int,
+        num_kv_blocks: int,
+        block_size: int,
+        tokens_per_step: int = 1,
+        interleave: bool = False,
     ) -> None:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
-        self.step_delay = step_delay
-        self.fail_at_step = fail_at_step
-        self._hold_at: int | None = None  # see hold_after
+        self.tokens_per_step = tokens_per_step
+        self.interleave = interleave
         self.tokenizer = FakeTokenizer()
-        self.model_config = ModelConfig(
-            model_type="llama",
-            vocab_size=VOCAB,
-            hidden_size=8,
-            intermediate_size=16,
-            num_layers=2,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=4,
-            eos_token_ids=(EOS,),
-        )
-        self.engine_config = {
+        self.model_config = _model_config()
+        self.engine_config: dict[str, object] = {
             "block_size": block_size,
             "max_num_seqs": max_num_seqs,
             "max_model_len": max_model_len,
             "dtype": "float32",
         }
-        self.added: list[tuple[str, list[int], SamplingParams]] = []
-        self.aborted: list[str] = []
+        self.aborted: list[str] = []  # ids whose abort the engine has processed
         self.steps = 0
-        self.started = False
-        self.shut_down = False
-        self._dead: BaseException | None = None
-        self._waiting: deque[_Req] = deque()
-        self._running: list[_Req] = []
-        self._free = num_kv_blocks
-        self._prompt_total = 0
-        self._gen_total = 0
-        self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self.free = num_kv_blocks
+        self.prompt_total = 0
+        self.gen_total = 0
+        self._hold_at: int | None = None  # see hold_after
+        self._waste_sum = 0.0
+        self._waste_steps = 0
 
-    # ---- the AsyncEngine interface -------------------------------------------------------------
-    def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._main_loop = asyncio.get_running_loop()
-        self._task = self._main_loop.create_task(self._loop())
-        self.started = True
+    # ---- requests ---------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
-    @property
-    def errored(self) -> bool:
-        return self._dead is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead
-
-    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> _Stream:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is dead: {self._dead!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        validate_prompt(ids, self.max_model_len, VOCAB, params)
-        if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
-            raise ValueError(f"request_id {request_id!r} already exists")
-        req = _Req(
-            request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_ids=ids,
-            params=params,
-            stream=_Stream(),
-            arrival=time.time(),
-            generated=[[] for _ in range(params.n)],
-            finish=[None] * params.n,
-        )
-        self.added.append((request_id, ids, params))
-        # queued through the loop, so admission also works when called from another thread
-        self._main_loop.call_soon_threadsafe(self._admit, req)
-        return req.stream
-
-    def _admit(self, req: _Req) -> None:
-        self._waiting.append(req)
-        self._wake.set()
+    def find(self, request_id: str) -> _Req | None:
+        return next((r for r in (*self.waiting, *self.running) if r.request_id == request_id), None)
 
     def hold_after(self, num_tokens: int) -> None:
         """Stops generating once `num_tokens` more tokens exist, until the next abort: a
         cancel test then looks at a request that is certainly still running, however slow
         the machine."""
-        self._hold_at = self._gen_total + num_tokens
+        self._hold_at = self.gen_total + num_tokens
 
-    def _held(self) -> bool:
-        return self._hold_at is not None and self._gen_total >= self._hold_at
+    def held(self) -> bool:
+        return self._hold_at is not None and self.gen_total >= self._hold_at
 
-    async def abort(self, request_id: str) -> None:
-        r = self._abort(request_id)
-        if r is not None:
-            r.stream.queue.put_nowait(self._snapshot(r))
-            r.stream.queue.put_nowait(None)
-
-    def _abort(self, request_id: str) -> _Req | None:
-        """Records the abort, ends any hold, and frees the request if it is still there."""
+    def abort(self, request_id: str) -> tuple[_Req, RequestOutput] | None:
+        """Records the abort, ends any hold, and, if the request is still there, frees it;
+        returns it with its final output (its unfinished samples end with "abort")."""
         self.aborted.append(request_id)
         self._hold_at = None
-        for q in (self._waiting, self._running):
-            for r in list(q):
-                if r.request_id == request_id:
-                    q.remove(r)
-                    r.finish = [f or "abort" for f in r.finish]
-                    self._release(r)
-                    return r
-        return None
+        r = self.find(request_id)
+        if r is None:
+            return None
+        (self.waiting if r in self.waiting else self.running).remove(r)
+        r.finish = [f or "abort" for f in r.finish]
+        self._release(r)
+        return r, self._output(r)
 
-    def get_stats(self) -> EngineStats:
-        used = self.num_kv_blocks - self._free
-        return EngineStats(
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
-            num_swapped=0,
-            kv_cache_usage=used / self.num_kv_blocks,
-            num_kv_blocks=self.num_kv_blocks,
-            num_free_blocks=self._free,
-            num_preemptions=0,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            prompt_tokens_total=self._prompt_total,
-            generation_tokens_total=self._gen_total,
-            num_compilations=0,
-        )
+    def drop_all(self) -> list[_Req]:
+        """Forgets every request (the engine died); returns them."""
+        dropped = [*self.waiting, *self.running]
+        self.waiting.clear()
+        self.running.clear()
+        return dropped
 
-    async def shutdown(self) -> None:
-        self.shut_down = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[tuple[_Req, RequestOutput]]:
+        """Schedules, generates, and returns each touched request with its output (none for
+        a FINAL_ONLY request that has not finished); finished requests are freed."""
+        if self.held():
+            return []
+        self.steps += 1
+        self._schedule()
+        now = time.time()
+        outs = []
+        for r in list(self.running):
+            self._grow(r)
+            self._generate(r)
+            if r.first_token is None:
+                r.first_token = now
+            out = self._output(r)
+            if out is not None:
+                outs.append((r, out))
+            if r.done:
+                self.running.remove(r)
+                self._release(r)
+        self._account_waste()
+        return outs
 
-    # ---- fault injection -----------------------------------------------------------------------
-    def kill(self, error: BaseException | None = None) -> None:
-        """The engine step raised: every open stream fails, later add_request too."""
-        self._dead = error or RuntimeError("injected engine failure")
-        for r in (*self._waiting, *self._running):
-            r.stream.queue.put_nowait(EngineDeadError(f"engine step failed: {self._dead!r}"))
-        self._waiting.clear()
-        self._running.clear()
+    def _schedule(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            if self._blocks_needed(r) > self.free:
+                break
+            self.waiting.popleft()
+            r.first_scheduled = time.time()
+            self.prompt_total += len(r.prompt_ids)
+            self.running.append(r)
 
-    # ---- internals ------------------------------------------------------------------------------
+    def _grow(self, r: _Req) -> None:
+        need = self._blocks_needed(r)
+        if need > r.blocks:
+            take = min(need - r.blocks, self.free)
+            self.free -= take
+            r.blocks += take
+
+    def _generate(self, r: _Req) -> None:
+        s = sum(r.prompt_ids)
+        limit = r.params.effective_max_tokens(len(r.prompt_ids), self.max_model_len)
+        live = [j for j, f in enumerate(r.finish) if f is None]
+        if self.interleave and live:
+            live = [min(live, key=lambda j: len(r.generated[j]))]
+        for j in live:
+            toks = r.generated[j]
+            for _ in range(self.tokens_per_step):
+                toks.append(ord("a") + (s + len(toks) + j) % 26)
+                self.gen_total += 1
+                if len(toks) >= limit:
+                    r.finish[j] = "length"
+                    break
+
+    def _account_waste(self) -> None:
+        slots = sum(r.blocks for r in self.running) * self.block_size
+        if not slots:
+            return
+        stored = sum(len(r.prompt_ids) + len(g) for r in self.running for g in r.generated)
+        self._waste_sum += max(0.0, 1 - stored / slots)
+        self._waste_steps += 1
+
     def _blocks_needed(self, r: _Req) -> int:
         longest = max(len(g) for g in r.generated)
         return r.params.n * math.ceil((len(r.prompt_ids) + longest + 1) / self.block_size)
 
     def _release(self, r: _Req) -> None:
-        self._free += r.blocks
+        self.free += r.blocks
         r.blocks = 0
 
-    def _snapshot(self, r: _Req) -> RequestOutput:
-        outs = []
+    # ---- outputs ----------------------------------------------------------------------------
+    def _output(self, r: _Req) -> RequestOutput | None:
+        if r.output_kind is RequestOutputKind.FINAL_ONLY:
+            return self._request_output(r, self._whole(r)) if r.done else None
+        samples = self._news(r)
+        return self._request_output(r, samples) if samples else None
+
+    def _whole(self, r: _Req) -> list[CompletionOutput]:
+        return [self._sample(r, j, 0) for j in range(len(r.generated))]
+
+    def _news(self, r: _Req) -> list[CompletionOutput]:
+        """The samples that changed since the last output, each with only what is new."""
+        samples = []
         for j, toks in enumerate(r.generated):
-            lps = None
-            if r.params.logprobs is not None:
-                lps = tuple(
-                    Logprob(
-                        token_id=t,
-                        logprob=-0.5 * (1 + i % 3),
-                        top={t: -0.5 * (1 + i % 3), (t + 1) % VOCAB: -2.0}
-                        if r.params.logprobs
-                        else {},
-                    )
-                    for i, t in enumerate(toks)
+            newly_finished = r.finish[j] is not None and not r.reported[j]
+            if len(toks) == r.sent[j] and not newly_finished:
+                continue
+            samples.append(self._sample(r, j, r.sent[j]))
+            r.sent[j] = len(toks)
+            r.reported[j] = r.finish[j] is not None
+        return samples
+
+    def _sample(self, r: _Req, j: int, start: int) -> CompletionOutput:
+        """Sample j from token position `start` on."""
+        toks = r.generated[j][start:]
+        lps = None
+        if r.params.logprobs is not None:
+            lps = tuple(
+                Logprob(
+                    token_id=t,
+                    logprob=expected_logprob(start + i),
+                    top={t: expected_logprob(start + i), (t + 1) % VOCAB: -2.0}
+                    if r.params.logprobs
+                    else {},
                 )
-            outs.append(
-                CompletionOutput(
-                    index=j,
-                    text=self.tokenizer.decode(toks),
-                    token_ids=tuple(toks),
-                    logprobs=lps,
-                    finish_reason=r.finish[j],
-                )
+                for i, t in enumerate(toks)
             )
-        done = all(f is not None for f in r.finish)
+        return CompletionOutput(
+            index=j,
+            text=self.tokenizer.decode(toks),
+            token_ids=tuple(toks),
+            logprobs=lps,
+            finish_reason=r.finish[j],
+        )
+
+    def _request_output(self, r: _Req, samples: list[CompletionOutput]) -> RequestOutput:
+        done = r.done
         return RequestOutput(
             request_id=r.request_id,
             prompt=r.prompt,
             prompt_token_ids=tuple(r.prompt_ids),
-            outputs=tuple(outs),
+            outputs=tuple(samples),
             finished=done,
             metrics=RequestMetrics(
                 arrival_time=r.arrival,
@@ -314,53 +380,197 @@ class FakeAsyncEngine:
             ),
         )
 
-    async def _loop(self) -> None:
-        while True:
-            if not self._waiting and not self._running:
+    # ---- stats ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        used = self.num_kv_blocks - self.free
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=0,
+            kv_cache_usage=used / self.num_kv_blocks,
+            kv_cache_waste=self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_blocks=self.free,
+            num_preemptions=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            prompt_tokens_total=self.prompt_total,
+            generation_tokens_total=self.gen_total,
+            num_steps=self.steps,
+            num_compilations=0,
+            num_compilations_after_warmup=0,
+        )
+
+
+class FakeAsyncEngine:
+    """An ``EngineClient`` over _FakeCore, stepped by an asyncio task every `step_delay`
+    seconds. Aborts are queued and processed by that task before its next step, as the real
+    engine thread does."""
+
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 256,
+        max_num_seqs: int = 4,
+        num_kv_blocks: int = 256,
+        block_size: int = 4,
+        step_delay: float = 0.005,
+        fail_at_step: int | None = None,
+        tokens_per_step: int = 1,
+        interleave: bool = False,
+    ) -> None:
+        self._core = _FakeCore(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            tokens_per_step=tokens_per_step,
+            interleave=interleave,
+        )
+        self.step_delay = step_delay
+        self.fail_at_step = fail_at_step
+        self.added: list[tuple[str, list[int], SamplingParams, RequestOutputKind]] = []
+        self.outputs: list[RequestOutput] = []  # every output sent, in order
+        self.started = False
+        self.shut_down = False
+        self._dead: BaseException | None = None
+        self._pending_aborts: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    # ---- EngineClient -----------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> FakeTokenizer:
+        return self._core.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def engine_config(self) -> Mapping[str, object]:
+        return self._core.engine_config
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run())
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead!r}")
+        if self._loop is None:
+            raise RuntimeError("start() has not been called")
+        req = _new_req(
+            request_id,
+            prompt,
+            params,
+            output_kind,
+            tokenizer=self._core.tokenizer,
+            max_model_len=self._core.max_model_len,
+        )
+        if self._core.find(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} already exists")
+        req.stream = _Stream()
+        self.added.append((request_id, req.prompt_ids, params, output_kind))
+        # queued through the loop, so admission also works when called from another thread
+        self._loop.call_soon_threadsafe(self._admit, req)
+        return req.stream
+
+    async def abort(self, request_id: str) -> None:
+        """Fire-and-forget: the step task processes it before its next step."""
+        if self._loop is None or self._dead is not None:
+            return
+        self._loop.call_soon_threadsafe(self._queue_abort, request_id)
+
+    def get_stats(self) -> EngineStats:
+        return self._core.stats()
+
+    # ---- test controls ----------------------------------------------------------------------
+    @property
+    def aborted(self) -> list[str]:
+        """Ids whose abort the engine has processed."""
+        return self._core.aborted
+
+    @property
+    def steps(self) -> int:
+        return self._core.steps
+
+    def hold_after(self, num_tokens: int) -> None:
+        self._core.hold_after(num_tokens)
+
+    def kill(self, error: BaseException | None = None) -> None:
+        """The engine step raised: every open stream fails, later add_request too."""
+        self._dead = error or RuntimeError("injected engine failure")
+        for r in self._core.drop_all():
+            r.stream.queue.put_nowait(EngineDeadError(f"engine step failed: {self._dead!r}"))
+
+    # ---- the step task ----------------------------------------------------------------------
+    def _admit(self, req: _Req) -> None:
+        self._core.waiting.append(req)
+        self._wake.set()
+
+    def _queue_abort(self, request_id: str) -> None:
+        self._pending_aborts.append(request_id)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while self._dead is None:
+            if not self._core.has_work() and not self._pending_aborts:
                 self._wake.clear()
                 await self._wake.wait()
             await asyncio.sleep(self.step_delay)
+            self._process_aborts()
             self._step()
 
+    def _process_aborts(self) -> None:
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for request_id in aborts:
+            ended = self._core.abort(request_id)
+            if ended is not None:
+                self._send(*ended)
+
     def _step(self) -> None:
-        if self._held():
+        if self._dead is not None or self._core.held():
             return
-        self.steps += 1
-        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+        if self.fail_at_step is not None and self._core.steps + 1 >= self.fail_at_step:
             self.kill()
             return
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            r = self._waiting[0]
-            if self._blocks_needed(r) > self._free:
-                break
-            self._waiting.popleft()
-            r.first_scheduled = time.time()
-            self._prompt_total += len(r.prompt_ids)
-            self._running.append(r)
-        now = time.time()
-        for r in list(self._running):
-            need = self._blocks_needed(r)
-            if need > r.blocks:
-                take = min(need - r.blocks, self._free)
-                self._free -= take
-                r.blocks += take
-            s = sum(r.prompt_ids)
-            limit = r.params.effective_max_tokens(len(r.prompt_ids), self.max_model_len)
-            for j, toks in enumerate(r.generated):
-                if r.finish[j] is not None:
-                    continue
-                toks.append(ord("a") + (s + len(toks) + j) % 26)
-                self._gen_total += 1
-                if len(toks) >= limit:
-                    r.finish[j] = "length"
-            if r.first_token is None:
-                r.first_token = now
-            snap = self._snapshot(r)
-            r.stream.queue.put_nowait(snap)
-            if snap.finished:
-                self._running.remove(r)
-                self._release(r)
-                r.stream.queue.put_nowait(None)
+        for r, out in self._core.step():
+            self._send(r, out)
+
+    def _send(self, r: _Req, out: RequestOutput) -> None:
+        self.outputs.append(out)
+        r.stream.queue.put_nowait(out)
+        if out.finished:
+            r.stream.queue.put_nowait(None)
 
 
 def wait_until(cond, timeout: float = 10.0, interval: float = 0.01) -> bool:
@@ -381,7 +591,7 @@ class FakeLLMEngine:
 
     def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 32, num_kv_blocks: int = 256,
                  block_size: int = 4, busy: float = 0.0) -> None:  # fmt: skip
-        self._core = FakeAsyncEngine(
+        self._core = _FakeCore(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             num_kv_blocks=num_kv_blocks,
@@ -394,20 +604,33 @@ class FakeLLMEngine:
         self.max_model_len = max_model_len
         self.num_steps = 0
         self._lock = threading.Lock()
-        self._out: list[RequestOutput] = []
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> None:
+        req = _new_req(
+            request_id,
+            prompt,
+            params or SamplingParams(),
+            output_kind,
+            tokenizer=self.tokenizer,
+            max_model_len=self.max_model_len,
+            arrival=arrival_time,
+        )
         with self._lock:
-            core = self._core
-            ids = core.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            validate_prompt(ids, self.max_model_len, VOCAB, params)
-            req = _Req(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                       prompt_ids=ids, params=params, stream=_SyncSink(self._out), arrival=time.time(),
-                       generated=[[] for _ in range(params.n)], finish=[None] * params.n)  # fmt: skip
-            core._waiting.append(req)
+            if self._core.find(request_id) is not None:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._core.waiting.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._core._waiting or self._core._running)
+        with self._lock:
+            return self._core.has_work()
 
     def step(self) -> list[RequestOutput]:
         end = time.monotonic() + self.busy
@@ -415,9 +638,7 @@ class FakeLLMEngine:
             pass
         with self._lock:
             self.num_steps += 1
-            self._core._step()
-            out, self._out[:] = list(self._out), []
-            return out
+            return [out for _, out in self._core.step()]
 
     def hold_after(self, num_tokens: int) -> None:
         with self._lock:
@@ -428,28 +649,16 @@ class FakeLLMEngine:
         return self._core.aborted
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Frees the request; returns its final output ("abort"), or None if unknown."""
         with self._lock:
-            r = self._core._abort(request_id)
-            return None if r is None else self._core._snapshot(r)
+            ended = self._core.abort(request_id)
+            return None if ended is None else ended[1]
 
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
         with self._lock:
-            self._core._waiting.clear()
-            self._core._running.clear()
+            self._core.drop_all()
         return []
 
     def get_stats(self) -> EngineStats:
         with self._lock:
-            return self._core.get_stats()
-
-
-class _SyncSink:
-    """Stands in for a stream inside FakeLLMEngine: snapshots go to the step's output list."""
-
-    def __init__(self, out: list) -> None:
-        self.queue = self
-        self._out = out
-
-    def put_nowait(self, item) -> None:
-        if isinstance(item, RequestOutput):
-            self._out.append(item)
+            return self._core.stats()

@@ -9,11 +9,19 @@ import threading
 
 import grpc
 import pytest
-from fakes import VOCAB, FakeAsyncEngine, FakeTokenizer, expected_text, wait_until
+from fakes import (
+    VOCAB,
+    FakeAsyncEngine,
+    FakeTokenizer,
+    expected_logprob,
+    expected_text,
+    wait_until,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from harness import ServerThread
 
+from jaxpaged.outputs import RequestOutputKind
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.client import GenerationClient, build_request
@@ -54,14 +62,51 @@ def test_generate_stream_and_unary(shared, stub):
 
     msgs = list(
         stub.Generate(
-            build_request([70, 80], stream=False, max_tokens=4, n=2, temperature=1.0), timeout=30
+            build_request(
+                [70, 80], stream=False, max_tokens=4, n=2, temperature=1.0, request_id="r-2"
+            ),
+            timeout=30,
         )
     )
     assert len(msgs) == 1 and msgs[0].finished
     assert {d.index: d.text for d in msgs[0].outputs} == {
         j: expected_text([70, 80], 4, j) for j in (0, 1)
     }
-    assert msgs[0].usage.completion_tokens == 8
+    assert msgs[0].usage.completion_tokens == 8 and msgs[0].usage.prompt_tokens == 2
+    assert list(msgs[0].prompt_token_ids) == [70, 80]
+    # not streamed: the engine was asked for FINAL_ONLY and sent one output
+    engine = shared.engine
+    assert [k for rid, _, _, k in engine.added if rid == "r-2"] == [RequestOutputKind.FINAL_ONLY]
+    assert [o.finished for o in engine.outputs if o.request_id == "r-2"] == [True]
+    assert [k for rid, _, _, k in engine.added if rid == "r-1"] == [RequestOutputKind.DELTA]
+
+
+def test_interleaved_n2_stream_reassembles(server_factory):
+    """Samples take turns and a delta holds up to 2 tokens: one message per engine output,
+    each sample's deltas concatenate to its text, ids and logprobs, one finish_reason per
+    sample (sample 0's before the last message), usage on the last message counts all."""
+    engine = FakeAsyncEngine(interleave=True, tokens_per_step=2)
+    server = server_factory(engine)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        req = build_request("pq", max_tokens=5, n=2, temperature=1.0, logprobs=0, request_id="i")
+        msgs = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=30))
+    assert len(msgs) == len([o for o in engine.outputs if o.request_id == "i"])
+    assert all(len(m.outputs) == 1 for m in msgs)
+    assert [m.finished for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    for j in (0, 1):
+        deltas = [d for m in msgs for d in m.outputs if d.index == j]
+        text = "".join(d.text for d in deltas)
+        assert text == expected_text(_ids("pq"), 5, j)
+        assert [t for d in deltas for t in d.token_ids] == _ids(text)
+        lps = [lp.logprob for d in deltas for lp in d.logprobs]
+        assert lps == [expected_logprob(i) for i in range(5)]
+        assert [d.finish_reason for d in deltas] == [""] * (len(deltas) - 1) + ["length"]
+    assert msgs[-1].outputs[0].index == 1  # sample 0 finished in an earlier message
+    assert msgs[-1].usage.completion_tokens == 10 and msgs[-1].usage.prompt_tokens == 2
+    with GenerationClient(server.grpc_target) as client:
+        done = client.generate("pq", max_tokens=5, n=2, temperature=1.0)
+    assert [s.text for s in done.samples] == [expected_text(_ids("pq"), 5, j) for j in (0, 1)]
+    assert done.usage["completion_tokens"] == 10
 
 
 def test_sync_and_async_clients(shared):

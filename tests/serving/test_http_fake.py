@@ -9,8 +9,17 @@ import threading
 import httpx
 import openai
 import pytest
-from fakes import VOCAB, FakeAsyncEngine, FakeTokenizer, expected_text, wait_until
+from fakes import (
+    VOCAB,
+    FakeAsyncEngine,
+    FakeTokenizer,
+    expected_logprob,
+    expected_text,
+    wait_until,
+)
 from harness import ServerThread
+
+from jaxpaged.outputs import RequestOutputKind
 
 
 def _ids(text: str) -> list[int]:
@@ -24,6 +33,14 @@ def _chat_ids(messages: list[dict]) -> list[int]:
 @pytest.fixture(scope="module")
 def fake_server(request):
     server = ServerThread(FakeAsyncEngine(max_model_len=64, max_num_seqs=4))
+    request.addfinalizer(server.stop)
+    return server
+
+
+@pytest.fixture(scope="module")
+def interleaved(request):
+    """Samples take turns (an output holds one sample) and a delta holds up to 2 tokens."""
+    server = ServerThread(FakeAsyncEngine(max_model_len=64, interleave=True, tokens_per_step=2))
     request.addfinalizer(server.stop)
     return server
 
@@ -369,3 +386,149 @@ def test_metrics_move(fake_server):
         _metric(m1, "jaxpaged:inter_token_latency_seconds_count")
         >= _metric(m0, "jaxpaged:inter_token_latency_seconds_count") + 4
     )
+
+
+def _sse_chunks(server, path: str, body: dict) -> list[dict]:
+    """The JSON objects of a streamed response (which must end with [DONE])."""
+    with httpx.stream("POST", server.http + path, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
+
+def _outputs_of(engine: FakeAsyncEngine, request_id_prefix: str) -> dict[str, list]:
+    """The outputs the engine sent, by request id, for ids starting with the prefix."""
+    by_id: dict[str, list] = {}
+    for out in engine.outputs:
+        if out.request_id.startswith(request_id_prefix):
+            by_id.setdefault(out.request_id, []).append(out)
+    return by_id
+
+
+def test_interleaved_n2_completion_stream_reassembles_with_offsets_and_usage(interleaved):
+    """Two prompts x n=2, samples taking turns, several tokens per delta: each choice's
+    chunks concatenate to its text, its logprobs' text offsets continue across chunks, each
+    ends with one finish_reason, and usage counts every token."""
+    m0 = httpx.get(interleaved.http + "/metrics", timeout=30).text
+    body = {"prompt": ["ab", "cde"], "n": 2, "max_tokens": 5, "logprobs": 1, "temperature": 0.7,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = _sse_chunks(interleaved, "/v1/completions", body)
+    *chunks, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 20
+    assert usage["usage"]["prompt_tokens"] == 5 and usage["usage"]["total_tokens"] == 25
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    choices = [c["choices"][0] for c in chunks]
+    assert {c["index"] for c in choices} == {0, 1, 2, 3}
+    for index in range(4):
+        mine = [c for c in choices if c["index"] == index]
+        prompt, j = ["ab", "cde"][index // 2], index % 2
+        text = "".join(c["text"] for c in mine)
+        assert text == expected_text(_ids(prompt), 5, j)
+        sent = 0
+        for c in mine:
+            assert c["logprobs"]["text_offset"] == list(range(sent, sent + len(c["text"])))
+            sent += len(c["text"])
+        lps = [lp for c in mine for lp in c["logprobs"]["token_logprobs"]]
+        assert lps == [expected_logprob(i) for i in range(5)]
+        assert "".join(t for c in mine for t in c["logprobs"]["tokens"]) == text
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+    assert any(len(c["text"]) == 2 for c in choices)  # a delta of two tokens
+    sent = _outputs_of(interleaved.engine, usage["id"])
+    assert len(sent) == 2 and all(len(o.outputs) == 1 for outs in sent.values() for o in outs)
+    assert len(chunks) == sum(len(outs) for outs in sent.values())  # one chunk per delta
+    m1 = httpx.get(interleaved.http + "/metrics", timeout=30).text
+    success = 'jaxpaged:request_success_total{finished_reason="length"}'
+    before = _metric(m0, success) if success in m0 else 0.0
+    assert _metric(m1, success) - before == 4  # one per sample
+    e2e = "jaxpaged:e2e_request_latency_seconds_count"
+    assert _metric(m1, e2e) - _metric(m0, e2e) == 2
+
+
+def test_interleaved_n2_chat_stream_reassembles(interleaved):
+    msgs = [{"role": "user", "content": "two"}]
+    body = {"messages": msgs, "n": 2, "max_tokens": 5, "temperature": 0.7, "logprobs": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    *chunks, usage = _sse_chunks(interleaved, "/v1/chat/completions", body)
+    assert usage["usage"]["completion_tokens"] == 10
+    assert usage["usage"]["prompt_tokens"] == len(_chat_ids(msgs))
+    choices = [c["choices"][0] for c in chunks]
+    for j in (0, 1):
+        mine = [c for c in choices if c["index"] == j]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert sum("role" in c["delta"] for c in mine) == 1
+        content = "".join(c["delta"].get("content") or "" for c in mine)
+        assert content == expected_text(_chat_ids(msgs), 5, j)
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["content"]]
+        assert "".join(t["token"] for t in tokens) == content
+        assert [t["logprob"] for t in tokens] == [expected_logprob(i) for i in range(5)]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert sum(c["finish_reason"] is not None for c in mine) == 1
+
+
+def test_non_streaming_requests_get_one_final_output(interleaved):
+    """A non-streaming response asks for FINAL_ONLY: the engine sends one complete output
+    per request, from which text, logprobs (offsets from 0) and usage are built."""
+    engine = interleaved.engine
+    client = _client(interleaved)
+    r = client.completions.create(
+        model="test-model", prompt=["ab", "cde"], n=2, max_tokens=5, logprobs=1, temperature=0.7
+    )
+    sent = _outputs_of(engine, r.id)
+    assert sorted(len(outs) for outs in sent.values()) == [1, 1]
+    assert all(outs[0].finished and len(outs[0].outputs) == 2 for outs in sent.values())
+    kinds = {rid: kind for rid, _, _, kind in engine.added if rid.startswith(r.id)}
+    assert set(kinds.values()) == {RequestOutputKind.FINAL_ONLY} and len(kinds) == 2
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        prompt, j = ["ab", "cde"][c.index // 2], c.index % 2
+        assert c.text == expected_text(_ids(prompt), 5, j)
+        assert c.logprobs.text_offset == [0, 1, 2, 3, 4]
+        assert c.logprobs.token_logprobs == [expected_logprob(i) for i in range(5)]
+        assert c.finish_reason == "length"
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == 5
+
+    msgs = [{"role": "user", "content": "hello"}]
+    c = client.chat.completions.create(
+        model="test-model", messages=msgs, n=2, max_tokens=3, temperature=0.7
+    )
+    (outs,) = _outputs_of(engine, c.id).values()
+    assert len(outs) == 1 and outs[0].finished
+    assert [ch.message.content for ch in c.choices] == [
+        expected_text(_chat_ids(msgs), 3, j) for j in (0, 1)
+    ]
+    assert c.usage.completion_tokens == 6 and c.usage.prompt_tokens == len(_chat_ids(msgs))
+
+    stream = client.completions.create(model="test-model", prompt="a", max_tokens=2, stream=True)
+    rid = next(iter(stream)).id
+    list(stream)
+    assert [k for i, _, _, k in engine.added if i == rid] == [RequestOutputKind.DELTA]
+
+
+def test_running_non_streaming_requests_are_not_queued(server_factory):
+    """A FINAL_ONLY request shows no first token; the queue limit still counts only the
+    ones the engine has not scheduled."""
+    engine = FakeAsyncEngine(max_num_seqs=2, step_delay=0.01)
+    server = server_factory(engine, max_queue_len=1)
+    results: list[int] = []
+
+    def post(prompt: str) -> None:
+        r = httpx.post(
+            server.http + "/v1/completions", json={"prompt": prompt, "max_tokens": 150}, timeout=60
+        )
+        results.append(r.status_code)
+
+    running = [threading.Thread(target=post, args=(p,)) for p in ("a", "b")]
+    for i, t in enumerate(running):  # one at a time: a request not yet scheduled is queued
+        t.start()
+        assert wait_until(lambda i=i: engine.get_stats().num_running == i + 1)
+    assert server.frontend.num_queued == 0
+    waiting = threading.Thread(target=post, args=("c",))
+    waiting.start()
+    assert wait_until(lambda: server.frontend.num_queued == 1)
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "d"}, timeout=30)
+    assert r.status_code == 429
+    for t in [*running, waiting]:
+        t.join(60)
+    assert results == [200, 200, 200]
