@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import (
@@ -34,6 +36,7 @@ from jaxpaged.outputs import (
     RequestOutputKind,
 )
 from jaxpaged.sampling_params import SamplingParams, validate_prompt
+from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 VOCAB = 128
 EOS = 3
@@ -583,82 +586,95 @@ def wait_until(cond, timeout: float = 10.0, interval: float = 0.01) -> bool:
     return bool(cond())
 
 
-class FakeLLMEngine:
-    """The synchronous engine interface (add_request / step / abort) with the same hand-computable
-    outputs as FakeAsyncEngine, for driving the real `jaxpaged.engine.async_engine.AsyncEngine`
-    (its thread and asyncio bridge) without a model. `busy` seconds of pure-Python work per
-    step hold the GIL like a real step's host side does."""
+class _LetterRunner:
+    """A fake device for the real EngineCore: sample j of a request at output position i
+    draws the letter of ``expected_text`` (the rule of the module docstring); ``busy``
+    seconds of pure-Python work per dispatch hold the GIL like a real step's host side does.
+    ``hold_after(n)``: once n tokens are out, ``collect`` waits until an abort arrives (so a
+    request is certainly still running when a test cancels it)."""
 
-    def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 32, num_kv_blocks: int = 256,
-                 block_size: int = 4, busy: float = 0.0) -> None:  # fmt: skip
-        self._core = _FakeCore(
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-        )
+    def __init__(self, engine: FakeLLMEngine, busy: float) -> None:
+        self.engine = engine
         self.busy = busy
-        self.tokenizer = self._core.tokenizer
-        self.model_config = self._core.model_config
-        self.engine_config = self._core.engine_config
-        self.max_model_len = max_model_len
-        self.num_steps = 0
-        self._lock = threading.Lock()
+        self.num_tokens = 0
+        self.hold_at: int | None = None
+        self.stall = 0.0  # seconds every collect waits
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        arrival_time: float | None = None,
-        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-    ) -> None:
-        req = _new_req(
-            request_id,
-            prompt,
-            params or SamplingParams(),
-            output_kind,
-            tokenizer=self.tokenizer,
-            max_model_len=self.max_model_len,
-            arrival=arrival_time,
-        )
-        with self._lock:
-            if self._core.find(request_id) is not None:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._core.waiting.append(req)
-
-    def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return self._core.has_work()
-
-    def step(self) -> list[RequestOutput]:
+    def dispatch(self, plan: SchedulerOutput) -> RunnerOutput | None:
         end = time.monotonic() + self.busy
         while time.monotonic() < end:  # hold the GIL
             pass
-        with self._lock:
-            self.num_steps += 1
-            return [out for _, out in self._core.step()]
+        sampled = []
+        for s in plan.seqs:
+            req = self.engine.core.scheduler.requests[s.request_id]
+            if s.sampling is None:
+                sampled.append(-1)
+                continue
+            i, j = s.sampling.key_counter, req.sample_index
+            sampled.append(ord("a") + (sum(req.prompt_token_ids) + i + j) % 26)
+        self.num_tokens += sum(s.do_sample for s in plan.seqs)
+        return RunnerOutput(sampled_token_ids=sampled) if plan.seqs else None
+
+    def collect(self, pending: RunnerOutput | None) -> RunnerOutput:
+        if self.hold_at is not None and self.num_tokens >= self.hold_at:
+            wait_until(lambda: bool(self.engine.aborted), timeout=30)
+        time.sleep(self.stall)  # a long device step, when a test asks for one
+        return pending or RunnerOutput(sampled_token_ids=())
+
+
+class FakeLLMEngine:
+    """What ``AsyncEngine`` drives (``inputs``, ``core``, ``tokenizer``, ...), built from the
+    real input processing, EngineCore, scheduler and output processing over a fake device
+    (:class:`_LetterRunner`), so the engine thread, the inbox and the asyncio bridge are the
+    real ones and only the model is not."""
+
+    def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 32, num_kv_blocks: int = 256,
+                 block_size: int = 4, busy: float = 0.0) -> None:  # fmt: skip
+        self.tokenizer = FakeTokenizer()
+        self.model_config = _model_config()
+        self.max_model_len = max_model_len
+        self.engine_config = {
+            "block_size": block_size,
+            "max_num_seqs": max_num_seqs,
+            "max_model_len": max_model_len,
+            "dtype": "float32",
+        }
+        self.aborted: list[str] = []
+        self.inputs = InputProcessor(
+            tokenizer=self.tokenizer,
+            vocab_size=VOCAB,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            eos_token_ids=(EOS,),
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max(512, max_num_seqs),
+                max_model_len=max_model_len,
+            ),
+            CacheConfig(block_size=block_size),
+            num_blocks=num_kv_blocks,
+        )
+        self.runner = _LetterRunner(self, busy)
+        self.core = EngineCore(
+            scheduler=scheduler,
+            runner=self.runner,
+            tokenizer=self.tokenizer,
+            eos_token_ids=(EOS,),
+            num_kv_blocks=num_kv_blocks,
+        )
+        real_abort = self.core.abort
+
+        def abort(request_id: str) -> None:
+            self.aborted.append(request_id)
+            real_abort(request_id)
+
+        self.core.abort = abort
 
     def hold_after(self, num_tokens: int) -> None:
-        with self._lock:
-            self._core.hold_after(num_tokens)
-
-    @property
-    def aborted(self) -> list[str]:
-        return self._core.aborted
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Frees the request; returns its final output ("abort"), or None if unknown."""
-        with self._lock:
-            ended = self._core.abort(request_id)
-            return None if ended is None else ended[1]
-
-    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
-        with self._lock:
-            self._core.drop_all()
-        return []
+        self.runner.hold_at = num_tokens
 
     def get_stats(self) -> EngineStats:
-        with self._lock:
-            return self._core.stats()
+        return self.core.stats

@@ -307,3 +307,9 @@ def test_stats_are_the_engines_stats_type_with_every_field_filled():
     assert stats.num_steps == 4 and stats.generation_tokens_total == 4
     assert stats.prompt_tokens_total == 3 and stats.num_free_blocks == stats.num_kv_blocks
     assert 0.0 < stats.kv_cache_waste < 1.0
+
+
+def test_the_real_async_engine_implements_the_protocol():
+    from jaxpaged.engine.async_engine import AsyncEngine
+
+    assert_implements_engine_client(AsyncEngine)
