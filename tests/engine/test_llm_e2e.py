@@ -167,6 +167,8 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, workload, hf_greedy, t
         ([1] * MAX_MODEL_LEN, _greedy(4), "prompt"),
         ([1, 2, vocab], _greedy(4), "vocabulary"),
         ([1, 2, 3], _greedy(MAX_MODEL_LEN), "max_tokens"),
+        # more ids for min_tokens to hold back than the step's fixed-size ban list
+        ([1, 2, 3], SamplingParams(min_tokens=3, stop_token_ids=list(range(40))), "stop_token_ids"),
     ]
     engine.add_request("good-0", workload[0][0], _greedy(workload[0][1]))
     for i, (prompt, params, word) in enumerate(bad):
@@ -176,11 +178,14 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, workload, hf_greedy, t
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good-0", workload[1][0], _greedy(4))
-    outs = []
+    outs, tokens = [], []  # the default output kind: deltas
     while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.finished]
+        for o in engine.step():
+            assert o.request_id == "good-0"
+            tokens += [t for c in o.outputs for t in c.token_ids]
+            outs += [o] if o.finished else []
     assert [o.request_id for o in outs] == ["good-0"]
-    assert list(outs[0].outputs[0].token_ids) == hf_greedy[0]
+    assert tokens == hf_greedy[0]
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_kv_blocks"]
 

@@ -127,3 +127,40 @@ def test_admission_does_not_stall_the_loop(server_factory):
         engine.runner.stall = 0.0
         assert second.result(30) == expected_text([ord(c) for c in "xyz"], 2)
         first.close()
+
+
+def test_a_request_the_step_cannot_take_is_refused_and_the_engine_keeps_serving(bridged):
+    """min_tokens with more stop_token_ids than the step's ban list holds (and a request
+    longer than the KV pool) are refused at admission with 400 / INVALID_ARGUMENT naming the
+    field; the same engine then serves the next request."""
+    from jaxpaged.sampling_params import MAX_BANNED_IDS
+
+    too_many = list(range(10, 10 + MAX_BANNED_IDS + 8))
+    r = httpx.post(
+        bridged.http + "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 8, "min_tokens": 3, "stop_token_ids": too_many},
+        timeout=10,
+    )
+    assert r.status_code == 400, r.text
+    assert "stop_token_ids" in r.json()["error"]["message"]
+    with GenerationClient(bridged.grpc_target) as client:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("abc", max_tokens=8, min_tokens=3, stop_token_ids=too_many)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stop_token_ids" in e.value.details()
+        # as many as fit are fine, and without min_tokens any number is
+        ok = client.generate("abc", max_tokens=4, min_tokens=3, stop_token_ids=too_many[:20])
+        assert ok.text == expected_text([ord(c) for c in "abc"], 4)
+        ok = client.generate("abc", max_tokens=4, stop_token_ids=too_many)
+        assert ok.text == expected_text([ord(c) for c in "abc"], 4)
+    assert not bridged.frontend.engine.errored
+
+
+def test_a_request_larger_than_the_kv_pool_is_refused(server_factory):
+    server = server_factory(AsyncEngine(FakeLLMEngine(num_kv_blocks=8)))  # 32 token slots
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "abc", "max_tokens": 40})
+    assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "abc", "max_tokens": 20})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text(
+        [97, 98, 99], 20
+    )

@@ -1,0 +1,81 @@
+"""A fake device with a fixed step time, for measuring the engine loop's overlap without a
+model (``tests/engine/test_overlap.py`` and ``bench/overlap.py``).
+
+:class:`TimedDeviceRunner` behaves like the real runner seen from the host: ``dispatch``
+returns at once after ``host_seconds`` of host work (building the batch), the device runs
+the steps one after another, each ``device_seconds`` long, starting when it is dispatched or
+when the previous one ends, and ``collect`` waits for the step's end. Its tokens are a fixed
+rule (``(prompt sum + position) % vocab``), so outputs are checkable by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+
+__all__ = ["TimedDeviceRunner", "expected_tokens", "run_serial"]
+
+
+def expected_tokens(prompt: list[int], num_tokens: int, vocab: int) -> list[int]:
+    """What :class:`TimedDeviceRunner` samples for a request: the rule on its positions."""
+    s = sum(prompt)
+    return [(s + i) % vocab for i in range(num_tokens)]
+
+
+class TimedDeviceRunner:
+    """Dispatch/collect with a simulated device (see the module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        device_seconds: float,
+        host_seconds: float,
+        vocab: int = 1000,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.scheduler = scheduler
+        self.device_seconds = device_seconds
+        self.host_seconds = host_seconds
+        self.vocab = vocab
+        self.clock = clock
+        self._device_free_at = 0.0
+        self.num_steps = 0
+
+    def dispatch(self, plan: SchedulerOutput) -> tuple[float, RunnerOutput] | None:
+        time.sleep(self.host_seconds)  # the host's share of a step
+        if not plan.seqs:
+            return None
+        tokens = []
+        for s in plan.seqs:
+            if s.sampling is None:
+                tokens.append(-1)
+                continue
+            prompt = self.scheduler.requests[s.request_id].prompt_token_ids
+            tokens.append((sum(prompt) + s.sampling.key_counter) % self.vocab)
+        start = max(self.clock(), self._device_free_at)
+        self._device_free_at = start + self.device_seconds
+        self.num_steps += 1
+        return self._device_free_at, RunnerOutput(sampled_token_ids=tokens)
+
+    def collect(self, pending: tuple[float, RunnerOutput] | None) -> RunnerOutput:
+        if pending is None:
+            return RunnerOutput(sampled_token_ids=())
+        done_at, out = pending
+        wait = done_at - self.clock()
+        if wait > 0:
+            time.sleep(wait)
+        return out
+
+
+def run_serial(scheduler: Scheduler, runner: TimedDeviceRunner) -> int:
+    """The loop without overlap, for comparison: plan, run, wait, update, in turn. Returns
+    the steps run."""
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.collect(runner.dispatch(plan)))
+        steps += 1
+    return steps
