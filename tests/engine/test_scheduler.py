@@ -229,7 +229,7 @@ def test_swap_restores_identical_blocks():
             victim = sched.get_request(rid)
             assert victim.status is RequestStatus.SWAPPED
             n = victim.num_computed_tokens
-            for i, h in enumerate(victim.host_block_table):
+            for i, h in enumerate(sched.pool.host_block_table(rid)):
                 valid = min(4, n - 4 * i)
                 snapshot[h] = runner.dev_tok[dev_of[h], :valid].copy()
         res = runner.execute(out)
@@ -280,13 +280,13 @@ def test_prefix_cache_hit_for_a_shared_system_prompt():
     sched, runner = make()
     sched.add_request(make_request("a", system + [1, 2], max_tokens=3))
     step(sched, runner)
-    table_a = list(sched.get_request("a").block_table)
+    table_a = sched.pool.block_table("a")
     sched.add_request(make_request("b", system + [7], max_tokens=3))
     out, _ = step(sched, runner)
     sb = next(s for s in out.seqs if s.request_id == "b")
     assert sb.start_pos == 12 and sb.token_ids == (7,)
     b = sched.get_request("b")
-    assert b.block_table[:3] == table_a[:3] and b.num_cached_tokens == 12
+    assert sched.pool.block_table("b")[:3] == table_a[:3] and b.num_cached_tokens == 12
     assert all(sched.pool.ref_count(x) == 2 for x in table_a[:3])
     assert sched.stats.prefix_cache_hits == 12
     assert sched.stats.prefix_cache_queries == 14 + 13
@@ -340,7 +340,7 @@ def test_n_samples_fork_the_prompt_blocks(prompt_len):
         reqs.append(r)
     out, _ = step(sched, runner)
     assert [s.request_id for s in out.seqs] == ["g-0"]  # siblings wait for the prefill
-    leader_table = list(reqs[0].block_table)
+    leader_table = list(sched.pool.block_table(reqs[0].request_id))
     out, _ = step(sched, runner)
     by_id = {s.request_id: s for s in out.seqs}
     assert set(by_id) == {"g-0", "g-1", "g-2"}
@@ -369,10 +369,10 @@ def test_copy_on_write_of_the_shared_partial_block_keeps_both_sequences_intact()
     step(sched, runner)  # p-0 prefills
     out, _ = step(sched, runner)  # p-0 decodes into its block, p-1 forks and copies it
     src, dst = out.blocks_to_copy[0]
-    p0, p1 = sched.get_request("p-0"), sched.get_request("p-1")
-    assert p0.block_table[1] == src and p1.block_table[1] == dst
+    p0, p1 = sched.pool.block_table("p-0"), sched.pool.block_table("p-1")
+    assert p0[1] == src and p1[1] == dst
     assert sched.pool.ref_count(src) == 1 and sched.pool.ref_count(dst) == 1
-    assert p0.block_table[0] == p1.block_table[0] and sched.pool.ref_count(p0.block_table[0]) == 2
+    assert p0[0] == p1[0] and sched.pool.ref_count(p0[0]) == 2
     done = run(sched, runner)  # the fake asserts every read of both sequences
     assert done["p-0"] == done["p-1"] == reference_output(prompt, 8)
     assert_all_free(sched)
@@ -386,15 +386,16 @@ def test_abort_in_waiting_running_and_swapped_states():
     while not sched.swapped:
         step(sched, runner)
     swapped = sched.swapped[0]
-    assert swapped.host_block_table
+    assert sched.pool.host_block_table(swapped.request_id)
     assert sched.abort(swapped.request_id)
-    assert swapped.status is RequestStatus.FINISHED_ABORTED and not swapped.host_block_table
+    assert swapped.status is RequestStatus.FINISHED_ABORTED
+    assert not sched.pool.host_block_table(swapped.request_id)
     assert sched.get_request("w").status is RequestStatus.WAITING
     assert sched.abort("w")
     running = sched.running[0]
-    assert running.block_table
+    assert sched.pool.block_table(running.request_id)
     assert sched.abort(running.request_id)
-    assert not running.block_table and running.finish_reason == "abort"
+    assert not sched.pool.block_table(running.request_id) and running.finish_reason == "abort"
     assert not sched.abort(running.request_id) and not sched.abort("nope")
     out = sched.schedule()
     assert set(out.finished_request_ids) == {swapped.request_id, "w", running.request_id}
