@@ -111,7 +111,8 @@ class FakeRunner:
 def check_invariants(sched: Scheduler) -> None:
     """Ref counts equal the number of block tables naming each block; free + used = total;
     running requests hold exactly the blocks of their computed tokens; queues agree with
-    statuses."""
+    statuses; the pool keeps device blocks only for running requests, host slots only for
+    swapped ones, and nothing for a request that has ended."""
     pool = sched.pool
     holders: dict[int, int] = {}
     for req in sched.running:
@@ -123,6 +124,7 @@ def check_invariants(sched: Scheduler) -> None:
             holders[b] = holders.get(b, 0) + 1
     for req in sched.waiting:
         assert req.status is RequestStatus.WAITING and not pool.block_table(req.request_id)
+        assert not pool.host_block_table(req.request_id)
     for req in sched.swapped:
         assert req.status is RequestStatus.SWAPPED and not pool.block_table(req.request_id)
         assert pool.host_block_table(req.request_id)
@@ -133,6 +135,8 @@ def check_invariants(sched: Scheduler) -> None:
     assert pool.num_free_host_blocks + host_held <= pool.num_host_blocks
     queued = len(sched.waiting) + len(sched.running) + len(sched.swapped)
     assert queued == len(sched.requests)
+    assert set(pool.req_to_blocks) == {r.request_id for r in sched.running}
+    assert pool.tracked_request_ids() <= set(sched.requests)
 
 
 def run(

@@ -83,6 +83,7 @@ def test_allocate_grows_block_by_block_and_free_returns_everything():
     assert pool.num_used_blocks == 3 and pool.usage == pytest.approx(3 / 8)
     pool.free("r")
     assert table(pool, r) == [] and pool.num_free_blocks == 8
+    assert pool.tracked_request_ids() == set()
 
 
 def test_allocation_fails_atomically_when_short():
@@ -91,6 +92,7 @@ def test_allocation_fails_atomically_when_short():
     assert not pool.can_allocate("r", 0, 12)
     assert alloc(pool, r, 12) is None
     assert table(pool, r) == [] and pool.num_free_blocks == 2
+    assert pool.tracked_request_ids() == set()  # a failed allocation leaves no entry
     with pytest.raises(RuntimeError, match="freed more often"):
         pool._decref(0)
 
@@ -254,6 +256,7 @@ def test_swap_out_and_in_pairs_and_host_slot_accounting():
     assert pool.num_free_host_blocks == 3
     pool.free("r")
     assert pool.num_free_blocks == 4
+    assert pool.tracked_request_ids() == set()
 
 
 def test_swap_out_needs_room_and_free_host_returns_slots():
@@ -270,6 +273,25 @@ def test_swap_out_needs_room_and_free_host_returns_slots():
     assert pool.num_free_host_blocks == 1 and host_table(pool, small) == []
     pool.free("r")
     assert pool.num_free_blocks == 4
+    assert pool.tracked_request_ids() == set()
+
+
+def test_a_reused_request_id_starts_clean():
+    """State is keyed by request id: after free / free_host nothing of a request is left, so
+    a later request with the same id and other tokens gets its own keys, not the old ones."""
+    pool = BlockPool(8, 2, num_host_blocks=4)
+    old = req([1, 2, 3, 4, 5], "x")
+    computed(pool, old, 5)  # memoises and registers the keys of [1, 2] [3, 4]
+    pool.free("x")
+    assert pool.tracked_request_ids() == set()
+    new = req([1, 2, 7, 7, 7], "x")
+    assert find(pool, new) == probe(pool, [1, 2, 7, 7, 7])
+    assert len(find(pool, new)) == 1  # [1, 2] only; a stale key of [3, 4] would give 2
+    computed(pool, new, 5)
+    pool.swap_out("x")
+    pool.free_host("x")
+    assert pool.tracked_request_ids() == set()
+    assert pool.num_free_blocks == 8 and pool.num_free_host_blocks == 4
 
 
 def test_prefix_caching_disabled_and_reset():

@@ -64,6 +64,7 @@ def assert_all_free(sched):
     assert pool.num_free_host_blocks + len(pool._host_pending) == pool.num_host_blocks
     pool.release_host_slots()
     assert pool.num_free_host_blocks == pool.num_host_blocks
+    assert pool.tracked_request_ids() == set()  # no request id left behind
 
 
 def test_fake_model_by_hand():
@@ -389,18 +390,50 @@ def test_abort_in_waiting_running_and_swapped_states():
     assert sched.pool.host_block_table(swapped.request_id)
     assert sched.abort(swapped.request_id)
     assert swapped.status is RequestStatus.FINISHED_ABORTED
-    assert not sched.pool.host_block_table(swapped.request_id)
+    assert swapped.request_id not in sched.pool.tracked_request_ids()
     assert sched.get_request("w").status is RequestStatus.WAITING
     assert sched.abort("w")
+    assert "w" not in sched.pool.tracked_request_ids()
     running = sched.running[0]
     assert sched.pool.block_table(running.request_id)
     assert sched.abort(running.request_id)
-    assert not sched.pool.block_table(running.request_id) and running.finish_reason == "abort"
+    assert running.finish_reason == "abort"
+    assert running.request_id not in sched.pool.tracked_request_ids()
     assert not sched.abort(running.request_id) and not sched.abort("nope")
     out = sched.schedule()
     assert set(out.finished_request_ids) == {swapped.request_id, "w", running.request_id}
     assert not out.seqs
     check_invariants(sched)
+    assert_all_free(sched)
+
+
+def test_finished_aborted_and_recompute_preempted_requests_leave_no_pool_state():
+    """The pool keys everything by request id: a request that ends or loses its blocks to a
+    recompute preemption must leave no entry behind (an id can be reused later)."""
+    sched, runner = make(num_blocks=6, budget=32)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8, 9], "c": [10, 11, 12], "d": [13, 14]}
+    for rid, p in prompts.items():
+        sched.add_request(make_request(rid, p, max_tokens=16 - len(p) + 1))
+    preempted, finished = set(), set()
+    for i in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        tracked = sched.pool.tracked_request_ids()
+        for rid in out.preempted_request_ids:
+            assert sched.get_request(rid).status is RequestStatus.WAITING
+            assert rid not in tracked
+            preempted.add(rid)
+        finished |= set(out.finished_request_ids)
+        assert not finished & tracked
+        sched.update(out, runner.execute(out))
+        check_invariants(sched)
+        if i == 1:
+            assert sched.get_request("d").status is RequestStatus.RUNNING
+            assert sched.abort("d")
+            assert "d" not in sched.pool.tracked_request_ids()
+    finished |= set(sched.schedule().finished_request_ids)
+    assert preempted and finished == set(prompts)
     assert_all_free(sched)
 
 
