@@ -3,10 +3,17 @@
 Host-side bookkeeping only (plain ints); the runner owns the device arrays and applies the
 copy / swap lists this module returns.
 
-* **Ref counts.** A device block is held by every request whose ``block_table`` names it.
-  Free blocks (ref 0) sit in two lists: *uncached* ones (no known content, reused first) and
-  *cached* ones (a full block registered in the prefix cache), reused least-recently-freed
-  first. A request frees its blocks tail first, so a prefix outlives the blocks after it.
+* **Per-request state.** The pool owns every request's block table, keyed by request id:
+  its device blocks (``req_to_blocks``), its host slots while swapped out, the memoised
+  prefix keys of its full blocks and how many of its leading blocks it has offered to the
+  prefix cache. Callers pass the id plus the plain values a method needs (token counts, a
+  token-slice function) and read a table back with :meth:`block_table`. :meth:`free` and
+  :meth:`free_host` drop every entry of the id, so a later request that reuses the id starts
+  clean; the caller must call one of them whenever a request ends or is preempted.
+* **Ref counts.** A device block is held by every request whose table names it. Free blocks
+  (ref 0) sit in two lists: *uncached* ones (no known content, reused first) and *cached*
+  ones (a full block registered in the prefix cache), reused least-recently-freed first. A
+  request frees its blocks tail first, so a prefix outlives the blocks after it.
 * **Prefix caching.** A full block whose tokens are computed is registered under
   ``hash_i = sha256(hash_{i-1} || token ids of block i)``: the key of block i covers tokens
   of blocks 0..i, so equal keys mean equal K/V. A new request takes over the longest run of
@@ -25,7 +32,8 @@ copy / swap lists this module returns.
   :meth:`release_host_slots` (start of the next schedule), so no step reads and writes one.
 
 Invariant (tests assert it): every block taken is given back on finish, abort, preemption
-or error, so after the last request ``num_free_blocks == num_blocks``.
+or error, so after the last request ``num_free_blocks == num_blocks`` and no request id is
+left in the pool's maps.
 """
 
 from __future__ import annotations
@@ -33,13 +41,13 @@ from __future__ import annotations
 import array
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from jaxpaged.sched.request import Request
-
-__all__ = ["BlockPool", "CopyPair", "hash_block_tokens"]
+__all__ = ["BlockPool", "CopyPair", "TokenSlice", "hash_block_tokens"]
 
 CopyPair = tuple[int, int]  # (src, dst): device->device, device->host or host->device
+# token_slice(start, stop): a request's token ids [start, stop) (Request.token_ids_slice)
+TokenSlice = Callable[[int, int], Sequence[int]]
 
 _ROOT_HASH = b"jaxpaged-prefix-v1"
 
@@ -56,7 +64,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class BlockPool:
-    """Free lists, ref counts, prefix-cache map and host swap slots of one KV pool."""
+    """Free lists, ref counts, prefix-cache map, host swap slots and the block tables of the
+    requests of one KV pool."""
 
     def __init__(
         self,
@@ -88,6 +97,12 @@ class BlockPool:
         self._host_free: list[int] = []  # returned host slots; then _host_fresh.. (lazy)
         self._host_fresh = 0
         self._host_pending: list[int] = []
+        # Per request id. Logical block i of a request lives in req_to_blocks[id][i] (device)
+        # or, while swapped out, in _req_to_host[id][i] (host slot).
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self._req_to_host: dict[str, list[int]] = {}
+        self._req_hashes: dict[str, list[bytes]] = {}  # keys of its full blocks, memoised
+        self._num_registered: dict[str, int] = {}  # leading blocks offered to the cache
 
     # ------------------------------------------------------------------ queries
     @property
@@ -117,6 +132,27 @@ class BlockPool:
 
     def is_cached(self, block_id: int) -> bool:
         return self._hash[block_id] is not None
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's device block ids, logical block order (a snapshot)."""
+        return tuple(self.req_to_blocks.get(request_id, ()))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Device blocks the request holds."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def host_block_table(self, request_id: str) -> tuple[int, ...]:
+        """The host slots of a swapped-out request, logical block order (a snapshot)."""
+        return tuple(self._req_to_host.get(request_id, ()))
+
+    def tracked_request_ids(self) -> set[str]:
+        """Ids the pool keeps any state for (blocks, host slots, keys or counts)."""
+        return (
+            set(self.req_to_blocks)
+            | set(self._req_to_host)
+            | set(self._req_hashes)
+            | set(self._num_registered)
+        )
 
     # ------------------------------------------------------------ primitives
     def _take(self) -> int:
@@ -153,50 +189,62 @@ class BlockPool:
             if self._cached.get(h) == b:
                 del self._cached[h]
 
+    def _release_device(self, request_id: str) -> None:
+        """Gives back the request's device blocks, tail first (so the tail is evicted
+        before the prefix), and forgets which of them it registered."""
+        for b in reversed(self.req_to_blocks.pop(request_id, ())):
+            self._decref(b)
+        self._num_registered.pop(request_id, None)
+
     # --------------------------------------------------------- prefix caching
-    def block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
-        """The request's chained keys of its first ``num_full_blocks`` blocks (memoised on
-        ``request.block_hashes``: tokens never change once appended)."""
-        hashes = request.block_hashes
+    def block_hashes(
+        self, request_id: str, num_full_blocks: int, token_slice: TokenSlice
+    ) -> Sequence[bytes]:
+        """The request's chained keys of (at least) its first ``num_full_blocks`` blocks,
+        memoised under its id until it is freed: tokens never change once appended."""
+        hashes = self._req_hashes.setdefault(request_id, [])
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs)))
+            hashes.append(hash_block_tokens(parent, token_slice(i * bs, (i + 1) * bs)))
         return hashes
 
-    def find_prefix(self, request: Request) -> list[int]:
+    def find_prefix(self, request_id: str, num_tokens: int, token_slice: TokenSlice) -> list[int]:
         """Registered blocks holding the longest cached prefix of the request's first
-        ``num_tokens - 1`` tokens. No side effects: pass the result to allocate_slots."""
+        ``num_tokens - 1`` tokens. Only memoises keys: pass the result to allocate_slots."""
         if not self.enable_prefix_caching:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
+        limit = (num_tokens - 1) // self.block_size
         blocks = []
-        for h in self.block_hashes(request, limit)[:limit]:
+        for h in self.block_hashes(request_id, limit, token_slice)[:limit]:
             b = self._cached.get(h)
             if b is None:
                 break
             blocks.append(b)
         return blocks
 
-    def register_computed(self, request: Request) -> None:
-        """Offers the request's full, computed blocks whose tokens the host knows to the
-        prefix cache. A key already held by another block keeps that block; this one stays
-        anonymous."""
-        known = min(request.num_computed_tokens, request.num_tokens)
-        n_full = min(known // self.block_size, len(request.block_table))
+    def register_computed(
+        self, request_id: str, num_computed_tokens: int, num_tokens: int, token_slice: TokenSlice
+    ) -> None:
+        """Offers the request's full, computed blocks whose tokens the host knows (the first
+        ``min(num_computed_tokens, num_tokens)``) to the prefix cache. A key already held by
+        another block keeps that block; this one stays anonymous."""
         if not self.enable_prefix_caching:
-            request.num_registered_blocks = n_full
+            return  # the registered count is read only while caching is on
+        table = self.req_to_blocks.get(request_id, [])
+        known = min(num_computed_tokens, num_tokens)
+        n_full = min(known // self.block_size, len(table))
+        done = self._num_registered.get(request_id, 0)
+        if n_full <= done:
             return
-        if n_full <= request.num_registered_blocks:
-            return
-        hashes = self.block_hashes(request, n_full)
-        for i in range(request.num_registered_blocks, n_full):
-            b, h = request.block_table[i], hashes[i]
+        hashes = self.block_hashes(request_id, n_full, token_slice)
+        for i in range(done, n_full):
+            b, h = table[i], hashes[i]
             if self._hash[b] is None and h not in self._cached:
                 self._hash[b] = h
                 self._cached[h] = b
-        request.num_registered_blocks = n_full
+        self._num_registered[request_id] = n_full
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (held blocks keep their content, just unnamed)."""
@@ -209,12 +257,16 @@ class BlockPool:
 
     # ---------------------------------------------------------------- allocate
     def blocks_needed(
-        self, request: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        prefix_blocks: Sequence[int] = (),
     ) -> int:
         """Free blocks allocate_slots would consume: new blocks, copy-on-write copies and
         prefix blocks that are currently free."""
-        table = request.block_table
-        start = request.num_computed_tokens + len(prefix_blocks) * self.block_size
+        table = self.req_to_blocks.get(request_id, [])
+        start = num_computed_tokens + len(prefix_blocks) * self.block_size
         end_block = _cdiv(start + num_new_tokens, self.block_size)
         held = len(table) + len(prefix_blocks)
         need = max(0, end_block - held)
@@ -224,25 +276,40 @@ class BlockPool:
                 need += 1
         return need
 
+    def can_allocate(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        prefix_blocks: Sequence[int] = (),
+    ) -> bool:
+        """Whether allocate_slots with the same arguments would succeed now."""
+        need = self.blocks_needed(request_id, num_computed_tokens, num_new_tokens, prefix_blocks)
+        return need <= self.num_free_blocks
+
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        prefix_blocks: Sequence[int] = (),
     ) -> list[CopyPair] | None:
-        """Makes the request's block table cover ``num_new_tokens`` more tokens past
+        """Makes the request's block table cover ``num_new_tokens`` more tokens past its
         ``num_computed_tokens`` (plus ``prefix_blocks``, appended first and counted as
         computed). Returns the copy-on-write ``(src, dst)`` pairs, or None (and changes
-        nothing) when the free blocks do not suffice. The caller advances
+        nothing) when the free blocks do not suffice. The caller advances its
         ``num_computed_tokens`` by ``len(prefix_blocks) * block_size``."""
-        if prefix_blocks and (request.block_table or request.num_computed_tokens):
+        if prefix_blocks and (self.num_blocks_of(request_id) or num_computed_tokens):
             raise ValueError("prefix_blocks can only start an empty block table")
-        if self.blocks_needed(request, num_new_tokens, prefix_blocks) > self.num_free_blocks:
+        if not self.can_allocate(request_id, num_computed_tokens, num_new_tokens, prefix_blocks):
             return None
-        table = request.block_table
+        table = self.req_to_blocks.setdefault(request_id, [])
         for b in prefix_blocks:
             self._incref(b)
             table.append(b)
         if prefix_blocks:
-            request.num_registered_blocks = len(prefix_blocks)
-        start = request.num_computed_tokens + len(prefix_blocks) * self.block_size
+            self._num_registered[request_id] = len(prefix_blocks)
+        start = num_computed_tokens + len(prefix_blocks) * self.block_size
         end_block = _cdiv(start + num_new_tokens, self.block_size)
         copies: list[CopyPair] = []
         for i in range(start // self.block_size, min(len(table), end_block)):
@@ -254,40 +321,43 @@ class BlockPool:
                 table[i] = nb
             elif self._hash[b] is not None:  # about to be rewritten: no longer a clean key
                 self._uncache(b)
-            request.num_registered_blocks = min(request.num_registered_blocks, i)
+            if self._num_registered.get(request_id, 0) > i:
+                self._num_registered[request_id] = i
         while len(table) < end_block:
             table.append(self._take())
         return copies
 
-    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+    def fork(
+        self, parent_id: str, child_id: str, num_tokens: int, parent_num_computed_tokens: int
+    ) -> None:
         """Child shares the parent's blocks holding its first ``num_tokens`` tokens (the
         partly filled last one included: copy-on-write splits it at the first write)."""
-        if child.block_table:
-            raise ValueError(f"fork: child {child.request_id!r} already holds blocks")
-        if parent.num_computed_tokens < num_tokens:
+        if self.req_to_blocks.get(child_id):
+            raise ValueError(f"fork: child {child_id!r} already holds blocks")
+        if parent_num_computed_tokens < num_tokens:
             raise ValueError(
-                f"fork: parent {parent.request_id!r} has computed {parent.num_computed_tokens}"
+                f"fork: parent {parent_id!r} has computed {parent_num_computed_tokens}"
                 f" tokens, fewer than the {num_tokens} to share"
             )
-        blocks = parent.block_table[: _cdiv(num_tokens, self.block_size)]
+        blocks = self.req_to_blocks.get(parent_id, [])[: _cdiv(num_tokens, self.block_size)]
         for b in blocks:
             self._incref(b)
-        child.block_table = list(blocks)
+        self.req_to_blocks[child_id] = list(blocks)
         n_full = num_tokens // self.block_size
-        child.block_hashes = parent.block_hashes[:n_full]
-        child.num_registered_blocks = min(parent.num_registered_blocks, n_full)
+        self._req_hashes[child_id] = self._req_hashes.get(parent_id, [])[:n_full]
+        registered = min(self._num_registered.get(parent_id, 0), n_full)
+        if registered:
+            self._num_registered[child_id] = registered
 
-    def free(self, request: Request) -> None:
+    def free(self, request_id: str) -> None:
         """Gives back every device block of the request, tail first (so the tail is
-        evicted before the prefix)."""
-        for b in reversed(request.block_table):
-            self._decref(b)
-        request.block_table = []
-        request.num_registered_blocks = 0
+        evicted before the prefix), and forgets its keys: the id may be reused."""
+        self._release_device(request_id)
+        self._req_hashes.pop(request_id, None)
 
     # -------------------------------------------------------------------- swap
-    def can_swap_out(self, request: Request) -> bool:
-        return len(request.block_table) <= self.num_free_host_blocks
+    def can_swap_out(self, request_id: str) -> bool:
+        return self.num_blocks_of(request_id) <= self.num_free_host_blocks
 
     def _take_host(self) -> int:
         if self._host_free:
@@ -295,42 +365,44 @@ class BlockPool:
         self._host_fresh += 1
         return self._host_fresh - 1
 
-    def swap_out(self, request: Request) -> list[CopyPair]:
+    def swap_out(self, request_id: str) -> list[CopyPair]:
         """Moves the request's blocks to host slots: returns (device_block, host_slot)
-        pairs to copy before the step, and frees the device blocks."""
-        if not self.can_swap_out(request):
+        pairs to copy before the step, and frees the device blocks (its keys stay: the same
+        tokens come back)."""
+        if not self.can_swap_out(request_id):
             raise RuntimeError(
-                f"swap_out: {len(request.block_table)} blocks needed, "
+                f"swap_out: {self.num_blocks_of(request_id)} blocks needed, "
                 f"{self.num_free_host_blocks} host slots free"
             )
-        pairs = [(b, self._take_host()) for b in request.block_table]
-        request.host_block_table = [h for _, h in pairs]
-        self.free(request)
+        pairs = [(b, self._take_host()) for b in self.req_to_blocks.get(request_id, ())]
+        self._req_to_host[request_id] = [h for _, h in pairs]
+        self._release_device(request_id)
         return pairs
 
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+    def can_swap_in(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Room for the request's swapped blocks plus ``num_new_tokens`` more tokens."""
-        end_block = _cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(end_block, len(request.host_block_table)) <= self.num_free_blocks
+        end_block = _cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_host = len(self._req_to_host.get(request_id, ()))
+        return max(end_block, num_host) <= self.num_free_blocks
 
-    def swap_in(self, request: Request) -> list[CopyPair]:
+    def swap_in(self, request_id: str) -> list[CopyPair]:
         """Takes fresh device blocks for the request's host slots: returns
         (host_slot, device_block) pairs to copy before the step."""
-        if request.block_table:
-            raise ValueError(f"swap_in: {request.request_id!r} already holds device blocks")
-        if len(request.host_block_table) > self.num_free_blocks:
+        if self.num_blocks_of(request_id):
+            raise ValueError(f"swap_in: {request_id!r} already holds device blocks")
+        host = self._req_to_host.get(request_id, [])
+        if len(host) > self.num_free_blocks:
             raise RuntimeError("swap_in: not enough free device blocks")
-        pairs = [(h, self._take()) for h in request.host_block_table]
-        request.block_table = [b for _, b in pairs]
-        request.num_registered_blocks = 0
-        self._host_pending.extend(request.host_block_table)
-        request.host_block_table = []
+        pairs = [(h, self._take()) for h in host]
+        self.req_to_blocks[request_id] = [b for _, b in pairs]
+        self._host_pending.extend(self._req_to_host.pop(request_id, ()))
         return pairs
 
-    def free_host(self, request: Request) -> None:
-        """Gives back the host slots of a swapped request that ends while swapped."""
-        self._host_free.extend(reversed(request.host_block_table))
-        request.host_block_table = []
+    def free_host(self, request_id: str) -> None:
+        """Gives back the host slots of a swapped request that ends while swapped, and
+        forgets its keys: the id may be reused."""
+        self._host_free.extend(reversed(self._req_to_host.pop(request_id, ())))
+        self._req_hashes.pop(request_id, None)
 
     def release_host_slots(self) -> None:
         """Host slots read by the last step's swap-ins become free (call between steps)."""

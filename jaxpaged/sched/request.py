@@ -1,13 +1,12 @@
-"""Request: one sequence being generated, as the scheduler, block pool and runner see it.
+"""Request: one sequence being generated, as the scheduler sees it.
 
 A request's known tokens are ``prompt_token_ids + output_token_ids``. Steps overlap: a step is
 scheduled and dispatched before the previous one's sampled tokens reach the host, so a request
 may also have ``num_inflight`` tokens sampled on the device that the host has not seen yet
 (``num_total_tokens`` counts them). The first ``num_computed_tokens`` of all tokens have their
 K/V in the cache or written by a step already dispatched (the scheduler advances it when it
-schedules). Logical block i of the sequence
-(tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block ``block_table[i]``
-(device) or, while SWAPPED, in host slot ``host_block_table[i]``.
+schedules). Its KV blocks are not here: the scheduler's ``BlockPool`` keeps every request's
+block table (device blocks, host slots while SWAPPED, prefix keys) under its ``request_id``.
 
 ``n > 1``: the engine adds n Requests that share ``parent_id`` (the user's request id) and
 differ in ``request_id`` and ``sample_index`` (0..n-1). The scheduler prefills the prompt
@@ -75,10 +74,6 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_inflight: int = 0  # sampled by dispatched steps, not yet seen by the host
     num_computed_tokens: int = 0
-    block_table: list[int] = dataclasses.field(default_factory=list)  # device block ids
-    host_block_table: list[int] = dataclasses.field(default_factory=list)  # while SWAPPED
-    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
-    num_registered_blocks: int = 0  # leading blocks of block_table offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the cache (prefix hit or fork)
     num_preemptions: int = 0
     arrival_order: int = -1  # FCFS priority and engine-unique id, set by add_request
@@ -95,8 +90,7 @@ class Request:
     def __repr__(self) -> str:  # compact: prompts can be thousands of tokens
         return (
             f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={len(self.block_table)}, host_blocks={len(self.host_block_table)})"
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
 
     # --- derived ---

@@ -215,7 +215,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-    """Waiting / running / swapped queues over one BlockPool (see the module docstring)."""
+    """Waiting / running / swapped queues over one BlockPool, which keeps every request's
+    block table under its id (see the module docstring)."""
 
     def __init__(
         self,
@@ -346,14 +347,14 @@ class Scheduler:
         old = request.status
         if old is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.pool.free(request)
+            self.pool.free(request.request_id)
             self._release_penalty_row(request)
         elif old is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-            self.pool.free_host(request)
+            self.pool.free_host(request.request_id)
         elif old is RequestStatus.WAITING:
             self.waiting.remove(request)
-            self.pool.free(request)  # a waiting request holds none; harmless
+            self.pool.free(request.request_id)  # no blocks, maybe memoised prefix keys
         request.status = status
         request.finish_time = self.clock()
         del self.requests[request.request_id]
@@ -411,14 +412,14 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or self._length_reached(req):
                 continue  # preempted earlier in this loop, or its last token is in flight
             n = min(req.num_total_tokens - req.num_computed_tokens, budget)
-            new_copies = self.pool.allocate_slots(req, n)
+            new_copies = self._allocate(req, n)
             while new_copies is None:
                 victim = next(r for r in reversed(self.running) if r not in scheduled)
                 swap_out.extend(self._preempt(victim))
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-                new_copies = self.pool.allocate_slots(req, n)
+                new_copies = self._allocate(req, n)
             if new_copies is None:
                 continue
             copies.extend(new_copies)
@@ -429,11 +430,13 @@ class Scheduler:
             while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if req.num_inflight or not self.pool.can_swap_in(req, n):
+                if req.num_inflight or not self.pool.can_swap_in(
+                    req.request_id, req.num_computed_tokens, n
+                ):
                     break
                 self.swapped.pop(0)
-                swap_in.extend(self.pool.swap_in(req))
-                new_copies = self.pool.allocate_slots(req, n)
+                swap_in.extend(self.pool.swap_in(req.request_id))
+                new_copies = self._allocate(req, n)
                 assert new_copies is not None  # checked by can_swap_in
                 copies.extend(new_copies)
                 start_running(req)
@@ -459,7 +462,9 @@ class Scheduler:
         # Full blocks computed by this step go into the prefix cache now: any step that
         # finds them is dispatched after this one, which writes them.
         for req in scheduled:
-            self.pool.register_computed(req)
+            self.pool.register_computed(
+                req.request_id, req.num_computed_tokens, req.num_tokens, req.token_ids_slice
+            )
         self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
         self.stats.num_steps += 1
@@ -509,7 +514,7 @@ class Scheduler:
             token_ids=token_ids,
             prev_row=prev_row,
             start_pos=start,
-            block_table=tuple(req.block_table),
+            block_table=self.pool.block_table(req.request_id),
             sampling=sampling,
         )
 
@@ -537,11 +542,13 @@ class Scheduler:
                 None,
             )
             if donor is not None:
-                self.pool.fork(donor, req, n_prompt)
+                self.pool.fork(
+                    donor.request_id, req.request_id, n_prompt, donor.num_computed_tokens
+                )
                 req.num_computed_tokens = n_prompt - 1
-                new_copies = self.pool.allocate_slots(req, 1)
+                new_copies = self._allocate(req, 1)
                 if new_copies is None:
-                    self.pool.free(req)
+                    self.pool.free(req.request_id)
                     req.num_computed_tokens = 0
                     return None
                 req.num_cached_tokens = n_prompt - 1
@@ -551,10 +558,10 @@ class Scheduler:
             if siblings:  # a sibling is prefilling this prompt: fork from it later
                 held.append(req)
                 return False
-        prefix = self.pool.find_prefix(req)
+        prefix = self.pool.find_prefix(req.request_id, req.num_tokens, req.token_ids_slice)
         start = len(prefix) * self.block_size
         n = min(req.num_tokens - start, budget)
-        new_copies = self.pool.allocate_slots(req, n, prefix)
+        new_copies = self._allocate(req, n, prefix)
         if new_copies is None:
             return None
         req.num_computed_tokens = start
@@ -563,6 +570,12 @@ class Scheduler:
         self.stats.prefix_cache_queries += req.num_tokens
         self.stats.prefix_cache_hits += start
         return start, n, new_copies
+
+    def _allocate(
+        self, req: Request, n: int, prefix_blocks: Sequence[int] = ()
+    ) -> list[CopyPair] | None:
+        """The pool's allocate_slots for ``n`` tokens past the request's computed ones."""
+        return self.pool.allocate_slots(req.request_id, req.num_computed_tokens, n, prefix_blocks)
 
     def _set_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -582,16 +595,16 @@ class Scheduler:
         self.stats.num_preemptions += 1
         if (
             self.config.preemption_mode == "swap"
-            and victim.block_table
-            and self.pool.can_swap_out(victim)
+            and self.pool.num_blocks_of(victim.request_id)
+            and self.pool.can_swap_out(victim.request_id)
         ):
-            pairs = self.pool.swap_out(victim)
+            pairs = self.pool.swap_out(victim.request_id)
             victim.status = RequestStatus.SWAPPED
             keys = [r.arrival_order for r in self.swapped]
             self.swapped.insert(bisect.bisect(keys, victim.arrival_order), victim)
             self.stats.num_swap_outs += 1
             return pairs
-        self.pool.free(victim)
+        self.pool.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
@@ -685,7 +698,7 @@ class Scheduler:
         empty: dict[int, int] = {}
         for req in self.running:
             n = req.num_computed_tokens
-            table = req.block_table
+            table = self.pool.block_table(req.request_id)
             for i in range(n // bs, len(table)):
                 e = bs - min(bs, max(0, n - i * bs))
                 b = table[i]

@@ -111,29 +111,32 @@ class FakeRunner:
 def check_invariants(sched: Scheduler) -> None:
     """Ref counts equal the number of block tables naming each block; free + used = total;
     running requests hold exactly the blocks of their computed tokens; queues agree with
-    statuses."""
+    statuses; the pool keeps device blocks only for running requests, host slots only for
+    swapped ones, and nothing for a request that has ended."""
     pool = sched.pool
     holders: dict[int, int] = {}
     for req in sched.running:
         assert req.status is RequestStatus.RUNNING
-        assert len(req.block_table) == -(-req.num_computed_tokens // pool.block_size), (
-            req.request_id
-        )
-        assert len(set(req.block_table)) == len(req.block_table)
-        for b in req.block_table:
+        table = pool.block_table(req.request_id)
+        assert len(table) == -(-req.num_computed_tokens // pool.block_size), req.request_id
+        assert len(set(table)) == len(table)
+        for b in table:
             holders[b] = holders.get(b, 0) + 1
     for req in sched.waiting:
-        assert req.status is RequestStatus.WAITING and not req.block_table
+        assert req.status is RequestStatus.WAITING and not pool.block_table(req.request_id)
+        assert not pool.host_block_table(req.request_id)
     for req in sched.swapped:
-        assert req.status is RequestStatus.SWAPPED and not req.block_table
-        assert req.host_block_table
+        assert req.status is RequestStatus.SWAPPED and not pool.block_table(req.request_id)
+        assert pool.host_block_table(req.request_id)
     for b in range(pool.num_blocks):
         assert pool.ref_count(b) == holders.get(b, 0), f"block {b}"
     assert pool.num_used_blocks == len(holders)
-    host_held = sum(len(r.host_block_table) for r in sched.swapped)
+    host_held = sum(len(pool.host_block_table(r.request_id)) for r in sched.swapped)
     assert pool.num_free_host_blocks + host_held <= pool.num_host_blocks
     queued = len(sched.waiting) + len(sched.running) + len(sched.swapped)
     assert queued == len(sched.requests)
+    assert set(pool.req_to_blocks) == {r.request_id for r in sched.running}
+    assert pool.tracked_request_ids() <= set(sched.requests)
 
 
 def run(

@@ -15,12 +15,42 @@ def req(tokens, rid="r"):
     return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=SamplingParams())
 
 
+def alloc(pool, r, n, prefix=()):
+    """allocate_slots for n tokens past r's computed ones, as the scheduler calls it."""
+    return pool.allocate_slots(r.request_id, r.num_computed_tokens, n, prefix)
+
+
+def register(pool, r):
+    pool.register_computed(r.request_id, r.num_computed_tokens, r.num_tokens, r.token_ids_slice)
+
+
+def find(pool, r):
+    return pool.find_prefix(r.request_id, r.num_tokens, r.token_ids_slice)
+
+
+def probe(pool, tokens):
+    """find_prefix for a throwaway request; its memoised keys are dropped after."""
+    r = req(tokens, "probe")
+    try:
+        return find(pool, r)
+    finally:
+        pool.free(r.request_id)
+
+
+def table(pool, r):
+    return list(pool.block_table(r.request_id))
+
+
+def host_table(pool, r):
+    return list(pool.host_block_table(r.request_id))
+
+
 def computed(pool, r, n):
     """Allocate and 'compute' n more tokens of r, as the scheduler would."""
-    copies = pool.allocate_slots(r, n)
+    copies = alloc(pool, r, n)
     assert copies is not None
     r.num_computed_tokens += n
-    pool.register_computed(r)
+    register(pool, r)
     return copies
 
 
@@ -43,22 +73,26 @@ def test_hash_is_chained_sha256_of_parent_and_tokens():
 def test_allocate_grows_block_by_block_and_free_returns_everything():
     pool = BlockPool(8, 4)
     r = req(range(10))
-    assert pool.allocate_slots(r, 3) == []
-    assert len(r.block_table) == 1 and pool.num_free_blocks == 7
+    assert alloc(pool, r, 3) == []
+    assert pool.num_blocks_of("r") == 1 and pool.num_free_blocks == 7
     r.num_computed_tokens = 3
-    assert pool.allocate_slots(r, 1) == [] and len(r.block_table) == 1  # fits in block 0
+    assert alloc(pool, r, 1) == [] and pool.num_blocks_of("r") == 1  # fits in block 0
     r.num_computed_tokens = 4
-    assert pool.allocate_slots(r, 6) == [] and len(r.block_table) == 3
+    assert alloc(pool, r, 6) == [] and pool.num_blocks_of("r") == 3
+    assert pool.block_table("r") == tuple(pool.req_to_blocks["r"])
     assert pool.num_used_blocks == 3 and pool.usage == pytest.approx(3 / 8)
-    pool.free(r)
-    assert r.block_table == [] and pool.num_free_blocks == 8
+    pool.free("r")
+    assert table(pool, r) == [] and pool.num_free_blocks == 8
+    assert pool.tracked_request_ids() == set()
 
 
 def test_allocation_fails_atomically_when_short():
     pool = BlockPool(2, 4)
     r = req(range(12))
-    assert pool.allocate_slots(r, 12) is None
-    assert r.block_table == [] and pool.num_free_blocks == 2
+    assert not pool.can_allocate("r", 0, 12)
+    assert alloc(pool, r, 12) is None
+    assert table(pool, r) == [] and pool.num_free_blocks == 2
+    assert pool.tracked_request_ids() == set()  # a failed allocation leaves no entry
     with pytest.raises(RuntimeError, match="freed more often"):
         pool._decref(0)
 
@@ -69,16 +103,16 @@ def test_prefix_hits_only_full_computed_blocks_and_not_the_last_token():
     computed(pool, a, 10)  # blocks: [1..4] [5..8] [9,10] (partial: not registered)
     assert pool.num_cached_blocks == 2
     b = req([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "b")
-    assert pool.find_prefix(b) == a.block_table[:2]
+    assert find(pool, b) == table(pool, a)[:2]
     c = req([1, 2, 3, 4, 5, 6, 7, 8], "c")  # the whole prompt is cached: keep the last token
-    assert pool.find_prefix(c) == a.block_table[:1]
+    assert find(pool, c) == table(pool, a)[:1]
     d = req([1, 2, 3, 4, 0, 6, 7, 8, 9], "d")
-    assert pool.find_prefix(d) == a.block_table[:1]
-    assert pool.find_prefix(req([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
-    hit = pool.find_prefix(b)
-    assert pool.allocate_slots(b, 3, hit) == []
-    assert b.block_table[:2] == a.block_table[:2] and len(b.block_table) == 3
-    assert [pool.ref_count(x) for x in a.block_table] == [2, 2, 1]
+    assert find(pool, d) == table(pool, a)[:1]
+    assert probe(pool, [0, 2, 3, 4, 5, 6, 7, 8, 9]) == []
+    hit = find(pool, b)
+    assert alloc(pool, b, 3, hit) == []
+    assert table(pool, b)[:2] == table(pool, a)[:2] and pool.num_blocks_of("b") == 3
+    assert [pool.ref_count(x) for x in table(pool, a)] == [2, 2, 1]
 
 
 def test_prefix_keeps_the_last_token_even_with_every_block_hash_memoised():
@@ -89,32 +123,32 @@ def test_prefix_keeps_the_last_token_even_with_every_block_hash_memoised():
     a = req(range(1, 9), "a")
     computed(pool, a, 8)  # two full blocks, both registered
     c = req(range(1, 9), "c")
-    c.block_hashes = list(a.block_hashes)  # as fork() leaves them
-    assert pool.find_prefix(c) == a.block_table[:1]
+    assert len(pool.block_hashes("c", 2, c.token_ids_slice)) == 2  # both memoised
+    assert find(pool, c) == table(pool, a)[:1]
 
 
 def test_freed_cached_blocks_are_reused_until_evicted_lru():
     pool = BlockPool(4, 2)
     a = req([1, 2, 3, 4, 5], "a")
     computed(pool, a, 4)  # two full blocks, registered
-    blocks_a = list(a.block_table)
-    pool.free(a)
+    blocks_a = table(pool, a)
+    pool.free("a")
     assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
     # still findable after free
-    assert pool.find_prefix(req([1, 2, 3, 4, 9], "again")) == blocks_a
+    assert probe(pool, [1, 2, 3, 4, 9]) == blocks_a
     # uncached free blocks are taken first
     x = req([7, 7, 7, 7], "x")
-    pool.allocate_slots(x, 4)
-    assert not set(x.block_table) & set(blocks_a)
+    alloc(pool, x, 4)
+    assert not set(table(pool, x)) & set(blocks_a)
     assert pool.num_cached_blocks == 2
     # the next block evicts the least recently freed cached block: a's tail (freed first)
     y = req([8, 8], "y")
-    pool.allocate_slots(y, 2)
-    assert y.block_table == [blocks_a[1]]
-    assert pool.find_prefix(req([1, 2, 3, 4, 9])) == blocks_a[:1]
+    alloc(pool, y, 2)
+    assert table(pool, y) == [blocks_a[1]]
+    assert probe(pool, [1, 2, 3, 4, 9]) == blocks_a[:1]
     assert not pool.is_cached(blocks_a[1])
-    pool.free(x)
-    pool.free(y)
+    pool.free("x")
+    pool.free("y")
     assert pool.num_free_blocks == 4
 
 
@@ -122,15 +156,15 @@ def test_hit_on_a_free_cached_block_takes_it_off_the_free_list():
     pool = BlockPool(3, 2)
     a = req([1, 2, 3], "a")
     computed(pool, a, 2)
-    pool.free(a)
+    pool.free("a")
     b = req([1, 2, 3, 4, 5], "b")
-    hit = pool.find_prefix(b)
+    hit = find(pool, b)
     assert len(hit) == 1
-    assert pool.blocks_needed(b, 3, hit) == 3  # the hit block + 2 new
-    assert pool.allocate_slots(b, 3, hit) == []
+    assert pool.blocks_needed("b", 0, 3, hit) == 3  # the hit block + 2 new
+    assert alloc(pool, b, 3, hit) == []
     assert pool.num_free_blocks == 0 and pool.ref_count(hit[0]) == 1
-    assert pool.allocate_slots(req([0] * 2, "c"), 2) is None
-    pool.free(b)
+    assert alloc(pool, req([0] * 2, "c"), 2) is None
+    pool.free("b")
     assert pool.num_free_blocks == 3
 
 
@@ -140,9 +174,9 @@ def test_duplicate_content_keeps_the_first_block_as_the_key_holder():
     computed(pool, a, 2)
     computed(pool, b, 2)
     assert pool.num_cached_blocks == 1
-    assert pool.find_prefix(req([1, 2, 5])) == a.block_table[:1]
-    pool.free(a)
-    pool.free(b)
+    assert probe(pool, [1, 2, 5]) == table(pool, a)[:1]
+    pool.free("a")
+    pool.free("b")
     assert pool.num_free_blocks == 8
 
 
@@ -151,22 +185,22 @@ def test_fork_shares_all_blocks_and_copy_on_write_splits_the_written_one():
     parent = req([1, 2, 3, 4, 5, 6], "p")
     computed(pool, parent, 6)
     child = req([1, 2, 3, 4, 5, 6], "c")
-    pool.fork(parent, child, 6)
-    assert child.block_table == parent.block_table
-    assert [pool.ref_count(b) for b in parent.block_table] == [2, 2]
+    pool.fork("p", "c", 6, parent.num_computed_tokens)
+    assert table(pool, child) == table(pool, parent)
+    assert [pool.ref_count(b) for b in table(pool, parent)] == [2, 2]
     # the child recomputes position 5 (in the shared partial block): it gets a copy
     child.num_computed_tokens = 5
-    assert pool.blocks_needed(child, 1) == 1
-    copies = pool.allocate_slots(child, 1)
-    assert copies == [(parent.block_table[1], child.block_table[1])]
-    assert child.block_table[0] == parent.block_table[0]
-    assert [pool.ref_count(b) for b in parent.block_table] == [2, 1]
-    assert pool.ref_count(child.block_table[1]) == 1
+    assert pool.blocks_needed("c", 5, 1) == 1
+    copies = alloc(pool, child, 1)
+    assert copies == [(table(pool, parent)[1], table(pool, child)[1])]
+    assert table(pool, child)[0] == table(pool, parent)[0]
+    assert [pool.ref_count(b) for b in table(pool, parent)] == [2, 1]
+    assert pool.ref_count(table(pool, child)[1]) == 1
     # the parent now writes into its own block in place: no copy
-    parent_table = list(parent.block_table)
-    assert pool.allocate_slots(parent, 1) == [] and parent.block_table == parent_table
-    pool.free(parent)
-    pool.free(child)
+    parent_table = table(pool, parent)
+    assert alloc(pool, parent, 1) == [] and table(pool, parent) == parent_table
+    pool.free("p")
+    pool.free("c")
     assert pool.num_free_blocks == 8
 
 
@@ -175,84 +209,105 @@ def test_fork_refuses_uncomputed_tokens_and_a_busy_child():
     parent = req([1, 2, 3, 4, 5], "p")
     computed(pool, parent, 3)
     with pytest.raises(ValueError, match="computed 3"):
-        pool.fork(parent, req([1], "c"), 5)
+        pool.fork("p", "c", 5, parent.num_computed_tokens)
     busy = req([1, 2], "busy")
-    pool.allocate_slots(busy, 2)
+    alloc(pool, busy, 2)
     with pytest.raises(ValueError, match="already holds"):
-        pool.fork(parent, busy, 3)
+        pool.fork("p", "busy", 3, parent.num_computed_tokens)
 
 
 def test_rewriting_a_private_cached_block_drops_its_key():
     pool = BlockPool(8, 2)
     a = req([1, 2, 3], "a")
     computed(pool, a, 2)
-    assert pool.is_cached(a.block_table[0])
+    assert pool.is_cached(table(pool, a)[0])
     a.num_computed_tokens = 1  # as a fork whose donor has gone: position 1 is rewritten
-    assert pool.allocate_slots(a, 1) == []
-    assert not pool.is_cached(a.block_table[0]) and pool.num_cached_blocks == 0
+    assert alloc(pool, a, 1) == []
+    assert not pool.is_cached(table(pool, a)[0]) and pool.num_cached_blocks == 0
     a.num_computed_tokens = 2
-    pool.register_computed(a)
-    assert pool.is_cached(a.block_table[0])
-    pool.free(a)
+    register(pool, a)
+    assert pool.is_cached(table(pool, a)[0])
+    pool.free("a")
 
 
 def test_swap_out_and_in_pairs_and_host_slot_accounting():
     pool = BlockPool(4, 2, num_host_blocks=3)
     r = req([1, 2, 3, 4, 5], "r")
     computed(pool, r, 5)  # 3 blocks
-    dev = list(r.block_table)
-    assert pool.can_swap_out(r)
-    out = pool.swap_out(r)
+    dev = table(pool, r)
+    assert pool.can_swap_out("r")
+    out = pool.swap_out("r")
     assert [d for d, _ in out] == dev and len({h for _, h in out}) == 3
-    assert r.block_table == [] and r.host_block_table == [h for _, h in out]
+    assert table(pool, r) == [] and host_table(pool, r) == [h for _, h in out]
     assert pool.num_free_blocks == 4 and pool.num_free_host_blocks == 0
     other = req([9] * 8, "o")
-    pool.allocate_slots(other, 8)  # the device blocks are reusable at once
-    assert not pool.can_swap_in(r, 1)
-    pool.free(other)
-    assert pool.can_swap_in(r, 1)  # 5 computed + 1 new = 3 blocks
-    assert not pool.can_swap_in(r, 4)  # 9 tokens = 5 blocks > 4
-    host = list(r.host_block_table)
-    back = pool.swap_in(r)
-    assert [h for h, _ in back] == host and [d for _, d in back] == r.block_table
+    alloc(pool, other, 8)  # the device blocks are reusable at once
+    assert not pool.can_swap_in("r", 5, 1)
+    pool.free("o")
+    assert pool.can_swap_in("r", 5, 1)  # 5 computed + 1 new = 3 blocks
+    assert not pool.can_swap_in("r", 5, 4)  # 9 tokens = 5 blocks > 4
+    host = host_table(pool, r)
+    back = pool.swap_in("r")
+    assert [h for h, _ in back] == host and [d for _, d in back] == table(pool, r)
+    assert host_table(pool, r) == []
     # host slots come back only at the next release (no step reads and writes one slot)
     assert pool.num_free_host_blocks == 0
     pool.release_host_slots()
     assert pool.num_free_host_blocks == 3
-    pool.free(r)
+    pool.free("r")
     assert pool.num_free_blocks == 4
+    assert pool.tracked_request_ids() == set()
 
 
 def test_swap_out_needs_room_and_free_host_returns_slots():
     pool = BlockPool(4, 2, num_host_blocks=1)
     r = req([1, 2, 3], "r")
     computed(pool, r, 3)
-    assert not pool.can_swap_out(r)
+    assert not pool.can_swap_out("r")
     with pytest.raises(RuntimeError, match="host slots"):
-        pool.swap_out(r)
+        pool.swap_out("r")
     small = req([1], "s")
     computed(pool, small, 1)
-    pool.swap_out(small)
-    pool.free_host(small)
-    assert pool.num_free_host_blocks == 1 and small.host_block_table == []
-    pool.free(r)
+    pool.swap_out("s")
+    pool.free_host("s")
+    assert pool.num_free_host_blocks == 1 and host_table(pool, small) == []
+    pool.free("r")
     assert pool.num_free_blocks == 4
+    assert pool.tracked_request_ids() == set()
+
+
+def test_a_reused_request_id_starts_clean():
+    """State is keyed by request id: after free / free_host nothing of a request is left, so
+    a later request with the same id and other tokens gets its own keys, not the old ones."""
+    pool = BlockPool(8, 2, num_host_blocks=4)
+    old = req([1, 2, 3, 4, 5], "x")
+    computed(pool, old, 5)  # memoises and registers the keys of [1, 2] [3, 4]
+    pool.free("x")
+    assert pool.tracked_request_ids() == set()
+    new = req([1, 2, 7, 7, 7], "x")
+    assert find(pool, new) == probe(pool, [1, 2, 7, 7, 7])
+    assert len(find(pool, new)) == 1  # [1, 2] only; a stale key of [3, 4] would give 2
+    computed(pool, new, 5)
+    pool.swap_out("x")
+    pool.free_host("x")
+    assert pool.tracked_request_ids() == set()
+    assert pool.num_free_blocks == 8 and pool.num_free_host_blocks == 4
 
 
 def test_prefix_caching_disabled_and_reset():
     pool = BlockPool(4, 2, enable_prefix_caching=False)
     a = req([1, 2, 3], "a")
     computed(pool, a, 2)
-    assert pool.num_cached_blocks == 0 and pool.find_prefix(req([1, 2, 3])) == []
-    pool.free(a)
+    assert pool.num_cached_blocks == 0 and probe(pool, [1, 2, 3]) == []
+    pool.free("a")
     pool2 = BlockPool(4, 2)
     b = req([1, 2, 3, 4, 5], "b")
     computed(pool2, b, 4)
-    pool2.free(b)
+    pool2.free("b")
     assert pool2.num_cached_blocks == 2
     pool2.reset_prefix_cache()
     assert pool2.num_cached_blocks == 0 and pool2.num_free_blocks == 4
-    assert pool2.find_prefix(req([1, 2, 3, 4, 5])) == []
+    assert probe(pool2, [1, 2, 3, 4, 5]) == []
 
 
 def test_constructor_validation():
@@ -274,8 +329,8 @@ def test_huge_pools_are_cheap_to_create():
     assert pool.num_free_blocks == 1_000_000 and pool.num_free_host_blocks == 1_000_000_000
     r = req(range(40), "r")
     computed(pool, r, 40)
-    assert r.block_table == [0, 1, 2]
-    pool.swap_out(r)
-    assert r.host_block_table == [0, 1, 2] and pool.num_free_host_blocks == 1_000_000_000 - 3
-    pool.free_host(r)
+    assert table(pool, r) == [0, 1, 2]
+    pool.swap_out("r")
+    assert host_table(pool, r) == [0, 1, 2] and pool.num_free_host_blocks == 1_000_000_000 - 3
+    pool.free_host("r")
     assert pool.num_free_host_blocks == 1_000_000_000 and pool.num_free_blocks == 1_000_000

@@ -34,7 +34,7 @@ def test_paged_waste_under_4_percent_against_contiguous_reservation():
         CacheConfig(block_size=16, enable_prefix_caching=False),
         num_blocks=4096,
     )
-    runner = FakeRunner(4096, 16)
+    runner = FakeRunner(4096, 16, scheduler=sched)
     for i, (prompt, max_tokens) in enumerate(_mixed_workload(rng, 32)):
         sched.add_request(make_request(f"r{i}", prompt, max_tokens, ignore_eos=True))
     paged, contiguous = [], []

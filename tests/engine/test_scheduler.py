@@ -64,6 +64,7 @@ def assert_all_free(sched):
     assert pool.num_free_host_blocks + len(pool._host_pending) == pool.num_host_blocks
     pool.release_host_slots()
     assert pool.num_free_host_blocks == pool.num_host_blocks
+    assert pool.tracked_request_ids() == set()  # no request id left behind
 
 
 def test_fake_model_by_hand():
@@ -229,7 +230,7 @@ def test_swap_restores_identical_blocks():
             victim = sched.get_request(rid)
             assert victim.status is RequestStatus.SWAPPED
             n = victim.num_computed_tokens
-            for i, h in enumerate(victim.host_block_table):
+            for i, h in enumerate(sched.pool.host_block_table(rid)):
                 valid = min(4, n - 4 * i)
                 snapshot[h] = runner.dev_tok[dev_of[h], :valid].copy()
         res = runner.execute(out)
@@ -280,13 +281,13 @@ def test_prefix_cache_hit_for_a_shared_system_prompt():
     sched, runner = make()
     sched.add_request(make_request("a", system + [1, 2], max_tokens=3))
     step(sched, runner)
-    table_a = list(sched.get_request("a").block_table)
+    table_a = sched.pool.block_table("a")
     sched.add_request(make_request("b", system + [7], max_tokens=3))
     out, _ = step(sched, runner)
     sb = next(s for s in out.seqs if s.request_id == "b")
     assert sb.start_pos == 12 and sb.token_ids == (7,)
     b = sched.get_request("b")
-    assert b.block_table[:3] == table_a[:3] and b.num_cached_tokens == 12
+    assert sched.pool.block_table("b")[:3] == table_a[:3] and b.num_cached_tokens == 12
     assert all(sched.pool.ref_count(x) == 2 for x in table_a[:3])
     assert sched.stats.prefix_cache_hits == 12
     assert sched.stats.prefix_cache_queries == 14 + 13
@@ -340,7 +341,7 @@ def test_n_samples_fork_the_prompt_blocks(prompt_len):
         reqs.append(r)
     out, _ = step(sched, runner)
     assert [s.request_id for s in out.seqs] == ["g-0"]  # siblings wait for the prefill
-    leader_table = list(reqs[0].block_table)
+    leader_table = list(sched.pool.block_table(reqs[0].request_id))
     out, _ = step(sched, runner)
     by_id = {s.request_id: s for s in out.seqs}
     assert set(by_id) == {"g-0", "g-1", "g-2"}
@@ -369,10 +370,10 @@ def test_copy_on_write_of_the_shared_partial_block_keeps_both_sequences_intact()
     step(sched, runner)  # p-0 prefills
     out, _ = step(sched, runner)  # p-0 decodes into its block, p-1 forks and copies it
     src, dst = out.blocks_to_copy[0]
-    p0, p1 = sched.get_request("p-0"), sched.get_request("p-1")
-    assert p0.block_table[1] == src and p1.block_table[1] == dst
+    p0, p1 = sched.pool.block_table("p-0"), sched.pool.block_table("p-1")
+    assert p0[1] == src and p1[1] == dst
     assert sched.pool.ref_count(src) == 1 and sched.pool.ref_count(dst) == 1
-    assert p0.block_table[0] == p1.block_table[0] and sched.pool.ref_count(p0.block_table[0]) == 2
+    assert p0[0] == p1[0] and sched.pool.ref_count(p0[0]) == 2
     done = run(sched, runner)  # the fake asserts every read of both sequences
     assert done["p-0"] == done["p-1"] == reference_output(prompt, 8)
     assert_all_free(sched)
@@ -386,20 +387,53 @@ def test_abort_in_waiting_running_and_swapped_states():
     while not sched.swapped:
         step(sched, runner)
     swapped = sched.swapped[0]
-    assert swapped.host_block_table
+    assert sched.pool.host_block_table(swapped.request_id)
     assert sched.abort(swapped.request_id)
-    assert swapped.status is RequestStatus.FINISHED_ABORTED and not swapped.host_block_table
+    assert swapped.status is RequestStatus.FINISHED_ABORTED
+    assert swapped.request_id not in sched.pool.tracked_request_ids()
     assert sched.get_request("w").status is RequestStatus.WAITING
     assert sched.abort("w")
+    assert "w" not in sched.pool.tracked_request_ids()
     running = sched.running[0]
-    assert running.block_table
+    assert sched.pool.block_table(running.request_id)
     assert sched.abort(running.request_id)
-    assert not running.block_table and running.finish_reason == "abort"
+    assert running.finish_reason == "abort"
+    assert running.request_id not in sched.pool.tracked_request_ids()
     assert not sched.abort(running.request_id) and not sched.abort("nope")
     out = sched.schedule()
     assert set(out.finished_request_ids) == {swapped.request_id, "w", running.request_id}
     assert not out.seqs
     check_invariants(sched)
+    assert_all_free(sched)
+
+
+def test_finished_aborted_and_recompute_preempted_requests_leave_no_pool_state():
+    """The pool keys everything by request id: a request that ends or loses its blocks to a
+    recompute preemption must leave no entry behind (an id can be reused later)."""
+    sched, runner = make(num_blocks=6, budget=32)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8, 9], "c": [10, 11, 12], "d": [13, 14]}
+    for rid, p in prompts.items():
+        sched.add_request(make_request(rid, p, max_tokens=16 - len(p) + 1))
+    preempted, finished = set(), set()
+    for i in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        tracked = sched.pool.tracked_request_ids()
+        for rid in out.preempted_request_ids:
+            assert sched.get_request(rid).status is RequestStatus.WAITING
+            assert rid not in tracked
+            preempted.add(rid)
+        finished |= set(out.finished_request_ids)
+        assert not finished & tracked
+        sched.update(out, runner.execute(out))
+        check_invariants(sched)
+        if i == 1:
+            assert sched.get_request("d").status is RequestStatus.RUNNING
+            assert sched.abort("d")
+            assert "d" not in sched.pool.tracked_request_ids()
+    finished |= set(sched.schedule().finished_request_ids)
+    assert preempted and finished == set(prompts)
     assert_all_free(sched)
 
 
