@@ -67,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runner.params = params
                 t = time.perf_counter()
                 llm.engine.step()
+                jax.block_until_ready(runner.sampled)  # this step's device work, not the last's
                 times[name].append(time.perf_counter() - t)
     finally:
         for rid in ids:

@@ -214,8 +214,8 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     argmax = cpu.argmax if on_native_cpu(runner.backend, runner.mesh) else sampler.greedy_argmax
 
     @jax.jit
-    def sample(logits, tensors):
-        return sampler.sample(logits, tensors, num_logprobs=20, argmax=argmax)
+    def sample(logits, tensors, penalties):
+        return sampler.sample(logits, tensors, penalties, num_logprobs=20, argmax=argmax)
 
     t = batch.tokens.shape[0]
     dtype = runner.pool[0].dtype
@@ -233,7 +233,9 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
         "lm_head (tied embedding) on sampled rows": _timed(
             lm_head, params, h, dev_batch.sample_rows, repeats=repeats
         ),
-        "sampler (greedy)": _timed(sample, logits, dev_batch.sampling, repeats=repeats),
+        "sampler (greedy)": _timed(
+            sample, logits, dev_batch.sampling, runner.penalties, repeats=repeats
+        ),
     }
     # attention: the pool is donated, so thread it through and hand it back to the runner
     pool = runner.pool
@@ -268,11 +270,12 @@ def breakdown(
     sched, runner = engine.scheduler, engine.runner
     ids = prepare_decode(llm, prompts, batch=batch, steps=steps + 2)
     phases: dict[str, list[float]] = {k: [] for k in
-              ("schedule", "build_batch (pad)", "device step", "device->host copy + rest of execute",
-               "scheduler.update + detokenize + outputs", "engine.step total")}  # fmt: skip
+              ("schedule", "build_batch (pad)", "device step", "dispatch (rest)",
+               "collect (device->host copy)", "scheduler.update + detokenize + outputs",
+               "engine.step total")}  # fmt: skip
     captured: dict[str, Any] = {}
-    orig_schedule, orig_build, orig_run, orig_execute = (
-        sched.schedule, runner.build_batch, runner._run, runner.execute)  # fmt: skip
+    orig_schedule, orig_build, orig_run, orig_dispatch, orig_collect = (
+        sched.schedule, runner.build_batch, runner._run, runner.dispatch, runner.collect)  # fmt: skip
     clock: dict[str, float] = {}
 
     def schedule():
@@ -281,27 +284,33 @@ def breakdown(
         phases["schedule"].append(time.perf_counter() - t0)
         return plan
 
-    def build_batch(seqs, bucket, eos=()):
+    def build_batch(seqs, bucket):
         t0 = time.perf_counter()
-        b = orig_build(seqs, bucket, eos)
+        b = orig_build(seqs, bucket)
         phases["build_batch (pad)"].append(time.perf_counter() - t0)
-        captured["batch"], captured["bucket"] = b, bucket
+        captured["batch"], captured["bucket"] = b[0], bucket
         return b
 
-    def run(b, bucket):
+    def run(b, bucket):  # waits for the step: the parts are timed one after another here
         t0 = time.perf_counter()
         out = jax.block_until_ready(orig_run(b, bucket))
         phases["device step"].append(time.perf_counter() - t0)
         return out
 
-    def execute(plan, eos=()):
+    def dispatch(plan):
         t0 = time.perf_counter()
-        out = orig_execute(plan, eos)
-        clock["execute"] = time.perf_counter() - t0
+        out = orig_dispatch(plan)
+        clock["dispatch"] = time.perf_counter() - t0
         return out
 
-    sched.schedule, runner.build_batch, runner._run, runner.execute = (
-        schedule, build_batch, run, execute)  # fmt: skip
+    def collect(pending):
+        t0 = time.perf_counter()
+        out = orig_collect(pending)
+        clock["collect"] = time.perf_counter() - t0
+        return out
+
+    sched.schedule, runner.build_batch, runner._run, runner.dispatch, runner.collect = (
+        schedule, build_batch, run, dispatch, collect)  # fmt: skip
     try:
         if trace_dir:
             jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -310,17 +319,18 @@ def breakdown(
             engine.step()
             total = time.perf_counter() - t0
             phases["engine.step total"].append(total)
-            ex = clock["execute"]
-            phases["device->host copy + rest of execute"].append(
-                ex - phases["build_batch (pad)"][-1] - phases["device step"][-1]
+            dispatch_s, collect_s = clock["dispatch"], clock["collect"]
+            phases["dispatch (rest)"].append(
+                dispatch_s - phases["build_batch (pad)"][-1] - phases["device step"][-1]
             )
+            phases["collect (device->host copy)"].append(collect_s)
             phases["scheduler.update + detokenize + outputs"].append(
-                total - ex - phases["schedule"][-1]
+                total - dispatch_s - collect_s - phases["schedule"][-1]
             )
         if trace_dir:
             jax.profiler.stop_trace()
     finally:
-        del sched.schedule, runner.build_batch, runner._run, runner.execute
+        del sched.schedule, runner.build_batch, runner._run, runner.dispatch, runner.collect
     try:
         if not captured["bucket"].decode_only:
             raise RuntimeError(f"expected a decode-only bucket, got {captured['bucket']}")

@@ -32,15 +32,19 @@ def generate(
     params: Params | None = None,
     config: ModelConfig | None = None,
     tokenizer: Any = None,
+    eos_token_ids: Sequence[int] | None = None,
     use_tqdm: bool = False,
     **engine_args: Any,
 ) -> list[RequestOutput]:
     """One call from JAX research code: a model by name or folder (None = the bundled one), or
-    params + config (+ a tokenizer, needed for text prompts) already in memory. Engine
-    arguments are :class:`~jaxpaged.args.EngineArgs` fields (max_model_len, num_kv_blocks,
-    enforce_eager, ...); ``show_progress`` defaults to ``use_tqdm``."""
+    params + config (+ a tokenizer, needed for text prompts, and the model's end tokens if the
+    config lacks them) already in memory. Engine arguments are
+    :class:`~jaxpaged.args.EngineArgs` fields (max_model_len, num_kv_blocks, enforce_eager,
+    ...); ``show_progress`` defaults to ``use_tqdm``."""
     engine_args.setdefault("show_progress", use_tqdm)
     if params is None and config is None:
+        if eos_token_ids is not None:
+            raise ValueError("eos_token_ids: only for params + config (a model brings its own)")
         llm = LLM(model, **engine_args)
     else:
         if params is None or config is None:
@@ -53,6 +57,7 @@ def generate(
             model_config=config,
             params=params,
             tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
         )
         llm = LLM.from_engine(engine)
     try:

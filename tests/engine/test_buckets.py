@@ -15,7 +15,13 @@ BUCKETS = BucketSet(max_num_seqs=48, max_num_batched_tokens=300, max_model_len=1
 
 def _seq(n_tokens: int) -> ScheduledSeq:
     return ScheduledSeq(
-        request=None, token_ids=(1,) * n_tokens, start_pos=0, block_table=(), do_sample=True
+        request_id="r",
+        seq_id=0,
+        token_ids=(1,) * n_tokens,
+        prev_row=-1,
+        start_pos=0,
+        block_table=(),
+        sampling=None,
     )
 
 

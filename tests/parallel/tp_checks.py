@@ -293,8 +293,9 @@ def check_orbax(ctx: Ctx) -> None:
 def check_errors(ctx: Ctx) -> None:
     import dataclasses
 
-    from jaxpaged import LLM, multihost, parallel
+    from jaxpaged import LLM
     from jaxpaged.config import ParallelConfig
+    from jaxpaged.distributed import multihost, parallel
     from jaxpaged.models.config import ModelConfig
 
     def raises(fn: Callable[[], Any], *words: str) -> None:

@@ -255,7 +255,7 @@ def test_engine_step_failure_ends_streams_and_health(real):
     UNAVAILABLE / 503."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    engine = real.llm_engine
+    engine = real.llm_engine.core  # the EngineCore the engine thread drives
     real_step = engine.step
     calls = {"n": 0}
 
