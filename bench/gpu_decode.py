@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from jaxpaged import SamplingParams
-    from jaxpaged.config import CacheConfig, SchedulerConfig
-    from jaxpaged.engine import LLMEngine
+    from jaxpaged.config import CacheConfig, ProcessConfig, SchedulerConfig
+    from jaxpaged.engine import LLMEngine, process_owner_args
     from jaxpaged.models.config import ModelConfig
 
     dtype = jnp.bfloat16
@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=True,
         attention_backend=args.attention_backend,
         show_progress=False,
+        process_config=ProcessConfig(**process_owner_args()),
     )
     rng = np.random.default_rng(0)
     rows = []

@@ -39,12 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from step_breakdown import prepare_decode
 
     from jaxpaged import LLM
+    from jaxpaged.engine import process_owner_args
     from jaxpaged.kernels.cpu.huge_pages import back_with_huge_pages
     from jaxpaged.models.llama import streamed_weights
 
     os.environ["JAXPAGED_HUGE_PAGES"] = "0"  # the engine's own copy stays on small pages
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 1),
-              enforce_eager=args.enforce_eager, show_progress=False)  # fmt: skip
+              enforce_eager=args.enforce_eager, show_progress=False,
+              **process_owner_args())  # fmt: skip
     runner = llm.engine.runner
     small, huge = (jax.tree.map(lambda a: jnp.array(a, copy=True), runner.params) for _ in "ab")
     del os.environ["JAXPAGED_HUGE_PAGES"]

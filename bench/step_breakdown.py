@@ -124,7 +124,7 @@ def _reference_points(llm: Any, num_tokens: int, *, repeats: int) -> dict[str, f
     import jax.numpy as jnp
 
     runner = llm.engine.runner
-    lay = runner.params["layers"]  # (in panel layout under native_linear: same FLOPs and bytes)
+    lay = runner.params["layers"]  # (in panel layout under the native matmul: same FLOPs, bytes)
     n = runner.model_config.num_layers
     d = lay["wqkv"].shape[-1]
     w2d = [  # [out, in], as the params
@@ -164,10 +164,9 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged.kernels import cpu, ragged_paged_attention, write_kv
-    from jaxpaged.models.llama import compute_logits, forward, linear_xla
+    from jaxpaged.kernels import ragged_paged_attention, write_kv
+    from jaxpaged.models.llama import compute_logits, forward
     from jaxpaged.worker import sampler
-    from jaxpaged.worker.step import on_native_cpu
 
     runner = llm.engine.runner
     cfg = runner.model_config
@@ -175,8 +174,8 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     max_kv = bucket.max_blocks * runner.layout.block_size
     nb, bs = runner.layout.num_blocks, runner.layout.block_size
 
-    # the matmul kernel the steps use (the params hold its weight layout)
-    linear_fn = cpu.linear if runner.native_linear else linear_xla
+    # the kernels the steps use (the params hold their weight layout)
+    kernels = runner.kernels
 
     def no_attention(q, k, v, layer, cache):
         return q, cache
@@ -185,13 +184,13 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
     def layers_without_attention(params, batch):
         h, _ = forward(
             params, batch.tokens, batch.positions, config=cfg, attention_fn=no_attention,
-            linear_fn=linear_fn,
+            linear_fn=kernels.linear_fn(batch.tokens.shape[0]),
         )  # fmt: skip
         return h
 
     @jax.jit
     def lm_head(params, h, rows):
-        logits_fn = linear_fn if runner.native_linear else None
+        logits_fn = kernels.logits_fn(rows.shape[0])
         return compute_logits(params, h[rows], config=cfg, linear_fn=logits_fn)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
@@ -211,7 +210,7 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
         return pool, sums
 
     # the greedy argmax the step uses (the native one on CPU)
-    argmax = cpu.argmax if on_native_cpu(runner.backend, runner.mesh) else sampler.greedy_argmax
+    argmax = kernels.argmax
 
     @jax.jit
     def sample(logits, tensors, penalties):
@@ -369,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from common import make_workload
 
     from jaxpaged import LLM
+    from jaxpaged.engine import process_owner_args
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -391,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         show_progress=False,
+        **process_owner_args(),  # measured as served: malloc tuned, compiled programs cached
     )
     work = make_workload(
         llm.tokenizer, num_prompts=args.batch, seed=0, max_prompt_words=args.max_prompt_words

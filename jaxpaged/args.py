@@ -9,7 +9,10 @@ naming the field. An unknown keyword is a ValueError naming it and its close mat
 
 Settings of the process rather than the engine stay with the ``serve`` command: the server's
 address and limits, and the multi-host flags (``jax.distributed`` must start before any engine
-exists, and the engine learns the process count from JAX).
+exists, and the engine learns the process count from JAX). Two fields do reach beyond the
+engine, and only when asked: ``configure_process`` (environment variables, malloc) and
+``compile_cache_dir`` (``jax.config``). They are off for ``LLM``, ``jaxpaged.generate`` and
+``LLMEngine``; commands that own their process turn them on (``add_cli_args(defaults=...)``).
 """
 
 from __future__ import annotations
@@ -19,10 +22,16 @@ import dataclasses
 import difflib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxpaged.config import PREEMPTION_MODES, CacheConfig, ParallelConfig, SchedulerConfig
+from jaxpaged.config import (
+    PREEMPTION_MODES,
+    CacheConfig,
+    ParallelConfig,
+    ProcessConfig,
+    SchedulerConfig,
+)
 from jaxpaged.models.config import ModelConfig
 
 __all__ = [
@@ -32,6 +41,7 @@ __all__ = [
     "EngineArgs",
     "fraction",
     "non_negative_float",
+    "optional_text",
     "parse_size",
     "positive_int",
 ]
@@ -76,6 +86,11 @@ def non_negative_float(text: str) -> float:
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
+
+
+def optional_text(text: str) -> str | None:
+    """The text, or None for an empty one (argparse type: '' turns the setting off)."""
+    return text or None
 
 
 def fraction(text: str) -> float:
@@ -198,6 +213,22 @@ class EngineArgs:
     show_progress: bool = _setting(
         True, "progress bars while loading and warming up", "--show-progress"
     )
+    configure_process: bool = _setting(
+        False,
+        "process-wide settings, before JAX starts: XLA_PYTHON_CLIENT_PREALLOCATE=false and "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION=gpu_memory_utilization (so the KV pool gets the "
+        "accelerator's memory) and, on a CPU-only JAX, glibc malloc tuning (off: the process "
+        "is left as it is)",
+        "--configure-process",
+    )
+    compile_cache_dir: str | os.PathLike[str] | None = _setting(
+        None,
+        "folder of JAX's persistent compilation cache, set in jax.config for the whole "
+        "process (unset, or '' on the command line: jax.config is left as it is)",
+        "--compile-cache-dir",
+        parse=optional_text,
+        metavar="DIR",
+    )
 
     # ------------------------------------------------------------ keywords
     @classmethod
@@ -216,12 +247,20 @@ class EngineArgs:
 
     # ------------------------------------------------------------ command line
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None
+    ) -> argparse._ArgumentGroup:
         """Adds one argument per field to ``parser`` (in an "engine" group) and returns the
-        group; :meth:`from_cli_args` reads them back."""
+        group; :meth:`from_cli_args` reads them back. ``defaults`` replace fields' defaults on
+        this command line (a command that owns its process configures it)."""
+        defaults = dict(defaults or {})
+        for key in defaults:
+            if key not in cls.field_names():
+                raise ValueError(_unknown_message(key, cls.field_names()))
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
-            group.add_argument(*f.metadata["cli"].flags, **_argparse_kwargs(f))
+            default = defaults.get(f.name, f.default)
+            group.add_argument(*f.metadata["cli"].flags, **_argparse_kwargs(f, default))
         return group
 
     @classmethod
@@ -265,18 +304,25 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
 
+    def process_config(self) -> ProcessConfig:
+        cache = self.compile_cache_dir
+        return ProcessConfig(
+            configure_process=self.configure_process,
+            compile_cache_dir=os.fspath(cache) if isinstance(cache, os.PathLike) else cache,
+        )
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _argparse_kwargs(f: dataclasses.Field[Any]) -> dict[str, Any]:
-    """argparse.add_argument keywords for one field: its default, help and CLI form."""
+def _argparse_kwargs(f: dataclasses.Field[Any], default: Any) -> dict[str, Any]:
+    """argparse.add_argument keywords for one field: the default, its help and CLI form."""
     cli: CliForm = f.metadata["cli"]
     help_text = f.metadata["help"]
-    kwargs: dict[str, Any] = {"default": f.default}
-    if f.default is not None:
-        help_text += f" (default: {f.default})"
+    kwargs: dict[str, Any] = {"default": default}
+    if default is not None:
+        help_text += f" (default: {default})"
     if not cli.flags[0].startswith("-"):
         kwargs["nargs"] = "?"  # an optional positional: `serve [MODEL]`
     elif isinstance(f.default, bool):

@@ -6,6 +6,7 @@
 * :class:`SchedulerConfig`: per-step limits and the preemption mode. Chunked prefill is always
   on: a prompt longer than the step's token budget is split over several steps.
 * :class:`ParallelConfig`: tensor parallelism over a device mesh.
+* :class:`ProcessConfig`: the process-wide settings an engine applies only when asked.
 
 Every bad value raises ``ValueError`` naming the field, so a typo in a flag fails at start-up
 and not in the middle of serving.
@@ -25,6 +26,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "PreemptionMode",
+    "ProcessConfig",
     "SchedulerConfig",
 ]
 
@@ -133,4 +135,32 @@ class ParallelConfig:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessConfig:
+    """Process-wide settings, applied only when asked: an engine built from research code
+    leaves ``os.environ``, ``jax.config`` and malloc as it found them; ``python -m
+    jaxpaged.serve`` and ``python -m jaxpaged.generate`` ask, since they own their process.
+
+    ``configure_process``: before JAX starts, no accelerator preallocation and an allocator
+    limit of ``gpu_memory_utilization`` (``XLA_PYTHON_CLIENT_*``), and on a CPU-only JAX the
+    malloc tuning that lets XLA reuse each step's scratch (kernels/cpu/host_malloc.py).
+    ``compile_cache_dir``: the folder of JAX's persistent compilation cache, set in
+    ``jax.config``; None leaves ``jax.config`` alone.
+    """
+
+    configure_process: bool = False
+    compile_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.configure_process, bool):
+            raise ValueError(f"configure_process must be a bool, got {self.configure_process!r}")
+        if self.compile_cache_dir is not None and (
+            not isinstance(self.compile_cache_dir, str) or not self.compile_cache_dir
+        ):
+            raise ValueError(
+                "compile_cache_dir must be a folder (a non-empty str) or None, got "
+                f"{self.compile_cache_dir!r}"
             )

@@ -209,10 +209,12 @@ def forward(
     config: ModelConfig,
     attention_fn: AttentionFn = dense_causal_attention,
     cache: Any = None,
-    linear_fn: LinearFn = linear_xla,
+    linear_fn: LinearFn | None = None,
 ) -> tuple[jax.Array, Any]:
     """Run the decoder over T tokens; returns the final-normed hidden states [T, D] and the cache
-    as threaded through every layer's `attention_fn`. ``linear_fn`` does every matmul."""
+    as threaded through every layer's `attention_fn`. ``linear_fn`` does every matmul (None:
+    `linear_xla`)."""
+    linear_fn = linear_fn or linear_xla
     x = jnp.take(params["embed"], tokens, axis=0)  # [T, D]
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     layers = jax.tree.map(jnp.asarray, params["layers"])  # host arrays can't take a traced index

@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jaxpaged.engine import Prompt
+from jaxpaged.engine import Prompt, process_owner_args
 from jaxpaged.llm import LLM
 from jaxpaged.sampling_params import SamplingParams
 
@@ -40,7 +40,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    # One prompt: compile only the shapes it uses instead of warming every bucket.
+    # One prompt: compile only the shapes it uses instead of warming every bucket. The command
+    # owns its process: it configures it and keeps compiled programs on disk.
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_num_seqs=8,
         enforce_eager=True,
         seed=args.seed or 0,
+        **process_owner_args(),
     )
     params = SamplingParams(
         temperature=args.temperature,

@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
-    EngineArgs.add_cli_args(p)
+    from jaxpaged.engine.process import process_owner_args
+
+    # the server owns its process: it configures it and keeps compiled programs on disk
+    EngineArgs.add_cli_args(p, defaults=process_owner_args())
     d = p.add_argument_group("several hosts (jax.distributed)")
     d.add_argument("--num-processes", type=positive_int, default=1)
     d.add_argument("--process-id", type=int, default=0)
@@ -139,7 +142,9 @@ def main(
     try:  # before anything touches a JAX device
         engine_args.cache_config()  # the settings the model does not decide
         engine_args.parallel_config()
-        configure_process(engine_args.gpu_memory_utilization)  # before anything starts JAX
+        engine_args.process_config()
+        if engine_args.configure_process:  # before anything starts JAX
+            configure_process(engine_args.gpu_memory_utilization)
         multihost.check_engine_args(
             num_processes=args.num_processes, preemption_mode=engine_args.preemption_mode
         )

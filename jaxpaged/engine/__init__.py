@@ -3,7 +3,8 @@ thread) and AsyncEngine (asyncio; the core on a thread of its own)."""
 
 from jaxpaged.engine.async_engine import AsyncEngine, RequestStream
 from jaxpaged.engine.core import EngineCore, EngineRequest, EngineStepError
-from jaxpaged.engine.llm_engine import LLMEngine, configure_process
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.process import configure_process, process_owner_args
 from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats, Prompt
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "Prompt",
     "RequestStream",
     "configure_process",
+    "process_owner_args",
 ]

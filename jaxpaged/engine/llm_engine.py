@@ -19,28 +19,23 @@ from typing import Any
 import jax
 
 from jaxpaged.args import EngineArgs
-from jaxpaged.config import CacheConfig, ParallelConfig, SchedulerConfig
+from jaxpaged.config import CacheConfig, ParallelConfig, ProcessConfig, SchedulerConfig
 from jaxpaged.engine.core import EngineCore, EngineStepError
 from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
-from jaxpaged.kernels.cpu.host_malloc import jax_will_run_on_cpu, keep_step_buffers
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
-from jaxpaged.worker.compile_counter import CompileCounter, enable_persistent_cache
-from jaxpaged.worker.kv_cache import (
-    KVLayout,
-    configure_device_memory,
-    device_kv_budget,
-    num_blocks_for,
-)
+from jaxpaged.worker.compile_counter import CompileCounter
+from jaxpaged.worker.kv_cache import KVLayout, device_kv_budget, num_blocks_for
 from jaxpaged.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "Prompt", "configure_process"]
+__all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "Prompt"]
 
 
 class LLMEngine:
@@ -62,10 +57,15 @@ class LLMEngine:
         attention_backend: str | None = None,
         show_progress: bool = True,
         eos_token_ids: Sequence[int] | None = None,
+        process_config: ProcessConfig | None = None,
     ) -> None:
         cache_config = cache_config or CacheConfig()
-        # again for engines built on params in hand (JAX started: the thresholds still take)
-        configure_process(cache_config.gpu_memory_utilization)
+        # only what was asked for; again for engines built on params in hand (JAX started:
+        # the malloc thresholds still take)
+        self.compile_cache_dir = apply_process_config(
+            process_config or ProcessConfig(),
+            gpu_memory_utilization=cache_config.gpu_memory_utilization,
+        )
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
         self.mesh = None
@@ -79,7 +79,6 @@ class LLMEngine:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
-        self.compile_cache_dir = enable_persistent_cache()
         self._compiles = CompileCounter().open()
 
         kv_dtype = dtype or str(_params_dtype(params))
@@ -203,6 +202,7 @@ class LLMEngine:
         over ``args.model`` loaded. The settings the model does not decide are checked before
         any weight is read."""
         cache_config, parallel_config = args.cache_config(), args.parallel_config()
+        process_config = args.process_config()
         if params is None:
             if model_config is not None or tokenizer is not None or eos_token_ids is not None:
                 raise ValueError(
@@ -224,6 +224,7 @@ class LLMEngine:
             attention_backend=args.attention_backend,
             show_progress=args.show_progress,
             eos_token_ids=eos_token_ids,
+            process_config=process_config,
         )
 
     @staticmethod
@@ -238,7 +239,8 @@ class LLMEngine:
         from jaxpaged.models.loader import load_eos_token_ids
         from jaxpaged.models.resolve import resolve_model_folder
 
-        configure_process(args.gpu_memory_utilization)  # before the load starts JAX
+        if args.configure_process:
+            configure_process(args.gpu_memory_utilization)  # before the load starts JAX
         n = parallel_config.tensor_parallel_size
         mesh = make_mesh(n) if n > 1 else None
         folder = resolve_model_folder(args.model)
@@ -396,16 +398,6 @@ class LLMEngine:
 
     def close(self) -> None:
         self._compiles.close()
-
-
-def configure_process(gpu_memory_utilization: float) -> None:
-    """Process settings that only take before JAX starts (later, only the malloc thresholds
-    do): device memory for the KV pool (kv_cache.configure_device_memory) and, on a
-    CPU-only JAX, the malloc tuning that lets XLA reuse each step's scratch (host_malloc).
-    Idempotent: every engine applies it; from_args and serve before they start JAX."""
-    configure_device_memory(gpu_memory_utilization)
-    if jax_will_run_on_cpu():
-        keep_step_buffers()
 
 
 def _params_dtype(params: Params) -> Any:

@@ -1,7 +1,9 @@
-"""Counts XLA compilations, so tests and metrics can prove nothing recompiles while serving."""
+"""Counts XLA compilations, so tests and metrics can prove nothing recompiles while serving;
+and JAX's persistent compile cache, for the callers that ask for it."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
@@ -56,22 +58,27 @@ class CompileCounter:
             return self._seconds
 
 
-def enable_persistent_cache(path: str | None = None) -> str | None:
-    """Keeps compiled step programs on disk so a restart (or another engine with the same shapes)
-    loads them instead of compiling: ``$JAXPAGED_COMPILE_CACHE``, else
-    ``$JAXPAGED_CACHE/xla`` (default ``~/.cache/jaxpaged/xla``); ``JAXPAGED_COMPILE_CACHE=0``
-    turns it off. A cache the user configured in JAX already is left alone. Returns the folder
-    in use, or None."""
-    import os
-
+def default_compile_cache_dir() -> str | None:
+    """The persistent compile cache of a command that owns its process (serve, generate): the
+    one JAX is configured with already (e.g. ``JAX_COMPILATION_CACHE_DIR``), else
+    ``$JAXPAGED_COMPILE_CACHE``, else ``$JAXPAGED_CACHE/xla`` (default
+    ``~/.cache/jaxpaged/xla``); None when ``JAXPAGED_COMPILE_CACHE=0``."""
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
-    setting = os.environ.get("JAXPAGED_COMPILE_CACHE", path)
+    setting = os.environ.get("JAXPAGED_COMPILE_CACHE")
     if setting == "0":
         return None
-    if not setting:
-        root = os.environ.get("JAXPAGED_CACHE") or os.path.join("~", ".cache", "jaxpaged")
-        setting = os.path.join(os.path.expanduser(root), "xla")
-    jax.config.update("jax_compilation_cache_dir", setting)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return setting
+    if setting:
+        return setting
+    root = os.environ.get("JAXPAGED_CACHE") or os.path.join("~", ".cache", "jaxpaged")
+    return os.path.join(os.path.expanduser(root), "xla")
+
+
+def enable_persistent_cache(path: str) -> str:
+    """Keeps compiled programs in ``path`` (``jax.config``: the whole process), so a restart,
+    or another engine with the same shapes, loads them instead of compiling. A folder JAX
+    already uses is left as it is. Returns ``path``."""
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path

@@ -22,9 +22,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
-from jaxpaged.kernels.cpu.huge_pages import back_with_huge_pages
+from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, streamed_weights
+from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jaxpaged.sched.scheduler import PenaltyRowInit, RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -37,13 +37,7 @@ from jaxpaged.worker.kv_cache import (
     gather_blocks,
     scatter_blocks,
 )
-from jaxpaged.worker.step import (
-    StepBatch,
-    StepOutput,
-    pack_native_linear,
-    step,
-    use_native_linear,
-)
+from jaxpaged.worker.step import StepBatch, StepOutput, step
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +78,18 @@ class Runner:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.backend = attention_backend
-        # every matmul in the native CPU kernel, over weights packed once into its layout
-        self.native_linear = use_native_linear(params, model_config, attention_backend, mesh)
-        self.params = pack_native_linear(params, model_config) if self.native_linear else params
-        # host-resident weights on 2 MiB pages: a step streams them all
-        self.huge_page_bytes = back_with_huge_pages(streamed_weights(self.params))
+
+        # the platform's part, chosen once: on CPU the native kernels over weights packed
+        # into their layout and the streamed weights on 2 MiB pages; elsewhere XLA's
+        def weight_map(p, fn):
+            return map_matmul_weights(p, model_config, fn)
+
+        self.platform = select_backend(
+            params, weight_map, attention_backend=attention_backend, sharded=mesh is not None
+        )
+        self.kernels = self.platform.kernels
+        self.params = self.platform.pack_weights(params, weight_map)
+        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(self.params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -121,7 +122,7 @@ class Runner:
             num_logprobs=MAX_LOGPROBS,
             backend=self.backend,
             mesh=self.mesh,
-            native_linear=self.native_linear,
+            kernels=self.kernels,
         )
 
     def activation_bytes(self) -> int:

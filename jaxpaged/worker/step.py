@@ -11,15 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.distributed.parallel import replicate_on, shard_attention
-from jaxpaged.kernels import cpu, default_backend, ragged_paged_attention, write_kv
+from jaxpaged.kernels import ragged_paged_attention, write_kv
+from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import (
-    Params,
-    compute_logits,
-    forward,
-    linear_xla,
-    map_matmul_weights,
-)
+from jaxpaged.models.llama import Params, compute_logits, forward
 from jaxpaged.worker import sampler
 from jaxpaged.worker.kv_cache import KVPool
 
@@ -57,7 +52,7 @@ class StepOutput(NamedTuple):
         "max_q_len",
         "max_kv_len",
         "mesh",
-        "native_linear",
+        "kernels",
     ),
     donate_argnums=(1, 2),
 )
@@ -76,7 +71,7 @@ def step(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    native_linear: bool = False,
+    kernels: StepKernels = XLA_KERNELS,
 ) -> tuple[StepOutput, KVPool, sampler.PenaltyState]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. Decode tokens the host has not seen yet come straight
@@ -115,10 +110,9 @@ def step(
         out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
         return out, (k_pages, v_pages)
 
-    linear_fn, logits_fn = linear_xla, None
-    if native_linear:  # padding rows cost nothing: the kernel stops at the real ones
-        linear_fn = functools.partial(cpu.linear, num_rows=batch.cu_q_lens[-1])
-        logits_fn = functools.partial(cpu.linear, num_rows=batch.num_seqs[0], out_dtype=jnp.float32)
+    # None on platforms that leave the matmuls to XLA's dots
+    linear_fn = kernels.linear_fn(batch.cu_q_lens[-1])
+    logits_fn = kernels.logits_fn(batch.num_seqs[0])
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
     hidden, pool = forward(
@@ -134,44 +128,11 @@ def step(
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
     logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
-    argmax = cpu.argmax if on_native_cpu(backend, mesh) else sampler.greedy_argmax
     out = sampler.sample(
-        logits, batch.sampling, penalties, num_logprobs=num_logprobs, argmax=argmax
+        logits, batch.sampling, penalties, num_logprobs=num_logprobs, argmax=kernels.argmax
     )
     penalties = sampler.record_sampled(penalties, batch.sampling.penalty_rows, out.token_ids)
     num_rows = prev_sampled.shape[0]
     token_ids = jnp.zeros((num_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
     out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
     return replicate_on(out, mesh), pool, replicate_on(penalties, mesh)
-
-
-def on_native_cpu(backend: str | None, mesh: jax.sharding.Mesh | None) -> bool:
-    """Whether the step runs on one CPU device with the native kernels ("cpu" backend)."""
-    return (backend or default_backend()) == "cpu" and mesh is None
-
-
-def use_native_linear(
-    params: Params, config: ModelConfig, backend: str | None, mesh: jax.sharding.Mesh | None
-) -> bool:
-    """Whether the steps should run every matmul in the native CPU kernel: float32 or
-    bfloat16 weights on one CPU device, the native kernels in use ("cpu" attention
-    backend), and every output size a multiple of the kernel's panel width. The caller then
-    packs the weights once (`pack_native_linear`)."""
-    if not on_native_cpu(backend, mesh):
-        return False
-    if params["embed"].dtype not in cpu.LINEAR_DTYPES or not cpu.available():
-        return False
-    views: list[tuple[int, jnp.dtype]] = []
-
-    def record(w):  # [L', N, K]: the views pack_native_linear would pack (shapes only)
-        views.append((w.shape[-2], jnp.dtype(w.dtype)))
-        return w
-
-    jax.eval_shape(lambda p: map_matmul_weights(p, config, record), params)
-    return all(n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views)
-
-
-def pack_native_linear(params: Params, config: ModelConfig) -> Params:
-    """The params with every matmul weight in the native kernel's panel layout (one copy;
-    the embedding table stays as it is for the token lookup)."""
-    return map_matmul_weights(params, config, cpu.pack_panels)

@@ -14,12 +14,14 @@ thread picks it up, glibc gives each thread its own arena, and a thread arena's 
 at most 64 MiB and are unmapped as soon as they empty, so the scratch could still be mapped
 anew every step. One arena for the whole process (``M_ARENA_MAX``) avoids that, but glibc
 fixes the arena limit when a second thread first allocates: :func:`keep_step_buffers` must
-run before JAX starts its threads, as ``LLMEngine.from_args`` does on a CPU-only JAX. Called
-later it still raises the thresholds (most steps then reuse their scratch; measured,
+run before JAX starts its threads, as ``python -m jaxpaged.serve`` and an engine loading its
+model with ``configure_process=True`` do on a CPU-only JAX (``CpuBackend.configure_process``).
+Called later it still raises the thresholds (most steps then reuse their scratch; measured,
 sometimes not). The cost: freed blocks up to the thresholds stay resident, and threads share
 one malloc lock, which XLA's threads barely take during a step.
 
-Process-wide. ``JAXPAGED_MALLOC_TUNING=0`` leaves malloc as it is.
+Process-wide, so applied only when asked. ``JAXPAGED_MALLOC_TUNING=0`` leaves malloc as it is
+even then.
 """
 
 from __future__ import annotations

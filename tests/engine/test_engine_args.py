@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import types
 
 import pytest
@@ -36,6 +37,8 @@ CLI_CASES = {
     "attention_backend": (["--attention-backend", "xla"], "xla"),
     "seed": (["--seed", "7"], 7),
     "show_progress": (["--no-show-progress"], False),
+    "configure_process": (["--configure-process"], True),
+    "compile_cache_dir": (["--compile-cache-dir", "/tmp/xla-cache"], "/tmp/xla-cache"),
 }
 NON_DEFAULT = {name: value for name, (_, value) in CLI_CASES.items()}
 
@@ -118,6 +121,31 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     assert seen == [EngineArgs(**NON_DEFAULT)]
 
 
+def test_serve_owns_its_process_by_default():
+    """The library's engines leave the process alone; serve configures it and keeps a
+    persistent compile cache unless told not to."""
+    from jaxpaged.worker.compile_counter import default_compile_cache_dir
+
+    library = EngineArgs()
+    assert (library.configure_process, library.compile_cache_dir) == (False, None)
+    served = EngineArgs.from_cli_args(build_parser().parse_args([]))
+    assert served == EngineArgs(
+        configure_process=True, compile_cache_dir=default_compile_cache_dir()
+    )
+    off = ["--no-configure-process", "--compile-cache-dir", ""]
+    assert EngineArgs.from_cli_args(build_parser().parse_args(off)) == EngineArgs()
+
+
+def test_cli_defaults_must_name_fields():
+    with pytest.raises(ValueError, match="'configure_proces'.*'configure_process'"):
+        EngineArgs.add_cli_args(argparse.ArgumentParser(), defaults={"configure_proces": True})
+
+
+def test_compile_cache_dir_may_be_a_path():
+    args = EngineArgs(compile_cache_dir=pathlib.Path("/tmp/xla-cache"))
+    assert args.process_config().compile_cache_dir == "/tmp/xla-cache"
+
+
 @pytest.fixture
 def captured(monkeypatch):
     """The EngineArgs each construction reaches from_engine_args with (no engine is built)."""
@@ -183,6 +211,8 @@ def test_unknown_keyword_is_a_value_error_with_close_matches(build):
         ("preemption_mode", "pause"),
         ("enable_prefix_caching", "yes"),
         ("tensor_parallel_size", 0),
+        ("configure_process", "yes"),
+        ("compile_cache_dir", ""),
     ],
 )
 def test_bad_value_is_a_value_error_naming_the_field(field, value):
@@ -193,7 +223,12 @@ def test_bad_value_is_a_value_error_naming_the_field(field, value):
 
 def test_settings_the_model_does_not_decide_fail_before_loading(monkeypatch):
     monkeypatch.setattr(LLMEngine, "_load", staticmethod(lambda *a: pytest.fail("loaded")))
-    for bad in ({"gpu_memory_utilization": 0}, {"block_size": 0}, {"tensor_parallel_size": 0}):
+    for bad in (
+        {"gpu_memory_utilization": 0},
+        {"block_size": 0},
+        {"tensor_parallel_size": 0},
+        {"compile_cache_dir": 7},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LLM(**bad)
 

@@ -1,7 +1,8 @@
 """The malloc tuning that keeps XLA:CPU's per-step buffers mapped (jaxpaged.kernels.cpu.host_malloc).
 
-Each case runs the bundled model in a fresh process (the settings are process-wide, and
-the arena limit only takes before JAX starts): 32 sequences in pure decode, counting the
+Each case runs the bundled model in a fresh process that asks for the process settings
+(``configure_process=True``; they are process-wide, and the arena limit only takes before JAX
+starts): 32 sequences in pure decode, counting the
 minor page faults per engine step in six windows of four steps. The step's scratch (36 MiB)
 is above glibc's largest adaptive mmap threshold, so without the tuning every step maps it
 afresh and faults in the ~11 MB it touches (~2,800 pages); with it the block is reused from
@@ -25,7 +26,7 @@ _CHILD = textwrap.dedent(
     from jaxpaged import LLM, SamplingParams
     path, on_thread, batch = sys.argv[1], sys.argv[2] == "thread", 32
     llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=batch,
-              num_kv_blocks=16 * batch, show_progress=False)
+              num_kv_blocks=16 * batch, show_progress=False, configure_process=True)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for i in range(batch):

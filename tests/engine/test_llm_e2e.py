@@ -291,7 +291,7 @@ def test_bfloat16_engine_tracks_transformers(bundled_model_path, workload):
     from jaxpaged.kernels import cpu
 
     llm = LLM(bundled_model_path, dtype="bfloat16", num_kv_blocks=256, enforce_eager=True, **BASE)
-    assert llm.engine.runner.native_linear == cpu.available()
+    assert (llm.engine.runner.kernels.linear is cpu.linear) == cpu.available()
     reqs = workload[:6]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate([ids for ids, _ in reqs], params, use_tqdm=False)

@@ -1,4 +1,5 @@
-"""Which matmul kernel the engine's steps use, and that the native one gives the same model."""
+"""Which kernels the engine's steps use (the platform backend, chosen once per engine), and
+that the native matmul gives the same model."""
 
 from __future__ import annotations
 
@@ -10,32 +11,100 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import cpu
-from jaxpaged.models.llama import compute_logits, forward, linear_xla
+from jaxpaged.kernels.cpu.backend import CpuBackend
+from jaxpaged.kernels.platform import XlaBackend, select_backend
+from jaxpaged.kernels.step_kernels import StepKernels
+from jaxpaged.models.llama import compute_logits, forward, linear_xla, map_matmul_weights
 from jaxpaged.models.testing import random_params, tiny_config
-from jaxpaged.worker.step import pack_native_linear, use_native_linear
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
 
+NATIVE = StepKernels(linear=cpu.linear, argmax=cpu.argmax)
+NATIVE_ARGMAX = StepKernels(argmax=cpu.argmax)
 
-def test_float32_or_bfloat16_single_cpu_device_uses_the_native_matmul():
+
+def _weight_map(cfg):
+    return lambda params, fn: map_matmul_weights(params, cfg, fn)
+
+
+def _backend(params, cfg, attention_backend=None, *, sharded=False, platform="cpu"):
+    return select_backend(
+        params,
+        _weight_map(cfg),
+        attention_backend=attention_backend,
+        sharded=sharded,
+        platform=platform,
+    )
+
+
+def _pack(params, cfg):
+    backend = _backend(params, cfg)
+    assert backend.kernels == NATIVE
+    return backend.pack_weights(params, _weight_map(cfg))
+
+
+def test_float32_or_bfloat16_single_cpu_device_uses_the_native_kernels():
     cfg = tiny_config()
     f32 = random_params(cfg)
     bf16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), f32)
-    assert use_native_linear(f32, cfg, None, None)
-    assert use_native_linear(f32, cfg, "cpu", None)
-    assert use_native_linear(bf16, cfg, None, None)
+    for params, attention_backend in ((f32, None), (f32, "cpu"), (bf16, None)):
+        backend = _backend(params, cfg, attention_backend)
+        assert backend == CpuBackend(native_attention=True, native_linear=True, native_argmax=True)
+        assert backend.kernels == NATIVE
 
 
 def test_other_setups_use_xla():
     cfg = tiny_config()
     f32 = random_params(cfg)
     f16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float16), f32)
-    assert not use_native_linear(f16, cfg, None, None)
-    assert not use_native_linear(f32, cfg, "xla", None)  # kernels forced to XLA
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    assert not use_native_linear(f32, cfg, None, mesh)  # sharded weights: XLA's SPMD dots
+    assert _backend(f16, cfg).kernels == NATIVE_ARGMAX  # no float16 matmul kernel
+    assert _backend(f32, cfg, "xla").kernels == StepKernels()  # kernels forced to XLA
+    # sharded weights: XLA's SPMD dots
+    assert _backend(f32, cfg, sharded=True).kernels == StepKernels()
     odd = tiny_config(vocab_size=100)  # an output size the panels cannot tile
-    assert not use_native_linear(random_params(odd), odd, None, None)
+    assert _backend(random_params(odd), odd).kernels == NATIVE_ARGMAX
+
+
+def test_accelerators_get_xla_and_their_weights_as_loaded():
+    cfg = tiny_config()
+    params = random_params(cfg)
+    backend = _backend(params, cfg, platform="gpu")
+    assert backend == XlaBackend() and backend.kernels == StepKernels()
+    assert backend.pack_weights(params, _weight_map(cfg)) is params
+    assert backend.back_with_huge_pages(jax.tree.leaves(params)) == 0
+    # unpacked: the XLA backend's params are the CPU backend's before packing
+    assert _backend(params, cfg, "xla").pack_weights(params, _weight_map(cfg)) is params
+
+
+def test_engine_steps_call_the_native_kernels():
+    """An engine on CPU: its runner holds packed weights, and the compiled step calls the
+    native attention, matmul and argmax (the FFI targets appear in its program)."""
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.worker.step import step
+
+    cfg = tiny_config(max_position_embeddings=64)
+    params = jax.tree.map(jnp.asarray, random_params(cfg))
+    engine = LLMEngine.from_params(
+        cfg, params, max_num_seqs=2, num_kv_blocks=16, block_size=8, enforce_eager=True,
+        show_progress=False,
+    )  # fmt: skip
+    try:
+        runner = engine.runner
+        assert runner.kernels == NATIVE
+        w = runner.params["layers"]["w_down"]
+        np.testing.assert_array_equal(
+            np.asarray(w), np.asarray(cpu.pack_panels(params["layers"]["w_down"]))
+        )
+        bucket = runner.buckets.all()[0]
+        batch, _ = runner.build_batch([], bucket)
+        hlo = step.lower(
+            runner.params, runner.pool, runner.penalties, runner.sampled, batch,
+            **runner._step_kwargs(),
+        ).as_text()  # fmt: skip
+        for target in ("jaxpaged_paged_attention", "jaxpaged_linear", "jaxpaged_argmax"):
+            assert target in hlo, target
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -45,7 +114,7 @@ def test_packed_params_with_the_native_matmul_match_xla(tied, num_tokens):
     weights + XLA's dots, on random weights and tokens."""
     cfg = tiny_config(tie_word_embeddings=tied)
     params = random_params(cfg, seed=num_tokens, scale=0.2)
-    packed = pack_native_linear(params, cfg)
+    packed = _pack(params, cfg)
     assert packed["embed"] is params["embed"]  # the lookup table stays as it is
     tokens = jax.random.randint(jax.random.key(1), (num_tokens,), 0, cfg.vocab_size)
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -78,7 +147,7 @@ def test_bfloat16_model_with_the_native_matmul_tracks_float32(num_tokens):
     exact = np.asarray(jax.jit(lambda p: run(p, linear_xla, None))(widened))
     xla_bf16 = np.asarray(jax.jit(lambda p: run(p, linear_xla, None))(bf16))
     logits_fn = functools.partial(cpu.linear, out_dtype=jnp.float32)
-    native = jax.jit(lambda p: run(p, cpu.linear, logits_fn))(pack_native_linear(bf16, cfg))
+    native = jax.jit(lambda p: run(p, cpu.linear, logits_fn))(_pack(bf16, cfg))
     assert native.dtype == jnp.float32
 
     def rms_err(got):  # relative to the logits' own RMS

@@ -1,0 +1,102 @@
+"""CpuBackend: every part of an engine that exists only on a CPU, chosen once per engine.
+
+- The native kernels: paged attention (cpu_native.cc), every matmul (cpu_linear.cc) and greedy
+  sampling's argmax (cpu_argmax.cc), used together when the "cpu" attention backend is in use
+  on one device.
+- The matmul weights, repacked once into the native matmul's panel layout.
+- The weights every step streams, moved onto 2 MiB pages (huge_pages.py).
+- glibc malloc tuning (host_malloc.py): process-wide, so applied only when the caller asks
+  (``configure_process``), before JAX starts.
+
+Nothing here imports the model: the caller passes its weight map
+(``map_matmul_weights(params, fn)``: params with ``fn`` applied to every matmul weight in its
+``[L', out, in]`` view).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import cpu
+from ..attention import default_backend
+from ..step_kernels import StepKernels, argmax_xla
+from . import host_malloc, huge_pages
+
+__all__ = ["CpuBackend", "WeightMap"]
+
+# (params, fn) -> params with fn applied to every matmul weight's [L', out, in] view
+WeightMap = Callable[[Any, Callable[[jax.Array], jax.Array]], Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CpuBackend:
+    """Which native kernels an engine on the CPU uses, and the CPU-only work around them."""
+
+    native_attention: bool = False  # the "cpu" paged-attention backend
+    native_linear: bool = False  # every matmul in cpu.linear, over weights in panel layout
+    native_argmax: bool = False  # greedy sampling in cpu.argmax
+
+    @classmethod
+    def select(
+        cls,
+        params: Any,
+        map_matmul_weights: WeightMap,
+        *,
+        attention_backend: str | None,
+        sharded: bool,
+    ) -> CpuBackend:
+        """The kernels for these params. The native ones run where the "cpu" attention
+        backend is in use (asked for, or the default where the kernels build) on one device
+        (sharded weights take XLA's SPMD dots). The native matmul also needs float32 or
+        bfloat16 weights with every output size a multiple of its panel width."""
+        native = not sharded and (attention_backend or default_backend("cpu")) == "cpu"
+        return cls(
+            native_attention=native,
+            native_linear=native and _linear_applies(params, map_matmul_weights),
+            native_argmax=native,
+        )
+
+    @property
+    def kernels(self) -> StepKernels:
+        """What the jitted step calls."""
+        return StepKernels(
+            linear=cpu.linear if self.native_linear else None,
+            argmax=cpu.argmax if self.native_argmax else argmax_xla,
+        )
+
+    def pack_weights(self, params: Any, map_matmul_weights: WeightMap) -> Any:
+        """The params in the layout the step's kernels read: every matmul weight in panel
+        layout (one copy) under the native matmul, else the params as they are."""
+        if not self.native_linear:
+            return params
+        return map_matmul_weights(params, cpu.pack_panels)
+
+    def back_with_huge_pages(self, arrays: Iterable[jax.Array]) -> int:
+        """Moves the weights a step streams onto 2 MiB pages; the bytes moved."""
+        return huge_pages.back_with_huge_pages(arrays)
+
+    @staticmethod
+    def configure_process() -> bool:
+        """The CPU's process-wide settings: malloc tuning that lets XLA reuse each step's
+        scratch (host_malloc.keep_step_buffers; before JAX starts for all of it). Whether it
+        applied."""
+        return host_malloc.keep_step_buffers()
+
+
+def _linear_applies(params: Any, map_matmul_weights: WeightMap) -> bool:
+    """Whether cpu.linear can run every matmul of these params (shapes and dtypes only)."""
+    if not cpu.available():
+        return False
+    views: list[tuple[int, jnp.dtype]] = []
+
+    def record(w: jax.Array) -> jax.Array:  # [L', N, K]: a view pack_weights would pack
+        views.append((w.shape[-2], jnp.dtype(w.dtype)))
+        return w
+
+    jax.eval_shape(lambda p: map_matmul_weights(p, record), params)
+    return all(n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views)
