@@ -179,6 +179,7 @@ class RequestHandle:
             async for out in self._stream:
                 self._observe(out, time.monotonic())
                 if out.finished and self._failed:
+                    frontend.check_engine()  # a dead engine ends its requests with errors
                     raise EngineFailure(
                         f"the engine failed while serving this request: {out.error}"
                     )

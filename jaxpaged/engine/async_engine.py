@@ -191,8 +191,8 @@ class AsyncEngine:
                 del self._streams[out.request_id]
 
     def _die(self, exc: BaseException, outputs: list[RequestOutput]) -> None:
+        self._dead_error = exc  # first: whoever reads an error output sees the engine dead
         self._deliver(outputs)  # every open request's final "error" output
-        self._dead_error = exc
         err = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         for stream in self._streams.values():
             stream.put(err)

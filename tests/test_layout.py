@@ -1,0 +1,114 @@
+"""The package's shape: module-level imports form no cycle, and dependencies point one way
+(serving -> engine -> sched and worker -> models and kernels; sched imports no JAX; kernels
+import nothing else of jaxpaged's). Read from the sources with ``ast``, so nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"jaxpaged": REPO / "jaxpaged", "jaxpaged.kernels": REPO / "kernels",
+         "jaxpaged.models": REPO / "models", "jaxpaged.serving": REPO / "serving"}  # fmt: skip
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            if "proto" in path.parts or path.name.endswith("_pb2.py"):
+                continue
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    # the mapped subpackages are not also modules under jaxpaged/
+    return out
+
+
+def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """jaxpaged modules imported by ``name`` when it is imported (module level only: imports
+    inside functions run later and cannot form an import-time cycle)."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{base}" if base else pkg
+            for alias in node.names:
+                add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {m: _top_level_imports(m, p, known) for m, p in modules.items()}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(graph[m]):
+            # a package importing its own submodules is how packages export names
+            if m.startswith(dep + ".") or dep.startswith(m + "."):
+                continue
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _imports_of(prefix: str) -> dict[str, set[str]]:
+    return {m: deps for m, deps in _graph().items() if m == prefix or m.startswith(prefix + ".")}
+
+
+def test_sched_is_plain_python():
+    for m, path in _modules().items():
+        if m.startswith("jaxpaged.sched"):
+            assert not re.search(r"^\s*(import|from)\s+jax\b", path.read_text(), re.M), m
+    for m, deps in _imports_of("jaxpaged.sched").items():
+        bad = {d for d in deps if d.split(".")[1] in ("engine", "worker", "serving", "kernels")}
+        assert not bad, (m, bad)
+
+
+def test_dependencies_point_one_way():
+    rules = {  # package -> jaxpaged packages it must not import
+        "jaxpaged.kernels": {"engine", "worker", "sched", "serving", "models", "distributed",
+                             "cli", "llm", "generate", "args"},
+        "jaxpaged.models": {"engine", "worker", "sched", "serving", "cli", "llm"},
+        "jaxpaged.worker": {"engine", "serving", "cli", "llm"},
+        "jaxpaged.engine": {"serving", "cli"},
+    }  # fmt: skip
+    for package, banned in rules.items():
+        for m, deps in _imports_of(package).items():
+            bad = {d for d in deps if d.split(".")[1] in banned and not d.startswith(package)}
+            assert not bad, (m, bad)
