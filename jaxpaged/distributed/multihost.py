@@ -43,9 +43,7 @@ import jax
 import numpy as np
 
 from jaxpaged.sched.scheduler import PenaltyRowInit
-from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, pow2_ladder
-from jaxpaged.worker.kv_cache import copy_blocks
 from jaxpaged.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
@@ -194,16 +192,9 @@ def follow(engine: Any) -> int:
             none = np.zeros(n, np.int32)
             src, dst = _broadcast((none, none))
             if op == OP_COPY:
-                runner.pool = copy_blocks(
-                    runner.pool,
-                    src,
-                    dst,
-                    num_layers=runner.layout.num_layers,
-                    num_blocks=runner.layout.num_blocks,
-                )
+                runner.apply_copy(src, dst)
         elif op == OP_PENALTY_ROW:
             empty = PenaltyRowInit(row=0, prompt_token_ids=(), output_token_ids=())
-            row, prompt, output = _broadcast(runner.penalty_row_arrays(empty))
-            runner.penalties = sampler.init_penalty_row(runner.penalties, row, prompt, output)
+            runner.fill_penalty_row(*_broadcast(runner.penalty_row_arrays(empty)))
         else:
             raise RuntimeError(f"follower: unknown op {op} from rank 0")

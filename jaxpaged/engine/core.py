@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.protocol import EngineStats
@@ -32,7 +32,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
-__all__ = ["EngineCore", "EngineRequest", "Runner"]
+__all__ = ["DeviceRunner", "EngineCore", "EngineRequest", "EngineStepError"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ class _Abort:
     request_id: str
 
 
-class Runner:
-    """What the core needs of a runner (the real one is jaxpaged.worker.runner.Runner)."""
+class DeviceRunner(Protocol):
+    """What the core needs of a runner (jaxpaged.worker.runner.Runner; fakes in tests):
+    ``dispatch`` launches a plan's step without waiting, ``collect`` waits for it."""
 
     def dispatch(self, plan: SchedulerOutput) -> Any: ...  # noqa: ANN401
 
@@ -69,7 +70,7 @@ class EngineCore:
         self,
         *,
         scheduler: Scheduler,
-        runner: Runner,
+        runner: DeviceRunner,
         tokenizer: Any,
         eos_token_ids: tuple[int, ...],
         num_kv_blocks: int,

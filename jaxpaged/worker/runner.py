@@ -269,6 +269,15 @@ class Runner:
         row, prompt, output = self.penalty_row_arrays(init)
         if self.leader is not None:
             self.leader.announce_penalty_row(row, prompt, output)
+        self.fill_penalty_row(row, prompt, output)
+
+    def fill_penalty_row(
+        self,
+        row: np.ndarray,  # int32 []
+        prompt: np.ndarray,  # int32 [max_model_len], -1 padded
+        output: np.ndarray,  # int32 [max_model_len], -1 padded
+    ) -> None:
+        """The device call of a penalty-row fill (followers of a multi-host run too)."""
         self.penalties = sampler.init_penalty_row(self.penalties, row, prompt, output)
 
     # ------------------------------------------------------------ block moves
@@ -303,6 +312,14 @@ class Runner:
         src, dst = self._padded(src), self._padded(dst)
         if self.leader is not None:
             self.leader.announce_copy(src, dst)
+        self.apply_copy(src, dst)
+
+    def apply_copy(
+        self,
+        src: np.ndarray,  # int32 [N] source block ids, -1 = padding
+        dst: np.ndarray,  # int32 [N] destination block ids
+    ) -> None:
+        """The device call of a block copy (followers of a multi-host run too)."""
         self.pool = copy_blocks(
             self.pool,
             src,
