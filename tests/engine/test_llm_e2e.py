@@ -190,6 +190,44 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, workload, hf_greedy, t
     assert m["num_free_blocks"] == m["num_kv_blocks"]
 
 
+def test_repetition_penalty_matches_transformers(llm, bundled_model_path, workload):
+    """Penalty counts kept on the device (filled once, updated by every overlapped step,
+    also from tokens the host has not seen yet) give transformers' greedy tokens under its
+    own RepetitionPenaltyLogitsProcessor, with penalised and plain requests in one batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
+
+    picked = [workload[i][0] for i in (1, 4, 9)]
+    n, penalty = 24, 1.3
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    refs = []
+    with torch.no_grad():
+        for ids in picked:
+            seq = torch.tensor([ids])
+            out = model(seq, use_cache=True)
+            for _ in range(n):
+                scores = processor(seq, out.logits[:, -1].float())
+                t = int(scores[0].argmax())
+                seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
+                out = model(
+                    torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True
+                )
+            refs.append(seq[0, len(ids) :].tolist())
+    pen = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=penalty)
+    prompts = [picked[0], workload[2][0], picked[1], workload[3][0], picked[2]]
+    params = [pen, _greedy(n), pen, _greedy(n), pen]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    got = [list(outs[i].outputs[0].token_ids) for i in (0, 2, 4)]
+    assert got == refs
+    assert got != [
+        list(llm.generate([p], _greedy(n), use_tqdm=False)[0].outputs[0].token_ids) for p in picked
+    ]  # fmt: skip  (the penalty changed something)
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_kv_blocks"]
+
+
 def test_abort_frees_blocks(llm, workload):
     engine = llm.engine
     free0 = engine.get_stats().num_free_blocks
