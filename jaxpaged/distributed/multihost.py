@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged.sched.scheduler import PenaltyRowInit
+from jaxpaged.sched.output import PenaltyRowInit
 from jaxpaged.worker.buckets import Bucket, pow2_ladder
 from jaxpaged.worker.runner import Runner
 

@@ -29,8 +29,9 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.protocol import EngineStats
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.output import RunnerOutput, SchedulerOutput
 from jaxpaged.sched.request import Request, RequestStatus
-from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxpaged.sched.scheduler import Scheduler
 
 __all__ = ["DeviceRunner", "EngineCore", "EngineRequest", "EngineStepError"]
 

@@ -24,7 +24,7 @@ from jaxpaged.outputs import (
     RequestOutputKind,
 )
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sched.scheduler import RequestUpdate
+from jaxpaged.sched.output import RequestUpdate
 
 __all__ = ["OutputProcessor", "sample_request_ids"]
 

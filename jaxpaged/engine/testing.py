@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxpaged.sched.output import RunnerOutput, SchedulerOutput
+from jaxpaged.sched.scheduler import Scheduler
 
 __all__ = ["TimedDeviceRunner", "expected_tokens", "run_serial"]
 

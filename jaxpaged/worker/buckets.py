@@ -17,7 +17,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from jaxpaged.sched.scheduler import ScheduledSeq
+from jaxpaged.sched.output import ScheduledSeq
 
 __all__ = ["Bucket", "BucketSet", "pow2_ladder"]
 

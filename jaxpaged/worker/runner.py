@@ -27,7 +27,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
-from jaxpaged.sched.scheduler import PenaltyRowInit, RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxpaged.sched.output import PenaltyRowInit, RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
 from jaxpaged.worker.kv_cache import (

@@ -97,7 +97,7 @@ __attribute__((always_inline)) inline void slice_loop(int64_t kc, const W* prefe
 // AVX-512: a panel's 16 weights at one k are one vector, so a tile of kMr = 8 rows keeps 8
 // accumulators and each broadcast of x feeds one FMA of 16 lanes. Against the AVX2 tile
 // (two vectors per panel row, 6 rows) on the 2-core AVX-512 machine, a decode step's
-// matmuls ran ~15% faster (bench/RESULTS.md, tenth session).
+// matmuls ran ~15% faster (measured: bench/RESULTS.md).
 inline __m512 load_panel_row(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_panel_row(const bf16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

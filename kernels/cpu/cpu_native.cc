@@ -83,7 +83,7 @@ constexpr int kMaxGroup = 8;  // queries sharing one K/V read in the decode path
 // lines fills the core's miss queue and stalls the loads the compute waits on. Measured on
 // 2 cores, 32 sequences x ~190 tokens x 30 layers: 37-45 ms before, 24-30 ms after;
 // distances 1-3 and 4-8 lines per call were within the noise of each other. The lines go
-// to L2 (prefetcht1), not L1: on the 2-core AVX-512 machine (tenth session) that took the
+// to L2 (prefetcht1), not L1: on the 2-core AVX-512 machine that took the
 // same 30 layers from 16-18 ms to 12-14 ms, as a core can keep more misses in flight to L2;
 // with the hint to L1 or non-temporal, a faster or slower trickle, or more blocks ahead,
 // none did better.
@@ -178,7 +178,7 @@ struct Vec16 {
 // vectors held in registers across the n keys. acc: [NQ][D]; p: [NQ][kMaxBlockSize].
 // In 16-lane vectors SmolLM2's head of 64 is one tile: one pass over the block's V rows
 // instead of two. On the 2-core AVX-512 machine 30 layers of decode attention (32 x 204
-// tokens) took 12.0-15.8 ms with them against 15.2-16.8 with 8 lanes (tenth session,
+// tokens) took 12.0-15.8 ms with them against 15.2-16.8 with 8 lanes (runs
 // alternated). The trickle issues kTricklePV lines per key per 8 lanes of a tile.
 template <typename Vec, int NQ, int CH>
 void row_pv(const float* p, const float* alpha, const float* const* vrows, int64_t n,

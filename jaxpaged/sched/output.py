@@ -1,0 +1,164 @@
+"""What the scheduler hands the other layers, as plain data: the plan of a step
+(:class:`SchedulerOutput` of :class:`ScheduledSeq`), what the runner reports back
+(:class:`RunnerOutput`) and what a step changed per request (:class:`RequestUpdate`). No
+live ``Request`` crosses: ids, positions, block ids and a sampling snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from jaxpaged.outputs import Logprob
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.block_pool import CopyPair
+
+__all__ = [
+    "PenaltyRowInit",
+    "RequestUpdate",
+    "RunnerOutput",
+    "ScheduledSeq",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "SeqSampling",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SeqSampling:
+    """How a sequence samples its next token in this step (a snapshot: plain values)."""
+
+    params: SamplingParams
+    key_stream: int  # sample index (seeded) or the request's engine-unique stream (unseeded)
+    key_counter: int  # output tokens sampled before this one
+    ban_stop_ids: bool  # fewer than min_tokens out: EOS and stop_token_ids are banned
+    penalty_row: int  # row of the request's on-device penalty counts; -1 = no penalties
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduledSeq:
+    """One sequence's share of a step: feed ``token_ids`` at positions
+    ``start_pos .. start_pos + num_tokens - 1`` (writing their K/V first), attending to
+    ``kv_len`` cached positions through ``block_table``. A decode whose token the host has not
+    seen yet feeds row ``prev_row`` of the previous step's sampled tokens instead
+    (``token_ids`` then holds one placeholder)."""
+
+    request_id: str
+    seq_id: int  # engine-unique: tells a request from a later one that reuses its id
+    token_ids: tuple[int, ...]
+    prev_row: int  # -1: token_ids are the input; >= 0: the previous step's sampled row
+    start_pos: int
+    block_table: tuple[int, ...]  # device block ids; covers positions [0, kv_len)
+    sampling: SeqSampling | None  # None: a non-final prefill chunk (its logits are not needed)
+
+    @property
+    def do_sample(self) -> bool:
+        return self.sampling is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Cached tokens after this step's writes (the kernel's kv_lens entry)."""
+        return self.start_pos + len(self.token_ids)
+
+    def positions(self) -> range:
+        return range(self.start_pos, self.kv_len)
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledSeq({self.request_id!r}, start_pos={self.start_pos}, "
+            f"num_tokens={self.num_tokens}, prev_row={self.prev_row}, "
+            f"do_sample={self.do_sample})"
+        )
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        """KV slot of each fed token: block_table[pos // bs] * bs + pos % bs."""
+        t = self.block_table
+        return [t[p // block_size] * block_size + p % block_size for p in self.positions()]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PenaltyRowInit:
+    """Fill penalty row ``row`` from a request's tokens (before the step runs)."""
+
+    row: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerOutput:
+    """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
+    (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
+    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``penalty_rows_to_init``,
+    then runs ``seqs``. Run it even when ``seqs`` is empty but a list is not
+    (:attr:`has_work`)."""
+
+    seqs: tuple[ScheduledSeq, ...] = ()
+    blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
+    blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
+    blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
+    penalty_rows_to_init: tuple[PenaltyRowInit, ...] = ()
+    # requests that ended (finished, aborted, errored) since the last schedule(): drop state
+    finished_request_ids: tuple[str, ...] = ()
+    # requests preempted in this step (recompute: blocks gone; swap: blocks on the host)
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(
+            self.seqs
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+            or self.penalty_rows_to_init
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunnerOutput:
+    """What the runner sampled, aligned with ``SchedulerOutput.seqs`` (entries of sequences
+    that do not sample are ignored; use -1). ``failed`` names sequences the runner could not
+    put into the batch, with the reason: those requests end with an error, the rest go on."""
+
+    sampled_token_ids: Sequence[int]
+    logprobs: Sequence[Logprob | None] | None = None  # same alignment
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestUpdate:
+    """What one step changed for one request (plain data for the engine's output
+    processing)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[Logprob, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "error" once finished
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(kw_only=True)
+class SchedulerStats:
+    """Counters since start (mutable; the engine reads them for metrics)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
+    prefix_cache_queries: int = 0  # tokens needed at admissions
+    prefix_cache_hits: int = 0  # of those, tokens found cached (prefix cache or n>1 fork)
