@@ -233,7 +233,7 @@ def _device_parts(llm: Any, batch: Any, bucket: Any, *, repeats: int) -> dict[st
             lm_head, params, h, dev_batch.sample_rows, repeats=repeats
         ),
         "sampler (greedy)": _timed(
-            sample, logits, dev_batch.sampling, runner.penalties, repeats=repeats
+            sample, logits, dev_batch.sampling, runner.seq_state, repeats=repeats
         ),
     }
     # attention: the pool is donated, so thread it through and hand it back to the runner

@@ -18,7 +18,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["MAX_BANNED_IDS", "MAX_LOGPROBS", "MAX_N", "SamplingParams", "validate_prompt"]
+__all__ = [
+    "MAX_BANNED_IDS",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "SamplingParams",
+    "banned_ids_for_min_tokens",
+    "validate_prompt",
+]
 
 MAX_N = 128  # most samples of one prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # most top logprobs per token (OpenAI's limit; the step's static top-k)
@@ -138,6 +145,18 @@ class SamplingParams:
         """Output tokens this request may produce: max_tokens, capped by the context."""
         room = max_model_len - num_prompt_tokens
         return room if self.max_tokens is None else min(self.max_tokens, room)
+
+
+def banned_ids_for_min_tokens(
+    params: SamplingParams, eos_token_ids: Sequence[int]
+) -> tuple[int, ...]:
+    """The ids ``min_tokens`` holds back until it is reached: EOS (unless ``ignore_eos``) and
+    ``stop_token_ids``, sorted. At most ``MAX_BANNED_IDS`` fit the step (checked at
+    admission)."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return tuple(sorted(ids))
 
 
 def validate_prompt(

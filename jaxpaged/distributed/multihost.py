@@ -28,7 +28,7 @@ While rank 0 has no work, followers simply wait inside the next broadcast (no po
 ``jax.distributed`` coordination service ends the others.
 
 The scheduler, block tables and sampling state exist only on rank 0; followers hold only
-device state (their shards, the penalty counts, the last sampled tokens), which the broadcast
+device state (their shards, the sampler state, the last sampled tokens), which the broadcast
 calls keep identical to rank 0's.
 Not supported across hosts: ``preemption_mode="swap"`` (swapping reads the KV shards of
 every host back to rank 0's memory); use ``"recompute"``.
@@ -42,13 +42,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged.sched.output import PenaltyRowInit
+from jaxpaged.sched.output import StateRowInit
 from jaxpaged.worker.buckets import Bucket, pow2_ladder
 from jaxpaged.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
-OP_STEP, OP_COPY, OP_WARM_STEP, OP_WARM_COPY, OP_STOP, OP_PENALTY_ROW = 1, 2, 3, 4, 5, 6
+OP_STEP, OP_COPY, OP_WARM_STEP, OP_WARM_COPY, OP_STOP, OP_STATE_ROW = 1, 2, 3, 4, 5, 6
 _HEADER = 6  # op, num_tokens, num_seqs, max_blocks, decode_only, move_len
 
 
@@ -136,14 +136,10 @@ class Leader:
         _broadcast(_header(op, move_len=len(src)))
         _broadcast((np.asarray(src, np.int32), np.asarray(dst, np.int32)))
 
-    def announce_penalty_row(
-        self,
-        row: np.ndarray,  # int32 []
-        prompt: np.ndarray,  # int32 [max_model_len], -1 padded
-        output: np.ndarray,  # int32 [max_model_len], -1 padded
-    ) -> None:
-        _broadcast(_header(OP_PENALTY_ROW))
-        _broadcast((row, prompt, output))
+    def announce_state_row(self, arrays: tuple[np.ndarray, ...]) -> None:
+        """``arrays``: Runner.state_row_arrays' (fixed shapes)."""
+        _broadcast(_header(OP_STATE_ROW))
+        _broadcast(arrays)
 
     def warm_up(self) -> None:
         """Compile the broadcasts of every bucket and move size now (followers mirror it)."""
@@ -193,8 +189,8 @@ def follow(engine: Any) -> int:
             src, dst = _broadcast((none, none))
             if op == OP_COPY:
                 runner.apply_copy(src, dst)
-        elif op == OP_PENALTY_ROW:
-            empty = PenaltyRowInit(row=0, prompt_token_ids=(), output_token_ids=())
-            runner.fill_penalty_row(*_broadcast(runner.penalty_row_arrays(empty)))
+        elif op == OP_STATE_ROW:
+            empty = StateRowInit(row=0, prompt_token_ids=(), output_token_ids=())
+            runner.fill_state_row(_broadcast(runner.state_row_arrays(empty)))
         else:
             raise RuntimeError(f"follower: unknown op {op} from rank 0")

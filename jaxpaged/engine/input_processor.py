@@ -18,18 +18,14 @@ from typing import Any
 from jaxpaged.engine.core import EngineRequest
 from jaxpaged.engine.protocol import Prompt
 from jaxpaged.outputs import RequestOutputKind
-from jaxpaged.sampling_params import MAX_BANNED_IDS, SamplingParams, validate_prompt
+from jaxpaged.sampling_params import (
+    MAX_BANNED_IDS,
+    SamplingParams,
+    banned_ids_for_min_tokens,
+    validate_prompt,
+)
 
-__all__ = ["InputProcessor", "banned_ids_for_min_tokens"]
-
-
-def banned_ids_for_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
-    """The ids ``min_tokens`` holds back until it is reached: EOS (unless ``ignore_eos``)
-    and ``stop_token_ids``."""
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids.update(eos_token_ids)
-    return ids
+__all__ = ["InputProcessor"]
 
 
 class InputProcessor:

@@ -101,7 +101,6 @@ class LLMEngine:
                 max_num_seqs=scheduler_config.max_num_seqs,
                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                 max_model_len=scheduler_config.max_model_len,
-                eos_token_ids=eos,
                 seed=seed,
                 attention_backend=attention_backend,
                 mesh=self.mesh,

@@ -13,7 +13,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.block_pool import CopyPair
 
 __all__ = [
-    "PenaltyRowInit",
+    "StateRowInit",
     "RequestUpdate",
     "RunnerOutput",
     "ScheduledSeq",
@@ -30,8 +30,7 @@ class SeqSampling:
     params: SamplingParams
     key_stream: int  # sample index (seeded) or the request's engine-unique stream (unseeded)
     key_counter: int  # output tokens sampled before this one
-    ban_stop_ids: bool  # fewer than min_tokens out: EOS and stop_token_ids are banned
-    penalty_row: int  # row of the request's on-device penalty counts; -1 = no penalties
+    state_row: int  # row of the request's on-device sampler state; -1 = none
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,19 +79,21 @@ class ScheduledSeq:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PenaltyRowInit:
-    """Fill penalty row ``row`` from a request's tokens (before the step runs)."""
+class StateRowInit:
+    """Fill the sampler state row ``row`` from a request (before the step runs)."""
 
     row: int
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
+    min_tokens: int = 0
+    banned_ids: tuple[int, ...] = ()  # held back until min_tokens: EOS + stop_token_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerOutput:
     """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
     (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
-    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``penalty_rows_to_init``,
+    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``state_rows_to_init``,
     then runs ``seqs``. Run it even when ``seqs`` is empty but a list is not
     (:attr:`has_work`)."""
 
@@ -100,7 +101,7 @@ class SchedulerOutput:
     blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
     blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
     blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
-    penalty_rows_to_init: tuple[PenaltyRowInit, ...] = ()
+    state_rows_to_init: tuple[StateRowInit, ...] = ()
     # requests that ended (finished, aborted, errored) since the last schedule(): drop state
     finished_request_ids: tuple[str, ...] = ()
     # requests preempted in this step (recompute: blocks gone; swap: blocks on the host)
@@ -121,7 +122,7 @@ class SchedulerOutput:
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
             or self.blocks_to_copy
-            or self.penalty_rows_to_init
+            or self.state_rows_to_init
         )
 
 

@@ -79,7 +79,7 @@ class Request:
     arrival_order: int = -1  # FCFS priority and engine-unique id, set by add_request
     rng_stream: int = 0  # engine-unique stream for unseeded sampling, set by add_request
     max_tokens: int = 0  # effective max output tokens, set by Scheduler.add_request
-    penalty_row: int = -1  # row of the on-device penalty counts while running, -1 = none
+    state_row: int = -1  # row of the on-device sampler state while running, -1 = none
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -149,10 +149,12 @@ class Request:
         return self.num_total_tokens - self.num_computed_tokens > 1
 
     @property
-    def has_penalties(self) -> bool:
+    def needs_state_row(self) -> bool:
+        """Whether its sampling reads on-device per-request state: penalties or min_tokens."""
         sp = self.sampling_params
         return (
             sp.repetition_penalty != 1.0
             or sp.presence_penalty != 0.0
             or sp.frequency_penalty != 0.0
+            or sp.min_tokens > 0
         )

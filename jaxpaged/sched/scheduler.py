@@ -34,9 +34,10 @@ sampled tokens and ends requests on token-based conditions (EOS after ``min_toke
 ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``). Stop strings are the
 engine's output processing: it calls :meth:`finish`. :meth:`abort` ends a request in any state.
 
-Penalties: a running request with repetition / presence / frequency penalties holds a row of
-the runner's on-device token counts (``penalty_row``); the plan says which rows to fill from a
-request's prompt and output (``penalty_rows_to_init``) and the step keeps them current.
+Sampler state: a running request with repetition / presence / frequency penalties or
+``min_tokens`` holds a row of the runner's on-device sampler state (``state_row``: token
+counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
+from a request (``state_rows_to_init``) and the step keeps them current.
 
 Metrics (:class:`SchedulerStats`): ``prefix_cache_queries`` / ``prefix_cache_hits`` are in
 tokens: at each admission, the tokens the request needs (prompt, or prompt + output after a
@@ -51,20 +52,21 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
 from jaxpaged.sched.output import (
-    PenaltyRowInit,
     RequestUpdate,
     RunnerOutput,
     ScheduledSeq,
     SchedulerOutput,
     SchedulerStats,
     SeqSampling,
+    StateRowInit,
 )
 from jaxpaged.sched.request import Request, RequestStatus
 
 __all__ = [
-    "PenaltyRowInit",
+    "StateRowInit",
     "RequestUpdate",
     "RunnerOutput",
     "ScheduledSeq",
@@ -121,7 +123,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._next_order = 0
         # penalty rows: one per running request at most, so max_num_seqs of them
-        self._free_penalty_rows = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
+        self._free_state_rows = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         # rows of the last planned step's sampled tokens: request id -> row
         self._prev_rows: dict[str, int] = {}
 
@@ -213,7 +215,7 @@ class Scheduler:
         if old is RequestStatus.RUNNING:
             self.running.remove(request)
             self.pool.free(request.request_id)
-            self._release_penalty_row(request)
+            self._release_state_row(request)
         elif old is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.pool.free_host(request.request_id)
@@ -244,7 +246,7 @@ class Scheduler:
         swap_out: list[CopyPair] = []
         swap_in: list[CopyPair] = []
         preempted: list[str] = []
-        row_inits: list[PenaltyRowInit] = []
+        row_inits: list[StateRowInit] = []
 
         def emit(req: Request, start: int, n: int) -> None:
             nonlocal budget
@@ -258,13 +260,18 @@ class Scheduler:
 
         def start_running(req: Request) -> None:
             self._set_running(req)
-            if req.has_penalties:
-                req.penalty_row = self._free_penalty_rows.pop()
+            if req.needs_state_row:
+                sp = req.sampling_params
+                req.state_row = self._free_state_rows.pop()
                 row_inits.append(
-                    PenaltyRowInit(
-                        row=req.penalty_row,
+                    StateRowInit(
+                        row=req.state_row,
                         prompt_token_ids=tuple(req.prompt_token_ids),
                         output_token_ids=tuple(req.output_token_ids),
+                        min_tokens=sp.min_tokens,
+                        banned_ids=banned_ids_for_min_tokens(sp, req.eos_token_ids)
+                        if sp.min_tokens
+                        else (),
                     )
                 )
 
@@ -338,7 +345,7 @@ class Scheduler:
             blocks_to_swap_out=tuple(swap_out),
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(copies),
-            penalty_rows_to_init=tuple(row_inits),
+            state_rows_to_init=tuple(row_inits),
             finished_request_ids=finished,
             preempted_request_ids=tuple(preempted),
         )
@@ -370,8 +377,7 @@ class Scheduler:
                 params=sp,
                 key_stream=req.sample_index if sp.seed is not None else req.rng_stream,
                 key_counter=generated,
-                ban_stop_ids=generated < sp.min_tokens,
-                penalty_row=req.penalty_row,
+                state_row=req.state_row,
             )
         return ScheduledSeq(
             request_id=req.request_id,
@@ -447,15 +453,15 @@ class Scheduler:
         keys = [r.arrival_order for r in self.running]
         self.running.insert(bisect.bisect(keys, req.arrival_order), req)
 
-    def _release_penalty_row(self, req: Request) -> None:
-        if req.penalty_row >= 0:
-            self._free_penalty_rows.append(req.penalty_row)
-            req.penalty_row = -1
+    def _release_state_row(self, req: Request) -> None:
+        if req.state_row >= 0:
+            self._free_state_rows.append(req.state_row)
+            req.state_row = -1
 
     def _preempt(self, victim: Request) -> list[CopyPair]:
         """Takes a running request off the device; returns its swap-out pairs (if any)."""
         self.running.remove(victim)
-        self._release_penalty_row(victim)
+        self._release_state_row(victim)
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         if (

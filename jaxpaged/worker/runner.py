@@ -1,8 +1,8 @@
-"""Runner: owns the device state (params, KV pool, penalty counts, the last step's sampled
+"""Runner: owns the device state (params, KV pool, per-sequence sampler state, the last step's sampled
 tokens), pads each scheduled step into a shape bucket (:mod:`jaxpaged.worker.buckets`) and
 dispatches the jitted step without waiting for it.
 
-``dispatch(plan)`` applies the plan's block swaps and copies and its penalty-row fills, builds
+``dispatch(plan)`` applies the plan's block swaps and copies and its sampler-state row fills, builds
 the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
 device works. ``collect(pending)`` waits for that step and returns what it sampled. The engine
 dispatches step N+1 before it collects step N, so the device never waits for the host: a
@@ -27,7 +27,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
-from jaxpaged.sched.output import PenaltyRowInit, RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
 from jaxpaged.worker.kv_cache import (
@@ -64,7 +64,6 @@ class Runner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -76,7 +75,6 @@ class Runner:
         self.leader = None
         self.layout = layout
         self.max_model_len = max_model_len
-        self.eos_token_ids = tuple(eos_token_ids)
         self.backend = attention_backend
 
         # the platform's part, chosen once: on CPU the native kernels over weights packed
@@ -100,9 +98,9 @@ class Runner:
         self.pool = create_pool(
             layout=layout, sharding=None if mesh is None else kv_pool_sharding(mesh)
         )
-        # one penalty row per running request at most; the scheduler hands them out
-        self.penalties = self._on_mesh(
-            sampler.create_penalty_state(max_num_seqs, model_config.vocab_size)
+        # one sampler-state row per running request at most; the scheduler hands them out
+        self.seq_state = self._on_mesh(
+            sampler.create_seq_state(max_num_seqs, model_config.vocab_size, MAX_BANNED_IDS)
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
         self.sampled = self._on_mesh(jax.numpy.zeros((max_num_seqs,), jax.numpy.int32))
@@ -131,7 +129,7 @@ class Runner:
         bucket = max(self.buckets.all(), key=lambda b: (b.num_tokens, b.max_blocks))
         batch, _ = self.build_batch([], bucket)
         lowered = step.lower(
-            self.params, self.pool, self.penalties, self.sampled, batch, **self._step_kwargs()
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._step_kwargs()
         )
         analysis = lowered.compile().memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
@@ -173,8 +171,6 @@ class Runner:
             s,
             vocab_size=self.model_config.vocab_size,
             engine_key_data=self.engine_key_data,
-            eos_token_ids=self.eos_token_ids,
-            max_banned=MAX_BANNED_IDS,
         )
         batch = StepBatch(
             tokens=tokens,
@@ -196,20 +192,20 @@ class Runner:
             kwargs.update(max_q_len=1)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
-        out, self.pool, self.penalties = step(
-            self.params, self.pool, self.penalties, self.sampled, batch, **kwargs
+        out, self.pool, self.seq_state = step(
+            self.params, self.pool, self.seq_state, self.sampled, batch, **kwargs
         )
         self.sampled = out.token_ids
         return out
 
     def dispatch(self, plan: SchedulerOutput) -> PendingStep | None:
-        """Applies the plan's swaps, copies and penalty-row fills, then launches its step
+        """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
         without waiting for it (None when the plan has no sequences)."""
         self._swap_out(plan.blocks_to_swap_out)
         self._swap_in(plan.blocks_to_swap_in)
         self._copy(plan.blocks_to_copy)
-        for init in plan.penalty_rows_to_init:
-            self._init_penalty_row(init)
+        for init in plan.state_rows_to_init:
+            self._init_state_row(init)
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
@@ -254,31 +250,31 @@ class Runner:
         """dispatch + collect: one step, waiting for it (callers that do not overlap)."""
         return self.collect(self.dispatch(plan))
 
-    # --------------------------------------------------------- penalty rows
-    def penalty_row_arrays(self, init: PenaltyRowInit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(row [], prompt [H], output [H]) int32 inputs of ``init_penalty_row``, H =
-        max_model_len, -1 padded: one shape, one compiled program."""
+    # ------------------------------------------------------- sampler state rows
+    def state_row_arrays(self, init: StateRowInit) -> tuple[np.ndarray, ...]:
+        """The int32 inputs of ``init_state_row``: row [], prompt [H], output [H] (H =
+        max_model_len), min_tokens [], banned ids [MAX_BANNED_IDS], -1 padded: one shape,
+        one compiled program."""
         h = self.max_model_len
         prompt = np.full(h, -1, np.int32)
         output = np.full(h, -1, np.int32)
+        banned = np.full(MAX_BANNED_IDS, -1, np.int32)
         prompt[: len(init.prompt_token_ids)] = init.prompt_token_ids
         output[: len(init.output_token_ids)] = init.output_token_ids
-        return np.array(init.row, np.int32), prompt, output
+        banned[: len(init.banned_ids)] = init.banned_ids  # admission bounds its length
+        row, min_tokens = np.array(init.row, np.int32), np.array(init.min_tokens, np.int32)
+        return row, prompt, output, min_tokens, banned
 
-    def _init_penalty_row(self, init: PenaltyRowInit) -> None:
-        row, prompt, output = self.penalty_row_arrays(init)
+    def _init_state_row(self, init: StateRowInit) -> None:
+        arrays = self.state_row_arrays(init)
         if self.leader is not None:
-            self.leader.announce_penalty_row(row, prompt, output)
-        self.fill_penalty_row(row, prompt, output)
+            self.leader.announce_state_row(arrays)
+        self.fill_state_row(arrays)
 
-    def fill_penalty_row(
-        self,
-        row: np.ndarray,  # int32 []
-        prompt: np.ndarray,  # int32 [max_model_len], -1 padded
-        output: np.ndarray,  # int32 [max_model_len], -1 padded
-    ) -> None:
-        """The device call of a penalty-row fill (followers of a multi-host run too)."""
-        self.penalties = sampler.init_penalty_row(self.penalties, row, prompt, output)
+    def fill_state_row(self, arrays: tuple[np.ndarray, ...]) -> None:
+        """The device call of a state-row fill (followers of a multi-host run too);
+        ``arrays`` as :meth:`state_row_arrays` makes them."""
+        self.seq_state = sampler.init_state_row(self.seq_state, *arrays)
 
     # ------------------------------------------------------------ block moves
     def _padded(self, ids: Sequence[int]) -> np.ndarray:
@@ -364,7 +360,7 @@ class Runner:
 
     # ---------------------------------------------------------------- warm-up
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
-        """Compiles every step bucket, the penalty-row fill and the block-move sizes now, so
+        """Compiles every step bucket, the sampler-state row fill and the block-move sizes now, so
         serving never compiles. Returns (programs, seconds)."""
         start = time.perf_counter()
         buckets = self.buckets.all()
@@ -376,7 +372,7 @@ class Runner:
             jax.block_until_ready(self._run(batch, bucket))
             bar.update()
         # row 0 is free while nothing runs: filling it with nothing leaves it as it was
-        self._init_penalty_row(PenaltyRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
+        self._init_state_row(StateRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
         bar.update()
         for n in moves:
             none = np.full(n, -1, np.int32)
@@ -388,7 +384,7 @@ class Runner:
                 bar.update()
                 self.pool = scatter_blocks(self.pool, none, (k, v), **dims)
                 bar.update()
-        jax.block_until_ready((self.pool, self.penalties))
+        jax.block_until_ready((self.pool, self.seq_state))
         bar.close()
         self.warmed_up = True
         return total, time.perf_counter() - start

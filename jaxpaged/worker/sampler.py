@@ -25,12 +25,13 @@ request's seed as key data and the sample index (0..n-1) as stream, so a seeded 
 draws the same tokens whatever else is in the batch, at whatever row, across runs.
 Unseeded rows use the engine's key data and an engine-unique per-sequence stream.
 
-Penalty state (:class:`PenaltyState`): the runner keeps, on the device, one row per running
-request that has penalties: a ``[V]`` mask of its prompt's tokens and ``[V]`` counts of the
-tokens it generated. A row is filled once when the request starts running
-(:func:`init_penalty_row`, from its prompt and output so far) and the step adds each sampled
+Per-sequence state (:class:`SeqState`): the runner keeps, on the device, one row per running
+request that has penalties or ``min_tokens``: a ``[V]`` mask of its prompt's tokens, ``[V]``
+counts of the tokens it generated, how many it generated, its ``min_tokens`` and the ids that
+holds back (EOS and ``stop_token_ids``). A row is filled once when the request starts running
+(:func:`init_state_row`, from its prompt and output so far) and the step adds each sampled
 token to its row (:func:`record_sampled`), so no token history crosses from the host per step
-and the counts stay exact when the host learns the tokens a step late.
+and the state stays exact when the host learns the tokens a step late.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ class SamplingTensors(NamedTuple):
     key_data: jax.Array  # [B, 2] uint32 threefry key data (seed or engine key)
     key_stream: jax.Array  # [B] uint32 sample index (seeded) or sequence stream (unseeded)
     key_counter: jax.Array  # [B] uint32 tokens generated so far by the sequence
-    penalty_rows: jax.Array  # [B] int32 row in the PenaltyState; -1 = no penalties
-    banned_ids: jax.Array  # [B, S] int32 ids masked out (min_tokens: EOS + stop ids), -1 padded
+    state_rows: jax.Array  # [B] int32 row in the SeqState; -1 = none (no penalty, no ban)
     num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (-1: no logprobs at all)
 
 
@@ -83,21 +83,28 @@ class SamplingRow(Protocol):
     params: Any  # duck-typed SamplingParams
     key_stream: int  # sample index (seeded rows) or engine-unique stream (unseeded)
     key_counter: int  # output tokens sampled before this one
-    ban_stop_ids: bool  # EOS and stop_token_ids may not be sampled yet (min_tokens)
-    penalty_row: int  # row in the PenaltyState, -1 = none
+    state_row: int  # row in the SeqState, -1 = none
 
 
-class PenaltyState(NamedTuple):
-    """Per-request token statistics for penalties, on the device (donated every step)."""
+class SeqState(NamedTuple):
+    """Per-request sampler state on the device, one row per running request that has
+    penalties or ``min_tokens`` (donated every step): what the sampler needs of the request's
+    past, kept current by the step itself."""
 
     prompt_mask: jax.Array  # bool [R, V]: token appears in the row's prompt
     output_counts: jax.Array  # int32 [R, V]: times the row's request generated the token
+    num_generated: jax.Array  # int32 [R]: output tokens the row's request has sampled
+    min_tokens: jax.Array  # int32 [R]: its min_tokens
+    banned_ids: jax.Array  # int32 [R, M]: ids held back until min_tokens is reached, -1 padded
 
 
-def create_penalty_state(num_rows: int, vocab_size: int) -> PenaltyState:
-    return PenaltyState(
+def create_seq_state(num_rows: int, vocab_size: int, max_banned: int) -> SeqState:
+    return SeqState(
         prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),
         output_counts=jnp.zeros((num_rows, vocab_size), jnp.int32),
+        num_generated=jnp.zeros((num_rows,), jnp.int32),
+        min_tokens=jnp.zeros((num_rows,), jnp.int32),
+        banned_ids=jnp.full((num_rows, max_banned), -1, jnp.int32),
     )
 
 
@@ -107,32 +114,49 @@ def _drop_padding(ids: jax.Array, size: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def init_penalty_row(
-    state: PenaltyState,
+def init_state_row(
+    state: SeqState,
     row: jax.Array,  # int32 []
     prompt_ids: jax.Array,  # int32 [H] the prompt, -1 padded
     output_ids: jax.Array,  # int32 [H] the output so far, -1 padded
-) -> PenaltyState:
-    """Fills one row from a request's tokens (when it starts running). One compiled shape:
-    H is fixed by the runner (``max_model_len``)."""
+    min_tokens: jax.Array,  # int32 []
+    banned_ids: jax.Array,  # int32 [M] ids held back until min_tokens, -1 padded
+) -> SeqState:
+    """Fills one row from a request (when it starts running). One compiled shape: H is fixed
+    by the runner (``max_model_len``), M by ``MAX_BANNED_IDS``."""
     v = state.prompt_mask.shape[1]
     mask = jnp.zeros((v,), jnp.bool_).at[_drop_padding(prompt_ids, v)].set(True, mode="drop")
     counts = jnp.zeros((v,), jnp.int32).at[_drop_padding(output_ids, v)].add(1, mode="drop")
-    return PenaltyState(
+    return SeqState(
         prompt_mask=state.prompt_mask.at[row].set(mask),
         output_counts=state.output_counts.at[row].set(counts),
+        num_generated=state.num_generated.at[row].set(jnp.sum(output_ids >= 0)),
+        min_tokens=state.min_tokens.at[row].set(min_tokens),
+        banned_ids=state.banned_ids.at[row].set(banned_ids),
     )
 
 
 def record_sampled(
-    state: PenaltyState,
-    rows: jax.Array,  # int32 [B] penalty rows of the batch, -1 = none
+    state: SeqState,
+    rows: jax.Array,  # int32 [B] state rows of the batch, -1 = none
     token_ids: jax.Array,  # int32 [B] the tokens just sampled
-) -> PenaltyState:
-    """Adds each sampled token to its row's counts (inside the jitted step)."""
+) -> SeqState:
+    """Adds each sampled token to its row (inside the jitted step)."""
     r = state.output_counts.shape[0]
-    counts = state.output_counts.at[_drop_padding(rows, r), token_ids].add(1, mode="drop")
-    return state._replace(output_counts=counts)
+    rows = _drop_padding(rows, r)
+    counts = state.output_counts.at[rows, token_ids].add(1, mode="drop")
+    generated = state.num_generated.at[rows].add(1, mode="drop")
+    return state._replace(output_counts=counts, num_generated=generated)
+
+
+def banned_now(
+    t: SamplingTensors, state: SeqState
+) -> jax.Array:  # int32 [B, M] ids each row may not sample now, -1 padded
+    """The ban lists of the rows whose request is still short of its min_tokens."""
+    r = state.num_generated.shape[0]
+    rows = jnp.clip(t.state_rows, 0, r - 1)
+    active = (t.state_rows >= 0) & (state.num_generated[rows] < state.min_tokens[rows])
+    return jnp.where(active[:, None], state.banned_ids[rows], -1)
 
 
 def seed_to_key_data(seed: int) -> np.ndarray:
@@ -147,14 +171,11 @@ def build_sampling_tensors(
     *,
     vocab_size: int,
     engine_key_data: np.ndarray,  # [2] uint32, e.g. seed_to_key_data(engine seed)
-    eos_token_ids: Sequence[int] = (),
-    max_banned: int = 16,
 ) -> tuple[SamplingTensors, dict[int, str]]:
     """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows, and the rows
     that could not be filled (index -> reason; left as padding, so one bad row cannot stop
     the batch). None rows (sequences that do not sample) and padding rows are greedy with
-    every filter off. ``max_banned`` fixes the shape of the min_tokens ban list: keep it
-    constant while serving so the step never recompiles.
+    every filter off.
     """
     n = len(rows)
     if n > batch_size:
@@ -177,8 +198,7 @@ def build_sampling_tensors(
         key_data=np.zeros((b, 2), np.uint32),
         key_stream=np.zeros(b, np.uint32),
         key_counter=np.zeros(b, np.uint32),
-        penalty_rows=np.full(b, -1, np.int32),
-        banned_ids=np.full((b, max_banned), -1, np.int32),
+        state_rows=np.full(b, -1, np.int32),
         num_logprobs=np.full(b, -1, np.int32),
     )
     failed: dict[int, str] = {}
@@ -186,7 +206,7 @@ def build_sampling_tensors(
         if row is None:
             continue
         try:
-            _fill_row(t, i, row, vocab_size, engine_key_data, eos_token_ids)
+            _fill_row(t, i, row, vocab_size, engine_key_data)
         except (ValueError, TypeError, OverflowError) as e:
             failed[i] = f"{type(e).__name__}: {e}"
             for arr, pad in zip(t, _padding_values(vocab_size), strict=True):
@@ -196,7 +216,7 @@ def build_sampling_tensors(
 
 def _padding_values(vocab_size: int) -> tuple[object, ...]:
     """Each SamplingTensors field's value for a padding row (greedy, filters off)."""
-    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1, -1)
+    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1)
 
 
 def _fill_row(
@@ -205,7 +225,6 @@ def _fill_row(
     row: SamplingRow,
     vocab_size: int,
     engine_key_data: np.ndarray,
-    eos_token_ids: Sequence[int],
 ) -> None:
     sp = row.params
     t.temperature[i] = sp.temperature
@@ -222,31 +241,21 @@ def _fill_row(
     has_penalty = (
         sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
     )
-    if has_penalty and row.penalty_row < 0:
-        raise ValueError("penalties: the sequence has no penalty row")
-    t.penalty_rows[i] = row.penalty_row
-    if row.ban_stop_ids:
-        ids = [] if sp.ignore_eos else list(eos_token_ids)
-        ids = sorted(set(ids + list(sp.stop_token_ids or ())))
-        max_banned = t.banned_ids.shape[1]
-        if len(ids) > max_banned:
-            raise ValueError(
-                f"stop_token_ids: {len(ids)} ids to hold back for min_tokens exceed "
-                f"max_banned={max_banned}"
-            )
-        t.banned_ids[i, : len(ids)] = ids
+    if (has_penalty or sp.min_tokens > 0) and row.state_row < 0:
+        raise ValueError("penalties / min_tokens: the sequence has no state row")
+    t.state_rows[i] = row.state_row
     t.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
 
 
 def apply_penalties(
     logits: jax.Array,  # [B, V] float32
     t: SamplingTensors,
-    state: PenaltyState,
+    state: SeqState,
 ) -> jax.Array:  # [B, V]
     """vLLM penalties: repetition on prompt+output tokens, frequency/presence on output."""
     r = state.output_counts.shape[0]
-    has_row = (t.penalty_rows >= 0)[:, None]  # [B, 1]
-    rows = jnp.clip(t.penalty_rows, 0, r - 1)
+    has_row = (t.state_rows >= 0)[:, None]  # [B, 1]
+    rows = jnp.clip(t.state_rows, 0, r - 1)
     out_counts = jnp.where(has_row, state.output_counts[rows], 0).astype(jnp.float32)  # [B, V]
     seen = has_row & (state.prompt_mask[rows] | (out_counts > 0))  # [B, V]
     rp = t.repetition_penalty[:, None]
@@ -378,7 +387,7 @@ def greedy_argmax(x: jax.Array) -> jax.Array:  # float32 [B, V] -> int32 [B]
 def sample(
     logits: jax.Array,  # [B, V] float32 raw model logits
     t: SamplingTensors,
-    state: PenaltyState,
+    state: SeqState,
     *,
     num_logprobs: int,
     argmax: Callable[[jax.Array], jax.Array] = greedy_argmax,
@@ -394,11 +403,12 @@ def sample(
         (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
     )
     greedy = t.temperature < GREEDY_EPS  # [B]
+    banned = banned_now(t, state)  # [B, M]
 
     def _pick(logits):
         x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, logits, t, state)
         # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
-        banned_cols = jnp.where(t.banned_ids < 0, v, t.banned_ids)
+        banned_cols = jnp.where(banned < 0, v, banned)
         banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
         x = x.at[banned_rows, banned_cols].set(-jnp.inf, mode="drop")
         greedy_ids = argmax(x)
@@ -428,7 +438,7 @@ def sample(
 
     # The common case (greedy, no penalty, no ban) is one argmax over the raw logits: the
     # general path's conditionals and scatter each copy the [B, V] logits.
-    plain = jnp.all(greedy) & ~needs_penalty & jnp.all(t.banned_ids < 0)
+    plain = jnp.all(greedy) & ~needs_penalty & jnp.all(banned < 0)
     token_ids = lax.cond(plain, argmax, _pick, logits)
 
     # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the

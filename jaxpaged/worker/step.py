@@ -1,6 +1,6 @@
 """The jitted engine step: model forward over the paged KV pool, logits of each sequence's last
-token, on-device sampling. Pure function of (params, pool, penalty state, previous step's
-sampled tokens, batch); the pool and the penalty state are donated."""
+token, on-device sampling. Pure function of (params, pool, per-sequence sampler state,
+previous step's sampled tokens, batch); the pool and the sampler state are donated."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class StepOutput(NamedTuple):
 def step(
     params: Params,
     pool: KVPool,
-    penalties: sampler.PenaltyState,
+    seq_state: sampler.SeqState,
     prev_sampled: jax.Array,  # int32 [R] the previous step's StepOutput.token_ids
     batch: StepBatch,
     *,
@@ -72,7 +72,7 @@ def step(
     max_kv_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     kernels: StepKernels = XLA_KERNELS,
-) -> tuple[StepOutput, KVPool, sampler.PenaltyState]:
+) -> tuple[StepOutput, KVPool, sampler.SeqState]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. Decode tokens the host has not seen yet come straight
     from ``prev_sampled`` (``batch.prev_rows``), so the host never waits for a step before
@@ -129,10 +129,10 @@ def step(
     logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(
-        logits, batch.sampling, penalties, num_logprobs=num_logprobs, argmax=kernels.argmax
+        logits, batch.sampling, seq_state, num_logprobs=num_logprobs, argmax=kernels.argmax
     )
-    penalties = sampler.record_sampled(penalties, batch.sampling.penalty_rows, out.token_ids)
+    seq_state = sampler.record_sampled(seq_state, batch.sampling.state_rows, out.token_ids)
     num_rows = prev_sampled.shape[0]
     token_ids = jnp.zeros((num_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
     out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
-    return replicate_on(out, mesh), pool, replicate_on(penalties, mesh)
+    return replicate_on(out, mesh), pool, replicate_on(seq_state, mesh)

@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import cpu
+from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.worker.sampler import (
-    PenaltyState,
     SamplingTensors,
+    SeqState,
     apply_penalties,
     apply_top_k_top_p,
     build_sampling_tensors,
-    create_penalty_state,
+    create_seq_state,
     greedy_argmax,
-    init_penalty_row,
+    init_state_row,
     record_sampled,
     sample,
     sample_from_logits,
@@ -30,14 +31,15 @@ from jaxpaged.worker.sampler import (
 
 ENGINE_KEY = seed_to_key_data(1234)
 B, V = 16, 64  # shared small shape: fewer compilations
-H = 64  # penalty-row fills: prompt / output padded to this many ids
+H = 64  # state-row fills: prompt / output padded to this many ids
+M = 16  # ids min_tokens may hold back per row
 
 
 class Built(NamedTuple):
     """A batch's sampling tensors and the penalty state its rows point at."""
 
     t: SamplingTensors
-    state: PenaltyState
+    state: SeqState
 
 
 def _sample(logits, built, *, num_logprobs, argmax=greedy_argmax):
@@ -73,7 +75,7 @@ def params(**kw) -> SimpleNamespace:
         logprobs=None,
         min_tokens=0,
         ignore_eos=False,
-        stop_token_ids=None,
+        stop_token_ids=(),
     )
     d.update(kw)
     return SimpleNamespace(**d)
@@ -99,28 +101,32 @@ def padded(ids) -> np.ndarray:
     return out
 
 
-def build(rows, batch_size, vocab_size, **kw) -> Built:
+def build(rows, batch_size, vocab_size, eos_token_ids=()) -> Built:
     """Sampling tensors of ``rows`` as the scheduler would snapshot them (the stream of a
-    seeded row is its sample index, else its engine stream; min_tokens bans until reached),
-    and a penalty state whose row i holds row i's prompt and output when it has penalties."""
-    state = create_penalty_state(batch_size, vocab_size)
+    seeded row is its sample index, else its engine stream), and a sampler state whose row i
+    holds row i's prompt, output, min_tokens and held-back ids when it has penalties or
+    min_tokens."""
+    state = create_seq_state(batch_size, vocab_size, M)
     seqs = []
     for i, r in enumerate(rows):
         sp = r.params
-        penalty_row = i if has_penalty(sp) else -1
-        if penalty_row >= 0:
-            state = init_penalty_row(state, np.int32(i), padded(r.prompt), padded(r.output))
+        state_row = i if has_penalty(sp) or sp.min_tokens else -1
+        if state_row >= 0:
+            ids = banned_ids_for_min_tokens(sp, eos_token_ids)
+            state = init_state_row(
+                state, np.int32(i), padded(r.prompt), padded(r.output),
+                np.int32(sp.min_tokens), padded(ids)[:M],
+            )  # fmt: skip
         seqs.append(
             SimpleNamespace(
                 params=sp,
                 key_stream=r.sample_index if sp.seed is not None else r.rng_stream,
                 key_counter=len(r.output),
-                ban_stop_ids=len(r.output) < sp.min_tokens,
-                penalty_row=penalty_row,
+                state_row=state_row,
             )
         )
     t, failed = build_sampling_tensors(
-        seqs, batch_size, vocab_size=vocab_size, engine_key_data=ENGINE_KEY, **kw
+        seqs, batch_size, vocab_size=vocab_size, engine_key_data=ENGINE_KEY
     )
     assert not failed, failed
     return Built(t, state)
@@ -349,7 +355,9 @@ def test_penalties_change_exactly_the_right_logits():
         rows.append(row(sp, prompt, output))
     t, state = build(rows, b, v)
     # The no-penalty row points at no state row; fill row 4 anyway to prove it is not read.
-    state = init_penalty_row(state, np.int32(4), padded([0, 1, 2]), padded([3, 3]))
+    state = init_state_row(
+        state, np.int32(4), padded([0, 1, 2]), padded([3, 3]), np.int32(0), padded([])[:M]
+    )
     got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), t, state))
     want = ref_penalties(logits[:4], rows[:4])
     np.testing.assert_allclose(got[:4], want, rtol=1e-6, atol=1e-6)
@@ -372,7 +380,7 @@ def test_the_step_keeps_penalty_counts_current():
     for _ in range(5):
         logits = jnp.asarray(rng.normal(size=(B, V)).astype(np.float32))
         out = sample_jit(logits, Built(built.t, state), num_logprobs=0)
-        state = record_sampled(state, built.t.penalty_rows, out.token_ids)
+        state = record_sampled(state, built.t.state_rows, out.token_ids)
         output.append(int(out.token_ids[0]))
     want = build([row(sp, prompt, output)], B, V).state
     np.testing.assert_array_equal(np.asarray(state.output_counts[0]), want.output_counts[0])
@@ -503,40 +511,26 @@ def test_build_sampling_tensors_padding_and_errors():
     assert t.temperature.tolist() == [1.0, 0.0, 0.0]  # padding rows are greedy
     assert t.num_logprobs.tolist() == [2, -1, -1]  # padding rows want no logprobs
     np.testing.assert_array_equal(t.key_data[0], seed_to_key_data(9))
-    assert (t.penalty_rows == -1).all()  # no penalty: no state row
+    assert (t.state_rows == -1).all()  # no penalty: no state row
     with pytest.raises(ValueError, match="batch_size"):
         build([row(params())] * 4, 3, 100)
     with pytest.raises(ValueError, match="engine_key_data"):
         build_sampling_tensors([], 2, vocab_size=10, engine_key_data=np.zeros(3))
+
     # A row that cannot be filled fails alone: it rides as padding, the others are kept.
-    good = SimpleNamespace(
-        params=params(temperature=0.5),
-        key_stream=0,
-        key_counter=0,
-        ban_stop_ids=False,
-        penalty_row=-1,
-    )
-    many_stops = SimpleNamespace(
-        params=params(min_tokens=3, stop_token_ids=list(range(20))),
-        key_stream=0,
-        key_counter=0,
-        ban_stop_ids=True,
-        penalty_row=-1,
-    )
-    no_row = SimpleNamespace(
-        params=params(frequency_penalty=0.1),
-        key_stream=0,
-        key_counter=0,
-        ban_stop_ids=False,
-        penalty_row=-1,
-    )
+    def seq(sp):
+        return SimpleNamespace(params=sp, key_stream=0, key_counter=0, state_row=-1)
+
+    good = seq(params(temperature=0.5))
+    min_tokens_no_row = seq(params(min_tokens=3, stop_token_ids=[5]))
+    penalty_no_row = seq(params(frequency_penalty=0.1))
     t, failed = build_sampling_tensors(
-        [many_stops, good, no_row], 4, vocab_size=100, engine_key_data=ENGINE_KEY, max_banned=16
+        [min_tokens_no_row, good, penalty_no_row], 4, vocab_size=100, engine_key_data=ENGINE_KEY
     )
     assert set(failed) == {0, 2}
-    assert "stop_token_ids" in failed[0] and "penalty row" in failed[2]
+    assert all("no state row" in why for why in failed.values())
     assert t.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]
-    assert (t.banned_ids[0] == -1).all() and t.frequency_penalty[2] == 0.0
+    assert (t.state_rows == -1).all() and t.frequency_penalty[2] == 0.0
 
 
 @pytest.mark.parametrize("argmax", ARGMAXES)
@@ -550,3 +544,20 @@ def test_all_greedy_batch_with_a_penalty_takes_the_penalised_argmax(argmax):
     rows = [row(params(temperature=0.0, presence_penalty=1.0), output=[5]), row(greedy)]
     out = sample_with(argmax)(jnp.asarray(logits), build(rows, B, V), num_logprobs=0)
     assert np.asarray(out.token_ids)[:2].tolist() == [9, 5]
+
+
+def test_min_tokens_ban_lifts_on_the_device():
+    """The same step inputs, step after step: the device's own count of generated tokens
+    lifts the ban once min_tokens is reached (the host never re-sends anything)."""
+    logits = np.zeros((B, V), np.float32)
+    logits[:, 7] = 5.0  # EOS is the best token
+    logits[:, 3] = 4.0  # a stop token id is second
+    sp = params(temperature=0.0, min_tokens=2, stop_token_ids=[3])
+    t, state = build([row(sp, output=[]), row(params(temperature=0.0))], B, V, eos_token_ids=[7])
+    picked = []
+    for _ in range(3):
+        out = sample_jit(jnp.asarray(logits), Built(t, state), num_logprobs=0)
+        state = record_sampled(state, t.state_rows, out.token_ids)
+        picked.append(np.asarray(out.token_ids)[:2].tolist())
+    assert picked == [[0, 7], [0, 7], [7, 7]]  # banned twice, then EOS; row 1 never banned
+    assert np.asarray(state.num_generated)[:2].tolist() == [3, 0]

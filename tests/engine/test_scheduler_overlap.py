@@ -51,12 +51,12 @@ def test_penalty_rows_are_handed_out_filled_and_reused():
     inits, rows_in_use = [], []
 
     def on_step(plan, ups):
-        inits.extend(plan.penalty_rows_to_init)
-        rows = [s.sampling.penalty_row for s in plan.seqs if s.do_sample]
+        inits.extend(plan.state_rows_to_init)
+        rows = [s.sampling.state_row for s in plan.seqs if s.do_sample]
         rows_in_use.append(sorted(r for r in rows if r >= 0))
         for s in plan.seqs:
             if s.do_sample and s.request_id == "plain":
-                assert s.sampling.penalty_row == -1
+                assert s.sampling.state_row == -1
 
     done = run(sched, runner, on_step=on_step)
     assert set(done) == {"p0", "plain", "p1"}
@@ -65,7 +65,7 @@ def test_penalty_rows_are_handed_out_filled_and_reused():
     assert by_prompt[(1, 2, 3, 4, 5)].output_token_ids == ()
     assert (8, 9) in by_prompt  # p1 got a row once "plain" left
     assert all(len(set(r)) == len(r) for r in rows_in_use)  # never two requests on one row
-    assert sorted(sched._free_penalty_rows) == [0, 1]
+    assert sorted(sched._free_state_rows) == [0, 1]
     assert_all_free(sched)
 
 
@@ -74,7 +74,7 @@ def test_a_preempted_request_gets_its_penalty_row_back_with_its_output():
     sched.add_request(make_request("a", [1, 2, 3, 4, 5, 6], max_tokens=9))
     sched.add_request(make_request("b", [7, 8, 9], max_tokens=9, presence_penalty=0.3))
     inits = []
-    done = run(sched, runner, on_step=lambda plan, ups: inits.extend(plan.penalty_rows_to_init))
+    done = run(sched, runner, on_step=lambda plan, ups: inits.extend(plan.state_rows_to_init))
     assert sched.stats.num_preemptions > 0
     assert done == {
         "a": reference_output([1, 2, 3, 4, 5, 6], 9),
@@ -87,4 +87,19 @@ def test_a_preempted_request_gets_its_penalty_row_back_with_its_output():
         reference_output([7, 8, 9], len(resumed.output_token_ids))
     )
     assert len(resumed.output_token_ids) > 0
+    assert_all_free(sched)
+
+
+def test_min_tokens_alone_takes_a_state_row_with_its_held_back_ids():
+    sched, runner = make()
+    r = make_request("m", [1, 2, 3], max_tokens=6, min_tokens=2, stop_token_ids=[9, 4])
+    r.eos_token_ids = (4, 5)
+    sched.add_request(r)
+    sched.add_request(make_request("i", [1, 2], max_tokens=3, min_tokens=1, ignore_eos=True))
+    inits = []
+    run(sched, runner, on_step=lambda plan, ups: inits.extend(plan.state_rows_to_init))
+    by_prompt = {i.prompt_token_ids: i for i in inits}
+    m, i = by_prompt[(1, 2, 3)], by_prompt[(1, 2)]
+    assert m.min_tokens == 2 and m.banned_ids == (4, 5, 9)  # EOS and stop ids, sorted
+    assert i.min_tokens == 1 and i.banned_ids == ()  # ignore_eos, no stop ids
     assert_all_free(sched)

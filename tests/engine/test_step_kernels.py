@@ -98,7 +98,7 @@ def test_engine_steps_call_the_native_kernels():
         bucket = runner.buckets.all()[0]
         batch, _ = runner.build_batch([], bucket)
         hlo = step.lower(
-            runner.params, runner.pool, runner.penalties, runner.sampled, batch,
+            runner.params, runner.pool, runner.seq_state, runner.sampled, batch,
             **runner._step_kwargs(),
         ).as_text()  # fmt: skip
         for target in ("jaxpaged_paged_attention", "jaxpaged_linear", "jaxpaged_argmax"):
