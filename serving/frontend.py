@@ -420,8 +420,7 @@ class Frontend:
         arrival = time.monotonic()
         self._admitting += 1
         try:
-            # the engine runs the blocking part (tokenizing, its step lock) off the loop, and
-            # aborts the request itself if this call is cancelled meanwhile
+            # the engine tokenizes and validates off the loop; a cancel meanwhile queues nothing
             stream = await engine.add_request(request_id, prompt, params, output_kind=output_kind)
         except EngineDeadError as e:
             self.mark_failed(e)

@@ -4,8 +4,8 @@ Control flow (N processes, one per host, each owning its local accelerators):
 
 1. Every process calls :func:`initialize` with the same ``num_processes`` and
    ``coordinator_address`` and its own ``process_id``; after it, ``jax.devices()`` lists the
-   devices of all hosts and ``jaxpaged.distributed.parallel.make_mesh(tp)`` builds one global mesh (tp =
-   total devices, e.g. 2 hosts x 8 GPUs -> ``-tp 16``).
+   devices of all hosts and ``jaxpaged.distributed.parallel.make_mesh(tp)`` builds one global
+   mesh (tp = total devices, e.g. 2 hosts x 8 GPUs -> ``-tp 16``).
 2. Every process builds the same ``LLMEngine`` with the same arguments: it loads its shards
    of the weights (Orbax folders read only those slices), creates its part of the KV pool and
    runs the same warm-up, so all processes compile and run the same programs in the same

@@ -367,13 +367,6 @@ class LLMEngine:
                 self._live.discard(out.request_id)
         return outputs
 
-    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
-        """Ends every request with an error (used when the engine must stop serving)."""
-        outputs = self._ready + self.core.fail_all(exc)
-        self._ready = []
-        self._live.clear()
-        return outputs
-
     # ----------------------------------------------------------------- metrics
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (never waits for the device)."""

@@ -1,9 +1,9 @@
-"""Runner: owns the device state (params, KV pool, per-sequence sampler state, the last step's sampled
-tokens), pads each scheduled step into a shape bucket (:mod:`jaxpaged.worker.buckets`) and
-dispatches the jitted step without waiting for it.
+"""Runner: owns the device state (params, KV pool, per-sequence sampler state, the last step's
+sampled tokens), pads each scheduled step into a shape bucket (:mod:`jaxpaged.worker.buckets`)
+and dispatches the jitted step without waiting for it.
 
-``dispatch(plan)`` applies the plan's block swaps and copies and its sampler-state row fills, builds
-the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
+``dispatch(plan)`` applies the plan's block swaps and copies and its sampler-state row fills,
+builds the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
 device works. ``collect(pending)`` waits for that step and returns what it sampled. The engine
 dispatches step N+1 before it collects step N, so the device never waits for the host: a
 decode whose token the host has not seen yet reads it from the previous step's output on the
