@@ -11,7 +11,8 @@ import grpc
 import httpx
 import openai
 import pytest
-from fakes import FakeLLMEngine, expected_text, wait_until
+from fake_llm_engine import FakeLLMEngine
+from fakes import expected_text, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxpaged.engine.async_engine import AsyncEngine
