@@ -42,6 +42,7 @@ __all__ = [
     "fraction",
     "non_negative_float",
     "optional_text",
+    "parse_gib",
     "parse_size",
     "positive_int",
 ]
@@ -52,18 +53,52 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
 
 # ------------------------------------------------------------------ argparse value types
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
+          "t": 1e12, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+GiB = 1 << 30
+
+
+class SizeError(argparse.ArgumentTypeError, ValueError):
+    """A malformed or out-of-range size: argparse reports it as a bad flag value, Python
+    callers catch a ValueError."""
+
+
+def _size_parts(text: str) -> tuple[float, str]:
+    """(number, lower-case unit) of a size; ArgumentTypeError (a ValueError too) if it is none."""
+    m = _SIZE.fullmatch(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SizeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
+    return float(m.group(1)), m.group(2).lower()
 
 
 def parse_size(text: str) -> int:
     """Bytes from '4294967296', '4GiB', '512MiB', '1.5G' (argparse type)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number, unit = _size_parts(text)
+    value = int(number * _UNITS[unit])
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+        raise SizeError(f"size must be > 0, got {text!r}")
     return value
+
+
+def parse_gib(text: str) -> float:
+    """GiB from '4' or '0.5' (a bare number is GiB, vLLM's unit for swap_space) or from a size
+    with its unit: '16GiB', '512MiB', '2G' (argparse type). Zero is allowed (no swap)."""
+    number, unit = _size_parts(text)
+    return number if unit == "" else number * _UNITS[unit] / GiB
+
+
+def _normalise_size(name: str, value: Any, parse: Callable[[str], Any]) -> Any:
+    """A size given as text (``LLM(swap_space="16GiB")``) in the field's own unit; other
+    values pass through unchanged for the configs to check."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse(value)
+    except SizeError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def positive_int(text: str) -> int:
@@ -129,9 +164,25 @@ class EngineArgs:
 
     model: str | os.PathLike[str] | None = _setting(
         None,
-        "HF hub id, local folder, Orbax folder or .gguf file (default: bundled SmolLM2)",
+        "HF hub id (REPO:FILE.gguf for one GGUF of a hub repo), local folder, Orbax folder or "
+        ".gguf file (default: bundled SmolLM2); positional or --model",
         "model",
+        "--model",
         metavar="MODEL",
+    )
+    revision: str | None = _setting(
+        None,
+        "hub branch, tag or commit of MODEL (default: main)",
+        "--revision",
+        parse=optional_text,
+    )
+    download_dir: str | os.PathLike[str] | None = _setting(
+        None,
+        "folder to download hub models into (default: the Hugging Face cache, $HF_HUB_CACHE "
+        "or $HF_HOME/hub or ~/.cache/huggingface/hub)",
+        "--download-dir",
+        parse=optional_text,
+        metavar="DIR",
     )
     dtype: str | None = _setting(
         None,
@@ -173,9 +224,9 @@ class EngineArgs:
         "--gpu-memory-utilization",
         parse=fraction,
     )
-    kv_cache_memory: int | None = _setting(
+    kv_cache_memory: int | str | None = _setting(
         None,
-        "bytes for the KV cache (CPU; on the command line e.g. 2GiB)",
+        "bytes for the KV cache (CPU), a number or a size such as 2GiB",
         "--kv-cache-memory",
         parse=parse_size,
     )
@@ -185,11 +236,11 @@ class EngineArgs:
         "--num-kv-blocks",
         parse=positive_int,
     )
-    swap_space: float = _setting(
+    swap_space: float | str = _setting(
         4.0,
-        "GiB of host memory for the blocks of swapped-out requests",
+        "host memory for the blocks of swapped-out requests: GiB, or a size such as 16GiB",
         "--swap-space",
-        parse=non_negative_float,
+        parse=parse_gib,
     )
     preemption_mode: str = _setting(
         "recompute",
@@ -230,6 +281,17 @@ class EngineArgs:
         metavar="DIR",
     )
 
+    def __post_init__(self) -> None:
+        # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
+        object.__setattr__(
+            self, "swap_space", _normalise_size("swap_space", self.swap_space, parse_gib)
+        )
+        object.__setattr__(
+            self,
+            "kv_cache_memory",
+            _normalise_size("kv_cache_memory", self.kv_cache_memory, parse_size),
+        )
+
     # ------------------------------------------------------------ keywords
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -260,7 +322,17 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
             default = defaults.get(f.name, f.default)
-            group.add_argument(*f.metadata["cli"].flags, **_argparse_kwargs(f, default))
+            flags = f.metadata["cli"].flags
+            kwargs = _argparse_kwargs(f, default)
+            if flags[0].startswith("-"):
+                group.add_argument(*flags, **kwargs)
+                continue
+            # a positional that may also be given as an option (`serve MODEL` or `--model MODEL`)
+            group.add_argument(flags[0], action=_GivenOnce, **kwargs)
+            if flags[1:]:
+                kwargs.pop("nargs")
+                kwargs["help"] = argparse.SUPPRESS
+                group.add_argument(*flags[1:], dest=f.name, action=_GivenOnce, **kwargs)
         return group
 
     @classmethod
@@ -310,6 +382,20 @@ class EngineArgs:
             configure_process=self.configure_process,
             compile_cache_dir=os.fspath(cache) if isinstance(cache, os.PathLike) else cache,
         )
+
+
+class _GivenOnce(argparse.Action):
+    """Stores a value that has two spellings (a positional and an option): an absent
+    positional keeps what the option gave, and two different values are an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        old = getattr(namespace, self.dest, None)
+        if values is None or values == self.default:
+            if old is not None:
+                return  # an absent positional keeps the option's value
+        elif old is not None and old != self.default and old != values:
+            parser.error(f"{self.metavar or self.dest} given twice: {old!r} and {values!r}")
+        setattr(namespace, self.dest, values)
 
 
 def _is_int(x: object) -> bool:

@@ -110,6 +110,7 @@ class ServingConfig:
     """Server settings that are not engine settings."""
 
     served_model_name: str
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name)
     model_path: str = ""
     host: str = "127.0.0.1"
     port: int = 8000
@@ -120,7 +121,7 @@ class ServingConfig:
     chat_template: str | None = None  # template text (a file is read by the CLI)
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
+        if not self.served_model_name or not all(self.served_model_aliases):
             raise ValueError("served_model_name must not be empty")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(

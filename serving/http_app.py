@@ -141,7 +141,8 @@ def create_app(frontend: Frontend) -> FastAPI:
         return _error_response(exc)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in (cfg.served_model_name, cfg.model_path):
+        names = (cfg.served_model_name, *cfg.served_model_aliases, cfg.model_path)
+        if name is not None and name not in names:
             raise InvalidRequest(
                 f"model {name!r} does not exist; this server serves {cfg.served_model_name!r}",
                 param="model",
@@ -225,13 +226,14 @@ def create_app(frontend: Frontend) -> FastAPI:
             "object": "list",
             "data": [
                 {
-                    "id": cfg.served_model_name,
+                    "id": name,
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "jaxpaged",
                     "root": cfg.model_path or cfg.served_model_name,
                     "max_model_len": max_len,
                 }
+                for name in (cfg.served_model_name, *cfg.served_model_aliases)
             ],
         }
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxpaged.client", description=__doc__)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxpaged.client") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--grpc", default="127.0.0.1:50051", metavar="HOST:PORT")
     p.add_argument("--max-tokens", type=int, default=256)

@@ -47,9 +47,9 @@ def convert(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxpaged.convert") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxpaged.convert",
+        prog=prog,
         description="Save a model's params as an Orbax checkpoint folder that LLM(model=OUT) "
         "and `python -m jaxpaged.serve --model OUT` restore directly into any mesh layout.",
     )

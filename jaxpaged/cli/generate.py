@@ -14,8 +14,8 @@ from jaxpaged.llm import LLM
 from jaxpaged.sampling_params import SamplingParams
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxpaged.generate", description=__doc__)
+def _parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument(
         "--model",
@@ -37,8 +37,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxpaged.generate") -> int:
+    args = _parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # One prompt: compile only the shapes it uses instead of warming every bucket. The command
     # owns its process: it configures it and keeps compiled programs on disk.

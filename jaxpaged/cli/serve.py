@@ -1,7 +1,8 @@
-"""`python -m jaxpaged.serve [MODEL] [flags]`: the gRPC + OpenAI-compatible HTTP server.
+"""`jaxpaged serve [MODEL] [flags]` (or `python -m jaxpaged.serve`): the gRPC +
+OpenAI-compatible HTTP server.
 
-MODEL is a Hugging Face hub id, a local folder or a .gguf file (default: the bundled
-SmolLM2-135M-Instruct). One process: one engine thread, gRPC and HTTP on one asyncio loop.
+MODEL (positional or --model) is a Hugging Face hub id, a local folder or a .gguf file
+(default: the bundled SmolLM2-135M-Instruct). --config FILE.yaml holds flags as a mapping. One process: one engine thread, gRPC and HTTP on one asyncio loop.
 SIGTERM / SIGINT drain: new requests are refused, in-flight ones may finish for up to
 --shutdown-timeout seconds, the rest are aborted; then the process exits 0.
 """
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxpaged.args import EngineArgs, non_negative_float, parse_size, positive_int
+from jaxpaged.cli.config_file import parse_args_with_config
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -30,11 +32,19 @@ def _port(text: str) -> int:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxpaged.serve",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML file of flags (keys: flag names; the command line's flags win)",
     )
     s = p.add_argument_group("server")
     s.add_argument(
@@ -43,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
     s.add_argument("--grpc-port", type=_port, default=50051, help="gRPC port (default 50051)")
     s.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: from MODEL)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's names in the API: the first is the one responses carry, requests "
+        "may use any (default: from MODEL)",
     )
     s.add_argument(
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
@@ -66,8 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (HTTP) / authorization metadata (gRPC); "
         "default $JAXPAGED_API_KEY",
     )
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     s.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
+        "--uvicorn-log-level",
+        default=None,
+        choices=(*LOG_LEVELS, "trace"),
+        help="log level of the HTTP server, uvicorn (default: --log-level)",
+    )
+    s.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log requests; jaxpaged never logs requests' contents, so this changes "
+        "nothing (kept so that vLLM command lines run)",
     )
     from jaxpaged.engine.process import process_owner_args
 
@@ -129,12 +154,16 @@ def build_engine(args: argparse.Namespace) -> Any:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, engine_factory: Callable[[], Any] | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    engine_factory: Callable[[], Any] | None = None,
+    prog: str = "python -m jaxpaged.serve",
 ) -> int:
     """Parses flags and serves until SIGTERM/SIGINT. `engine_factory` replaces the engine built
     from the flags (for tests and embedding)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser = build_parser(prog)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args_with_config(parser, argv)
     engine_args = EngineArgs.from_cli_args(args)
     from jaxpaged.distributed import multihost
     from jaxpaged.engine import configure_process
@@ -174,8 +203,10 @@ def main(
     from jaxpaged.serving.frontend import ServingConfig
     from jaxpaged.serving.server import serve
 
+    names = args.served_model_name or [_served_name(args.model)]
     config = ServingConfig(
-        served_model_name=args.served_model_name or _served_name(args.model),
+        served_model_name=names[0],
+        served_model_aliases=tuple(names[1:]),
         model_path=args.model or "",
         host=args.host,
         port=args.port,
@@ -191,7 +222,9 @@ def main(
         return multihost.follow(build_engine(args))
     factory = engine_factory or engine_factory_from_args(args)
     try:
-        return asyncio.run(serve(config, factory, log_level=args.log_level))
+        return asyncio.run(
+            serve(config, factory, log_level=args.uvicorn_log_level or args.log_level)
+        )
     except OSError as e:  # e.g. a port in use
         log.error("%s", e)
         return 1

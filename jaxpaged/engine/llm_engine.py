@@ -242,7 +242,9 @@ class LLMEngine:
             configure_process(args.gpu_memory_utilization)  # before the load starts JAX
         n = parallel_config.tensor_parallel_size
         mesh = make_mesh(n) if n > 1 else None
-        folder = resolve_model_folder(args.model)
+        folder = resolve_model_folder(
+            args.model, revision=args.revision, download_dir=args.download_dir
+        )
         # Orbax folders (jaxpaged.convert) are detected
         model_config, params = load_params(
             folder, mesh=mesh, dtype=args.load_dtype, progress=args.show_progress

@@ -21,6 +21,8 @@ from jaxpaged.models.testing import random_params, tiny_config
 # field -> (command-line words, the value they give): every field, none at its default
 CLI_CASES = {
     "model": (["/models/m.gguf"], "/models/m.gguf"),
+    "revision": (["--revision", "v1.0"], "v1.0"),
+    "download_dir": (["--download-dir", "/data/hub"], "/data/hub"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "tensor_parallel_size": (["-tp", "2"], 2),
     "max_model_len": (["--max-model-len", "512"], 512),
@@ -30,7 +32,7 @@ CLI_CASES = {
     "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
     "kv_cache_memory": (["--kv-cache-memory", "1GiB"], 1 << 30),
     "num_kv_blocks": (["--num-kv-blocks", "64"], 64),
-    "swap_space": (["--swap-space", "2"], 2.0),
+    "swap_space": (["--swap-space", "16GiB"], 16.0),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
     "enforce_eager": (["--enforce-eager"], True),
@@ -49,8 +51,13 @@ def _engine_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's arguments, less --help and second spellings (`--model` beside MODEL)."""
+    return [a for a in parser._actions if a.dest != "help" and a.help != argparse.SUPPRESS]
+
+
 def _dests(parser: argparse.ArgumentParser) -> list[str]:
-    return [a.dest for a in parser._actions if a.dest != "help"]
+    return [a.dest for a in _actions(parser)]
 
 
 def test_cases_cover_every_field():
@@ -93,18 +100,18 @@ def test_serve_takes_its_engine_flags_from_engine_args():
     """The serve parser defines each engine flag once, exactly as EngineArgs does, and none
     of its own flags is an engine setting."""
     serve = build_parser()
-    engine_actions = {a.dest: a.option_strings for a in _engine_parser()._actions}
+    engine_actions = {a.dest: a.option_strings for a in _actions(_engine_parser())}
     serve_dests = _dests(serve)
     assert len(serve_dests) == len(set(serve_dests)), "a flag is defined twice"
-    for action in serve._actions:
+    for action in _actions(serve):
         if action.dest in engine_actions:
             assert action.option_strings == engine_actions[action.dest]
     assert set(EngineArgs.field_names()) <= set(serve_dests)
     own = set(serve_dests) - set(EngineArgs.field_names())
     assert own == {
         "host", "port", "grpc_port", "served_model_name", "chat_template", "max_queue_len",
-        "shutdown_timeout", "api_key", "log_level", "num_processes", "process_id",
-        "coordinator_address",
+        "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
+        "config", "num_processes", "process_id", "coordinator_address",
     }  # fmt: skip
 
 
@@ -192,7 +199,9 @@ def test_generate_keywords_are_the_engine_args(captured, monkeypatch):
 def test_unknown_keyword_is_a_value_error_with_close_matches(build):
     with pytest.raises(ValueError, match=r"'max_num_seq'.*'max_num_seqs'"):
         build({"max_num_seq": 8})
-    with pytest.raises(ValueError, match=r"'colour'.*engine arguments are: model, dtype"):
+    with pytest.raises(
+        ValueError, match=r"'colour'.*engine arguments are: model, revision, download_dir, dtype"
+    ):
         build({"colour": "blue"})
 
 
@@ -206,7 +215,9 @@ def test_unknown_keyword_is_a_value_error_with_close_matches(build):
         ("block_size", 0),
         ("gpu_memory_utilization", 1.5),
         ("swap_space", -1.0),
-        ("kv_cache_memory", "1GiB"),
+        ("kv_cache_memory", "lots"),
+        ("kv_cache_memory", "0GiB"),
+        ("swap_space", "16 parsecs"),
         ("num_kv_blocks", 0),
         ("preemption_mode", "pause"),
         ("enable_prefix_caching", "yes"),
