@@ -26,14 +26,12 @@ from urllib.parse import unquote, urlparse
 
 @dataclasses.dataclass
 class Repo:
-    files: dict[str, Path]  # path in repo -> file on disk
-    revisions: dict[str, str]  # branch or tag -> commit sha
+    trees: dict[str, dict[str, Path]]  # commit sha -> path in repo -> file on disk
+    refs: dict[str, str]  # branch or tag -> commit sha
     token: str | None = None  # gated: this bearer token is needed
 
     def commit(self, rev: str) -> str | None:
-        if rev in self.revisions.values():
-            return rev
-        return self.revisions.get(rev)
+        return rev if rev in self.trees else self.refs.get(rev)
 
 
 @dataclasses.dataclass
@@ -77,13 +75,16 @@ class FakeHub:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def add(self, repo_id: str, folder: Path | dict[str, Path], **kw: object) -> Repo:
-        files = folder if isinstance(folder, dict) else _files_of(Path(folder))
-        revisions = kw.pop("revisions", None) or {
-            "main": hashlib.sha1(repo_id.encode()).hexdigest()
-        }
-        self.repos[repo_id] = Repo(files=files, revisions=revisions, **kw)  # type: ignore[arg-type]
-        return self.repos[repo_id]
+    def add(
+        self, repo_id: str, revisions: dict[str, Path | dict[str, Path]], token: str | None = None
+    ) -> None:
+        """``revisions``: branch or tag -> a folder, or {path in repo: file}, at that ref."""
+        trees, refs = {}, {}
+        for ref, files in revisions.items():
+            commit = hashlib.sha1(f"{repo_id}@{ref}".encode()).hexdigest()
+            trees[commit] = files if isinstance(files, dict) else _files_of(Path(files))
+            refs[ref] = commit
+        self.repos[repo_id] = Repo(trees=trees, refs=refs, token=token)
 
     def close(self) -> None:
         for cut in self.cuts.values():
@@ -134,7 +135,7 @@ class FakeHub:
         if tree:
             listing = [
                 {"type": "file", "oid": self._etag(f), "size": f.stat().st_size, "path": name}
-                for name, f in sorted(repo.files.items())
+                for name, f in sorted(repo.trees[commit].items())
             ]
             return self._json(h, listing, head)
         if m:
@@ -144,13 +145,13 @@ class FakeHub:
                 "sha": commit,
                 "private": False,
                 "gated": repo.token is not None,
-                "siblings": [{"rfilename": name} for name in sorted(repo.files)],
+                "siblings": [{"rfilename": name} for name in sorted(repo.trees[commit])],
             }
             return self._json(h, info, head)
         name = resolve.group(3)
-        if name not in repo.files:
+        if name not in repo.trees[commit]:
             return self._error(h, 404, "EntryNotFound", f"{name} does not exist", commit)
-        self._send_file(h, repo.files[name], name, commit, head)
+        self._send_file(h, repo.trees[commit][name], name, commit, head)
 
     def _send_file(self, h, path: Path, name: str, commit: str, head: bool) -> None:  # noqa: ANN001
         data = path.read_bytes()
