@@ -1,0 +1,97 @@
+"""examples/ run as written, as a user runs them (`python examples/NAME.py`), on the bundled
+SmolLM2: each prints what its vLLM original prints, from real generations."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+LINE = re.compile(r"^Prompt: '(.*)', Generated text: '(.*)'$", re.M)
+
+
+def _run(name: str, *args: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
+def _generations(stdout: str) -> dict[str, str]:
+    return dict(LINE.findall(stdout))
+
+
+def test_offline_inference():
+    printed = _generations(_run("offline_inference.py"))
+    assert list(printed) == [
+        "Hello, my name is",
+        "The president of the United States is",
+        "The capital of France is",
+        "The future of AI is",
+    ]
+    assert all(text.strip() for text in printed.values())
+
+
+def test_tensor_parallel_on_three_simulated_devices():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    printed = _generations(_run("tensor_parallel.py", env=env))
+    assert list(printed) == ["Hello, my name is", "The capital of France is"]
+    assert all(text.strip() for text in printed.values())
+
+
+def test_swap_space_swaps():
+    stdout = _run("swap_space.py")
+    printed = _generations(stdout)
+    assert len(printed) == 8 and all(text.strip() for text in printed.values())
+    assert int(re.search(r"^preemptions: (\d+)$", stdout, re.M).group(1)) > 0
+
+
+def test_openai_chat_client_against_jaxpaged_serve():
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("jaxpaged")), "serve", "--port", "0",
+         "--grpc-port", "0", "--max-model-len", "512", "--num-kv-blocks", "64",
+         "--max-num-seqs", "4", "--enforce-eager"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in server.stderr:
+            lines.append(line)
+            if "ready: serving" in line or "failed to build" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(600) and server.poll() is None, "".join(lines[-40:])
+        port = next(
+            m.group(1)
+            for line in lines
+            if (m := re.search(r"listening: gRPC .*, HTTP [\d.]+:(\d+)", line))
+        )
+        stdout = _run(
+            "openai_chat_client.py", env={"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1"}
+        )
+        reply = re.search(r"^Chat response: (.+)$", stdout, re.M)
+        assert reply and reply.group(1).strip(), stdout
+        assert re.search(r"^Finish reason: (stop|length)$", stdout, re.M), stdout
+        assert "completion_tokens=" in stdout
+    finally:
+        server.kill()
+        server.wait(30)
