@@ -7,6 +7,7 @@ do."""
 from __future__ import annotations
 
 import filecmp
+import os
 import signal
 import subprocess
 import sys
@@ -69,12 +70,11 @@ def hub(tiny_folders, bundled_model_path):
 
 @pytest.fixture
 def env(hub, tmp_path, monkeypatch) -> Path:
-    """A fresh hub cache (HF_HUB_CACHE) and jaxpaged cache; the hub at HF_ENDPOINT."""
+    """A fresh hub cache (HF_HUB_CACHE); the hub at HF_ENDPOINT."""
     for name in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("JAXPAGED_CACHE", str(tmp_path / "jaxpaged"))
     hub.requests.clear()
     return tmp_path / "hub"
 
@@ -192,3 +192,26 @@ def test_interrupted_downloads_resume_or_restart_cleanly(hub, env, tiny_folders)
     folder = resolve_model_folder(TINY, revision="v1")
     _same_files(Path(folder), tiny_folders["v1"])
     assert hub.downloads(shard) == [None, None]
+
+
+def test_jaxpaged_generate_runs_a_hub_model_offline(hub, env, tiny_folders):
+    """The console script on a hub id from the cache, offline: greedy text equals transformers'
+    on the same checkpoint."""
+    resolve_model_folder(TINY)  # download while online
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_folders["main"]).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_folders["main"])
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        want = hf.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    text = tokenizer.decode(want[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    hub.requests.clear()
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("jaxpaged")), "generate", "--model", TINY,
+         "--max-tokens", "8", "--max-model-len", "256", prompt],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == text + "\n"
+    assert hub.requests == []
