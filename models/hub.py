@@ -128,7 +128,9 @@ def hub_gguf_file(
 
 
 @contextlib.contextmanager
-def _hub_errors(name: str, revision: str | None, cache_dir: str | None, offline: bool) -> Iterator:
+def _hub_errors(
+    name: str, revision: str | None, cache_dir: str | None, offline: bool
+) -> Iterator[None]:
     """Turns huggingface_hub's exceptions into ModelNotFoundErrors that say what to do."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
