@@ -3,6 +3,7 @@ SmolLM2: each prints what its vLLM original prints, from real generations."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-LINE = re.compile(r"^Prompt: '(.*)', Generated text: '(.*)'$", re.M)
+LINE = re.compile(r"^Prompt: ('[^']*'), Generated text: (.*)$", re.M)  # reprs of str
 
 
 def _run(name: str, *args: str, env: dict[str, str] | None = None) -> str:
@@ -32,7 +33,8 @@ def _run(name: str, *args: str, env: dict[str, str] | None = None) -> str:
 
 
 def _generations(stdout: str) -> dict[str, str]:
-    return dict(LINE.findall(stdout))
+    """prompt -> generated text, from the examples' `print(f"Prompt: {p!r}, ... {t!r}")`."""
+    return {ast.literal_eval(p): ast.literal_eval(t) for p, t in LINE.findall(stdout)}
 
 
 def test_offline_inference():
