@@ -23,6 +23,7 @@ llm = LLM(
     swap_space="16GiB",  # host memory for swapped-out blocks (a number is GiB, as in vLLM)
     preemption_mode="swap",
     num_kv_blocks=40,  # 640 tokens: too few for eight requests of up to ~120 tokens
+    max_model_len=512,
 )
 outputs = llm.generate(prompts, sampling_params)
 for output in outputs:
