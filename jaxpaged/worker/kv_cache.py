@@ -4,6 +4,8 @@ One pool holds every layer: k and v are each [num_layers * num_blocks, block_siz
 and layer l's view of block b is row l * num_blocks + b. Keeping one flat array per K and V
 lets the step carry (and donate) two buffers instead of 2 * num_layers, and lets the kernels
 see the plain [num_blocks, block_size, Hkv, hd] interface with per-layer offset block ids.
+With the "tpu" attention backend the pool is one array, K and V combined per page and padded
+to the kernel's tiling (``KVLayout.combined``; kernels/pool_format.py has the shapes).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kernels.pool_format import PoolFormat
 from jaxpaged.models.config import ModelConfig
 
-KVPool = tuple[jax.Array, jax.Array]  # (k, v), each [L * num_blocks, block_size, Hkv, hd]
+# (k, v), each [L * num_blocks, block_size, Hkv, hd]; or (kv,) when combined
+KVPool = tuple[jax.Array, ...]
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -33,20 +37,32 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    combined: bool = False  # one array, K and V per page (the "tpu" attention backend)
 
     @property
-    def bytes_per_block(self) -> int:
-        """Bytes one logical block takes across all layers, K and V."""
-        return block_bytes(
-            num_layers=self.num_layers,
+    def format(self) -> PoolFormat:
+        return PoolFormat(combined=self.combined)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each array of the pool (rows: num_layers * num_blocks)."""
+        return self.format.page_shapes(
+            num_blocks=self.num_layers * self.num_blocks,
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=self.dtype,
+            dtype=jnp.dtype(self.dtype),
         )
 
     @property
+    def bytes_per_block(self) -> int:
+        """Bytes one logical block takes across all layers, K and V (padding included)."""
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
+        return sum(self.num_layers * int(np.prod(s[1:])) * itemsize for s in self.shapes)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
+        """Shape of the K (and of the V) array of a split pool."""
         return (
             self.num_layers * self.num_blocks,
             self.block_size,
@@ -71,16 +87,19 @@ def num_blocks_for(
     num_kv_blocks: int | None,
     kv_cache_memory: int | None,
     available_bytes: int | None = None,
+    combined: bool = False,
 ) -> int:
     """Decides the pool size: an explicit count, else a byte budget; fails early when one
     sequence of max_model_len would not fit, naming the figures and the flags to change."""
-    per_block = block_bytes(
+    per_block = KVLayout(
         num_layers=model.num_layers,
+        num_blocks=1,
         block_size=block_size,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         dtype=dtype,
-    )
+        combined=combined,
+    ).bytes_per_block
     if num_kv_blocks is not None:
         if num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
@@ -138,10 +157,13 @@ def configure_device_memory(gpu_memory_utilization: float) -> None:
 @functools.partial(jax.jit, static_argnames=("layout", "sharding"))
 def create_pool(*, layout: KVLayout, sharding: jax.sharding.Sharding | None = None) -> KVPool:
     """Born on the device (and with its sharding), never staged through the host."""
-    zeros = jnp.zeros(layout.shape, jnp.dtype(layout.dtype))
-    if sharding is not None:
-        zeros = jax.lax.with_sharding_constraint(zeros, sharding)
-    return zeros, zeros
+    pool = []
+    for shape in layout.shapes:
+        zeros = jnp.zeros(shape, jnp.dtype(layout.dtype))
+        if sharding is not None:
+            zeros = jax.lax.with_sharding_constraint(zeros, sharding)
+        pool.append(zeros)
+    return tuple(pool)
 
 
 def layer_rows(block_ids: jax.Array, *, num_layers: int, num_blocks: int) -> jax.Array:
@@ -174,7 +196,7 @@ def gather_blocks(
     num_layers: int,
     num_blocks: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Reads blocks for swap-out: returns (k, v), each [L, N, block_size, Hkv, hd]."""
+    """Reads blocks for swap-out: one [L, N, *page] array per pool array."""
     rows = layer_rows(jnp.maximum(block_ids, 0), num_layers=num_layers, num_blocks=num_blocks)
     return tuple(p[rows] for p in pool)
 
@@ -183,7 +205,7 @@ def gather_blocks(
 def scatter_blocks(
     pool: KVPool,
     block_ids: jax.Array,  # [N] int32; padding entries are -1 (not written)
-    data: tuple[jax.Array, jax.Array],  # (k, v), each [L, N, block_size, Hkv, hd]
+    data: tuple[jax.Array, ...],  # one [L, N, *page] array per pool array
     *,
     num_layers: int,
     num_blocks: int,

@@ -104,8 +104,8 @@ class Runner:
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
         self.sampled = self._on_mesh(jax.numpy.zeros((max_num_seqs,), jax.numpy.int32))
-        # swapped-out blocks: host slot -> (k, v), each [L, block_size, Hkv, hd]
-        self._host_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # swapped-out blocks: host slot -> one [L, *page] array per pool array
+        self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
         self.warmed_up = False
 
     def _on_mesh(self, tree):
@@ -117,6 +117,7 @@ class Runner:
             config=self.model_config,
             num_blocks=self.layout.num_blocks,
             block_size=self.layout.block_size,
+            pool_format=self.layout.format,
             num_logprobs=MAX_LOGPROBS,
             backend=self.backend,
             mesh=self.mesh,
@@ -327,7 +328,7 @@ class Runner:
     def _swap_out_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         # waits for the steps already dispatched: the blocks hold what they wrote
         dev, host = zip(*pairs, strict=True)
-        k, v = jax.device_get(
+        arrays = jax.device_get(
             gather_blocks(
                 self.pool,
                 self._padded(dev),
@@ -336,20 +337,22 @@ class Runner:
             )
         )
         for i, slot in enumerate(host):
-            self._host_blocks[slot] = (k[:, i].copy(), v[:, i].copy())
+            self._host_blocks[slot] = tuple(a[:, i].copy() for a in arrays)
 
     def _swap_in_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         host, dev = zip(*pairs, strict=True)
         ids = self._padded(dev)
-        shape = (self.layout.num_layers, len(ids), *self.layout.shape[1:])
-        k = np.zeros(shape, self.pool[0].dtype)
-        v = np.zeros(shape, self.pool[1].dtype)
+        arrays = tuple(
+            np.zeros((self.layout.num_layers, len(ids), *shape[1:]), p.dtype)
+            for shape, p in zip(self.layout.shapes, self.pool, strict=True)
+        )
         for i, slot in enumerate(host):
-            k[:, i], v[:, i] = self._host_blocks.pop(slot)
+            for a, block in zip(arrays, self._host_blocks.pop(slot), strict=True):
+                a[:, i] = block
         self.pool = scatter_blocks(
             self.pool,
             ids,
-            (k, v),
+            arrays,
             num_layers=self.layout.num_layers,
             num_blocks=self.layout.num_blocks,
         )
@@ -380,9 +383,9 @@ class Runner:
             self.pool = copy_blocks(self.pool, none, none, **dims)
             bar.update()
             if swap:
-                k, v = jax.device_get(gather_blocks(self.pool, none, **dims))
+                arrays = jax.device_get(gather_blocks(self.pool, none, **dims))
                 bar.update()
-                self.pool = scatter_blocks(self.pool, none, (k, v), **dims)
+                self.pool = scatter_blocks(self.pool, none, tuple(arrays), **dims)
                 bar.update()
         jax.block_until_ready((self.pool, self.seq_state))
         bar.close()

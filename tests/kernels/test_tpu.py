@@ -79,3 +79,34 @@ def test_tpu_backend_refuses_float16(rng):
                      dtype=np.float16)  # fmt: skip
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ragged_paged_attention(*map(jnp.asarray, case.args()), sm_scale=0.1, backend="tpu")
+
+
+def test_engine_on_the_tpu_backend_matches_the_cpu_engine():
+    """A tiny model served with attention_backend="tpu" (combined pool, JAX's kernel in TPU
+    interpret mode) samples the same greedy tokens as the default CPU engine."""
+    import jax
+
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.models.testing import random_params, tiny_config
+    from jaxpaged.sampling_params import SamplingParams
+
+    cfg = tiny_config(head_dim=16)
+    params = jax.tree.map(jnp.asarray, random_params(cfg))
+
+    def greedy(backend):
+        engine = LLMEngine.from_params(
+            cfg, params, attention_backend=backend, max_model_len=64, max_num_seqs=2,
+            max_num_batched_tokens=16, num_kv_blocks=12, block_size=8, enforce_eager=True,
+        )  # fmt: skip
+        for i, prompt in enumerate(([1, 5, 9, 2, 7, 11, 3, 4, 8, 20], [3, 4, 5])):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        tokens = {}
+        while len(tokens) < 2 or engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        return engine, tokens
+
+    engine, tokens = greedy("tpu")
+    assert engine.layout.combined and len(engine.runner.pool) == 1
+    assert tokens == greedy(None)[1]
+    assert all(len(t) == 4 for t in tokens.values())
