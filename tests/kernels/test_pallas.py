@@ -132,3 +132,38 @@ def test_pallas_interpret_long_context(rng, tools):
         *args, sm_scale=case.sm_scale, interpret=True, config=PallasConfig(block_kv=256)
     )
     assert tools["rel_err"](out, ref) < 1e-5
+
+
+def test_pallas_gpu_tiles_fit_shared_memory():
+    """Every shape the engine can hand the kernels (head_dim 16..256, 16/32-bit pools, block
+    sizes 1..256, GQA groups up to 32) either gets tiles within the shared-memory budget or
+    is reported unsupported (the engine then uses XLA); the common ones are supported."""
+    from jaxpaged.kernels.pallas_gpu import (
+        SMEM_BUDGET,
+        choose_config,
+        smem_bytes,
+        unsupported_reason,
+    )
+
+    supported = set()
+    for d in (16, 32, 64, 128, 256):
+        for itemsize in (2, 4):
+            for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                for g in (1, 2, 4, 8, 16, 32):
+                    dims = dict(head_dim=d, itemsize=itemsize, block_size=bs, group_pad=g)
+                    config = choose_config(**dims)
+                    need = smem_bytes(config, **dims)
+                    if unsupported_reason(**dims) is None:
+                        assert max(need.values()) <= SMEM_BUDGET, (dims, config, need)
+                        assert config.num_stages >= 1 and config.prefill_rows >= 16
+                        supported.add((d, itemsize, bs))
+                    else:
+                        assert max(need.values()) > SMEM_BUDGET
+    for d in (64, 128, 256):
+        for itemsize in (2, 4):
+            for bs in (8, 16, 32):
+                assert (d, itemsize, bs) in supported
+    assert "head_dim" in unsupported_reason(head_dim=96, itemsize=2, block_size=16, group_pad=4)
+    # the table: deeper decode pipelining and more prefill warps for a 128-wide bf16 head
+    c = choose_config(head_dim=128, itemsize=2, block_size=16, group_pad=4)
+    assert (c.block_kv, c.num_stages, c.prefill_warps) == (64, 3, 8)
