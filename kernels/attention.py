@@ -10,6 +10,7 @@ TPU). The pool layout each backend reads is chosen in pool_format.py.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 from . import cpu
 from .reference import ragged_paged_attention_reference
 from .xla import ragged_paged_attention_xla
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "xla", "pallas", "cpu", "tpu")
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -163,6 +166,19 @@ def ragged_paged_attention(
         backend = "pallas" if interpret else default_backend()
         if backend == "cpu" and not cpu.supports(q.dtype, k_pages.dtype):
             backend = "xla"
+        if backend == "pallas" and not interpret:
+            from .pallas_gpu import unsupported_reason
+
+            reason = unsupported_reason(
+                head_dim=q.shape[2],
+                itemsize=k_pages.dtype.itemsize,
+                block_size=k_pages.shape[1],
+                group_pad=1 << max(0, (q.shape[1] // k_pages.shape[2] - 1).bit_length()),
+            )
+            if reason is not None:
+                # traced once per program (at warm-up), so this warns once per shape
+                logger.warning("Pallas attention cannot run this shape (%s): using XLA", reason)
+                backend = "xla"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)

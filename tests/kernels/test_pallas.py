@@ -167,3 +167,20 @@ def test_pallas_gpu_tiles_fit_shared_memory():
     # the table: deeper decode pipelining and more prefill warps for a 128-wide bf16 head
     c = choose_config(head_dim=128, itemsize=2, block_size=16, group_pad=4)
     assert (c.block_kv, c.num_stages, c.prefill_warps) == (64, 3, 8)
+
+
+def test_default_pallas_falls_back_to_xla_with_one_warning(rng, tools, monkeypatch, caplog):
+    """Where Pallas is the platform default (GPUs) a shape it cannot run (head_dim 48) is
+    served by the XLA path, with a warning naming the cause, instead of failing."""
+    from jaxpaged.kernels import attention
+
+    monkeypatch.setattr(attention, "default_backend", lambda platform=None: "pallas")
+    case = make_case(rng, [(1, 5), (3, 9)], num_q_heads=4, num_kv_heads=2, head_dim=48,
+                     block_size=8, max_seqs=3, pad_tokens=2)  # fmt: skip
+    args = tuple(map(jnp.asarray, case.args()))
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        out = ragged_paged_attention(*args, sm_scale=case.sm_scale)
+    ref = ragged_paged_attention(*args, sm_scale=case.sm_scale, backend="reference")
+    assert tools["rel_err"](out, ref) < 1e-5
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "head_dim must be a power of two" in warnings[0]
