@@ -123,12 +123,20 @@ def num_blocks_for(
     return blocks
 
 
+# Kept free beside the pool and the largest step's planned scratch: the step's outputs, the
+# sampler state, block-move and swap buffers, and XLA/cuBLAS workspaces outside the plan.
+KV_SAFETY_MARGIN_FRACTION = 0.02
+KV_SAFETY_MARGIN_MIN = 256 << 20
+
+
 def device_kv_budget(
     *, gpu_memory_utilization: float, activation_bytes: int, device: jax.Device | None = None
 ) -> int | None:
     """Bytes the KV pool may take on an accelerator: ``gpu_memory_utilization`` of the device's
-    memory, less what is in use (weights) and the step's scratch memory. None on CPU, where the
-    budget is ``kv_cache_memory`` instead.
+    memory, less what is in use (weights), the step's scratch memory and a safety margin
+    (2% of the device, at least 256 MiB). None on CPU, where the budget is
+    ``kv_cache_memory`` instead; a ValueError on an accelerator whose allocator reports no
+    limit, rather than a guessed size.
 
     JAX's allocator limit (``bytes_limit``) is ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device
     (0.75 unless set), so the device total is recovered from it.
@@ -139,11 +147,15 @@ def device_kv_budget(
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
-        return None
+        raise ValueError(
+            f"the {device.platform} allocator reports no memory limit, so gpu_memory_utilization "
+            "cannot size the KV cache; set kv_cache_memory (--kv-cache-memory) or num_kv_blocks"
+        )
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     total = limit / fraction
     in_use = stats.get("bytes_in_use", 0)
-    budget = min(gpu_memory_utilization * total, limit) - in_use - activation_bytes
+    margin = max(KV_SAFETY_MARGIN_MIN, int(KV_SAFETY_MARGIN_FRACTION * total))
+    budget = min(gpu_memory_utilization * total, limit) - in_use - activation_bytes - margin
     return max(0, int(budget))
 
 
