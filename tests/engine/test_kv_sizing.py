@@ -76,9 +76,9 @@ def test_device_budget_from_utilization(monkeypatch):
     got = device_kv_budget(gpu_memory_utilization=0.9, activation_bytes=gib, device=dev)
     assert got == 37 * gib - margin
     # a small device keeps at least 256 MiB free
-    small = _FakeGPU(limit=3 * gib, in_use=0)  # 4 GiB device
+    small = _FakeGPU(limit=3 * gib, in_use=0)  # 6 GiB device: 2% is 123 MiB
     got = device_kv_budget(gpu_memory_utilization=0.5, activation_bytes=0, device=small)
-    assert got == 2 * gib - (256 << 20)
+    assert got == 3 * gib - (256 << 20)
 
 
 def test_device_budget_refuses_to_guess_without_an_allocator_limit():
