@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,15 @@ def choose_config(*, head_dim: int, itemsize: int, block_size: int, group_pad: i
             break  # nothing left to shrink: test_pallas_gpu_tiles_fit_shared_memory says so
         config = smaller
     return config
+
+
+def _ignore_triton_deprecation() -> None:
+    """JAX 0.11 deprecates the Pallas Triton backend and warns at every lowering, i.e. once per
+    compiled program that holds these kernels. The kernels keep the Triton lowering on purpose
+    (it runs on every NVIDIA GPU JAX supports; Mosaic GPU needs Hopper), so that one message
+    is ignored, from the moment these kernels are traced. Idempotent: ``filterwarnings``
+    replaces an identical filter instead of adding another."""
+    warnings.filterwarnings("ignore", message=r"(?s).*Triton backend is deprecated")
 
 
 def _stream_kv(
@@ -378,6 +388,7 @@ def ragged_paged_attention_pallas(
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention` (inputs are validated there); `config`
     defaults to `choose_config` for the shape."""
+    _ignore_triton_deprecation()
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
     max_seqs, max_pages = block_tables.shape
