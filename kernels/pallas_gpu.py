@@ -249,6 +249,7 @@ def _first_page(pos, sliding_window, block_size):
 
 
 def _decode_kernel(
+    split_pages_ref,  # int32 [1]  pages per split this call (from the real longest context)
     kv_lens_ref,  # int32 [S]
     tables_ref,  # int32 [S, P_pad]
     q_ref,  # [BH, D]
@@ -258,7 +259,6 @@ def _decode_kernel(
     m_ref,  # f32 [BH]
     l_ref,  # f32 [BH]
     *,
-    pages_per_split: int,
     pages_per_step: int,
     group: int,
     sm_scale: float,
@@ -272,27 +272,44 @@ def _decode_kernel(
     pos = kv_len - 1
     rows = q_ref.shape[0]
     row_ok = (jnp.arange(rows, dtype=jnp.int32) < group)[:, None]
-    lo = split * pages_per_split
-    first = jnp.maximum(lo, _first_page(pos, sliding_window, block_size))
-    end = jnp.minimum(lo + pages_per_split, _cdiv(kv_len, block_size))
-    acc, m, l = _stream_kv(  # noqa: E741
-        q_ref[...],
-        jnp.full((rows, 1), pos, jnp.int32),
-        row_ok,
-        tables_ref,
-        seq,
-        k_ref,
-        v_ref,
-        first,
-        end,
-        pages_per_step=pages_per_step,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    first, end = _split_range(split, split_pages_ref[0], kv_len, sliding_window, block_size)
+
+    @pl.when(first < end)  # an empty split writes nothing; the merge leaves it out
+    def _():
+        acc, m, l = _stream_kv(  # noqa: E741
+            q_ref[...],
+            jnp.full((rows, 1), pos, jnp.int32),
+            row_ok,
+            tables_ref,
+            seq,
+            k_ref,
+            v_ref,
+            first,
+            end,
+            pages_per_step=pages_per_step,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _split_pages(longest, splits: int, pages_per_step: int, most: int):
+    """Pages per decode split for a call whose longest sequence has `longest` blocks: an even
+    share in whole steps, between one step and the static bound `most`."""
+    share = _cdiv(_cdiv(longest, splits), pages_per_step) * pages_per_step
+    return jnp.clip(share, pages_per_step, most).astype(jnp.int32)
+
+
+def _split_range(split, split_pages, kv_len, sliding_window, block_size):
+    """Blocks [first, end) of a sequence that decode split `split` reads (empty: first >= end).
+    The same arithmetic runs in the kernel and, batched, in the merge."""
+    lo = split * split_pages
+    first = jnp.maximum(lo, _first_page(kv_len - 1, sliding_window, block_size))
+    end = jnp.minimum(lo + split_pages, _cdiv(kv_len, block_size))
+    return first, end
 
 
 def _prefill_kernel(
@@ -443,14 +460,19 @@ def ragged_paged_attention_pallas(
     splits = _cdiv(max_pages, pages_per_split)
     width = splits * pages_per_split + pages_per_step
     tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)))
+    # The splits share the longest real context of this call, not the table's width: with a
+    # long max_model_len and short contexts every split still gets work. A runtime scalar,
+    # never above the static pages_per_split, so the table padding above covers it.
+    split_pages = _split_pages(jnp.max(n_pages), splits, pages_per_step, pages_per_split)
 
     last_row = jnp.clip(q_start + q_lens - 1, 0, num_tokens - 1)  # [S]
     qd = qc[last_row].reshape(max_seqs, num_kv_heads, group, head_dim)
     qd = jnp.pad(qd, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [S, Hkv, BH, D]
     o_part, m_part, l_part = pl.pallas_call(
-        functools.partial(_decode_kernel, pages_per_split=pages_per_split, group=group, **common),
+        functools.partial(_decode_kernel, group=group, **common),
         grid=(max_seqs, num_kv_heads, splits),
         in_specs=[
+            _full_spec((1,)),
             _full_spec((max_seqs,)),
             _full_spec((max_seqs, width)),
             pl.BlockSpec((_SQUEEZED, _SQUEEZED, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
@@ -473,8 +495,20 @@ def ragged_paged_attention_pallas(
         compiler_params=params,
         interpret=interpret,
         name="jaxpaged_decode_attention",
-    )(kv_lens, tables, qd, k_pages, v_pages)
-    # Merge the splits (flash-decoding): weights exp(m_k - max_k m_k).
+    )(split_pages[None], kv_lens, tables, qd, k_pages, v_pages)
+    # Merge the splits (flash-decoding): weights exp(m_k - max_k m_k) over the splits that
+    # ran; the others' outputs were never written and are not read.
+    first, end = _split_range(
+        jnp.arange(splits, dtype=jnp.int32)[None, :],
+        split_pages,
+        kv_lens[:, None],
+        sliding_window,
+        block_size,
+    )
+    ran = (first < end)[:, None, :, None]  # [S, 1, K, 1]
+    m_part = jnp.where(ran, m_part, MASK_VALUE)
+    l_part = jnp.where(ran, l_part, 0.0)
+    o_part = jnp.where(ran[..., None], o_part, 0.0)
     m_all = m_part.max(axis=2, keepdims=True)
     w = jnp.where(l_part > 0, jnp.exp(m_part - m_all), 0.0)  # [S, Hkv, K, BH]
     denom = (l_part * w).sum(axis=2)

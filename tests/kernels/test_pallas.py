@@ -184,3 +184,36 @@ def test_default_pallas_falls_back_to_xla_with_one_warning(rng, tools, monkeypat
     assert tools["rel_err"](out, ref) < 1e-5
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "head_dim must be a power of two" in warnings[0]
+
+
+def test_decode_splits_follow_the_real_longest_context():
+    """With an engine-wide table (512 blocks) and contexts of at most 32 blocks, the splits
+    share the 32 blocks (none takes all of them), not the table's width."""
+    from jaxpaged.kernels.pallas_gpu import _split_pages, _split_range
+
+    splits, step = 8, 4
+    most = 512 // splits
+    share = int(_split_pages(jnp.int32(32), splits, step, most))
+    assert share == 4
+    first, end = _split_range(jnp.arange(splits), share, jnp.int32(32 * 16), None, 16)
+    assert np.all(np.asarray(end - first) == 4)  # every split reads 4 of the 32 blocks
+    assert int(_split_pages(jnp.int32(1), splits, step, most)) == step
+    assert int(_split_pages(jnp.int32(4000), splits, step, most)) == most
+
+
+def test_pallas_interpret_short_contexts_in_a_wide_table(rng, tools):
+    """Engine-like decode: a table of 64 blocks per sequence, contexts of 1-40 tokens; the
+    splits that get no blocks write nothing (interpret mode leaves their outputs NaN) and
+    the merge leaves them out."""
+    seqs = [(1, int(rng.integers(1, 40))) for _ in range(5)]
+    case = make_case(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                     max_seqs=6, pad_tokens=2, extra_table_cols=60)  # fmt: skip
+    assert case.block_tables.shape[1] >= 60
+    args = tuple(map(jnp.asarray, case.args()))
+    ref = ragged_paged_attention(*args, sm_scale=case.sm_scale, backend="reference")
+    out = ragged_paged_attention_pallas(
+        *args, sm_scale=case.sm_scale, interpret=True, max_q_len=1,
+        config=PallasConfig(num_splits=8, block_kv=16),
+    )  # fmt: skip
+    assert tools["rel_err"](out, ref) < 1e-5
+    tools["check_padding_rows"](out, case)
