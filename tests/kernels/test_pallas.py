@@ -85,16 +85,31 @@ def _lower_for_gpu(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize(
-    "dtype,t,hq,hkv,d,nb,bs,s,p",
-    [
-        ("bfloat16", 64, 32, 8, 128, 256, 16, 8, 40),  # Llama-8B-like
-        ("float32", 50, 9, 3, 64, 250, 8, 7, 33),  # SmolLM2-like, sizes not powers of two
-    ],
-)
-def test_pallas_lowers_to_triton(dtype, t, hq, hkv, d, nb, bs, s, p):
-    """Both kernels pass the Pallas->Triton lowering (tensor sizes, ops) on a CPU machine."""
+def _largest_block(d: int, itemsize: int) -> int:
+    from jaxpaged.kernels.pallas_gpu import unsupported_reason
+
+    sizes = [bs for bs in (16, 32, 64, 128, 256) if unsupported_reason(
+        head_dim=d, itemsize=itemsize, block_size=bs, group_pad=8) is None]  # fmt: skip
+    return max(sizes)
+
+
+# Every row of choose_config's table (head_dim x dtype size) in every pool dtype, at the
+# default block and the largest block the shared-memory budget admits, with GQA and MQA
+# groups, and SmolLM2 at block 8; odd sizes elsewhere (50 tokens, 7 sequences, 33 columns).
+LOWERING_CASES = [
+    (dtype, d, bs, hq, hkv)
+    for dtype, itemsize in (("bfloat16", 2), ("float16", 2), ("float32", 4))
+    for d, (hq, hkv) in ((64, (9, 3)), (128, (32, 8)), (256, (8, 1)))
+    for bs in sorted({16, _largest_block(d, itemsize)})
+] + [("float32", 64, 8, 9, 3)]
+
+
+@pytest.mark.parametrize("dtype,d,bs,hq,hkv", LOWERING_CASES)
+def test_pallas_lowers_to_triton(dtype, d, bs, hq, hkv):
+    """Both kernels (and the decode-only program) pass the Pallas->Triton lowering (tensor
+    sizes, ops) on a CPU machine, for each tile configuration the engine can reach."""
     dt = jnp.dtype(DTYPES[dtype])
+    t, nb, s, p = 50, 250, 7, 33
     args = [
         jax.ShapeDtypeStruct(shape, dtype)
         for shape, dtype in [
@@ -107,12 +122,14 @@ def test_pallas_lowers_to_triton(dtype, t, hq, hkv, d, nb, bs, s, p):
             ((1,), jnp.int32),
         ]
     ]
-    fn = functools.partial(
-        ragged_paged_attention_pallas, sm_scale=0.1, sliding_window=100, soft_cap=30.0
-    )
-    text = _lower_for_gpu(fn, *args)
-    assert text.count("triton") >= 2, "expected two Triton kernels in the lowered module"
-    assert "mosaic" not in text
+    for max_q_len, kernels in ((None, 2), (1, 1)):
+        fn = functools.partial(
+            ragged_paged_attention_pallas, sm_scale=0.1, sliding_window=100, soft_cap=30.0,
+            max_q_len=max_q_len,
+        )  # fmt: skip
+        text = _lower_for_gpu(fn, *args)
+        assert text.count("triton") >= kernels, "expected the Triton kernels in the module"
+        assert "mosaic" not in text
 
 
 def test_pallas_rejects_non_power_of_two_head_dim(rng):
