@@ -84,7 +84,7 @@ def timing_stage(rep: Report, platform: str, interpret: bool, small: bool) -> No
     import jax
     import jax.numpy as jnp
 
-    rep.line("\n## Decode attention timing (bf16, 32 q / 8 KV heads, head_dim 128, block 16)\n")
+    rep.stage("Decode attention timing (bf16, 32 q / 8 KV heads, head_dim 128, block 16)")
     bw = copy_bandwidth(small)
     rep.line(f"device copy bandwidth (read + write): {bw / 1e9:.0f} GB/s\n")
     rep.line("GB/s counts K, V and q read once; '% copy' is that over the copy bandwidth.\n")
@@ -187,7 +187,7 @@ def greedy_tokens(
 
 
 def engine_stage(rep: Report, *, eager: bool) -> None:
-    rep.line("\n## Engine run (4-layer random-weight model, float32, greedy)\n")
+    rep.stage("Engine run (4-layer random-weight model, float32, greedy)")
     if rep.left() < rep.reserve:
         rep.line("skipped: deadline")
         return

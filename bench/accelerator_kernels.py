@@ -39,6 +39,10 @@ class Report:
             os.makedirs(out_dir, exist_ok=True)
             self.file = open(os.path.join(out_dir, "accelerator_check.md"), "a")  # noqa: SIM115
 
+    def stage(self, title: str) -> None:
+        """A stage's heading, with the seconds spent so far."""
+        self.line(f"\n## {title} (at {time.monotonic() - self.start:.0f} s)\n")
+
     def line(self, text: str = "") -> None:
         print(text, flush=True)
         if self.file is not None:
@@ -105,7 +109,7 @@ def compile_stage(rep: Report, backend: str, interpret: bool, small: bool) -> No
     import jax
     import numpy as np
 
-    rep.line("\n## Compile one decode and one prefill shape\n")
+    rep.stage("Compile one decode and one prefill shape")
     rng = np.random.default_rng(0)
     attend = attention(backend, interpret)
     shapes = [("decode", [(1, 40 if small else 2000)] * 4, 1),
@@ -157,7 +161,7 @@ def correctness_stage(rep: Report, platform: str, interpret: bool, small: bool) 
 
     from jaxpaged.kernels.testing import TOLERANCE, rel_err
 
-    rep.line("\n## Correctness against the reference (relative error, fresh random inputs)\n")
+    rep.stage("Correctness against the reference (relative error, fresh random inputs)")
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     rep.line(
