@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
+from jaxpaged.kernels import default_backend
 from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
@@ -362,6 +363,28 @@ class Runner:
         return len(self._host_blocks)
 
     # ---------------------------------------------------------------- warm-up
+    def _compile_buckets(self, buckets: Sequence[Bucket], bar: tqdm) -> None:
+        for bucket in buckets:
+            batch, _ = self.build_batch([], bucket)
+            jax.block_until_ready(self._run(batch, bucket))
+            bar.update()
+
+    def _fall_back_to_xla(self, error: Exception) -> bool:
+        """After a Pallas attention program failed to compile: serve with the XLA attention
+        path instead (one warning naming the cause). False where the XLA path would not help
+        (another backend failed, or the pool is laid out for a different kernel)."""
+        backend = self.backend or default_backend()
+        if backend != "pallas" or self.layout.combined:
+            return False
+        logger.warning(
+            "the Pallas attention kernel failed to compile (%s: %s); serving with the XLA "
+            "attention path instead (--attention-backend xla skips this attempt)",
+            type(error).__name__,
+            str(error).strip().splitlines()[0][:300] if str(error).strip() else "",
+        )
+        self.backend = "xla"
+        return True
+
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
         """Compiles every step bucket, the sampler-state row fill and the block-move sizes now, so
         serving never compiles. Returns (programs, seconds)."""
@@ -370,10 +393,13 @@ class Runner:
         moves = pow2_ladder(1, self._max_move)
         total = len(buckets) + 1 + len(moves) * (3 if swap else 1)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
-        for bucket in buckets:
-            batch, _ = self.build_batch([], bucket)
-            jax.block_until_ready(self._run(batch, bucket))
-            bar.update()
+        try:
+            self._compile_buckets(buckets, bar)
+        except Exception as error:
+            if not self._fall_back_to_xla(error):
+                raise
+            bar.reset()
+            self._compile_buckets(buckets, bar)
         # row 0 is free while nothing runs: filling it with nothing leaves it as it was
         self._init_state_row(StateRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
         bar.update()
