@@ -3,7 +3,8 @@ mode against the reference, on the randomized ragged sweep the other backends ru
 
 Each interpreted case takes 15-30 s on 2 CPU cores (the TPU simulator runs every DMA and
 load through a host callback), so a run checks one float32 and one bfloat16 case of the
-sweep, drawn at random (the seed is printed); JAXPAGED_TPU_SWEEP=all runs every case.
+sweep, drawn at random (the seed is printed); JAXPAGED_TPU_SWEEP=all runs every case and
+the bundled SmolLM2 through the engine on this backend.
 """
 
 from __future__ import annotations
@@ -110,3 +111,24 @@ def test_engine_on_the_tpu_backend_matches_the_cpu_engine():
     assert engine.layout.combined and len(engine.runner.pool) == 1
     assert tokens == greedy(None)[1]
     assert all(len(t) == 4 for t in tokens.values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("JAXPAGED_TPU_SWEEP") != "all",
+    reason="about 6 minutes on 2 cores (30 layers through the TPU simulator): "
+    "JAXPAGED_TPU_SWEEP=all runs it",
+)
+def test_bundled_model_on_the_tpu_backend_matches_the_cpu_engine(bundled_model_path):
+    from jaxpaged import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    tokens = {}
+    for backend in (None, "tpu"):
+        llm = LLM(bundled_model_path, attention_backend=backend, enforce_eager=True,
+                  max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+                  num_kv_blocks=24, block_size=16)  # fmt: skip
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["tpu"] == tokens[None]
+    assert all(len(t) == 3 for t in tokens[None])
