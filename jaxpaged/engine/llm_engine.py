@@ -85,6 +85,15 @@ class LLMEngine:
         kv_dtype = dtype or str(_params_dtype(params))
         # the pool's layout follows the attention backend (kernels/pool_format.py)
         combined_kv = pool_format(attention_backend).combined
+        if combined_kv and self.mesh is not None:
+            # the combined pool's padded heads do not split over devices like the model's
+            if attention_backend == "tpu":
+                raise ValueError(
+                    "attention_backend='tpu' does not support tensor_parallel_size > 1 yet; "
+                    "use attention_backend='xla' (--attention-backend xla)"
+                )
+            logger.info("tensor parallelism on TPU: the XLA attention path")
+            attention_backend, combined_kv = "xla", False
 
         def layout_of(num_blocks: int) -> KVLayout:
             return KVLayout(
