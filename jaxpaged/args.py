@@ -49,7 +49,7 @@ __all__ = [
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
-ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
+ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
 # ------------------------------------------------------------------ argparse value types
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,

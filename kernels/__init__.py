@@ -9,6 +9,8 @@ Backends (`backend=`; None picks by platform):
                `interpret=True` runs them anywhere (tests).
   "cpu"        native C++ kernel through XLA FFI (cpu/, cpu/cpu_native.cc), default on
                CPUs where it compiles (float32/bfloat16 pools).
+  "tpu"        JAX's own TPU ragged kernel over a combined K/V pool (tpu.py), default on
+               TPUs; TPU interpret mode elsewhere (tests).
   "xla"        gathers + einsums with an online softmax (xla.py), default elsewhere.
   "reference"  readable pure jnp (reference.py), the definition of the semantics.
 Static hints `max_q_len` (1 = decode-only step) and `max_kv_len` (bound on kv_lens) let

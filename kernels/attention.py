@@ -1,14 +1,16 @@
 """Public ragged paged attention: validates shapes, picks a backend, dispatches.
 
 Backends: "reference" (pure jnp, the semantics), "cpu" (native C++ kernel through XLA
-FFI, default on CPU when it builds), "xla" (gathers + einsums: TPU until a TPU kernel
-exists, and the CPU fallback), "pallas" (Pallas Triton kernel, default on NVIDIA GPUs;
-`interpret=True` runs it anywhere, for tests).
+FFI, default on CPU when it builds), "xla" (gathers + einsums: the CPU fallback), "pallas"
+(Pallas Triton kernel, default on NVIDIA GPUs; `interpret=True` runs it anywhere, for tests),
+"tpu" (JAX's own TPU kernel over a combined K/V pool, default on TPUs; interpret mode off a
+TPU). The pool layout each backend reads is chosen in pool_format.py.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +19,20 @@ from . import cpu
 from .reference import ragged_paged_attention_reference
 from .xla import ragged_paged_attention_xla
 
-BACKENDS = ("reference", "xla", "pallas", "cpu")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("reference", "xla", "pallas", "cpu", "tpu")
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def default_backend(platform: str | None = None) -> str:
-    """The backend used when `backend=None`: "pallas" on NVIDIA GPUs, "cpu" on CPUs where
-    the native kernel builds, else "xla"."""
+    """The backend used when `backend=None`: "pallas" on NVIDIA GPUs, "tpu" on TPUs, "cpu" on
+    CPUs where the native kernel builds, else "xla"."""
     platform = platform or jax.default_backend()
     if platform in ("gpu", "cuda"):
         return "pallas"
+    if platform == "tpu":
+        return "tpu"
     if platform == "cpu" and cpu.available():
         return "cpu"
     return "xla"
@@ -160,6 +166,19 @@ def ragged_paged_attention(
         backend = "pallas" if interpret else default_backend()
         if backend == "cpu" and not cpu.supports(q.dtype, k_pages.dtype):
             backend = "xla"
+        if backend == "pallas" and not interpret:
+            from .pallas_gpu import unsupported_reason
+
+            reason = unsupported_reason(
+                head_dim=q.shape[2],
+                itemsize=k_pages.dtype.itemsize,
+                block_size=k_pages.shape[1],
+                group_pad=1 << max(0, (q.shape[1] // k_pages.shape[2] - 1).bit_length()),
+            )
+            if reason is not None:
+                # traced once per program (at warm-up), so this warns once per shape
+                logger.warning("Pallas attention cannot run this shape (%s): using XLA", reason)
+                backend = "xla"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
@@ -170,6 +189,15 @@ def ragged_paged_attention(
         return ragged_paged_attention_xla(*args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len)
     if backend == "cpu":
         return cpu.ragged_paged_attention_native(*args, **opts)
+    if backend == "tpu":
+        from .tpu import combine_kv, ragged_paged_attention_tpu
+
+        # separate K and V pools are combined here (a copy); the engine keeps its pool combined
+        # and calls ragged_paged_attention_tpu directly (pool_format.py)
+        kv_pages = combine_kv(k_pages, v_pages)
+        return ragged_paged_attention_tpu(
+            q, kv_pages, *args[3:], **opts, num_kv_heads=k_pages.shape[2], interpret=interpret
+        )
     from .pallas_gpu import ragged_paged_attention_pallas
 
     return ragged_paged_attention_pallas(

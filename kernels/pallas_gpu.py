@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -52,14 +53,125 @@ def _pow2_at_least(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasConfig:
-    """Tile sizes and launch parameters (all static)."""
+    """Tile sizes and launch parameters (all static); ``choose_config`` fills them per shape."""
 
     block_kv: int = 64  # KV tokens per inner step (rounded to whole blocks, >= 16)
     prefill_rows: int = 64  # matmul rows of a prefill tile (tokens x padded GQA group)
     num_splits: int | None = None  # decode KV splits; None = enough to fill the GPU
     target_programs: int = 264  # decode programs to aim for (2 x 132 SMs on H100/H200)
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 4  # decode kernel
+    num_stages: int = 3  # decode kernel: deeper pipelining hides the KV loads it waits on
+    prefill_warps: int = 4
+    prefill_stages: int = 2
+
+
+# Shared memory one program may use: H100/H200 give 227 KB per SM; 160 KB leaves room for
+# Triton's layout-conversion scratch and lets an SM hold a second small program.
+SMEM_BUDGET = 160 * 1024
+
+
+def _rows(rows: int, group_pad: int) -> int:
+    return max(16, group_pad, rows)
+
+
+def smem_bytes(
+    config: PallasConfig, *, head_dim: int, itemsize: int, block_size: int, group_pad: int
+) -> dict[str, int]:
+    """Upper estimate of each kernel's shared memory per program: every pipeline stage holds
+    one K and one V tile; the query tile and the probabilities (the second matmul's operand)
+    are staged once."""
+    block_k = _pages_per_step(config, block_size) * block_size
+    kv = 2 * block_k * head_dim * itemsize
+    out = {}
+    for name, rows, stages in (
+        ("decode", _rows(16, group_pad), config.num_stages),
+        ("prefill", _prefill_rows(config, group_pad), config.prefill_stages),
+    ):
+        out[name] = stages * kv + rows * head_dim * itemsize + rows * block_k * itemsize
+    return out
+
+
+def _pages_per_step(config: PallasConfig, block_size: int) -> int:
+    return max(1, config.block_kv // block_size, _cdiv(16, block_size))
+
+
+def _prefill_rows(config: PallasConfig, group_pad: int) -> int:
+    m_rows = max(16, _pow2_at_least(min(config.prefill_rows, 4096)))
+    return max(1, m_rows // group_pad) * group_pad
+
+
+def unsupported_reason(
+    *, head_dim: int, itemsize: int, block_size: int, group_pad: int
+) -> str | None:
+    """Why the Pallas kernels cannot run this shape (None: they can); callers fall back to
+    the XLA path."""
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim must be a power of two >= 16, got {head_dim}"
+    if block_size & (block_size - 1):
+        return f"block_size must be a power of two, got {block_size}"
+    config = choose_config(
+        head_dim=head_dim, itemsize=itemsize, block_size=block_size, group_pad=group_pad
+    )
+    dims = dict(head_dim=head_dim, itemsize=itemsize, block_size=block_size, group_pad=group_pad)
+    need = max(smem_bytes(config, **dims).values())
+    if need > SMEM_BUDGET:
+        return (
+            f"one block of {block_size} tokens x head_dim {head_dim} x {itemsize}-byte values "
+            f"needs {need} bytes of shared memory per program, over the {SMEM_BUDGET} budget; "
+            "use a smaller block_size"
+        )
+    return None
+
+
+def choose_config(*, head_dim: int, itemsize: int, block_size: int, group_pad: int) -> PallasConfig:
+    """The tile table, by bytes per K row (head_dim x dtype size):
+
+    | bytes per row | block_kv | prefill rows | prefill warps | decode stages |
+    |---|---|---|---|---|
+    | <= 256 (d128 bf16) | 64 | 64 | 8 from d128 | 3 |
+    | 512 (d256 bf16, d128 f32) | 32 | 64 | 8 | 3 |
+    | 1024 (d256 f32) | 16 | 32 | 8 | 2 |
+
+    then halved further (block_kv first, down to one block or 16 tokens) while an estimate
+    (``smem_bytes``) exceeds SMEM_BUDGET, e.g. for block sizes above block_kv."""
+    row = head_dim * itemsize
+    if row <= 256:
+        config = PallasConfig(block_kv=64, prefill_rows=64)
+    elif row <= 512:
+        config = PallasConfig(block_kv=32, prefill_rows=64)
+    else:
+        config = PallasConfig(block_kv=16, prefill_rows=32, num_stages=2)
+    if head_dim >= 128:
+        config = dataclasses.replace(config, prefill_warps=8)
+    dims = dict(head_dim=head_dim, itemsize=itemsize, block_size=block_size, group_pad=group_pad)
+    replace = dataclasses.replace
+    shrink = (  # in this order, one step at a time
+        lambda c: c.num_stages > 2 and replace(c, num_stages=c.num_stages - 1),
+        lambda c: (
+            _pages_per_step(c, block_size) * block_size > 16
+            and c.block_kv > block_size
+            and replace(c, block_kv=c.block_kv // 2)
+        ),
+        lambda c: c.prefill_rows > 16 and replace(c, prefill_rows=c.prefill_rows // 2),
+        lambda c: (
+            max(c.num_stages, c.prefill_stages) > 1 and replace(c, num_stages=1, prefill_stages=1)
+        ),
+    )
+    while max(smem_bytes(config, **dims).values()) > SMEM_BUDGET:
+        smaller = next((c for c in (f(config) for f in shrink) if c), None)
+        if smaller is None:
+            break  # nothing left to shrink: test_pallas_gpu_tiles_fit_shared_memory says so
+        config = smaller
+    return config
+
+
+def _ignore_triton_deprecation() -> None:
+    """JAX 0.11 deprecates the Pallas Triton backend and warns at every lowering, i.e. once per
+    compiled program that holds these kernels. The kernels keep the Triton lowering on purpose
+    (it runs on every NVIDIA GPU JAX supports; Mosaic GPU needs Hopper), so that one message
+    is ignored, from the moment these kernels are traced. Idempotent: ``filterwarnings``
+    replaces an identical filter instead of adding another."""
+    warnings.filterwarnings("ignore", message=r"(?s).*Triton backend is deprecated")
 
 
 def _stream_kv(
@@ -137,6 +249,7 @@ def _first_page(pos, sliding_window, block_size):
 
 
 def _decode_kernel(
+    split_pages_ref,  # int32 [1]  pages per split this call (from the real longest context)
     kv_lens_ref,  # int32 [S]
     tables_ref,  # int32 [S, P_pad]
     q_ref,  # [BH, D]
@@ -146,7 +259,6 @@ def _decode_kernel(
     m_ref,  # f32 [BH]
     l_ref,  # f32 [BH]
     *,
-    pages_per_split: int,
     pages_per_step: int,
     group: int,
     sm_scale: float,
@@ -160,27 +272,44 @@ def _decode_kernel(
     pos = kv_len - 1
     rows = q_ref.shape[0]
     row_ok = (jnp.arange(rows, dtype=jnp.int32) < group)[:, None]
-    lo = split * pages_per_split
-    first = jnp.maximum(lo, _first_page(pos, sliding_window, block_size))
-    end = jnp.minimum(lo + pages_per_split, _cdiv(kv_len, block_size))
-    acc, m, l = _stream_kv(  # noqa: E741
-        q_ref[...],
-        jnp.full((rows, 1), pos, jnp.int32),
-        row_ok,
-        tables_ref,
-        seq,
-        k_ref,
-        v_ref,
-        first,
-        end,
-        pages_per_step=pages_per_step,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    first, end = _split_range(split, split_pages_ref[0], kv_len, sliding_window, block_size)
+
+    @pl.when(first < end)  # an empty split writes nothing; the merge leaves it out
+    def _():
+        acc, m, l = _stream_kv(  # noqa: E741
+            q_ref[...],
+            jnp.full((rows, 1), pos, jnp.int32),
+            row_ok,
+            tables_ref,
+            seq,
+            k_ref,
+            v_ref,
+            first,
+            end,
+            pages_per_step=pages_per_step,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _split_pages(longest, splits: int, pages_per_step: int, most: int):
+    """Pages per decode split for a call whose longest sequence has `longest` blocks: an even
+    share in whole steps, between one step and the static bound `most`."""
+    share = _cdiv(_cdiv(longest, splits), pages_per_step) * pages_per_step
+    return jnp.clip(share, pages_per_step, most).astype(jnp.int32)
+
+
+def _split_range(split, split_pages, kv_len, sliding_window, block_size):
+    """Blocks [first, end) of a sequence that decode split `split` reads (empty: first >= end).
+    The same arithmetic runs in the kernel and, batched, in the merge."""
+    lo = split * split_pages
+    first = jnp.maximum(lo, _first_page(kv_len - 1, sliding_window, block_size))
+    end = jnp.minimum(lo + split_pages, _cdiv(kv_len, block_size))
+    return first, end
 
 
 def _prefill_kernel(
@@ -272,9 +401,11 @@ def ragged_paged_attention_pallas(
     soft_cap: float | None = None,
     interpret: bool = False,
     max_q_len: int | None = None,
-    config: PallasConfig = PallasConfig(),
+    config: PallasConfig | None = None,
 ) -> jax.Array:  # [T, Hq, D]
-    """See `jaxpaged.kernels.ragged_paged_attention` (inputs are validated there)."""
+    """See `jaxpaged.kernels.ragged_paged_attention` (inputs are validated there); `config`
+    defaults to `choose_config` for the shape."""
+    _ignore_triton_deprecation()
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
     max_seqs, max_pages = block_tables.shape
@@ -284,7 +415,14 @@ def ragged_paged_attention_pallas(
         raise ValueError(f"pallas backend needs head_dim a power of two >= 16, got {head_dim}")
     if block_size & (block_size - 1):
         raise ValueError(f"pallas backend needs block_size a power of two, got {block_size}")
-    pages_per_step = max(1, config.block_kv // block_size, _cdiv(16, block_size))
+    if config is None:
+        config = choose_config(
+            head_dim=head_dim,
+            itemsize=k_pages.dtype.itemsize,
+            block_size=block_size,
+            group_pad=group_pad,
+        )
+    pages_per_step = _pages_per_step(config, block_size)
     compute_dtype = k_pages.dtype
     qc = q.astype(compute_dtype)
     num_seqs = jnp.reshape(num_seqs, (-1,))[0]
@@ -306,6 +444,9 @@ def ragged_paged_attention_pallas(
         soft_cap=soft_cap,
     )
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    prefill_params = plgpu.CompilerParams(
+        num_warps=config.prefill_warps, num_stages=config.prefill_stages
+    )
     pool_spec = _pool_spec(num_blocks, block_size, head_dim)
 
     # --- decode kernel: last row of every sequence --------------------------------
@@ -319,14 +460,19 @@ def ragged_paged_attention_pallas(
     splits = _cdiv(max_pages, pages_per_split)
     width = splits * pages_per_split + pages_per_step
     tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)))
+    # The splits share the longest real context of this call, not the table's width: with a
+    # long max_model_len and short contexts every split still gets work. A runtime scalar,
+    # never above the static pages_per_split, so the table padding above covers it.
+    split_pages = _split_pages(jnp.max(n_pages), splits, pages_per_step, pages_per_split)
 
     last_row = jnp.clip(q_start + q_lens - 1, 0, num_tokens - 1)  # [S]
     qd = qc[last_row].reshape(max_seqs, num_kv_heads, group, head_dim)
     qd = jnp.pad(qd, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [S, Hkv, BH, D]
     o_part, m_part, l_part = pl.pallas_call(
-        functools.partial(_decode_kernel, pages_per_split=pages_per_split, group=group, **common),
+        functools.partial(_decode_kernel, group=group, **common),
         grid=(max_seqs, num_kv_heads, splits),
         in_specs=[
+            _full_spec((1,)),
             _full_spec((max_seqs,)),
             _full_spec((max_seqs, width)),
             pl.BlockSpec((_SQUEEZED, _SQUEEZED, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
@@ -349,8 +495,20 @@ def ragged_paged_attention_pallas(
         compiler_params=params,
         interpret=interpret,
         name="jaxpaged_decode_attention",
-    )(kv_lens, tables, qd, k_pages, v_pages)
-    # Merge the splits (flash-decoding): weights exp(m_k - max_k m_k).
+    )(split_pages[None], kv_lens, tables, qd, k_pages, v_pages)
+    # Merge the splits (flash-decoding): weights exp(m_k - max_k m_k) over the splits that
+    # ran; the others' outputs were never written and are not read.
+    first, end = _split_range(
+        jnp.arange(splits, dtype=jnp.int32)[None, :],
+        split_pages,
+        kv_lens[:, None],
+        sliding_window,
+        block_size,
+    )
+    ran = (first < end)[:, None, :, None]  # [S, 1, K, 1]
+    m_part = jnp.where(ran, m_part, MASK_VALUE)
+    l_part = jnp.where(ran, l_part, 0.0)
+    o_part = jnp.where(ran[..., None], o_part, 0.0)
     m_all = m_part.max(axis=2, keepdims=True)
     w = jnp.where(l_part > 0, jnp.exp(m_part - m_all), 0.0)  # [S, Hkv, K, BH]
     denom = (l_part * w).sum(axis=2)
@@ -362,9 +520,8 @@ def ragged_paged_attention_pallas(
 
     # --- prefill kernel: the other rows, in tiles of `tokens` rows of one sequence ----
     if max_q_len is None or max_q_len > 1:
-        m_rows = max(16, _pow2_at_least(min(config.prefill_rows, 4096)))
-        tokens = max(1, m_rows // group_pad)
-        m_rows = tokens * group_pad
+        m_rows = _prefill_rows(config, group_pad)
+        tokens = m_rows // group_pad
         bound = num_tokens if max_q_len is None else min(num_tokens, max_q_len)
         body_len = jnp.maximum(q_lens - 1, 0)
         tiles_per_seq = _cdiv(body_len, tokens)
@@ -401,7 +558,7 @@ def ragged_paged_attention_pallas(
                 ],
                 out_specs=tile_spec,
                 out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-                compiler_params=params,
+                compiler_params=prefill_params,
                 interpret=interpret,
                 name="jaxpaged_prefill_attention",
             )(t_seq, t_off, kv_lens, q_lens, tables, qt, k_pages, v_pages)

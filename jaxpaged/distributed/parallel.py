@@ -213,9 +213,9 @@ def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[Model
 def shard_attention(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     """Run the paged attention op per device on its own heads.
 
-    ``fn(q, k, v, layer, k_pages, v_pages, slot_mapping, kv_lens, block_tables, cu_q_lens,
-    num_seqs) -> (out, k_pages, v_pages)`` with q [T, Hq, hd], k/v [T, Hkv, hd], pages
-    [L*NB, bs, Hkv, hd], out [T, Hq, hd]. Inside, each device sees Hq/N query heads and the
+    ``fn(q, k, v, layer, pool, slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs) ->
+    (out, pool)`` with q [T, Hq, hd], k/v [T, Hkv, hd], pool a tuple of [L*NB, bs, heads, hd]
+    arrays split over their heads axis, out [T, Hq, hd]. Inside, each device sees Hq/N query heads and the
     Hkv/N KV heads they read (heads are grouped by KV head, so the GQA mapping is unchanged),
     and the kernels (Pallas or XLA) run unchanged on local shapes, with no communication.
     """
@@ -225,8 +225,8 @@ def shard_attention(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     return jax.shard_map(
         fn,
         mesh=mesh,
-        in_specs=(heads, heads, heads, rep, pages, pages, rep, rep, rep, rep, rep),
-        out_specs=(heads, pages, pages),
+        in_specs=(heads, heads, heads, rep, pages, rep, rep, rep, rep, rep),
+        out_specs=(heads, pages),
         check_vma=False,
     )
 

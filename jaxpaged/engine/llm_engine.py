@@ -24,6 +24,7 @@ from jaxpaged.engine.core import EngineCore, EngineStepError
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
+from jaxpaged.kernels.pool_format import pool_format
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
@@ -82,6 +83,17 @@ class LLMEngine:
         self._compiles = CompileCounter().open()
 
         kv_dtype = dtype or str(_params_dtype(params))
+        # the pool's layout follows the attention backend (kernels/pool_format.py)
+        combined_kv = pool_format(attention_backend).combined
+        if combined_kv and self.mesh is not None:
+            # the combined pool's padded heads do not split over devices like the model's
+            if attention_backend == "tpu":
+                raise ValueError(
+                    "attention_backend='tpu' does not support tensor_parallel_size > 1 yet; "
+                    "use attention_backend='xla' (--attention-backend xla)"
+                )
+            logger.info("tensor parallelism on TPU: the XLA attention path")
+            attention_backend, combined_kv = "xla", False
 
         def layout_of(num_blocks: int) -> KVLayout:
             return KVLayout(
@@ -91,6 +103,7 @@ class LLMEngine:
                 num_kv_heads=model_config.num_kv_heads,
                 head_dim=model_config.head_dim,
                 dtype=kv_dtype,
+                combined=combined_kv,
             )
 
         def runner_for(layout: KVLayout) -> Runner:
@@ -134,6 +147,7 @@ class LLMEngine:
             num_kv_blocks=cache_config.num_kv_blocks,
             kv_cache_memory=cache_config.kv_cache_memory,
             available_bytes=available,
+            combined=combined_kv,
         )
         self.layout = layout_of(num_blocks)
         logger.info(

@@ -4,6 +4,8 @@ One pool holds every layer: k and v are each [num_layers * num_blocks, block_siz
 and layer l's view of block b is row l * num_blocks + b. Keeping one flat array per K and V
 lets the step carry (and donate) two buffers instead of 2 * num_layers, and lets the kernels
 see the plain [num_blocks, block_size, Hkv, hd] interface with per-layer offset block ids.
+With the "tpu" attention backend the pool is one array, K and V combined per page and padded
+to the kernel's tiling (``KVLayout.combined``; kernels/pool_format.py has the shapes).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kernels.pool_format import PoolFormat
 from jaxpaged.models.config import ModelConfig
 
-KVPool = tuple[jax.Array, jax.Array]  # (k, v), each [L * num_blocks, block_size, Hkv, hd]
+# (k, v), each [L * num_blocks, block_size, Hkv, hd]; or (kv,) when combined
+KVPool = tuple[jax.Array, ...]
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -33,20 +37,32 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    combined: bool = False  # one array, K and V per page (the "tpu" attention backend)
 
     @property
-    def bytes_per_block(self) -> int:
-        """Bytes one logical block takes across all layers, K and V."""
-        return block_bytes(
-            num_layers=self.num_layers,
+    def format(self) -> PoolFormat:
+        return PoolFormat(combined=self.combined)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each array of the pool (rows: num_layers * num_blocks)."""
+        return self.format.page_shapes(
+            num_blocks=self.num_layers * self.num_blocks,
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=self.dtype,
+            dtype=jnp.dtype(self.dtype),
         )
 
     @property
+    def bytes_per_block(self) -> int:
+        """Bytes one logical block takes across all layers, K and V (padding included)."""
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
+        return sum(self.num_layers * int(np.prod(s[1:])) * itemsize for s in self.shapes)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
+        """Shape of the K (and of the V) array of a split pool."""
         return (
             self.num_layers * self.num_blocks,
             self.block_size,
@@ -71,16 +87,19 @@ def num_blocks_for(
     num_kv_blocks: int | None,
     kv_cache_memory: int | None,
     available_bytes: int | None = None,
+    combined: bool = False,
 ) -> int:
     """Decides the pool size: an explicit count, else a byte budget; fails early when one
     sequence of max_model_len would not fit, naming the figures and the flags to change."""
-    per_block = block_bytes(
+    per_block = KVLayout(
         num_layers=model.num_layers,
+        num_blocks=1,
         block_size=block_size,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         dtype=dtype,
-    )
+        combined=combined,
+    ).bytes_per_block
     if num_kv_blocks is not None:
         if num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
@@ -104,12 +123,20 @@ def num_blocks_for(
     return blocks
 
 
+# Kept free beside the pool and the largest step's planned scratch: the step's outputs, the
+# sampler state, block-move and swap buffers, and XLA/cuBLAS workspaces outside the plan.
+KV_SAFETY_MARGIN_FRACTION = 0.02
+KV_SAFETY_MARGIN_MIN = 256 << 20
+
+
 def device_kv_budget(
     *, gpu_memory_utilization: float, activation_bytes: int, device: jax.Device | None = None
 ) -> int | None:
     """Bytes the KV pool may take on an accelerator: ``gpu_memory_utilization`` of the device's
-    memory, less what is in use (weights) and the step's scratch memory. None on CPU, where the
-    budget is ``kv_cache_memory`` instead.
+    memory, less what is in use (weights), the step's scratch memory and a safety margin
+    (2% of the device, at least 256 MiB). None on CPU, where the budget is
+    ``kv_cache_memory`` instead; a ValueError on an accelerator whose allocator reports no
+    limit, rather than a guessed size.
 
     JAX's allocator limit (``bytes_limit``) is ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device
     (0.75 unless set), so the device total is recovered from it.
@@ -120,11 +147,15 @@ def device_kv_budget(
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
-        return None
+        raise ValueError(
+            f"the {device.platform} allocator reports no memory limit, so gpu_memory_utilization "
+            "cannot size the KV cache; set kv_cache_memory (--kv-cache-memory) or num_kv_blocks"
+        )
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     total = limit / fraction
     in_use = stats.get("bytes_in_use", 0)
-    budget = min(gpu_memory_utilization * total, limit) - in_use - activation_bytes
+    margin = max(KV_SAFETY_MARGIN_MIN, int(KV_SAFETY_MARGIN_FRACTION * total))
+    budget = min(gpu_memory_utilization * total, limit) - in_use - activation_bytes - margin
     return max(0, int(budget))
 
 
@@ -138,10 +169,13 @@ def configure_device_memory(gpu_memory_utilization: float) -> None:
 @functools.partial(jax.jit, static_argnames=("layout", "sharding"))
 def create_pool(*, layout: KVLayout, sharding: jax.sharding.Sharding | None = None) -> KVPool:
     """Born on the device (and with its sharding), never staged through the host."""
-    zeros = jnp.zeros(layout.shape, jnp.dtype(layout.dtype))
-    if sharding is not None:
-        zeros = jax.lax.with_sharding_constraint(zeros, sharding)
-    return zeros, zeros
+    pool = []
+    for shape in layout.shapes:
+        zeros = jnp.zeros(shape, jnp.dtype(layout.dtype))
+        if sharding is not None:
+            zeros = jax.lax.with_sharding_constraint(zeros, sharding)
+        pool.append(zeros)
+    return tuple(pool)
 
 
 def layer_rows(block_ids: jax.Array, *, num_layers: int, num_blocks: int) -> jax.Array:
@@ -174,7 +208,7 @@ def gather_blocks(
     num_layers: int,
     num_blocks: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Reads blocks for swap-out: returns (k, v), each [L, N, block_size, Hkv, hd]."""
+    """Reads blocks for swap-out: one [L, N, *page] array per pool array."""
     rows = layer_rows(jnp.maximum(block_ids, 0), num_layers=num_layers, num_blocks=num_blocks)
     return tuple(p[rows] for p in pool)
 
@@ -183,7 +217,7 @@ def gather_blocks(
 def scatter_blocks(
     pool: KVPool,
     block_ids: jax.Array,  # [N] int32; padding entries are -1 (not written)
-    data: tuple[jax.Array, jax.Array],  # (k, v), each [L, N, block_size, Hkv, hd]
+    data: tuple[jax.Array, ...],  # one [L, N, *page] array per pool array
     *,
     num_layers: int,
     num_blocks: int,

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
+from jaxpaged.kernels import default_backend
 from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
@@ -104,8 +105,8 @@ class Runner:
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
         self.sampled = self._on_mesh(jax.numpy.zeros((max_num_seqs,), jax.numpy.int32))
-        # swapped-out blocks: host slot -> (k, v), each [L, block_size, Hkv, hd]
-        self._host_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # swapped-out blocks: host slot -> one [L, *page] array per pool array
+        self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
         self.warmed_up = False
 
     def _on_mesh(self, tree):
@@ -117,6 +118,7 @@ class Runner:
             config=self.model_config,
             num_blocks=self.layout.num_blocks,
             block_size=self.layout.block_size,
+            pool_format=self.layout.format,
             num_logprobs=MAX_LOGPROBS,
             backend=self.backend,
             mesh=self.mesh,
@@ -327,7 +329,7 @@ class Runner:
     def _swap_out_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         # waits for the steps already dispatched: the blocks hold what they wrote
         dev, host = zip(*pairs, strict=True)
-        k, v = jax.device_get(
+        arrays = jax.device_get(
             gather_blocks(
                 self.pool,
                 self._padded(dev),
@@ -336,20 +338,22 @@ class Runner:
             )
         )
         for i, slot in enumerate(host):
-            self._host_blocks[slot] = (k[:, i].copy(), v[:, i].copy())
+            self._host_blocks[slot] = tuple(a[:, i].copy() for a in arrays)
 
     def _swap_in_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         host, dev = zip(*pairs, strict=True)
         ids = self._padded(dev)
-        shape = (self.layout.num_layers, len(ids), *self.layout.shape[1:])
-        k = np.zeros(shape, self.pool[0].dtype)
-        v = np.zeros(shape, self.pool[1].dtype)
+        arrays = tuple(
+            np.zeros((self.layout.num_layers, len(ids), *shape[1:]), p.dtype)
+            for shape, p in zip(self.layout.shapes, self.pool, strict=True)
+        )
         for i, slot in enumerate(host):
-            k[:, i], v[:, i] = self._host_blocks.pop(slot)
+            for a, block in zip(arrays, self._host_blocks.pop(slot), strict=True):
+                a[:, i] = block
         self.pool = scatter_blocks(
             self.pool,
             ids,
-            (k, v),
+            arrays,
             num_layers=self.layout.num_layers,
             num_blocks=self.layout.num_blocks,
         )
@@ -359,6 +363,28 @@ class Runner:
         return len(self._host_blocks)
 
     # ---------------------------------------------------------------- warm-up
+    def _compile_buckets(self, buckets: Sequence[Bucket], bar: tqdm) -> None:
+        for bucket in buckets:
+            batch, _ = self.build_batch([], bucket)
+            jax.block_until_ready(self._run(batch, bucket))
+            bar.update()
+
+    def _fall_back_to_xla(self, error: Exception) -> bool:
+        """After a Pallas attention program failed to compile: serve with the XLA attention
+        path instead (one warning naming the cause). False where the XLA path would not help
+        (another backend failed, or the pool is laid out for a different kernel)."""
+        backend = self.backend or default_backend()
+        if backend != "pallas" or self.layout.combined:
+            return False
+        logger.warning(
+            "the Pallas attention kernel failed to compile (%s: %s); serving with the XLA "
+            "attention path instead (--attention-backend xla skips this attempt)",
+            type(error).__name__,
+            str(error).strip().splitlines()[0][:300] if str(error).strip() else "",
+        )
+        self.backend = "xla"
+        return True
+
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
         """Compiles every step bucket, the sampler-state row fill and the block-move sizes now, so
         serving never compiles. Returns (programs, seconds)."""
@@ -367,10 +393,13 @@ class Runner:
         moves = pow2_ladder(1, self._max_move)
         total = len(buckets) + 1 + len(moves) * (3 if swap else 1)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
-        for bucket in buckets:
-            batch, _ = self.build_batch([], bucket)
-            jax.block_until_ready(self._run(batch, bucket))
-            bar.update()
+        try:
+            self._compile_buckets(buckets, bar)
+        except Exception as error:
+            if not self._fall_back_to_xla(error):
+                raise
+            bar.reset()
+            self._compile_buckets(buckets, bar)
         # row 0 is free while nothing runs: filling it with nothing leaves it as it was
         self._init_state_row(StateRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
         bar.update()
@@ -380,9 +409,9 @@ class Runner:
             self.pool = copy_blocks(self.pool, none, none, **dims)
             bar.update()
             if swap:
-                k, v = jax.device_get(gather_blocks(self.pool, none, **dims))
+                arrays = jax.device_get(gather_blocks(self.pool, none, **dims))
                 bar.update()
-                self.pool = scatter_blocks(self.pool, none, (k, v), **dims)
+                self.pool = scatter_blocks(self.pool, none, tuple(arrays), **dims)
                 bar.update()
         jax.block_until_ready((self.pool, self.seq_state))
         bar.close()

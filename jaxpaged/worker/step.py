@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.distributed.parallel import replicate_on, shard_attention
-from jaxpaged.kernels import ragged_paged_attention, write_kv
+from jaxpaged.kernels.pool_format import SPLIT, PoolFormat
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, compute_logits, forward
@@ -47,6 +47,7 @@ class StepOutput(NamedTuple):
         "config",
         "num_blocks",
         "block_size",
+        "pool_format",
         "num_logprobs",
         "backend",
         "max_q_len",
@@ -67,6 +68,7 @@ def step(
     num_blocks: int,
     block_size: int,
     num_logprobs: int,
+    pool_format: PoolFormat = SPLIT,
     backend: str | None = None,
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
@@ -83,23 +85,23 @@ def step(
     sm_scale = config.head_dim**-0.5
     layer_slots = num_blocks * block_size
 
-    def attend(q, k, v, layer, k_pages, v_pages, slot_mapping, kv_lens, tables, cu_q_lens, n):
+    def attend(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n):
         slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
-        out = ragged_paged_attention(
+        pool = pool_format.write(pool, k, v, slots)
+        out = pool_format.attend(
             q,
-            k_pages,
-            v_pages,
+            pool,
             kv_lens,
             tables + layer * num_blocks,
             cu_q_lens,
             n,
+            num_kv_heads=k.shape[1],
             sm_scale=sm_scale,
             backend=backend,
             max_q_len=max_q_len,
             max_kv_len=max_kv_len,
         )
-        return out, k_pages, v_pages
+        return out, pool
 
     if mesh is not None:
         attend = shard_attention(attend, mesh)
@@ -107,8 +109,7 @@ def step(
     def attention_fn(q, k, v, layer, pool):
         b = batch
         meta = (b.slot_mapping, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
-        out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
-        return out, (k_pages, v_pages)
+        return attend(q, k, v, layer, tuple(pool), *meta)
 
     # None on platforms that leave the matmuls to XLA's dots
     linear_fn = kernels.linear_fn(batch.cu_q_lens[-1])

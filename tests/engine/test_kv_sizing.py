@@ -67,12 +67,24 @@ def test_device_budget_from_utilization(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     gib = 1 << 30
     dev = _FakeGPU(limit=40 * gib, in_use=2 * gib)  # device total 80 GiB
-    # 0.45 of 80 GiB = 36 GiB, less 2 GiB of weights and 1 GiB of step scratch
+    # 0.45 of 80 GiB = 36 GiB, less 2 GiB of weights, 1 GiB of step scratch and a margin of
+    # 2% of the device (1.6 GiB)
+    margin = int(0.02 * 80 * gib)
     got = device_kv_budget(gpu_memory_utilization=0.45, activation_bytes=gib, device=dev)
-    assert got == 33 * gib
+    assert got == 33 * gib - margin
     # never above the allocator's own limit
     got = device_kv_budget(gpu_memory_utilization=0.9, activation_bytes=gib, device=dev)
-    assert got == 37 * gib
+    assert got == 37 * gib - margin
+    # a small device keeps at least 256 MiB free
+    small = _FakeGPU(limit=3 * gib, in_use=0)  # 6 GiB device: 2% is 123 MiB
+    got = device_kv_budget(gpu_memory_utilization=0.5, activation_bytes=0, device=small)
+    assert got == 3 * gib - (256 << 20)
+
+
+def test_device_budget_refuses_to_guess_without_an_allocator_limit():
+    dev = _FakeGPU(limit=None, in_use=0)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        device_kv_budget(gpu_memory_utilization=0.9, activation_bytes=0, device=dev)
 
 
 def test_device_budget_is_none_on_cpu():

@@ -61,7 +61,7 @@ def test_bad_options_raise(args):
 def test_default_backend():
     assert default_backend("cpu") in ("cpu", "xla")  # "cpu" when the native kernel builds
     assert default_backend("gpu") == "pallas"
-    assert default_backend("tpu") == "xla"
+    assert default_backend("tpu") == "tpu"  # JAX's own TPU kernel (kernels/tpu.py)
 
 
 def test_scalar_num_seqs_accepted(args):

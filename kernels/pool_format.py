@@ -1,0 +1,83 @@
+"""The KV pool's layout per attention backend, chosen in this one place.
+
+Most backends read two pools, K and V, each ``[num_blocks, block_size, Hkv, D]``. The "tpu"
+backend (JAX's TPU kernel) reads one pool with K and V combined per page and padded to the
+kernel's tiling (``tpu.combined_pool_shape``). A :class:`PoolFormat` gives the engine the
+pool's array shapes, how to write new K/V rows into it and how to attend over it, so the
+step and the model code never branch on the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from .attention import default_backend, ragged_paged_attention
+from .write_kv import write_kv
+
+Pool = tuple[jax.Array, ...]  # (k_pages, v_pages), or (kv_pages,) when combined
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolFormat:
+    combined: bool  # one pool, K and V interleaved per head (JAX's TPU kernel)
+
+    def page_shapes(
+        self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
+    ) -> tuple[tuple[int, ...], ...]:
+        """Shape of each array of the pool."""
+        if self.combined:
+            from .tpu import combined_pool_shape
+
+            return (combined_pool_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype),)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return (shape, shape)
+
+    def write(
+        self,
+        pool: Pool,
+        k: jax.Array,  # [T, Hkv, D]
+        v: jax.Array,  # [T, Hkv, D]
+        slot_mapping: jax.Array,  # int32 [T]; negative = padding
+    ) -> Pool:
+        if self.combined:
+            from .tpu import write_kv_combined
+
+            return (write_kv_combined(pool[0], k, v, slot_mapping),)
+        return write_kv(*pool, k, v, slot_mapping)
+
+    def attend(
+        self,
+        q: jax.Array,  # [T, Hq, D]
+        pool: Pool,
+        kv_lens: jax.Array,  # int32 [S]
+        block_tables: jax.Array,  # int32 [S, P]
+        cu_q_lens: jax.Array,  # int32 [S + 1]
+        num_seqs: jax.Array,  # int32 [1]
+        *,
+        num_kv_heads: int,
+        sm_scale: float,
+        backend: str | None,
+        max_q_len: int | None = None,
+        max_kv_len: int | None = None,
+    ) -> jax.Array:  # [T, Hq, D]
+        if self.combined:
+            from .tpu import ragged_paged_attention_tpu
+
+            return ragged_paged_attention_tpu(
+                q, pool[0], kv_lens, block_tables, cu_q_lens, num_seqs,
+                num_kv_heads=num_kv_heads, sm_scale=sm_scale,
+            )  # fmt: skip
+        return ragged_paged_attention(
+            q, *pool, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            backend=backend, max_q_len=max_q_len, max_kv_len=max_kv_len,
+        )  # fmt: skip
+
+
+SPLIT = PoolFormat(combined=False)  # separate K and V pools: every backend but "tpu"
+
+
+def pool_format(backend: str | None, platform: str | None = None) -> PoolFormat:
+    """The layout the attention ``backend`` reads (None: the platform's default backend)."""
+    return PoolFormat(combined=(backend or default_backend(platform)) == "tpu")
