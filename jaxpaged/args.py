@@ -229,6 +229,11 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
+    logits_processors: tuple[Any, ...] = _setting(
+        (),
+        "jittable logits processors (jaxpaged.worker.logits_processors.LogitsProcessor) that "
+        "requests may choose by name; Python only (no command-line form)",
+    )
 
     # ------------------------------------------------------------ keywords
     @classmethod
@@ -258,16 +263,21 @@ class EngineArgs:
             if key not in cls.field_names():
                 raise ValueError(_unknown_message(key, cls.field_names()))
         group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
+        for f in cls._cli_fields():
             default = defaults.get(f.name, f.default)
             group.add_argument(*f.metadata["cli"].flags, **_argparse_kwargs(f, default))
         return group
 
     @classmethod
+    def _cli_fields(cls) -> list[dataclasses.Field[Any]]:
+        """The fields with a command-line form (not the Python-only ones)."""
+        return [f for f in dataclasses.fields(cls) if f.metadata["cli"].flags]
+
+    @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         """The EngineArgs of a namespace parsed with :meth:`add_cli_args`'s arguments (other
         attributes, e.g. the server's, are ignored)."""
-        return cls(**{name: getattr(namespace, name) for name in cls.field_names()})
+        return cls(**{f.name: getattr(namespace, f.name) for f in cls._cli_fields()})
 
     # ------------------------------------------------------------ configs
     @property

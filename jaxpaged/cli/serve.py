@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default $JAXPAGED_API_KEY",
     )
     s.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve the gRPC admin call jaxpaged.v1.Admin/UpdateWeights (weights from a "
+        "checkpoint path swapped in while serving; off by default)",
+    )
+    s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
     from jaxpaged.engine.process import process_owner_args
@@ -184,6 +190,7 @@ def main(
         api_key=args.api_key or None,
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
+        enable_weight_updates=args.enable_weight_updates,
     )
     if args.process_id != 0:
         # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing
