@@ -6,6 +6,7 @@ name to the module.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -129,7 +130,7 @@ class Generator:
             if eos_token_ids is not None:
                 raise ValueError("eos_token_ids: only for params + config (a model brings its own)")
             args = EngineArgs.from_kwargs(model=model, **engine_args)
-            key: tuple = ("model", args)
+            key: tuple = ("model", _settings_key(args))
         else:
             if params is None or config is None:
                 raise ValueError("params and config must be given together")
@@ -141,7 +142,7 @@ class Generator:
             eos = None if eos_token_ids is None else tuple(eos_token_ids)
             key = (
                 "params",
-                args,
+                _settings_key(args),
                 config,
                 spec.treedef,
                 spec.leaves,
@@ -190,6 +191,11 @@ class Generator:
         """:func:`generate` on this generator's engines."""
         kwargs.setdefault("show_progress", use_tqdm)
         return self.llm(**kwargs).generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _settings_key(args: EngineArgs) -> EngineArgs:
+    """The settings that decide whether an engine can be reused (progress bars do not)."""
+    return dataclasses.replace(args, show_progress=False)
 
 
 class _CallableModule(types.ModuleType):

@@ -64,7 +64,12 @@ def _engine(folder: str):
 
     return AsyncEngine(
         LLMEngine.from_args(
-            folder, max_model_len=64, max_num_seqs=2, num_kv_blocks=16, show_progress=False
+            folder,
+            max_model_len=64,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            num_kv_blocks=16,
+            show_progress=False,
         )
     )
 
