@@ -110,9 +110,11 @@ class Runner:
         return map_matmul_weights(params, self.model_config, fn)
 
     def _install_params(self, params: Params) -> None:
-        self.params = None  # the old packed copy goes first: one copy alive at a time
-        self.params = self.platform.pack_weights(params, self._weight_map)
-        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(self.params))
+        # packed before the old weights are let go: if packing fails, the engine keeps its
+        # weights (at the cost of two packed copies for a moment where the platform packs)
+        packed = self.platform.pack_weights(params, self._weight_map)
+        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(packed))
+        self.params = packed
 
     def _create_kv_state(self) -> None:
         """The KV pool, the sampler state rows and the last sampled tokens, all zero."""

@@ -76,8 +76,12 @@ class ParamsSpec:
         for x, sharding in zip(flat, self.shardings, strict=True):
             if sharding is None:
                 default = jax.devices()[0]
-                on_default = isinstance(x, jax.Array) and x.sharding.device_set == {default}
-                out.append(x if on_default else jax.device_put(x))
+                if not isinstance(x, jax.Array):
+                    out.append(jax.device_put(x))  # host data: uncommitted, as loaded params
+                elif x.sharding.device_set == {default}:
+                    out.append(x)
+                else:
+                    out.append(jax.device_put(x, default))  # device to device
             elif isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
                 out.append(x)
             else:
