@@ -109,11 +109,14 @@ class Runner:
     def _weight_map(self, params: Params, fn):
         return map_matmul_weights(params, self.model_config, fn)
 
-    def _install_params(self, params: Params) -> None:
+    def _install_params(self, params: Params, *, huge_pages: bool = True) -> None:
         # packed before the old weights are let go: if packing fails, the engine keeps its
         # weights (at the cost of two packed copies for a moment where the platform packs)
         packed = self.platform.pack_weights(params, self._weight_map)
-        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(packed))
+        if huge_pages:
+            self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(packed))
+        else:
+            self.huge_page_bytes = 0
         self.params = packed
 
     def _create_kv_state(self) -> None:
@@ -142,7 +145,10 @@ class Runner:
         the old weights. Arrays already where the engine's are stay there (no copy unless
         the platform packs weights into its own layout)."""
         self.params_spec.check(params)
-        self._install_params(self.params_spec.place(params))
+        # no huge-page collapse: it costs 1.3-1.8 s per SmolLM2 copy on the dev VM (see
+        # kernels/cpu/huge_pages.py) for ~1.8 ms per decode step, a loss for a training loop
+        # that swaps weights every few hundred steps
+        self._install_params(self.params_spec.place(params), huge_pages=False)
 
     def release_params(self) -> None:
         """Drops the engine's reference to its weights (sleep level 2); their memory goes

@@ -82,8 +82,10 @@ class ParamsSpec:
                     out.append(x)
                 else:
                     out.append(jax.device_put(x, default))  # device to device
-            elif isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            elif isinstance(x, jax.Array) and x.sharding == sharding:
                 out.append(x)
             else:
+                # also for an equivalent sharding spelled differently (P("tp") and
+                # P("tp", None)): the step's compiled program is keyed on the exact one
                 out.append(jax.device_put(x, sharding))
         return jax.tree.unflatten(self.treedef, out)
