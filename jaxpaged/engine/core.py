@@ -281,7 +281,8 @@ class EngineCore:
                 kind=item.output_kind,
                 arrival_time=item.arrival_time,
             )
-            _, out = self.outputs.end(item.request_id, "error", asleep_message(self.sleep_level))
+            why = f"EngineAsleepError: {asleep_message(self.sleep_level)}"
+            _, out = self.outputs.end(item.request_id, "error", why)
             return [] if out is None else [out]
         ids = self.outputs.add(
             item.request_id,
@@ -351,9 +352,10 @@ class EngineCore:
 
 
 def asleep_message(level: int) -> str:
+    """What a request that reaches a sleeping engine is told (EngineAsleepError's text)."""
     return (
-        f"EngineAsleepError: the engine is asleep (sleep level {level}): its KV cache is "
-        "freed; call wake_up() before sending requests"
+        f"the engine is asleep (sleep level {level}): its KV cache is freed; call wake_up() "
+        "before sending requests"
     )
 
 

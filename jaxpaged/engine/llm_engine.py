@@ -341,7 +341,7 @@ class LLMEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}")
         if self.core.sleep_level:
-            raise EngineAsleepError(asleep_message(self.core.sleep_level).split(": ", 1)[1])
+            raise EngineAsleepError(asleep_message(self.core.sleep_level))
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = self.inputs.process(
