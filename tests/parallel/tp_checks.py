@@ -370,8 +370,7 @@ def check_update_weights(ctx: Ctx) -> None:
     llm = LLM(path, tensor_parallel_size=2, show_progress=False, **ENGINE_ARGS)
     # the engine's shardings (made before counting: the multiply compiles)
     on_mesh = jax.tree.map(lambda x: x * 1.5, llm.engine.runner.params)
-    # (a TP engine's first generate compiles one step program that warm-up did not; that
-    # happens without any weight update too, so it is kept out of the count below)
+    # ENGINE_ARGS skip warm-up (enforce_eager): this first generate compiles the step shapes
     base = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     # the first reshard from one device compiles JAX's slicing programs (once per shape)
     llm.update_weights(scaled)
