@@ -15,6 +15,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "jaxpaged.llm",
     "generate": "jaxpaged.generate",
+    "Generator": "jaxpaged.generate",
     "CompletionOutput": "jaxpaged.outputs",
     "Logprob": "jaxpaged.outputs",
     "RequestMetrics": "jaxpaged.outputs",

@@ -280,6 +280,11 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
+    logits_processors: tuple[Any, ...] = _setting(
+        (),
+        "jittable logits processors (jaxpaged.worker.logits_processors.LogitsProcessor) that "
+        "requests may choose by name; Python only (no command-line form)",
+    )
 
     def __post_init__(self) -> None:
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
@@ -320,7 +325,7 @@ class EngineArgs:
             if key not in cls.field_names():
                 raise ValueError(_unknown_message(key, cls.field_names()))
         group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
+        for f in cls._cli_fields():
             default = defaults.get(f.name, f.default)
             flags = f.metadata["cli"].flags
             kwargs = _argparse_kwargs(f, default)
@@ -336,10 +341,15 @@ class EngineArgs:
         return group
 
     @classmethod
+    def _cli_fields(cls) -> list[dataclasses.Field[Any]]:
+        """The fields with a command-line form (not the Python-only ones)."""
+        return [f for f in dataclasses.fields(cls) if f.metadata["cli"].flags]
+
+    @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         """The EngineArgs of a namespace parsed with :meth:`add_cli_args`'s arguments (other
         attributes, e.g. the server's, are ignored)."""
-        return cls(**{name: getattr(namespace, name) for name in cls.field_names()})
+        return cls(**{f.name: getattr(namespace, f.name) for f in cls._cli_fields()})
 
     # ------------------------------------------------------------ configs
     @property

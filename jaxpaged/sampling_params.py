@@ -22,6 +22,7 @@ __all__ = [
     "MAX_BANNED_IDS",
     "MAX_LOGPROBS",
     "MAX_N",
+    "MAX_PROCESSOR_ARGS",
     "SamplingParams",
     "banned_ids_for_min_tokens",
     "validate_prompt",
@@ -32,6 +33,7 @@ MAX_LOGPROBS = 20  # most top logprobs per token (OpenAI's limit; the step's sta
 # most ids min_tokens holds back (EOS + stop_token_ids): the step's fixed-size ban list
 MAX_BANNED_IDS = 32
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_PROCESSOR_ARGS = 8  # per-request parameters of a logits processor (the step's fixed width)
 
 
 def _is_int(x: object) -> bool:
@@ -90,6 +92,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # also accepts a list
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # a logits processor registered with the engine (EngineArgs.logits_processors), by name,
+    # and its parameters for this request (numbers; the processor says what they mean)
+    logits_processor: str | None = None
+    logits_processor_args: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise the sequence fields first so the frozen instance is hashable.
@@ -136,6 +142,24 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_logits_processor()
+
+    def _check_logits_processor(self) -> None:
+        name, args = self.logits_processor, self.logits_processor_args
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"logits_processor must be a non-empty string or None, got {name!r}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+            raise ValueError(f"logits_processor_args must be a sequence of numbers, got {args!r}")
+        args = tuple(args)
+        if any(not _is_finite(a) for a in args):
+            raise ValueError(f"logits_processor_args must hold finite numbers, got {args!r}")
+        if len(args) > MAX_PROCESSOR_ARGS:
+            raise ValueError(
+                f"logits_processor_args: at most {MAX_PROCESSOR_ARGS} values, got {len(args)}"
+            )
+        if args and name is None:
+            raise ValueError("logits_processor_args given without a logits_processor")
+        object.__setattr__(self, "logits_processor_args", tuple(float(a) for a in args))
 
     @property
     def greedy(self) -> bool:

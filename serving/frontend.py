@@ -119,6 +119,7 @@ class ServingConfig:
     api_key: str | None = None
     shutdown_timeout: float = 30.0  # seconds
     chat_template: str | None = None  # template text (a file is read by the CLI)
+    enable_weight_updates: bool = False  # serve jaxpaged.v1.Admin (UpdateWeights) over gRPC
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.served_model_aliases):

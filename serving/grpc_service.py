@@ -267,9 +267,15 @@ def build_grpc_server(frontend: Frontend, address: str) -> tuple[grpc.aio.Server
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    admin = ()
+    if frontend.config.enable_weight_updates:
+        from jaxpaged.serving.admin_service import add_admin_service
+
+        admin = (add_admin_service(frontend, server),)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
+            *admin,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),

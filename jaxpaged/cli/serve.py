@@ -94,6 +94,12 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         help="do not log requests; jaxpaged never logs requests' contents, so this changes "
         "nothing (kept so that vLLM command lines run)",
     )
+    s.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve the gRPC admin call jaxpaged.v1.Admin/UpdateWeights (weights from a "
+        "checkpoint path swapped in while serving; off by default)",
+    )
     from jaxpaged.engine.process import process_owner_args
 
     # the server owns its process: it configures it and keeps compiled programs on disk
@@ -215,6 +221,7 @@ def main(
         api_key=args.api_key or None,
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
+        enable_weight_updates=args.enable_weight_updates,
     )
     if args.process_id != 0:
         # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing

@@ -5,10 +5,17 @@ from jaxpaged.engine.async_engine import AsyncEngine, RequestStream
 from jaxpaged.engine.core import EngineCore, EngineRequest, EngineStepError
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.process import configure_process, process_owner_args
-from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats, Prompt
+from jaxpaged.engine.protocol import (
+    EngineAsleepError,
+    EngineClient,
+    EngineDeadError,
+    EngineStats,
+    Prompt,
+)
 
 __all__ = [
     "AsyncEngine",
+    "EngineAsleepError",
     "EngineClient",
     "EngineCore",
     "EngineDeadError",

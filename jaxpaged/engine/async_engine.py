@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -179,6 +180,29 @@ class AsyncEngine:
         and its stream ends with finish_reason "abort"."""
         if request_id in self._streams:
             self._core.abort(request_id)
+
+    # ------------------------------------------------------------------ admin
+    async def update_weights(self, params: Any) -> None:  # noqa: ANN401 - the params pytree
+        """Swaps the weights between two steps (see ``LLMEngine.update_weights``): checked
+        and placed in a worker thread, swapped by the engine thread; requests running go on
+        with the new weights."""
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self._dead_error}")
+        params = await asyncio.to_thread(self.engine.prepare_weights, params)
+        core = self._core
+        await asyncio.wrap_future(core.call(lambda: core.update_weights(params)))
+
+    async def update_weights_from(self, path: str) -> float:
+        """Loads a checkpoint (folder, hub id or .gguf) the way the engine's weights were
+        loaded, in a worker thread, then swaps it in (:meth:`update_weights`). Returns the
+        seconds the load took."""
+        if self.engine.weights_from is None:
+            raise ValueError("this engine cannot load weights by path")
+        start = time.perf_counter()
+        params = await asyncio.to_thread(self.engine.weights_from, path)
+        loaded = time.perf_counter() - start
+        await self.update_weights(params)
+        return loaded
 
     # ----------------------------------------------------------- engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:

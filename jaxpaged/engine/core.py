@@ -17,6 +17,7 @@ waits for Python only when the host work of a step takes longer than the step it
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -55,6 +56,14 @@ class _Abort:
     request_id: str
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """An admin call (weights, sleep, wake) for the engine thread to run between steps."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
 class DeviceRunner(Protocol):
     """What the core needs of a runner (jaxpaged.worker.runner.Runner; fakes in tests):
     ``dispatch`` launches a plan's step without waiting, ``collect`` waits for it."""
@@ -85,7 +94,9 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, clock)
         self._compilations = compilations
         self._compilations_at_warmup = compilations()
-        self._inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Call] = queue.SimpleQueue()
+        self.sleep_level = 0  # 0 awake; 1 KV pool freed; 2 weights dropped too
+        self._admin_outputs: list[RequestOutput] = []  # produced by admin calls
         self._wake = threading.Event()
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
         self._prompt_tokens_total = 0
@@ -104,6 +115,14 @@ class EngineCore:
         """Queues an abort: the request ends (finish_reason "abort") at the next step."""
         self._inbox.put(_Abort(request_id))
         self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queues ``fn`` for the engine thread, to run between two steps (before the next
+        step is planned); the future holds its result or its exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        self._wake.set()
+        return future
 
     def wake(self) -> None:
         """Ends a ``wait_for_work`` early (e.g. to stop the engine thread)."""
@@ -172,15 +191,71 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.scheduler.pool.reset_prefix_cache()
 
+    # ------------------------------------ engine thread only: admin (through call())
+    def update_weights(self, params: Any) -> None:  # noqa: ANN401 - the runner's params pytree
+        """Swaps the runner's weights between steps. Cached prefixes were computed with the
+        old weights, so they are forgotten; requests still running continue on the new
+        weights with the KV they have."""
+        self.runner.update_params(params)
+        self.scheduler.pool.reset_prefix_cache()
+        if self.sleep_level == 2:
+            self.sleep_level = 1  # weights are back; the KV pool still needs wake_up
+
+    def sleep(self, level: int) -> int:
+        """Frees the KV pool (level 1) and drops the weights too (level 2), so another
+        program can use the memory. Refused while requests are unfinished. Returns the KV
+        bytes freed (0 when it was already freed)."""
+        if level not in (1, 2):
+            raise ValueError(
+                f"sleep level must be 1 (free the KV pool) or 2 (and the weights), got {level!r}"
+            )
+        unfinished = len(self.outputs)
+        if unfinished:
+            raise RuntimeError(
+                f"sleep: {unfinished} requests are unfinished (let them finish or abort them)"
+            )
+        self._finish_in_flight()  # the last step: only finished requests' dropped tokens
+        self.scheduler.pool.reset_prefix_cache()  # the cached blocks' contents go
+        freed = 0 if self.runner.kv_released else self.runner.release_kv()
+        if level == 2:
+            self.runner.release_params()
+        self.sleep_level = max(self.sleep_level, level)
+        self.stats = self._snapshot()
+        return freed
+
+    def wake_up(self) -> None:
+        """Restores a fresh KV pool after :meth:`sleep`; after level 2 the weights must
+        have come back first (:meth:`update_weights`)."""
+        if self.sleep_level == 0:
+            return
+        if self.sleep_level == 2:
+            raise RuntimeError("wake_up: the weights were dropped (sleep level 2); give new params")
+        self.runner.restore_kv()
+        self.sleep_level = 0
+
     # ------------------------------------------------------------------ private
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            plan, pending = self._in_flight
+            self._in_flight = None
+            self._admin_outputs += self._apply(plan, self.runner.collect(pending))
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                outputs += self._admin_outputs
+                self._admin_outputs = []
                 return outputs
-            if isinstance(item, _Abort):
+            if isinstance(item, _Call):
+                if item.future.set_running_or_notify_cancel():
+                    try:
+                        item.future.set_result(item.fn())
+                    except Exception as exc:  # noqa: BLE001 - the caller gets it
+                        item.future.set_exception(exc)
+            elif isinstance(item, _Abort):
                 ids, out = self.outputs.end(item.request_id, "abort")
                 for sid in ids:
                     self.scheduler.abort(sid)
@@ -195,6 +270,20 @@ class EngineCore:
         if item.request_id in self.outputs:
             logger.error("request_id %r is already in use; dropped", item.request_id)
             return []
+        if self.sleep_level:
+            # queued before the engine went to sleep: it ends with the error a caller
+            # adding it now would get
+            self.outputs.add(
+                item.request_id,
+                prompt=item.prompt,
+                prompt_token_ids=item.prompt_token_ids,
+                params=item.params,
+                kind=item.output_kind,
+                arrival_time=item.arrival_time,
+            )
+            why = f"EngineAsleepError: {asleep_message(self.sleep_level)}"
+            _, out = self.outputs.end(item.request_id, "error", why)
+            return [] if out is None else [out]
         ids = self.outputs.add(
             item.request_id,
             prompt=item.prompt,
@@ -260,6 +349,14 @@ class EngineCore:
             num_compilations=compiles,
             num_compilations_after_warmup=compiles - self._compilations_at_warmup,
         )
+
+
+def asleep_message(level: int) -> str:
+    """What a request that reaches a sleeping engine is told (EngineAsleepError's text)."""
+    return (
+        f"the engine is asleep (sleep level {level}): its KV cache is freed; call wake_up() "
+        "before sending requests"
+    )
 
 
 class EngineStepError(RuntimeError):

@@ -40,6 +40,7 @@ class InputProcessor:
         block_size: int,
         num_kv_blocks: int,
         eos_token_ids: Sequence[int],
+        logits_processors: Sequence[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -47,6 +48,7 @@ class InputProcessor:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logits_processors = tuple(logits_processors)  # their names
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text or ids; text prompts get the tokenizer's
@@ -92,6 +94,12 @@ class InputProcessor:
         """The bounds of the engine (not of SamplingParams alone) a request must fit."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (this engine has none)")
+        name = params.logits_processor
+        if name is not None and name not in self.logits_processors:
+            raise ValueError(
+                f"logits_processor: {name!r} is not registered with this engine (registered: "
+                f"{list(self.logits_processors)}; EngineArgs.logits_processors)"
+            )
         if params.min_tokens > 0:
             banned = banned_ids_for_min_tokens(params, self.eos_token_ids)
             if len(banned) > MAX_BANNED_IDS:

@@ -13,17 +13,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from jaxpaged.args import EngineArgs
 from jaxpaged.config import CacheConfig, ParallelConfig, ProcessConfig, SchedulerConfig
-from jaxpaged.engine.core import EngineCore, EngineStepError
+from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.process import apply_process_config, configure_process
-from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
+from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.kernels.pool_format import pool_format
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
@@ -32,7 +32,9 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.kv_cache import KVLayout, device_kv_budget, num_blocks_for
+from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
+from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,10 @@ class LLMEngine:
         show_progress: bool = True,
         eos_token_ids: Sequence[int] | None = None,
         process_config: ProcessConfig | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> None:
         cache_config = cache_config or CacheConfig()
+        logits_processors = _check_processors(logits_processors)
         # only what was asked for; again for engines built on params in hand (JAX started:
         # the malloc thresholds still take)
         self.compile_cache_dir = apply_process_config(
@@ -70,6 +74,9 @@ class LLMEngine:
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
         self.mesh = None
+        # what update_weights takes: the params as given, before sharding / KV replication
+        self._given_config = model_config
+        self._given_spec = ParamsSpec.of(params)
         if parallel_config.tensor_parallel_size > 1:
             from jaxpaged.distributed.parallel import make_mesh, shard_params
 
@@ -117,6 +124,7 @@ class LLMEngine:
                 seed=seed,
                 attention_backend=attention_backend,
                 mesh=self.mesh,
+                logits_processors=logits_processors,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -175,6 +183,7 @@ class LLMEngine:
             block_size=cache_config.block_size,
             num_kv_blocks=num_blocks,
             eos_token_ids=eos,
+            logits_processors=[p.name for p in logits_processors],
         )
         self.core = EngineCore(
             scheduler=self.scheduler,
@@ -187,6 +196,11 @@ class LLMEngine:
         self._live: set[str] = set()  # user request ids added and not yet finished
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.dead_error: BaseException | None = None
+        # how wake_up gets the weights back after sleep(level=2) when none are given: set
+        # by from_engine_args for an engine that loaded them itself
+        self._reload: Callable[[], Params] | None = None
+        # params of a checkpoint folder / hub id / .gguf, loaded the way this engine's were
+        self.weights_from: Callable[[str], Params] | None = None
         self.warmup_programs = 0
         self.warmup_seconds = 0.0
         if not enforce_eager:
@@ -223,9 +237,11 @@ class LLMEngine:
                     "(without params, args.model is loaded with its own)"
                 )
             model_config, params, tokenizer, eos_token_ids = cls._load(args, parallel_config)
+            loaded = True
         else:
             cls._check_in_memory(args, model_config, params)
-        return cls(
+            loaded = False
+        engine = cls(
             model_config=model_config,
             params=params,
             tokenizer=tokenizer,
@@ -238,7 +254,17 @@ class LLMEngine:
             show_progress=args.show_progress,
             eos_token_ids=eos_token_ids,
             process_config=process_config,
+            logits_processors=args.logits_processors,
         )
+        # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
+        # engine's were, without touching the process again
+        load_args = dataclasses.replace(args, configure_process=False, show_progress=False)
+        engine.weights_from = lambda path: cls._load(
+            dataclasses.replace(load_args, model=path), parallel_config
+        )[1]
+        if loaded:
+            engine._reload = lambda: engine.weights_from(args.model)
+        return engine
 
     @staticmethod
     def _load(
@@ -330,6 +356,8 @@ class LLMEngine:
         samples; its outputs come from :meth:`step`, as deltas or as one final output."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        if self.core.sleep_level:
+            raise EngineAsleepError(asleep_message(self.core.sleep_level))
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = self.inputs.process(
@@ -357,6 +385,57 @@ class LLMEngine:
         """Forgets every cached prefix, so the next prompts are computed in full (benchmark
         rounds that repeat a workload). Blocks in use keep their contents."""
         self.core.reset_prefix_cache()
+
+    # ------------------------------------------------ weights and memory (admin)
+    def prepare_weights(self, params: Params) -> Params:
+        """New params checked against the engine's (ValueError naming the first leaf whose
+        tree, shape or dtype differs) and, on a mesh, placed on it with the engine's
+        shardings (arrays already there stay; others are resharded on the device). Any
+        thread; no engine state is touched."""
+        if jax.process_count() > 1:
+            raise ValueError("update_weights: not supported on a multi-host engine")
+        self._given_spec.check(params)
+        if self.mesh is not None:
+            from jaxpaged.distributed.parallel import shard_params
+
+            _, params = shard_params(self._given_config, params, self.mesh)
+        return params
+
+    def update_weights(self, params: Params) -> None:
+        """Swaps in new weights (same tree, shapes and dtypes) between steps, without
+        recompiling or touching the KV pool; the prefix cache is reset. Params already on the
+        device (or on the engine's mesh) are used as they are, and the engine keeps
+        references to them: do not donate or delete them while it serves."""
+        params = self.prepare_weights(params)
+        self._admin(lambda: self.core.update_weights(params))
+
+    def sleep(self, level: int = 1) -> int:
+        """Frees the KV pool (level 1), and drops the engine's weights too (level 2), for a
+        trainer to use the memory; until :meth:`wake_up`, ``add_request`` raises
+        EngineAsleepError. Needs every request finished or aborted. Returns the KV bytes
+        freed."""
+        return self._admin(lambda: self.core.sleep(level))
+
+    def wake_up(self, params: Params | None = None) -> None:
+        """Restores the KV pool (empty: no prefix is cached); after ``sleep(level=2)`` the
+        weights must be given (``params``) or reloaded (``reload_weights``). With params at
+        any level, they replace the current weights as :meth:`update_weights` does."""
+        if params is None and self.core.sleep_level == 2 and self._reload is not None:
+            params = self._reload()
+        if params is not None:
+            self.update_weights(params)
+        self._admin(self.core.wake_up)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.core.sleep_level > 0
+
+    def _admin(self, fn: Any) -> Any:  # noqa: ANN401
+        """Runs ``fn`` through the core's inbox, then applies the inbox now: the caller's
+        thread drives this engine, so it is the engine thread."""
+        future = self.core.call(fn)
+        self._ready += self.core.step_inbox()
+        return future.result()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
@@ -406,6 +485,17 @@ class LLMEngine:
 
     def close(self) -> None:
         self._compiles.close()
+
+
+def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessor, ...]:
+    processors = tuple(processors)
+    for p in processors:
+        if not isinstance(p, LogitsProcessor):
+            raise ValueError(f"logits_processors must hold LogitsProcessor objects, got {p!r}")
+    names = [p.name for p in processors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"logits_processors: names must be unique, got {names}")
+    return processors
 
 
 def _params_dtype(params: Params) -> Any:

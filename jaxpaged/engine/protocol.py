@@ -12,13 +12,18 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineStats", "Prompt"]
+__all__ = ["EngineAsleepError", "EngineClient", "EngineDeadError", "EngineStats", "Prompt"]
 
 Prompt = str | Sequence[int]
 
 
 class EngineDeadError(RuntimeError):
     """The engine failed while serving; no request can be served any more."""
+
+
+class EngineAsleepError(RuntimeError):
+    """A request reached an engine that is asleep (``sleep()``, its KV cache freed): call
+    ``wake_up()`` first."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -150,11 +150,13 @@ class Request:
 
     @property
     def needs_state_row(self) -> bool:
-        """Whether its sampling reads on-device per-request state: penalties or min_tokens."""
+        """Whether its sampling reads on-device per-request state: penalties, min_tokens or
+        a logits processor (which reads the token history)."""
         sp = self.sampling_params
         return (
             sp.repetition_penalty != 1.0
             or sp.presence_penalty != 0.0
             or sp.frequency_penalty != 0.0
             or sp.min_tokens > 0
+            or sp.logits_processor is not None
         )

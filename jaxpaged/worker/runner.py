@@ -38,7 +38,9 @@ from jaxpaged.worker.kv_cache import (
     gather_blocks,
     scatter_blocks,
 )
+from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.step import StepBatch, StepOutput, step
+from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +70,12 @@ class Runner:
         seed: int = 0,
         attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        logits_processors: tuple[LogitsProcessor, ...] = (),
     ) -> None:
         self.model_config = model_config
+        # traced into the step (static); their names index them in SamplingTensors.processor
+        self.logits_processors = tuple(logits_processors)
+        self.processor_names = tuple(p.name for p in self.logits_processors)
         self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
         # multi-host: rank 0's hook that announces each device call to the followers
         # (see jaxpaged.distributed.multihost); None on one host
@@ -80,15 +86,15 @@ class Runner:
 
         # the platform's part, chosen once: on CPU the native kernels over weights packed
         # into their layout and the streamed weights on 2 MiB pages; elsewhere XLA's
-        def weight_map(p, fn):
-            return map_matmul_weights(p, model_config, fn)
-
         self.platform = select_backend(
-            params, weight_map, attention_backend=attention_backend, sharded=mesh is not None
+            params, self._weight_map, attention_backend=attention_backend, sharded=mesh is not None
         )
         self.kernels = self.platform.kernels
-        self.params = self.platform.pack_weights(params, weight_map)
-        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(self.params))
+        # what replacement weights must match (update_params), as given: before packing
+        self.params_spec = ParamsSpec.of(params)
+        self.params: Params | None = None
+        self.huge_page_bytes = 0
+        self._install_params(self.params_spec.place(params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -96,18 +102,82 @@ class Runner:
             block_size=layout.block_size,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
+        self._create_kv_state()
+        # swapped-out blocks: host slot -> one [L, *page] array per pool array
+        self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
+        self.warmed_up = False
+
+    def _weight_map(self, params: Params, fn):
+        return map_matmul_weights(params, self.model_config, fn)
+
+    def _install_params(self, params: Params, *, huge_pages: bool = True) -> None:
+        # packed before the old weights are let go: if packing fails, the engine keeps its
+        # weights (at the cost of two packed copies for a moment where the platform packs)
+        packed = self.platform.pack_weights(params, self._weight_map)
+        if huge_pages:
+            self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(packed))
+        else:
+            self.huge_page_bytes = 0
+        self.params = packed
+
+    def _create_kv_state(self) -> None:
+        """The KV pool, the sampler state rows and the last sampled tokens, all zero."""
+        layout, mesh = self.layout, self.mesh
         self.pool = create_pool(
             layout=layout, sharding=None if mesh is None else kv_pool_sharding(mesh)
         )
         # one sampler-state row per running request at most; the scheduler hands them out
         self.seq_state = self._on_mesh(
-            sampler.create_seq_state(max_num_seqs, model_config.vocab_size, MAX_BANNED_IDS)
+            sampler.create_seq_state(
+                self.buckets.max_num_seqs,
+                self.model_config.vocab_size,
+                MAX_BANNED_IDS,
+                # each row's token history, for the processors only
+                history_len=self.max_model_len if self.logits_processors else 1,
+            )
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
-        self.sampled = self._on_mesh(jax.numpy.zeros((max_num_seqs,), jax.numpy.int32))
-        # swapped-out blocks: host slot -> one [L, *page] array per pool array
-        self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
-        self.warmed_up = False
+        self.sampled = self._on_mesh(jax.numpy.zeros((self.buckets.max_num_seqs,), jax.numpy.int32))
+
+    # ------------------------------------------------- weights and memory (admin)
+    def update_params(self, params: Params) -> None:
+        """Swaps in new weights of the same tree, shapes and dtypes (ValueError otherwise).
+        The compiled programs and the KV pool stay; a step already dispatched finishes on
+        the old weights. Arrays already where the engine's are stay there (no copy unless
+        the platform packs weights into its own layout)."""
+        self.params_spec.check(params)
+        # no huge-page collapse: it costs 1.3-1.8 s per SmolLM2 copy on the dev VM (see
+        # kernels/cpu/huge_pages.py) for ~1.8 ms per decode step, a loss for a training loop
+        # that swaps weights every few hundred steps
+        self._install_params(self.params_spec.place(params), huge_pages=False)
+
+    def release_params(self) -> None:
+        """Drops the engine's reference to its weights (sleep level 2); their memory goes
+        when no one else holds them. Steps need :meth:`update_params` first."""
+        self.params = None
+        self.huge_page_bytes = 0
+
+    def release_kv(self) -> int:
+        """Frees the KV pool, the sampler state and swapped-out blocks (sleep); returns the
+        device bytes freed. Nothing may be running."""
+        arrays = [
+            a for a in jax.tree.leaves((self.pool, self.seq_state, self.sampled)) if a is not None
+        ]
+        freed = sum(a.nbytes for a in arrays)
+        for a in arrays:
+            a.delete()
+        self.pool = self.seq_state = self.sampled = None
+        self._host_blocks.clear()
+        return freed
+
+    def restore_kv(self) -> None:
+        """A fresh (zeroed) KV pool and sampler state after :meth:`release_kv`: the same
+        shapes, so the compiled programs still apply."""
+        self._create_kv_state()
+
+    @property
+    def kv_released(self) -> bool:
+        return self.pool is None
 
     def _on_mesh(self, tree):
         return tree if self.mesh is None else jax.device_put(tree, replicated(self.mesh))
@@ -123,6 +193,7 @@ class Runner:
             backend=self.backend,
             mesh=self.mesh,
             kernels=self.kernels,
+            logits_processors=self.logits_processors,
         )
 
     def activation_bytes(self) -> int:
@@ -173,6 +244,7 @@ class Runner:
             s,
             vocab_size=self.model_config.vocab_size,
             engine_key_data=self.engine_key_data,
+            processor_names=self.processor_names,
         )
         batch = StepBatch(
             tokens=tokens,

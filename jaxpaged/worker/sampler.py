@@ -45,6 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpaged.sampling_params import MAX_PROCESSOR_ARGS
+from jaxpaged.worker.logits_processors import apply_logits_processors
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 _PRNG_IMPL = "threefry2x32"  # explicit, so key data is always [2] uint32
 _U32 = 0xFFFFFFFF
@@ -65,6 +68,8 @@ class SamplingTensors(NamedTuple):
     key_counter: jax.Array  # [B] uint32 tokens generated so far by the sequence
     state_rows: jax.Array  # [B] int32 row in the SeqState; -1 = none (no penalty, no ban)
     num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (-1: no logprobs at all)
+    processor: jax.Array  # [B] int32 index of the row's logits processor; -1 = none
+    processor_args: jax.Array  # [B, MAX_PROCESSOR_ARGS] float32 its per-request parameters
 
 
 class SamplerOutput(NamedTuple):
@@ -96,15 +101,23 @@ class SeqState(NamedTuple):
     num_generated: jax.Array  # int32 [R]: output tokens the row's request has sampled
     min_tokens: jax.Array  # int32 [R]: its min_tokens
     banned_ids: jax.Array  # int32 [R, M]: ids held back until min_tokens is reached, -1 padded
+    # for logits processors: the row's tokens in order (prompt, then output), -1 after
+    # num_tokens; H = max_model_len when the engine has processors, else 1 (unused)
+    tokens: jax.Array  # int32 [R, H]
+    num_tokens: jax.Array  # int32 [R]
 
 
-def create_seq_state(num_rows: int, vocab_size: int, max_banned: int) -> SeqState:
+def create_seq_state(
+    num_rows: int, vocab_size: int, max_banned: int, history_len: int = 1
+) -> SeqState:
     return SeqState(
         prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),
         output_counts=jnp.zeros((num_rows, vocab_size), jnp.int32),
         num_generated=jnp.zeros((num_rows,), jnp.int32),
         min_tokens=jnp.zeros((num_rows,), jnp.int32),
         banned_ids=jnp.full((num_rows, max_banned), -1, jnp.int32),
+        tokens=jnp.full((num_rows, history_len), -1, jnp.int32),
+        num_tokens=jnp.zeros((num_rows,), jnp.int32),
     )
 
 
@@ -127,12 +140,22 @@ def init_state_row(
     v = state.prompt_mask.shape[1]
     mask = jnp.zeros((v,), jnp.bool_).at[_drop_padding(prompt_ids, v)].set(True, mode="drop")
     counts = jnp.zeros((v,), jnp.int32).at[_drop_padding(output_ids, v)].add(1, mode="drop")
+    num_prompt, num_output = jnp.sum(prompt_ids >= 0), jnp.sum(output_ids >= 0)
+    at = jnp.arange(state.tokens.shape[1])  # prompt then output, both -1 padded at the end
+    history = jnp.where(
+        at < num_prompt,
+        prompt_ids[jnp.minimum(at, prompt_ids.shape[0] - 1)],
+        output_ids[jnp.clip(at - num_prompt, 0, output_ids.shape[0] - 1)],
+    )
+    history = jnp.where(at < num_prompt + num_output, history, -1)
     return SeqState(
         prompt_mask=state.prompt_mask.at[row].set(mask),
         output_counts=state.output_counts.at[row].set(counts),
-        num_generated=state.num_generated.at[row].set(jnp.sum(output_ids >= 0)),
+        num_generated=state.num_generated.at[row].set(num_output),
         min_tokens=state.min_tokens.at[row].set(min_tokens),
         banned_ids=state.banned_ids.at[row].set(banned_ids),
+        tokens=state.tokens.at[row].set(history),
+        num_tokens=state.num_tokens.at[row].set(num_prompt + num_output),
     )
 
 
@@ -146,7 +169,12 @@ def record_sampled(
     rows = _drop_padding(rows, r)
     counts = state.output_counts.at[rows, token_ids].add(1, mode="drop")
     generated = state.num_generated.at[rows].add(1, mode="drop")
-    return state._replace(output_counts=counts, num_generated=generated)
+    at = state.num_tokens[jnp.minimum(rows, r - 1)]  # past the end of [R, H]: dropped
+    tokens = state.tokens.at[rows, at].set(token_ids, mode="drop")
+    num_tokens = state.num_tokens.at[rows].add(1, mode="drop")
+    return state._replace(
+        output_counts=counts, num_generated=generated, tokens=tokens, num_tokens=num_tokens
+    )
 
 
 def banned_now(
@@ -171,6 +199,7 @@ def build_sampling_tensors(
     *,
     vocab_size: int,
     engine_key_data: np.ndarray,  # [2] uint32, e.g. seed_to_key_data(engine seed)
+    processor_names: Sequence[str] = (),  # the engine's logits processors, in index order
 ) -> tuple[SamplingTensors, dict[int, str]]:
     """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows, and the rows
     that could not be filled (index -> reason; left as padding, so one bad row cannot stop
@@ -200,13 +229,15 @@ def build_sampling_tensors(
         key_counter=np.zeros(b, np.uint32),
         state_rows=np.full(b, -1, np.int32),
         num_logprobs=np.full(b, -1, np.int32),
+        processor=np.full(b, -1, np.int32),
+        processor_args=np.zeros((b, MAX_PROCESSOR_ARGS), np.float32),
     )
     failed: dict[int, str] = {}
     for i, row in enumerate(rows):
         if row is None:
             continue
         try:
-            _fill_row(t, i, row, vocab_size, engine_key_data)
+            _fill_row(t, i, row, vocab_size, engine_key_data, processor_names)
         except (ValueError, TypeError, OverflowError) as e:
             failed[i] = f"{type(e).__name__}: {e}"
             for arr, pad in zip(t, _padding_values(vocab_size), strict=True):
@@ -216,7 +247,7 @@ def build_sampling_tensors(
 
 def _padding_values(vocab_size: int) -> tuple[object, ...]:
     """Each SamplingTensors field's value for a padding row (greedy, filters off)."""
-    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1)
+    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1, -1, 0.0)
 
 
 def _fill_row(
@@ -225,6 +256,7 @@ def _fill_row(
     row: SamplingRow,
     vocab_size: int,
     engine_key_data: np.ndarray,
+    processor_names: Sequence[str] = (),
 ) -> None:
     sp = row.params
     t.temperature[i] = sp.temperature
@@ -241,10 +273,17 @@ def _fill_row(
     has_penalty = (
         sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
     )
-    if (has_penalty or sp.min_tokens > 0) and row.state_row < 0:
-        raise ValueError("penalties / min_tokens: the sequence has no state row")
+    processor = getattr(sp, "logits_processor", None)
+    if (has_penalty or sp.min_tokens > 0 or processor is not None) and row.state_row < 0:
+        raise ValueError("penalties / min_tokens / logits_processor: the sequence has no state row")
     t.state_rows[i] = row.state_row
     t.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
+    if processor is not None:
+        if processor not in processor_names:
+            raise ValueError(f"logits_processor: {processor!r} is not registered")
+        t.processor[i] = processor_names.index(processor)
+        args = sp.logits_processor_args
+        t.processor_args[i, : len(args)] = args
 
 
 def apply_penalties(
@@ -391,13 +430,19 @@ def sample(
     *,
     num_logprobs: int,
     argmax: Callable[[jax.Array], jax.Array] = greedy_argmax,
+    logits_processors: tuple[Any, ...] = (),
 ) -> SamplerOutput:
     """Pick one token per row. ``num_logprobs`` (static) is K, the most top logprobs any
     row may ask for; the top-K pass runs only when some row asks (``t.num_logprobs``).
     ``argmax`` ([B, V] float32 -> int32 [B], ``jnp.argmax``'s answer) picks greedy rows: a
-    backend may pass a faster one."""
+    backend may pass a faster one. ``logits_processors`` (static; ``LogitsProcessor``s, see
+    :mod:`jaxpaged.worker.logits_processors`) rewrite the rows that chose one before
+    penalties and filters; logprobs stay those of the raw logits."""
     logits = logits.astype(jnp.float32)
+    raw_logits = logits
     b, v = logits.shape
+    if logits_processors:
+        logits = apply_logits_processors(logits, t, state, logits_processors)
 
     needs_penalty = jnp.any(
         (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
@@ -468,6 +513,6 @@ def sample(
         )
 
     token_logprobs, top_ids, top_vals = lax.cond(
-        jnp.any(t.num_logprobs >= 0), _logprobs, _no_logprobs, logits
+        jnp.any(t.num_logprobs >= 0), _logprobs, _no_logprobs, raw_logits
     )
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_vals)

@@ -17,6 +17,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, compute_logits, forward
 from jaxpaged.worker import sampler
 from jaxpaged.worker.kv_cache import KVPool
+from jaxpaged.worker.logits_processors import LogitsProcessor
 
 
 class StepBatch(NamedTuple):
@@ -54,6 +55,7 @@ class StepOutput(NamedTuple):
         "max_kv_len",
         "mesh",
         "kernels",
+        "logits_processors",
     ),
     donate_argnums=(1, 2),
 )
@@ -74,6 +76,7 @@ def step(
     max_kv_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     kernels: StepKernels = XLA_KERNELS,
+    logits_processors: tuple[LogitsProcessor, ...] = (),
 ) -> tuple[StepOutput, KVPool, sampler.SeqState]:
     """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. Decode tokens the host has not seen yet come straight
@@ -130,7 +133,12 @@ def step(
     logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(
-        logits, batch.sampling, seq_state, num_logprobs=num_logprobs, argmax=kernels.argmax
+        logits,
+        batch.sampling,
+        seq_state,
+        num_logprobs=num_logprobs,
+        argmax=kernels.argmax,
+        logits_processors=logits_processors,
     )
     seq_state = sampler.record_sampled(seq_state, batch.sampling.state_rows, out.token_ids)
     num_rows = prev_sampled.shape[0]

@@ -25,6 +25,7 @@ CHECKS = [
     "family_mistral",
     "orbax",
     "warmup_no_recompile",
+    "update_weights",
 ]
 
 

@@ -345,6 +345,49 @@ def check_errors(ctx: Ctx) -> None:
     )
 
 
+def check_update_weights(ctx: Ctx) -> None:
+    """update_weights on a TP=2 engine: unsharded params are resharded on the devices, params
+    already on the mesh with the engine's shardings are used as they are; outputs equal a TP=1
+    engine built on the new params, the split is kept, and after the first reshard (JAX
+    compiles its slicing programs once per shape) nothing compiles."""
+    import jax
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.distributed.loading import load_params
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.worker.compile_counter import CompileCounter
+
+    path = ctx.model("llama")
+    config, params = load_params(path, progress=False)  # on one device, unsplit
+    scaled = jax.tree.map(lambda x: x * 1.5, params)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine.from_params(config, scaled, show_progress=False, **ENGINE_ARGS)
+    want = [
+        list(o.outputs[0].token_ids)
+        for o in LLM.from_engine(ref).generate(PROMPTS, sp, use_tqdm=False)
+    ]
+    ref.close()
+    llm = LLM(path, tensor_parallel_size=2, show_progress=False, **ENGINE_ARGS)
+    # the engine's shardings (made before counting: the multiply compiles)
+    on_mesh = jax.tree.map(lambda x: x * 1.5, llm.engine.runner.params)
+    # ENGINE_ARGS skip warm-up (enforce_eager): this first generate compiles the step shapes
+    base = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    # the first reshard from one device compiles JAX's slicing programs (once per shape)
+    llm.update_weights(scaled)
+    with CompileCounter() as compiles:
+        llm.update_weights(scaled)  # resharded on the devices again
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        assert got == want and want != base, (got, want)
+        assert_sharded(llm.engine, 2, num_kv_heads=2, vocab=256)
+        llm.update_weights(on_mesh)
+        held = jax.tree.leaves(llm.engine.runner.params)
+        assert all(a is b for a, b in zip(held, jax.tree.leaves(on_mesh), strict=True))
+        again = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        assert again == want
+    assert compiles.count == 0, compiles.count
+    llm.engine.close()
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     "errors": check_errors,
     "family_llama": lambda c: check_family(c, "llama"),
@@ -355,6 +398,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "orbax": check_orbax,
     "warmup_no_recompile": check_warmup_no_recompile,
     "smollm2_tp3": check_smollm2_tp3,
+    "update_weights": check_update_weights,
 }
 
 

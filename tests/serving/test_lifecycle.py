@@ -212,6 +212,7 @@ def test_generated_stubs_are_current(tmp_path):
         check=True,
         env={**os.environ, "PYTHON": sys.executable},
     )
-    for name in ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"):
-        with open(os.path.join(ROOT, "serving", name)) as a, open(tmp_path / name) as b:
-            assert a.read() == b.read(), f"serving/{name} is stale: run `make proto`"
+    for proto in ("generation", "admin"):
+        for name in (f"{proto}_pb2.py", f"{proto}_pb2.pyi", f"{proto}_pb2_grpc.py"):
+            with open(os.path.join(ROOT, "serving", name)) as a, open(tmp_path / name) as b:
+                assert a.read() == b.read(), f"serving/{name} is stale: run `make proto`"
