@@ -165,3 +165,21 @@ def test_tpu_kernel_lowers_for_tpu_on_a_cpu(dtype, d, hq, hkv, bs):
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("device", ["TPU v5", "TPU v6"])
+def test_tuned_block_sizes_lookup_on_a_tpu(monkeypatch, device):
+    """On a TPU the kernel's blocks come from JAX's tuned table, looked up with the per-block
+    head counts the kernel uses (the device is faked: the lookup only reads its name)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+    from jaxpaged.kernels.tpu import _block_sizes
+
+    monkeypatch.setattr(tuned_block_sizes, "get_tpu_version", lambda: int(device[-1]))
+    monkeypatch.setattr(tuned_block_sizes, "get_device_name", lambda num_devices=None: device)
+    q = jnp.zeros((256, 32, 128), jnp.bfloat16)
+    kv_pages = jnp.zeros((64, 16, *combined_pool_shape(1, 16, 8, 128, jnp.bfloat16)[2:]))
+    kv_pages = kv_pages.astype(jnp.bfloat16)
+    pages, tokens = _block_sizes(q, kv_pages, 128, on_tpu=True)
+    assert 1 <= pages <= 128 and 1 <= tokens <= 256
+    assert (pages, tokens) != (min(128, 64 // 16), 16)  # not the interpret-mode blocks
