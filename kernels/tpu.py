@@ -110,12 +110,16 @@ def write_kv_combined(
     return flat.reshape(kv_pages.shape)
 
 
-def _block_sizes(q, kv_pages, pages_per_seq: int, num_q_heads_per_blk: int, on_tpu: bool):
-    """(KV pages, query tokens) per kernel block: JAX's tuned table on a TPU; small blocks
-    in interpret mode, where every grid step costs host work."""
+def _block_sizes(q, kv_pages, pages_per_seq: int, on_tpu: bool) -> tuple[int, int]:
+    """(KV pages, query tokens) per kernel block: JAX's tuned table on a TPU (looked up as the
+    kernel itself would); small blocks elsewhere (interpret mode, where every grid step costs
+    host work, and lowering tests)."""
     if on_tpu:
+        q_heads_per_blk, combined_per_blk = jax_rpa.kernel.get_min_heads_per_blk(
+            q.shape[1], kv_pages.shape[2], q.dtype, kv_pages.dtype
+        )
         return jax_rpa.get_tuned_block_sizes(
-            q.dtype, kv_pages.dtype, num_q_heads_per_blk, kv_pages.shape[2] // 2,
+            q.dtype, kv_pages.dtype, q_heads_per_blk, combined_per_blk // 2,
             q.shape[2], kv_pages.shape[1], q.shape[0], pages_per_seq,
         )  # fmt: skip
     return min(pages_per_seq, max(1, 64 // kv_pages.shape[1])), min(q.shape[0], 16)
@@ -174,10 +178,7 @@ def ragged_paged_attention_tpu(
     qk = jnp.pad(qk, ((0, 0), (0, heads - num_kv_heads), (0, 0), (0, lanes - head_dim)))
     qk = qk.reshape(num_tokens, heads * group, lanes)
 
-    q_heads_per_blk, _ = jax_rpa.kernel.get_min_heads_per_blk(
-        heads * group, combined, qk.dtype, kv_pages.dtype
-    )
-    kv_per_blk, q_per_blk = _block_sizes(qk, kv_pages, pages_per_seq, q_heads_per_blk, on_tpu)
+    kv_per_blk, q_per_blk = _block_sizes(qk, kv_pages, pages_per_seq, on_tpu)
     padded_tokens = -(-num_tokens // q_per_blk) * q_per_blk
     qk = jnp.pad(qk, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
 

@@ -132,3 +132,54 @@ def test_bundled_model_on_the_tpu_backend_matches_the_cpu_engine(bundled_model_p
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["tpu"] == tokens[None]
     assert all(len(t) == 3 for t in tokens[None])
+
+
+@pytest.mark.parametrize(
+    "dtype,d,hq,hkv,bs",
+    [("bfloat16", 128, 32, 8, 16), ("float32", 64, 9, 3, 16), ("bfloat16", 256, 8, 1, 32)],
+)
+def test_tpu_kernel_lowers_for_tpu_on_a_cpu(dtype, d, hq, hkv, bs):
+    """JAX's kernel over our padded, combined pool passes the Pallas->Mosaic lowering for a
+    TPU (an abstract TPU v5e device; no TPU needed), as the step would call it."""
+    import functools
+
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from jaxpaged.kernels.tpu import ragged_paged_attention_tpu
+
+    dt = jnp.dtype(dtype)
+    t, s, p, nb = 64, 8, 40, 128
+    args = [
+        jax.ShapeDtypeStruct((t, hq, d), dt),
+        jax.ShapeDtypeStruct(combined_pool_shape(nb, bs, hkv, d, dt), dt),
+        jax.ShapeDtypeStruct((s,), jnp.int32),
+        jax.ShapeDtypeStruct((s, p), jnp.int32),
+        jax.ShapeDtypeStruct((s + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    ]
+    fn = functools.partial(ragged_paged_attention_tpu, num_kv_heads=hkv, sm_scale=0.1,
+                           sliding_window=64, soft_cap=30.0, interpret=False)  # fmt: skip
+    device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("device", ["TPU v5", "TPU v6"])
+def test_tuned_block_sizes_lookup_on_a_tpu(monkeypatch, device):
+    """On a TPU the kernel's blocks come from JAX's tuned table, looked up with the per-block
+    head counts the kernel uses (the device is faked: the lookup only reads its name)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+    from jaxpaged.kernels.tpu import _block_sizes
+
+    monkeypatch.setattr(tuned_block_sizes, "get_tpu_version", lambda: int(device[-1]))
+    monkeypatch.setattr(tuned_block_sizes, "get_device_name", lambda num_devices=None: device)
+    q = jnp.zeros((256, 32, 128), jnp.bfloat16)
+    kv_pages = jnp.zeros((64, 16, *combined_pool_shape(1, 16, 8, 128, jnp.bfloat16)[2:]))
+    kv_pages = kv_pages.astype(jnp.bfloat16)
+    pages, tokens = _block_sizes(q, kv_pages, 128, on_tpu=True)
+    assert 1 <= pages <= 128 and 1 <= tokens <= 256
+    assert (pages, tokens) != (min(128, 64 // 16), 16)  # not the interpret-mode blocks
