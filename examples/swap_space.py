@@ -4,7 +4,7 @@ memory (at most swap_space of it) and come back later, bit-exact.
     python examples/swap_space.py [MODEL]
 
 The KV cache is kept small here (num_kv_blocks) so that eight requests cannot all fit and
-some are swapped out and back in.
+some are swapped out and back in; ignore_eos makes each of them run its 100 tokens.
 """
 
 import sys
@@ -13,10 +13,10 @@ from jaxpaged import LLM, SamplingParams
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else None  # None: the bundled SmolLM2
 
-prompts = [f"Write a short story about a {animal}." for animal in (
+prompts = [f"Once upon a time, a {animal}" for animal in (
     "cat", "dog", "horse", "fox", "owl", "whale", "bee", "crow",
 )]  # fmt: skip
-sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=100)
+sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=100, ignore_eos=True)
 
 llm = LLM(
     model=MODEL,

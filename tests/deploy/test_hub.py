@@ -179,9 +179,8 @@ def test_interrupted_downloads_resume_or_restart_cleanly(hub, env, tiny_folders)
 
     hub.requests.clear()
     hub.cuts[shard] = cut = Cut(at=CHUNK + 1024, mode="stall")
-    code = (
-        f"from jaxpaged.models.resolve import resolve_model_folder as r; r({TINY!r}, revision='v1')"
-    )
+    # an earlier process (huggingface_hub alone: HF_ENDPOINT and HF_HUB_CACHE from the env)
+    code = f"from huggingface_hub import snapshot_download as s; s({TINY!r}, revision='v1')"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     try:
         assert cut.done.wait(120), "the download did not reach the cut"
