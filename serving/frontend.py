@@ -373,7 +373,9 @@ class Frontend:
         }
         raise Unavailable(f"server not ready: {reasons[self.phase]}")
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the reply (the same
         ids as ``LLM.chat`` uses)."""
         if not messages:
@@ -381,7 +383,7 @@ class Frontend:
         try:
             ids = self.engine.tokenizer.apply_chat_template(
                 list(messages),
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 chat_template=self.config.chat_template,
             )

@@ -47,7 +47,16 @@ class SamplingParams(_message.Message):
         "stop",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        "logit_bias",
     )
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
+
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +74,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -82,6 +92,7 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    logit_bias: _containers.ScalarMap[int, float]
     def __init__(
         self,
         temperature: float | None = ...,
@@ -101,6 +112,7 @@ class SamplingParams(_message.Message):
         stop: _Iterable[str] | None = ...,
         include_stop_str_in_output: bool | None = ...,
         skip_special_tokens: bool | None = ...,
+        logit_bias: _Mapping[int, float] | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):

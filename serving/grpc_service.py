@@ -1,7 +1,8 @@
 """The gRPC service `jaxpaged.v1.Generation` (grpc.aio), with the standard health service and
 server reflection on the same server.
 
-Status codes: INVALID_ARGUMENT (bad input, message naming the field), UNAUTHENTICATED (API
+Status codes: INVALID_ARGUMENT (bad input, message naming the field; also a field this
+server does not know, e.g. from a client built on a newer .proto), UNAUTHENTICATED (API
 key missing or wrong in the `authorization: Bearer <key>` metadata), RESOURCE_EXHAUSTED
 (queue full), UNAVAILABLE (loading, draining, engine dead), INTERNAL (the engine failed
 while serving the call). A cancelled call or an expired deadline aborts the request.
@@ -16,6 +17,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -56,11 +59,37 @@ _SCALAR_FIELDS = (
 )
 
 
+_CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_known_fields(msg: Message, where: str = "") -> None:
+    """Refuses a message (or any message inside it) that carries fields this server's .proto
+    does not define: protobuf keeps them as unknown fields, and ignoring them would answer a
+    request other than the one sent."""
+    name = where or msg.DESCRIPTOR.name
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        raise InvalidRequest(
+            f"{name}: field number(s) {numbers} are unknown to this server (a client built "
+            "from a newer .proto?); jaxpaged refuses fields it would not honour",
+            param=name,
+        )
+    for field, value in msg.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue
+        items = value if field.is_repeated else [value]
+        for i, item in enumerate(items):
+            suffix = f"[{i}]" if field.is_repeated else ""
+            check_known_fields(item, f"{name}.{field.name}{suffix}")
+
+
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """SamplingParams from the proto; unset optional fields keep SamplingParams' defaults."""
     kwargs: dict[str, Any] = {
         name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)
     }
+    kwargs["logit_bias"] = dict(msg.logit_bias)
     kwargs["ignore_eos"] = msg.ignore_eos
     kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
     kwargs["stop"] = list(msg.stop)
@@ -148,6 +177,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         frontend = self._frontend
         try:
             self._check_auth(context)
+            check_known_fields(request)
             params = sampling_params_from_proto(request.sampling_params)
             frontend.check_ready()
             kind = request.WhichOneof("input")
@@ -162,6 +192,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             elif kind == "token_ids":
                 prompt = list(request.token_ids.ids)
             else:
+                for i, m in enumerate(request.chat.messages):
+                    if m.role not in _CHAT_ROLES:
+                        raise InvalidRequest(
+                            f"chat.messages[{i}].role must be one of {list(_CHAT_ROLES)}, "
+                            f"got {m.role!r}",
+                            param="role",
+                        )
                 prompt = frontend.render_chat(
                     [{"role": m.role, "content": m.content} for m in request.chat.messages]
                 )

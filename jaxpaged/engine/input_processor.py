@@ -99,6 +99,11 @@ class InputProcessor:
                     f"stop_token_ids: with min_tokens > 0 the engine holds back at most "
                     f"{MAX_BANNED_IDS} ids (EOS included unless ignore_eos), got {len(banned)}"
                 )
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"logit_bias names token {token}, outside the vocabulary [0, {self.vocab_size})"
+                )
         max_tokens = params.effective_max_tokens(num_prompt_tokens, self.max_model_len)
         # the last output token is never fed back, so its K/V is never stored
         need = -(-(num_prompt_tokens + max_tokens - 1) // self.block_size)

@@ -272,6 +272,7 @@ class Scheduler:
                         banned_ids=banned_ids_for_min_tokens(sp, req.eos_token_ids)
                         if sp.min_tokens
                         else (),
+                        logit_bias=sp.logit_bias,
                     )
                 )
 
@@ -387,6 +388,8 @@ class Scheduler:
             start_pos=start,
             block_table=self.pool.block_table(req.request_id),
             sampling=sampling,
+            prompt_targets=req.prompt_logprob_targets(start, end),
+            prompt_top_k=req.sampling_params.prompt_logprobs or 0,
         )
 
     def _admit(
@@ -429,7 +432,11 @@ class Scheduler:
             if siblings:  # a sibling is prefilling this prompt: fork from it later
                 held.append(req)
                 return False
-        prefix = self.pool.find_prefix(req.request_id, req.num_tokens, req.token_ids_slice)
+        prefix = (  # prompt logprobs need every prompt position computed
+            []
+            if req.wants_prompt_logprobs
+            else self.pool.find_prefix(req.request_id, req.num_tokens, req.token_ids_slice)
+        )
         start = len(prefix) * self.block_size
         n = min(req.num_tokens - start, budget)
         new_copies = self._allocate(req, n, prefix)
@@ -504,8 +511,11 @@ class Scheduler:
             )
         now = self.clock()
         updates: list[RequestUpdate] = []
+        prompt_lps = runner_output.prompt_logprobs or [None] * len(seqs)
         for i, s in enumerate(seqs):
             req = self.requests.get(s.request_id)
+            if req is not None and req.arrival_order == s.seq_id and prompt_lps[i]:
+                req.add_prompt_logprobs(s.start_pos, prompt_lps[i])
             if req is None or req.arrival_order != s.seq_id or not s.do_sample:
                 continue  # ended since (abort / stop), or a chunk that does not sample
             req.num_inflight -= 1
@@ -529,11 +539,13 @@ class Scheduler:
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
+            first = req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None
             updates.append(
                 RequestUpdate(
                     request_id=s.request_id,
                     new_token_ids=(token,),
                     new_logprobs=() if lp is None else (lp,),
+                    prompt_logprobs=tuple(req.prompt_logprobs) if first else None,
                     finish_reason=None if status is None else status.finish_reason,
                     stop_reason=req.stop_reason if status is not None else None,
                 )

@@ -26,7 +26,7 @@ from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
 from jaxpaged.outputs import Logprob
-from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
@@ -49,6 +49,8 @@ class PendingStep:
     out: StepOutput
     num_seqs: int
     logprobs_wanted: tuple[int | None, ...]  # per sequence: top-k asked for, None = none
+    # per sequence: (first row, its prompt targets, top-k asked for), None = none
+    prompt_wanted: tuple[tuple[int, tuple[int, ...], int] | None, ...]
     failed: dict[str, str]  # sequences left out of the batch: request id -> reason
 
 
@@ -100,7 +102,9 @@ class Runner:
         )
         # one sampler-state row per running request at most; the scheduler hands them out
         self.seq_state = self._on_mesh(
-            sampler.create_seq_state(max_num_seqs, model_config.vocab_size, MAX_BANNED_IDS)
+            sampler.create_seq_state(
+                max_num_seqs, model_config.vocab_size, MAX_BANNED_IDS, MAX_LOGIT_BIAS
+            )
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
         self.sampled = self._on_mesh(jax.numpy.zeros((max_num_seqs,), jax.numpy.int32))
@@ -150,9 +154,11 @@ class Runner:
         tables = np.zeros((s, b), np.int32)
         cu = np.zeros(s + 1, np.int32)
         sample_rows = np.zeros(s, np.int32)
+        prompt_targets = np.full(t, -1, np.int32)
         row = 0
         for i, seq in enumerate(seqs):
             n = seq.num_tokens
+            prompt_targets[row : row + len(seq.prompt_targets)] = seq.prompt_targets
             pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
             table = np.asarray(seq.block_table, np.int32)
             tokens[row : row + n] = seq.token_ids
@@ -183,6 +189,7 @@ class Runner:
             num_seqs=np.array([len(seqs)], np.int32),
             sample_rows=sample_rows,
             sampling=sampling,
+            prompt_targets=prompt_targets,
         )
         return batch, failed
 
@@ -214,11 +221,19 @@ class Runner:
         wanted = tuple(
             None if s.sampling is None else s.sampling.params.logprobs for s in plan.seqs
         )
+        prompt_wanted = _prompt_wanted(plan.seqs)
         # start the device->host copies now: they run as soon as the step is done
-        for x in out if any(w is not None for w in wanted) else (out.token_ids,):
+        some = any(w is not None for w in wanted) or any(prompt_wanted)
+        for x in out if some else (out.token_ids,):
             x.copy_to_host_async()
         failed = {plan.seqs[i].request_id: why for i, why in failed_rows.items()}
-        return PendingStep(out=out, num_seqs=len(plan.seqs), logprobs_wanted=wanted, failed=failed)
+        return PendingStep(
+            out=out,
+            num_seqs=len(plan.seqs),
+            logprobs_wanted=wanted,
+            prompt_wanted=prompt_wanted,
+            failed=failed,
+        )
 
     def collect(self, pending: PendingStep | None) -> RunnerOutput:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs)."""
@@ -226,7 +241,7 @@ class Runner:
             return RunnerOutput(sampled_token_ids=())
         n = pending.num_seqs
         want = pending.logprobs_wanted
-        if all(w is None for w in want):  # the usual case: the tokens alone
+        if all(w is None for w in want) and not any(pending.prompt_wanted):  # the usual case
             token_ids = np.asarray(pending.out.token_ids)
             return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), failed=pending.failed)
         out = jax.device_get(pending.out)
@@ -242,8 +257,12 @@ class Runner:
             )
             for i, w in enumerate(want)
         ]
+        prompt = [None if p is None else _prompt_logprobs(out, *p) for p in pending.prompt_wanted]
         return RunnerOutput(
-            sampled_token_ids=out.token_ids[:n].tolist(), logprobs=logprobs, failed=pending.failed
+            sampled_token_ids=out.token_ids[:n].tolist(),
+            logprobs=logprobs,
+            prompt_logprobs=prompt,
+            failed=pending.failed,
         )
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -252,9 +271,9 @@ class Runner:
 
     # ------------------------------------------------------- sampler state rows
     def state_row_arrays(self, init: StateRowInit) -> tuple[np.ndarray, ...]:
-        """The int32 inputs of ``init_state_row``: row [], prompt [H], output [H] (H =
-        max_model_len), min_tokens [], banned ids [MAX_BANNED_IDS], -1 padded: one shape,
-        one compiled program."""
+        """The inputs of ``init_state_row``: row [], prompt [H], output [H] (H =
+        max_model_len), min_tokens [], banned ids [MAX_BANNED_IDS], logit-bias ids and
+        float32 biases [MAX_LOGIT_BIAS], -1 / 0 padded: one shape, one compiled program."""
         h = self.max_model_len
         prompt = np.full(h, -1, np.int32)
         output = np.full(h, -1, np.int32)
@@ -262,8 +281,12 @@ class Runner:
         prompt[: len(init.prompt_token_ids)] = init.prompt_token_ids
         output[: len(init.output_token_ids)] = init.output_token_ids
         banned[: len(init.banned_ids)] = init.banned_ids  # admission bounds its length
+        bias_ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+        bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+        for i, (token, bias) in enumerate(init.logit_bias):  # SamplingParams bounds its length
+            bias_ids[i], bias_values[i] = token, bias
         row, min_tokens = np.array(init.row, np.int32), np.array(init.min_tokens, np.int32)
-        return row, prompt, output, min_tokens, banned
+        return row, prompt, output, min_tokens, banned, bias_ids, bias_values
 
     def _init_state_row(self, init: StateRowInit) -> None:
         arrays = self.state_row_arrays(init)
@@ -388,3 +411,34 @@ class Runner:
         bar.close()
         self.warmed_up = True
         return total, time.perf_counter() - start
+
+
+def _prompt_wanted(
+    seqs: Sequence[ScheduledSeq],
+) -> tuple[tuple[int, tuple[int, ...], int] | None, ...]:
+    """Per sequence: (its first row in the batch, its prompt targets, the top-k asked for),
+    or None when it wants no prompt logprobs in this step."""
+    out = []
+    row = 0
+    for seq in seqs:
+        out.append((row, seq.prompt_targets, seq.prompt_top_k) if seq.prompt_targets else None)
+        row += seq.num_tokens
+    return tuple(out)
+
+
+def _prompt_logprobs(out: StepOutput, first: int, targets: Sequence[int], k: int) -> list[Logprob]:
+    """One sequence's prompt logprobs from a step's host copy: rows ``first ..``."""
+    return [
+        Logprob(
+            token_id=target,
+            logprob=float(out.prompt_logprobs[r]),
+            top=dict(
+                zip(
+                    out.prompt_top_ids[r, :k].tolist(),
+                    out.prompt_top_logprobs[r, :k].tolist(),
+                    strict=True,
+                )
+            ),
+        )
+        for r, target in enumerate(targets, first)
+    ]

@@ -10,7 +10,8 @@ row needs them (the program is the same either way):
 * top-k, and top-p: each an exact per-row threshold search (32 passes, no sort);
 * the random draw and all filters, when every row is greedy.
 
-Order of operations: penalties (repetition on prompt + output tokens; frequency
+Order of operations: ``logit_bias`` (added to the raw logits, as OpenAI and vLLM do),
+penalties (repetition on prompt + output tokens; frequency
 and presence on output tokens), ``min_tokens`` bans of EOS / stop token ids, greedy argmax
 for rows with temperature < 1e-5, temperature, top-k, top-p, min-p, then an inverse-CDF
 draw with one uniform per row (see :func:`sample_from_logits`).
@@ -26,9 +27,9 @@ draws the same tokens whatever else is in the batch, at whatever row, across run
 Unseeded rows use the engine's key data and an engine-unique per-sequence stream.
 
 Per-sequence state (:class:`SeqState`): the runner keeps, on the device, one row per running
-request that has penalties or ``min_tokens``: a ``[V]`` mask of its prompt's tokens, ``[V]``
-counts of the tokens it generated, how many it generated, its ``min_tokens`` and the ids that
-holds back (EOS and ``stop_token_ids``). A row is filled once when the request starts running
+request that has penalties, ``min_tokens`` or ``logit_bias``: a ``[V]`` mask of its prompt's
+tokens, ``[V]`` counts of the tokens it generated, how many it generated, its ``min_tokens``
+and the ids that holds back (EOS and ``stop_token_ids``), and its logit-bias pairs. A row is filled once when the request starts running
 (:func:`init_state_row`, from its prompt and output so far) and the step adds each sampled
 token to its row (:func:`record_sampled`), so no token history crosses from the host per step
 and the state stays exact when the host learns the tokens a step late.
@@ -96,15 +97,21 @@ class SeqState(NamedTuple):
     num_generated: jax.Array  # int32 [R]: output tokens the row's request has sampled
     min_tokens: jax.Array  # int32 [R]: its min_tokens
     banned_ids: jax.Array  # int32 [R, M]: ids held back until min_tokens is reached, -1 padded
+    bias_ids: jax.Array  # int32 [R, L]: logit_bias token ids, -1 padded
+    bias_values: jax.Array  # float32 [R, L]: the bias of each, 0 padded
 
 
-def create_seq_state(num_rows: int, vocab_size: int, max_banned: int) -> SeqState:
+def create_seq_state(
+    num_rows: int, vocab_size: int, max_banned: int, max_bias: int = 1
+) -> SeqState:
     return SeqState(
         prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),
         output_counts=jnp.zeros((num_rows, vocab_size), jnp.int32),
         num_generated=jnp.zeros((num_rows,), jnp.int32),
         min_tokens=jnp.zeros((num_rows,), jnp.int32),
         banned_ids=jnp.full((num_rows, max_banned), -1, jnp.int32),
+        bias_ids=jnp.full((num_rows, max_bias), -1, jnp.int32),
+        bias_values=jnp.zeros((num_rows, max_bias), jnp.float32),
     )
 
 
@@ -121,9 +128,14 @@ def init_state_row(
     output_ids: jax.Array,  # int32 [H] the output so far, -1 padded
     min_tokens: jax.Array,  # int32 []
     banned_ids: jax.Array,  # int32 [M] ids held back until min_tokens, -1 padded
+    bias_ids: jax.Array | None = None,  # int32 [L] logit_bias ids, -1 padded
+    bias_values: jax.Array | None = None,  # float32 [L] their biases
 ) -> SeqState:
     """Fills one row from a request (when it starts running). One compiled shape: H is fixed
-    by the runner (``max_model_len``), M by ``MAX_BANNED_IDS``."""
+    by the runner (``max_model_len``), M by ``MAX_BANNED_IDS``, L by ``MAX_LOGIT_BIAS``."""
+    if bias_ids is None:  # no bias: the row's list all padding
+        bias_ids = jnp.full(state.bias_ids.shape[1:], -1, jnp.int32)
+        bias_values = jnp.zeros(state.bias_values.shape[1:], jnp.float32)
     v = state.prompt_mask.shape[1]
     mask = jnp.zeros((v,), jnp.bool_).at[_drop_padding(prompt_ids, v)].set(True, mode="drop")
     counts = jnp.zeros((v,), jnp.int32).at[_drop_padding(output_ids, v)].add(1, mode="drop")
@@ -133,6 +145,8 @@ def init_state_row(
         num_generated=state.num_generated.at[row].set(jnp.sum(output_ids >= 0)),
         min_tokens=state.min_tokens.at[row].set(min_tokens),
         banned_ids=state.banned_ids.at[row].set(banned_ids),
+        bias_ids=state.bias_ids.at[row].set(bias_ids),
+        bias_values=state.bias_values.at[row].set(bias_values),
     )
 
 
@@ -157,6 +171,19 @@ def banned_now(
     rows = jnp.clip(t.state_rows, 0, r - 1)
     active = (t.state_rows >= 0) & (state.num_generated[rows] < state.min_tokens[rows])
     return jnp.where(active[:, None], state.banned_ids[rows], -1)
+
+
+def apply_logit_bias(
+    logits: jax.Array,  # [B, V] float32
+    t: SamplingTensors,
+    state: SeqState,
+) -> jax.Array:  # [B, V]
+    """Adds each row's logit_bias pairs to its logits (rows without a state row: none)."""
+    b, v = logits.shape
+    rows = jnp.clip(t.state_rows, 0, state.bias_ids.shape[0] - 1)
+    ids = jnp.where((t.state_rows >= 0)[:, None], state.bias_ids[rows], -1)  # [B, L]
+    batch_rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    return logits.at[batch_rows, _drop_padding(ids, v)].add(state.bias_values[rows], mode="drop")
 
 
 def seed_to_key_data(seed: int) -> np.ndarray:
@@ -241,8 +268,8 @@ def _fill_row(
     has_penalty = (
         sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
     )
-    if (has_penalty or sp.min_tokens > 0) and row.state_row < 0:
-        raise ValueError("penalties / min_tokens: the sequence has no state row")
+    if (has_penalty or sp.min_tokens > 0 or sp.logit_bias) and row.state_row < 0:
+        raise ValueError("penalties / min_tokens / logit_bias: the sequence has no state row")
     t.state_rows[i] = row.state_row
     t.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
 
@@ -404,9 +431,13 @@ def sample(
     )
     greedy = t.temperature < GREEDY_EPS  # [B]
     banned = banned_now(t, state)  # [B, M]
+    r = state.bias_ids.shape[0]
+    biased = (t.state_rows >= 0) & (state.bias_ids[jnp.clip(t.state_rows, 0, r - 1), 0] >= 0)
+    needs_bias = jnp.any(biased)
 
     def _pick(logits):
-        x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, logits, t, state)
+        x = lax.cond(needs_bias, apply_logit_bias, lambda lg, *_: lg, logits, t, state)
+        x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, x, t, state)
         # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
         banned_cols = jnp.where(banned < 0, v, banned)
         banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
@@ -438,7 +469,7 @@ def sample(
 
     # The common case (greedy, no penalty, no ban) is one argmax over the raw logits: the
     # general path's conditionals and scatter each copy the [B, V] logits.
-    plain = jnp.all(greedy) & ~needs_penalty & jnp.all(banned < 0)
+    plain = jnp.all(greedy) & ~needs_penalty & ~needs_bias & jnp.all(banned < 0)
     token_ids = lax.cond(plain, argmax, _pick, logits)
 
     # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the

@@ -33,6 +33,7 @@ ENGINE_KEY = seed_to_key_data(1234)
 B, V = 16, 64  # shared small shape: fewer compilations
 H = 64  # state-row fills: prompt / output padded to this many ids
 M = 16  # ids min_tokens may hold back per row
+L = 8  # logit_bias pairs per row
 
 
 class Built(NamedTuple):
@@ -76,6 +77,7 @@ def params(**kw) -> SimpleNamespace:
         min_tokens=0,
         ignore_eos=False,
         stop_token_ids=(),
+        logit_bias=(),
     )
     d.update(kw)
     return SimpleNamespace(**d)
@@ -106,16 +108,20 @@ def build(rows, batch_size, vocab_size, eos_token_ids=()) -> Built:
     seeded row is its sample index, else its engine stream), and a sampler state whose row i
     holds row i's prompt, output, min_tokens and held-back ids when it has penalties or
     min_tokens."""
-    state = create_seq_state(batch_size, vocab_size, M)
+    state = create_seq_state(batch_size, vocab_size, M, L)
     seqs = []
     for i, r in enumerate(rows):
         sp = r.params
-        state_row = i if has_penalty(sp) or sp.min_tokens else -1
+        state_row = i if has_penalty(sp) or sp.min_tokens or sp.logit_bias else -1
         if state_row >= 0:
             ids = banned_ids_for_min_tokens(sp, eos_token_ids)
+            bias_ids = np.full(L, -1, np.int32)
+            bias_values = np.zeros(L, np.float32)
+            for j, (token, bias) in enumerate(sp.logit_bias):
+                bias_ids[j], bias_values[j] = token, bias
             state = init_state_row(
                 state, np.int32(i), padded(r.prompt), padded(r.output),
-                np.int32(sp.min_tokens), padded(ids)[:M],
+                np.int32(sp.min_tokens), padded(ids)[:M], bias_ids, bias_values,
             )  # fmt: skip
         seqs.append(
             SimpleNamespace(
@@ -367,6 +373,36 @@ def test_penalties_change_exactly_the_right_logits():
     # Through sample(): greedy rows pick the argmax of the penalised logits.
     out = sample_jit(jnp.asarray(logits), Built(t, state), num_logprobs=0)
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:4], want.argmax(-1))
+
+
+@pytest.mark.parametrize("argmax", ARGMAXES)
+def test_logit_bias_is_added_to_exactly_its_rows_tokens(argmax):
+    """Greedy rows pick the argmax of logits + bias (numpy), with and without penalties;
+    rows without a bias are untouched; +100 forces a token even at temperature 1, -100
+    keeps the model's favourite out; logprobs stay those of the raw logits."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 2, (B, V)).astype(np.float32)
+    favourite = logits.argmax(-1)
+    biases = [((5, 3.5), (9, -2.0), (17, 1.25)), ((40, 4.0),), ()]
+    sps = [params(temperature=0.0, logit_bias=bias) for bias in biases]
+    sps.append(params(temperature=0.0, logit_bias=((3, 2.0),), presence_penalty=0.5))
+    sps.append(params(temperature=1.0, logit_bias=((7, 100.0),)))
+    sps.append(params(temperature=0.0, logit_bias=((int(favourite[5]), -100.0),)))
+    sps.append(params(temperature=0.0, logprobs=0, logit_bias=((2, 50.0),)))
+    rows = [row(sp, output=[3]) for sp in sps]
+    out = sample_with(argmax)(jnp.asarray(logits), build(rows, B, V), num_logprobs=0)
+    got = np.asarray(out.token_ids)
+    want = logits.copy()
+    for i, sp in enumerate(sps):
+        for token, bias in sp.logit_bias:
+            want[i, token] += bias
+    want[3, 3] -= 0.5  # the presence penalty on the output token 3, after the bias
+    np.testing.assert_array_equal(got[:4], want[:4].argmax(-1))
+    assert got[0] == want[0].argmax() and got[2] == favourite[2]
+    assert got[4] == 7 and got[5] != favourite[5] and got[6] == 2
+    np.testing.assert_array_equal(got[len(sps) :], favourite[len(sps) :])
+    raw = logits[6] - np.log(np.exp(logits[6].astype(np.float64)).sum())
+    np.testing.assert_allclose(np.asarray(out.logprobs)[6], raw[2], rtol=1e-5, atol=1e-5)
 
 
 def test_the_step_keeps_penalty_counts_current():
