@@ -48,6 +48,7 @@ class SamplingParams(_message.Message):
         "include_stop_str_in_output",
         "skip_special_tokens",
         "logit_bias",
+        "prompt_logprobs",
     )
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -75,6 +76,7 @@ class SamplingParams(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -93,6 +95,7 @@ class SamplingParams(_message.Message):
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     logit_bias: _containers.ScalarMap[int, float]
+    prompt_logprobs: int
     def __init__(
         self,
         temperature: float | None = ...,
@@ -113,6 +116,7 @@ class SamplingParams(_message.Message):
         include_stop_str_in_output: bool | None = ...,
         skip_special_tokens: bool | None = ...,
         logit_bias: _Mapping[int, float] | None = ...,
+        prompt_logprobs: int | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
@@ -220,19 +224,29 @@ class Timings(_message.Message):
     ) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "outputs", "finished", "usage", "timings", "prompt_token_ids")
+    __slots__ = (
+        "request_id",
+        "outputs",
+        "finished",
+        "usage",
+        "timings",
+        "prompt_token_ids",
+        "prompt_logprobs",
+    )
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
     finished: bool
     usage: Usage
     timings: Timings
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     def __init__(
         self,
         request_id: str | None = ...,
@@ -241,6 +255,7 @@ class GenerateResponse(_message.Message):
         usage: Usage | _Mapping | None = ...,
         timings: Timings | _Mapping | None = ...,
         prompt_token_ids: _Iterable[int] | None = ...,
+        prompt_logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
     ) -> None: ...
 
 class AbortRequest(_message.Message):

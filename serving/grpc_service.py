@@ -56,6 +56,7 @@ _SCALAR_FIELDS = (
     "max_tokens",
     "min_tokens",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 
 
@@ -148,14 +149,21 @@ def _final_fields(out: RequestOutput, totals: RequestTotals) -> dict[str, Any]:
 
 
 def _response_pb(
-    request_id: str, out: RequestOutput, totals: RequestTotals, *, first: bool
+    request_id: str,
+    out: RequestOutput,
+    totals: RequestTotals,
+    *,
+    first: bool,
+    with_prompt_logprobs: bool,
 ) -> pb.GenerateResponse:
-    """One message per engine output; the prompt's ids ride on the first only."""
+    """One message per engine output; the prompt's ids ride on the first only, its logprobs
+    on the one ``with_prompt_logprobs`` says."""
     return pb.GenerateResponse(
         request_id=request_id,
         outputs=[_completion_pb(c) for c in out.outputs],
         finished=out.finished,
         prompt_token_ids=out.prompt_token_ids if first else (),
+        prompt_logprobs=_logprobs_pb(out.prompt_logprobs[1:]) if with_prompt_logprobs else (),
         **(_final_fields(out, totals) if out.finished else {}),
     )
 
@@ -210,11 +218,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._fail(context, e)
             return
         async with handle:
-            first = True
+            first, prompt_sent = True, False
             try:
                 async for out in handle:
-                    yield _response_pb(rid, out, handle.totals, first=first)
-                    first = False
+                    send_prompt = not prompt_sent and out.prompt_logprobs is not None
+                    yield _response_pb(
+                        rid, out, handle.totals, first=first, with_prompt_logprobs=send_prompt
+                    )
+                    first, prompt_sent = False, prompt_sent or send_prompt
             except ServingError as e:
                 await self._fail(context, e)
 

@@ -18,13 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 from fakes import wait_until
 from harness import ServerThread
 
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.serving.client import GenerationClient
+from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+from jaxpaged.serving.client import GenerationClient, build_request
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +143,72 @@ def test_openai_greedy_equals_offline(real):
         if chunk.choices:
             content += chunk.choices[0].delta.content or ""
     assert content == ref["chat"][1].outputs[0].text
+
+
+def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> np.ndarray:
+    """transformers' float32 log-probability of each prompt token after the first."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1).numpy()
+    return logp[np.arange(len(ids) - 1), ids[1:]]
+
+
+def test_echo_logprobs_and_prompt_logprobs_equal_transformers(real, bundled_model_path):
+    """A prompt longer than the step budget (several prefill chunks): echo + logprobs and
+    prompt_logprobs over HTTP and gRPC give transformers' log-probabilities within 1e-3, the
+    second time too, when the prompt's blocks are in the prefix cache."""
+    text = " ".join(PROMPTS * 6)
+    tok = httpx.post(real.http + "/tokenize", json={"prompt": text}, timeout=30).json()
+    ids = tok["tokens"]
+    assert tok["count"] == len(ids) > 64 and tok["max_model_len"] == 512
+    assert httpx.post(real.http + "/detokenize", json={"tokens": ids}, timeout=30).json() == {
+        "prompt": text
+    }
+    want = _hf_prompt_logprobs(bundled_model_path, ids)
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    for _ in range(2):
+        r = client.completions.create(
+            model="smollm2", prompt=text, max_tokens=2, temperature=0, echo=True, logprobs=2,
+            extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+        c = r.choices[0]
+        assert c.text.startswith(text)
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
+        assert "".join(lp.tokens) == c.text and lp.text_offset[len(ids)] == len(text)
+        np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want, atol=1e-3)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        plp = c.model_extra["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(ids)
+        for i in (1, len(ids) // 2, len(ids) - 1):
+            assert plp[i][str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-3)
+    with grpc.insecure_channel(real.grpc_target) as channel:
+        req = build_request(ids, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        msgs = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+    got = [m for m in msgs if m.prompt_logprobs]
+    assert len(got) == 1 and [lp.token_id for lp in got[0].prompt_logprobs] == ids[1:]
+    np.testing.assert_allclose([lp.logprob for lp in got[0].prompt_logprobs], want, atol=1e-3)
+
+
+def test_logit_bias_moves_greedy_choices(real):
+    """-100 on the greedy first token yields the model's second choice; +100 on a token makes
+    every greedy token that one."""
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    ask = {"model": "smollm2", "prompt": PROMPTS[0], "temperature": 0, "logprobs": 2}
+    plain = client.completions.create(**ask, max_tokens=1).choices[0].logprobs.top_logprobs[0]
+    ids = [
+        httpx.post(real.http + "/tokenize", json={"prompt": t}, timeout=30).json()["tokens"]
+        for t in plain
+    ]
+    (best,), (second,) = ids
+    r = client.completions.create(**ask, max_tokens=1, logit_bias={str(best): -100})
+    assert r.choices[0].logprobs.tokens[0] == list(plain)[1]
+    r = client.completions.create(
+        **ask, max_tokens=4, logit_bias={str(second): 100}, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].logprobs.tokens == [list(plain)[1]] * 4
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):
