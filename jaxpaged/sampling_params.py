@@ -19,6 +19,7 @@ penalties and filters) is held in the step's fixed-size per-request state, hence
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -28,6 +29,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
     "SamplingParams",
+    "StructuredOutput",
     "banned_ids_for_min_tokens",
     "validate_prompt",
 ]
@@ -107,6 +109,44 @@ def _bias_tuple(value: object) -> tuple[tuple[int, float], ...]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutput:
+    """Constrains the output to a grammar (exactly one field set): a JSON schema (``json``,
+    a dict or its JSON text), any JSON object (``json_object``), a regular expression, one of
+    some strings (``choice``), or a Lark grammar (``grammar``, llguidance's dialect). Invalid
+    grammars are refused when the request arrives (ValueError naming ``structured_output``)."""
+
+    json: str | None = None  # also accepts a dict; stored as canonical JSON text
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # also accepts a list
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))  # keeps key order
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _str_tuple("structured_output.choice", self.choice))
+            if not self.choice:
+                raise ValueError("structured_output.choice must hold at least one string")
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_output must set exactly one of json, json_object, regex, choice "
+                f"or grammar, got {kinds or 'none'}"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output.{name} must be a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_output.json_object must be a bool")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request decoding settings (immutable; ``dataclasses.replace`` to derive)."""
 
@@ -130,8 +170,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> bias; also accepts a dict; stored as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None  # also accepts a dict of its fields
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            object.__setattr__(
+                self, "structured_output", StructuredOutput(**self.structured_output)
+            )
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise ValueError(
+                f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
+            )
         # Normalise the sequence fields first so the frozen instance is hashable.
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
         object.__setattr__(

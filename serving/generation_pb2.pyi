@@ -49,6 +49,7 @@ class SamplingParams(_message.Message):
         "skip_special_tokens",
         "logit_bias",
         "prompt_logprobs",
+        "structured_output",
     )
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -77,6 +78,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -96,6 +98,7 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
+    structured_output: StructuredOutput
     def __init__(
         self,
         temperature: float | None = ...,
@@ -117,6 +120,34 @@ class SamplingParams(_message.Message):
         skip_special_tokens: bool | None = ...,
         logit_bias: _Mapping[int, float] | None = ...,
         prompt_logprobs: int | None = ...,
+        structured_output: StructuredOutput | _Mapping | None = ...,
+    ) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Iterable[str] | None = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json", "json_object", "regex", "choice", "grammar")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    json_object: bool
+    regex: str
+    choice: Choices
+    grammar: str
+    def __init__(
+        self,
+        json: str | None = ...,
+        json_object: bool | None = ...,
+        regex: str | None = ...,
+        choice: Choices | _Mapping | None = ...,
+        grammar: str | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 import jaxpaged
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutput
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.frontend import (
@@ -85,12 +85,28 @@ def check_known_fields(msg: Message, where: str = "") -> None:
             check_known_fields(item, f"{name}.{field.name}{suffix}")
 
 
+def _structured_output(msg: pb.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(
+            "structured_output: set one of json, json_object, regex, choice or grammar",
+            param="structured_output",
+        )
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="structured_output") from None
+
+
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """SamplingParams from the proto; unset optional fields keep SamplingParams' defaults."""
     kwargs: dict[str, Any] = {
         name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)
     }
     kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_output"):
+        kwargs["structured_output"] = _structured_output(msg.structured_output)
     kwargs["ignore_eos"] = msg.ignore_eos
     kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
     kwargs["stop"] = list(msg.stop)

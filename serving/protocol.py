@@ -13,11 +13,12 @@ in OpenAI's API. Extra sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutput
 from jaxpaged.serving.frontend import InvalidRequest, field_of
 
 __all__ = [
@@ -55,17 +56,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
         ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"),
         "tool calling is not supported yet",
     ),
-    **dict.fromkeys(
-        (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
-            "structured_outputs",
-        ),
-        "structured output is not supported yet",
-    ),
+    "guided_decoding_backend": "jaxpaged has one grammar engine (llguidance)",
+    "guided_whitespace_pattern": "not supported by jaxpaged's grammar engine",
     "prompt_logprobs": "prompt log-probabilities are served on /v1/completions only",
     "chat_template_kwargs": "chat template arguments are not supported yet",
     "suffix": "insertion (suffix) is not supported",
@@ -90,17 +82,40 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchema(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchema | None = None
 
-    def check(self) -> None:
-        if self.type != "text":
-            raise InvalidRequest(
-                f"response_format: type {self.type!r} is not supported yet (structured "
-                "output); only 'text' is",
-                param="response_format",
-            )
+    def structured_output(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidRequest(
+                    "response_format.json_schema.schema is required with type json_schema",
+                    param="response_format",
+                )
+            return {"json": self.json_schema.schema_}
+        return None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs object (exactly one field)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(_Strict):
@@ -118,6 +133,13 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # structured output, vLLM's extra fields (at most one of them, or response_format)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # accepted without effect (NO_EFFECT_FIELDS)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -155,6 +177,7 @@ class _SamplingFields(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
             "logit_bias": _logit_bias(self.logit_bias),
+            "structured_output": self._structured_output(),
         }
         for name in (
             "temperature",
@@ -172,6 +195,47 @@ class _SamplingFields(_Strict):
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise InvalidRequest(str(e), param=field_of(str(e))) from e
+
+    def _structured_output(self) -> dict[str, Any] | None:
+        """The one structured-output request among response_format, guided_* and
+        structured_outputs (as StructuredOutput's fields), or None."""
+        asked: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None:
+            spec = self.response_format.structured_output()
+            if spec is not None:
+                asked["response_format"] = spec
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                asked[name] = {key: getattr(self, name)}
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(exclude_none=True)
+            asked["structured_outputs"] = {
+                ("json" if k == "json_" else k): v for k, v in so.items()
+            }
+        if len(asked) > 1:
+            raise InvalidRequest(
+                f"ask for one structured output at a time, got {sorted(asked)}",
+                param=sorted(asked)[1],
+            )
+        if not asked:
+            return None
+        ((name, spec),) = asked.items()
+        if isinstance(spec.get("json"), str):
+            try:
+                spec["json"] = json.loads(spec["json"])
+            except json.JSONDecodeError as e:
+                raise InvalidRequest(
+                    f"{name}: the schema is not valid JSON: {e}", param=name
+                ) from None
+        try:
+            return StructuredOutput(**spec)
+        except ValueError as e:
+            raise InvalidRequest(f"{name}: {e}", param=name) from None
 
     @property
     def include_usage(self) -> bool:
@@ -263,12 +327,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.response_format is not None:
-            self.response_format.check()
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:

@@ -284,6 +284,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or self._length_reached(req):
                 continue  # preempted earlier in this loop, or its last token is in flight
+            if req.num_inflight and req.sampling_params.structured_output is not None:
+                continue  # its grammar's next mask needs the token in flight
             n = min(req.num_total_tokens - req.num_computed_tokens, budget)
             new_copies = self._allocate(req, n)
             while new_copies is None:

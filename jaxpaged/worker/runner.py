@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -139,11 +139,15 @@ class Runner:
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
     def build_batch(
-        self, seqs: Sequence[ScheduledSeq], bucket: Bucket
+        self,
+        seqs: Sequence[ScheduledSeq],
+        bucket: Bucket,
+        allowed: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[StepBatch, dict[int, str]]:
         """Host-side padding of one step into ``bucket`` (numpy; one transfer per array), and
         the sequences whose sampling settings could not be filled (index -> reason: they ride
-        as padding rows and their requests fail; the others are unaffected)."""
+        as padding rows and their requests fail; the others are unaffected). ``allowed``:
+        sequence index -> its structured-output mask (int32 [ceil(V / 32)])."""
         t, s, b = bucket.num_tokens, bucket.num_seqs, bucket.max_blocks
         bs = self.layout.block_size
         tokens = np.zeros(t, np.int32)
@@ -177,6 +181,7 @@ class Runner:
             s,
             vocab_size=self.model_config.vocab_size,
             engine_key_data=self.engine_key_data,
+            allowed=allowed,
         )
         batch = StepBatch(
             tokens=tokens,
@@ -205,9 +210,12 @@ class Runner:
         self.sampled = out.token_ids
         return out
 
-    def dispatch(self, plan: SchedulerOutput) -> PendingStep | None:
+    def dispatch(
+        self, plan: SchedulerOutput, allowed: Mapping[int, np.ndarray] | None = None
+    ) -> PendingStep | None:
         """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
-        without waiting for it (None when the plan has no sequences)."""
+        without waiting for it (None when the plan has no sequences). ``allowed``: sequence
+        index -> its structured-output mask."""
         self._swap_out(plan.blocks_to_swap_out)
         self._swap_in(plan.blocks_to_swap_in)
         self._copy(plan.blocks_to_copy)
@@ -216,7 +224,7 @@ class Runner:
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
-        batch, failed_rows = self.build_batch(plan.seqs, bucket)
+        batch, failed_rows = self.build_batch(plan.seqs, bucket, allowed)
         out = self._run(batch, bucket)
         wanted = tuple(
             None if s.sampling is None else s.sampling.params.logprobs for s in plan.seqs

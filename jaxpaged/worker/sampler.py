@@ -10,7 +10,8 @@ row needs them (the program is the same either way):
 * top-k, and top-p: each an exact per-row threshold search (32 passes, no sort);
 * the random draw and all filters, when every row is greedy.
 
-Order of operations: ``logit_bias`` (added to the raw logits, as OpenAI and vLLM do),
+Order of operations: the structured-output mask (tokens its grammar forbids get -inf; a
+packed int32 bitmask per row, all ones for rows without a grammar), ``logit_bias (added to the raw logits, as OpenAI and vLLM do),
 penalties (repetition on prompt + output tokens; frequency
 and presence on output tokens), ``min_tokens`` bans of EOS / stop token ids, greedy argmax
 for rows with temperature < 1e-5, temperature, top-k, top-p, min-p, then an inverse-CDF
@@ -38,7 +39,7 @@ and the state stays exact when the host learns the tokens a step late.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -66,6 +67,7 @@ class SamplingTensors(NamedTuple):
     key_counter: jax.Array  # [B] uint32 tokens generated so far by the sequence
     state_rows: jax.Array  # [B] int32 row in the SeqState; -1 = none (no penalty, no ban)
     num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (-1: no logprobs at all)
+    allowed: jax.Array  # [B, ceil(V / 32)] int32 packed: bit j of word i allows token 32i+j
 
 
 class SamplerOutput(NamedTuple):
@@ -173,6 +175,16 @@ def banned_now(
     return jnp.where(active[:, None], state.banned_ids[rows], -1)
 
 
+def apply_allowed(
+    logits: jax.Array,  # [B, V] float32
+    allowed: jax.Array,  # [B, ceil(V / 32)] int32 packed mask
+) -> jax.Array:  # [B, V]
+    """-inf for every token a row's mask does not allow."""
+    b, v = logits.shape
+    bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(b, -1)[:, :v] != 0, logits, -jnp.inf)
+
+
 def apply_logit_bias(
     logits: jax.Array,  # [B, V] float32
     t: SamplingTensors,
@@ -198,11 +210,12 @@ def build_sampling_tensors(
     *,
     vocab_size: int,
     engine_key_data: np.ndarray,  # [2] uint32, e.g. seed_to_key_data(engine seed)
+    allowed: Mapping[int, np.ndarray] | None = None,  # row -> int32 [ceil(V / 32)] mask
 ) -> tuple[SamplingTensors, dict[int, str]]:
     """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows, and the rows
     that could not be filled (index -> reason; left as padding, so one bad row cannot stop
     the batch). None rows (sequences that do not sample) and padding rows are greedy with
-    every filter off.
+    every filter off; rows without an ``allowed`` mask may take any token.
     """
     n = len(rows)
     if n > batch_size:
@@ -227,7 +240,10 @@ def build_sampling_tensors(
         key_counter=np.zeros(b, np.uint32),
         state_rows=np.full(b, -1, np.int32),
         num_logprobs=np.full(b, -1, np.int32),
+        allowed=np.full((b, -(-vocab_size // 32)), -1, np.int32),
     )
+    for i, mask in (allowed or {}).items():
+        t.allowed[i] = mask
     failed: dict[int, str] = {}
     for i, row in enumerate(rows):
         if row is None:
@@ -243,7 +259,7 @@ def build_sampling_tensors(
 
 def _padding_values(vocab_size: int) -> tuple[object, ...]:
     """Each SamplingTensors field's value for a padding row (greedy, filters off)."""
-    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1)
+    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1, -1)
 
 
 def _fill_row(
@@ -434,9 +450,11 @@ def sample(
     r = state.bias_ids.shape[0]
     biased = (t.state_rows >= 0) & (state.bias_ids[jnp.clip(t.state_rows, 0, r - 1), 0] >= 0)
     needs_bias = jnp.any(biased)
+    needs_mask = jnp.any(t.allowed != -1)
 
     def _pick(logits):
-        x = lax.cond(needs_bias, apply_logit_bias, lambda lg, *_: lg, logits, t, state)
+        x = lax.cond(needs_mask, apply_allowed, lambda lg, _: lg, logits, t.allowed)
+        x = lax.cond(needs_bias, apply_logit_bias, lambda lg, *_: lg, x, t, state)
         x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, x, t, state)
         # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
         banned_cols = jnp.where(banned < 0, v, banned)
@@ -469,7 +487,7 @@ def sample(
 
     # The common case (greedy, no penalty, no ban) is one argmax over the raw logits: the
     # general path's conditionals and scatter each copy the [B, V] logits.
-    plain = jnp.all(greedy) & ~needs_penalty & ~needs_bias & jnp.all(banned < 0)
+    plain = jnp.all(greedy) & ~needs_penalty & ~needs_bias & ~needs_mask & jnp.all(banned < 0)
     token_ids = lax.cond(plain, argmax, _pick, logits)
 
     # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the

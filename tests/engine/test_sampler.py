@@ -375,36 +375,6 @@ def test_penalties_change_exactly_the_right_logits():
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:4], want.argmax(-1))
 
 
-@pytest.mark.parametrize("argmax", ARGMAXES)
-def test_logit_bias_is_added_to_exactly_its_rows_tokens(argmax):
-    """Greedy rows pick the argmax of logits + bias (numpy), with and without penalties;
-    rows without a bias are untouched; +100 forces a token even at temperature 1, -100
-    keeps the model's favourite out; logprobs stay those of the raw logits."""
-    rng = np.random.default_rng(11)
-    logits = rng.normal(0, 2, (B, V)).astype(np.float32)
-    favourite = logits.argmax(-1)
-    biases = [((5, 3.5), (9, -2.0), (17, 1.25)), ((40, 4.0),), ()]
-    sps = [params(temperature=0.0, logit_bias=bias) for bias in biases]
-    sps.append(params(temperature=0.0, logit_bias=((3, 2.0),), presence_penalty=0.5))
-    sps.append(params(temperature=1.0, logit_bias=((7, 100.0),)))
-    sps.append(params(temperature=0.0, logit_bias=((int(favourite[5]), -100.0),)))
-    sps.append(params(temperature=0.0, logprobs=0, logit_bias=((2, 50.0),)))
-    rows = [row(sp, output=[3]) for sp in sps]
-    out = sample_with(argmax)(jnp.asarray(logits), build(rows, B, V), num_logprobs=0)
-    got = np.asarray(out.token_ids)
-    want = logits.copy()
-    for i, sp in enumerate(sps):
-        for token, bias in sp.logit_bias:
-            want[i, token] += bias
-    want[3, 3] -= 0.5  # the presence penalty on the output token 3, after the bias
-    np.testing.assert_array_equal(got[:4], want[:4].argmax(-1))
-    assert got[0] == want[0].argmax() and got[2] == favourite[2]
-    assert got[4] == 7 and got[5] != favourite[5] and got[6] == 2
-    np.testing.assert_array_equal(got[len(sps) :], favourite[len(sps) :])
-    raw = logits[6] - np.log(np.exp(logits[6].astype(np.float64)).sum())
-    np.testing.assert_allclose(np.asarray(out.logprobs)[6], raw[2], rtol=1e-5, atol=1e-5)
-
-
 def test_the_step_keeps_penalty_counts_current():
     """Counts updated on the device after each draw equal a fill from the host's tokens:
     no history needs to cross from the host."""

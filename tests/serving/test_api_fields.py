@@ -45,7 +45,26 @@ REFUSED = [
     ("/v1/completions", {"prompt": "a", "frobnicate": 1}, "frobnicate", "not a field"),
     ("/v1/completions", {"prompt": "a", "Temperature": 0.5}, "Temperature", "not a field"),
     ("/v1/completions", {"prompt": "a", "suffix": "z"}, "suffix", "not supported"),
-    ("/v1/completions", {"prompt": "a", "guided_json": {}}, "guided_json", "not supported"),
+    (
+        "/v1/completions",
+        {"prompt": "a", "guided_json": {}, "guided_regex": "a"},
+        "guided_regex",
+        "one structured output at a time",
+    ),
+    ("/v1/completions", {"prompt": "a", "guided_choice": []}, "guided_choice", "at least one"),
+    ("/v1/completions", {"prompt": "a", "guided_json": "{"}, "guided_json", "not valid JSON"),
+    (
+        "/v1/completions",
+        {"prompt": "a", "structured_outputs": {"regex": "a", "flavour": 1}},
+        "structured_outputs.flavour",
+        "not a field",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "a", "guided_decoding_backend": "xgrammar"},
+        "guided_decoding_backend",
+        "llguidance",
+    ),
     ("/v1/chat/completions", {"messages": MSGS, "prompt_logprobs": 1}, "prompt_logprobs", "/v1/c"),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     (
@@ -59,9 +78,15 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": MSGS, "store": True}, "store", "not supported"),
     (
         "/v1/chat/completions",
-        {"messages": MSGS, "response_format": {"type": "json_object"}},
+        {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {}}},
         "response_format",
-        "not supported",
+        "schema is required",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MSGS, "response_format": {"type": "xml"}},
+        "response_format.type",
+        "",
     ),
     (
         "/v1/chat/completions",
@@ -116,9 +141,9 @@ def test_unsupported_fields_through_the_openai_client(server):
             messages=MSGS,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
-    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+    with pytest.raises(openai.BadRequestError, match="guided_whitespace_pattern"):
         client.completions.create(
-            model="test-model", prompt="a", extra_body={"guided_regex": "[a-z]+"}
+            model="test-model", prompt="a", extra_body={"guided_whitespace_pattern": " "}
         )
 
 
@@ -209,3 +234,45 @@ def test_grpc_refuses_fields_it_does_not_know(server):
             assert where in e.value.details() and str(number) in e.value.details()
         ok = list(stub.Generate(pb.GenerateRequest.FromString(known), timeout=30))
         assert ok[-1].finished
+
+
+def test_structured_output_fields_reach_the_engine(server):
+    """Every way of asking (OpenAI's response_format, vLLM's guided_* and structured_outputs,
+    gRPC's structured_output) arrives as the same SamplingParams.structured_output."""
+    from jaxpaged.sampling_params import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    cases = [
+        ("/v1/chat/completions", {"response_format": fmt}, StructuredOutput(json=schema)),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, None),
+        ("/v1/completions", {"guided_json": schema}, StructuredOutput(json=schema)),
+        ("/v1/completions", {"guided_regex": "[0-9]+"}, StructuredOutput(regex="[0-9]+")),
+        ("/v1/completions", {"guided_choice": ["a", "b"]}, StructuredOutput(choice=("a", "b"))),
+        (
+            "/v1/completions",
+            {"guided_grammar": 'start: "x"'},
+            StructuredOutput(grammar='start: "x"'),
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"json": schema}},
+            StructuredOutput(json=schema),
+        ),
+    ]
+    for path, extra, want in cases:
+        body = {"messages": MSGS} if "chat" in path else {"prompt": "q"}
+        r = _post(server, path, {**body, "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+        got = server.engine.added[-1][2].structured_output
+        assert got == (want or StructuredOutput(json_object=True)), extra
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        so = pb.StructuredOutput(choice=pb.Choices(choices=["p", "q"]))
+        list(stub.Generate(build_request("q", max_tokens=2, structured_output=so), timeout=30))
+        assert server.engine.added[-1][2].structured_output == StructuredOutput(choice=("p", "q"))
+        with pytest.raises(grpc.RpcError) as e:
+            empty = pb.StructuredOutput()
+            list(stub.Generate(build_request("q", structured_output=empty), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_output" in e.value.details()
