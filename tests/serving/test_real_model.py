@@ -13,6 +13,8 @@ the offline reference runs on it first, then the server takes it over.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +27,7 @@ from fakes import wait_until
 from harness import ServerThread
 
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.client import GenerationClient, build_request
 
@@ -209,6 +212,113 @@ def test_logit_bias_moves_greedy_choices(real):
         **ask, max_tokens=4, logit_bias={str(second): 100}, extra_body={"ignore_eos": True}
     )
     assert r.choices[0].logprobs.tokens == [list(plain)[1]] * 4
+
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "address"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 10},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
+        "required": ["colour", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"x": {"type": "number"}, "ok": {"type": "boolean"}},
+            "required": ["x", "ok"],
+            "additionalProperties": False,
+        },
+        "minItems": 2,
+        "maxItems": 3,
+    },
+]
+
+
+def test_structured_output_always_validates(real):
+    """JSON schemas (nested objects, enums, arrays, patterns, required fields) at temperature
+    0.9 in one batch with an unconstrained request: every output parses and validates; the
+    openai client's parse() gets its object; choice and regex hold; a bad schema is a 400."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pydantic = pytest.importorskip("pydantic")
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    ask = [{"role": "user", "content": "Give me some example data as JSON."}]
+
+    def constrained(i):
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": f"s{i % 3}", "schema": SCHEMAS[i % 3]},
+        }
+        return client.chat.completions.create(
+            model="smollm2", messages=ask, temperature=0.9, seed=i, max_tokens=200,
+            response_format=fmt,
+        )  # fmt: skip
+
+    def plain():
+        return client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=40)
+
+    results = _threads([lambda i=i: constrained(i) for i in range(3)] + [plain])
+    for i, r in enumerate(results[:3]):
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMAS[i % 3])
+    assert results[3].choices[0].finish_reason == "length"
+
+    class Point(pydantic.BaseModel):
+        label: str = pydantic.Field(max_length=12)
+        x: int
+        y: int
+
+    parsed = client.beta.chat.completions.parse(
+        model="smollm2", messages=ask, response_format=Point, temperature=0.7, max_tokens=100
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Point)
+    r = client.completions.create(
+        model="smollm2", prompt="Is water wet? Answer:", max_tokens=8, temperature=1.0,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )  # fmt: skip
+    assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model="smollm2", prompt="Call me at", max_tokens=20, temperature=1.0,
+        extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="structured_output"):
+        client.completions.create(
+            model="smollm2", prompt="x", extra_body={"guided_json": {"type": "objekt"}}
+        )
+    with grpc.insecure_channel(real.grpc_target) as channel:
+        so = pb.StructuredOutput(json=json.dumps(SCHEMAS[1]))
+        req = build_request("Data:", max_tokens=120, temperature=0.8, structured_output=so)
+        msgs = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+    text = "".join(d.text for m in msgs for d in m.outputs)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):
