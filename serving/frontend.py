@@ -41,6 +41,13 @@ __all__ = [
 
 log = logging.getLogger("jaxpaged.serving")
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tools",
+     "documents", "continue_final_message", "tokenizer_kwargs"}
+)  # fmt: skip
+
 
 class Phase(str, enum.Enum):
     LOADING = "loading"
@@ -374,18 +381,31 @@ class Frontend:
         raise Unavailable(f"server not ready: {reasons[self.phase]}")
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the reply (the same
-        ids as ``LLM.chat`` uses)."""
+        ids as ``LLM.chat`` uses). ``template_kwargs`` become variables of the template (the
+        request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        template_kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(template_kwargs) & _RESERVED_TEMPLATE_ARGS)
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {reserved}: the server sets them",
+                param="chat_template_kwargs",
+            )
         try:
             ids = self.engine.tokenizer.apply_chat_template(
                 list(messages),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 chat_template=self.config.chat_template,
+                **template_kwargs,
             )
         except Exception as e:  # template errors are the caller's input problem
             raise InvalidRequest(

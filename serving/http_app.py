@@ -296,7 +296,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         tok = frontend.engine.tokenizer
         if body.messages is not None:
             ids = frontend.render_chat(
-                body.template_messages(), add_generation_prompt=body.add_generation_prompt
+                body.template_messages(),
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
             )
         else:
             try:
@@ -394,7 +396,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         body: ChatCompletionRequest = await admit(request, ChatCompletionRequest)
         params = body.sampling_params()
         frontend.check_ready()
-        prompt = frontend.render_chat(body.template_messages())
+        prompt = frontend.render_chat(
+            body.template_messages(), template_kwargs=body.chat_template_kwargs
+        )
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         fmt = _Formatter(frontend.engine.tokenizer)

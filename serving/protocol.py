@@ -59,7 +59,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "guided_decoding_backend": "jaxpaged has one grammar engine (llguidance)",
     "guided_whitespace_pattern": "not supported by jaxpaged's grammar engine",
     "prompt_logprobs": "prompt log-probabilities are served on /v1/completions only",
-    "chat_template_kwargs": "chat template arguments are not supported yet",
     "suffix": "insertion (suffix) is not supported",
     "use_beam_search": "beam search is not supported",
 }
@@ -327,6 +326,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -354,6 +354,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # text prompts only (a chat template adds its own)
     add_generation_prompt: bool = True  # chat only
+    chat_template_kwargs: dict[str, Any] | None = None  # chat only
     return_token_strs: bool = False
 
     def check(self) -> None:

@@ -90,9 +90,9 @@ REFUSED = [
     ),
     (
         "/v1/chat/completions",
-        {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": True}},
+        {"messages": MSGS, "chat_template_kwargs": {"tokenize": False}},
         "chat_template_kwargs",
-        "not supported",
+        "may not set ['tokenize']",
     ),
     (
         "/v1/chat/completions",
@@ -276,3 +276,19 @@ def test_structured_output_fields_reach_the_engine(server):
             list(stub.Generate(build_request("q", structured_output=empty), timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "structured_output" in e.value.details()
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    kwargs = {"enable_thinking": False, "mode": "terse"}
+    want = FakeTokenizer().apply_chat_template(MSGS, tokenize=True, **kwargs)["input_ids"]
+    assert want != FakeTokenizer().apply_chat_template(MSGS, tokenize=True)["input_ids"]
+    r = _post(server, "/tokenize", {"messages": MSGS, "chat_template_kwargs": kwargs}).json()
+    assert r["tokens"] == want
+    r = _post(
+        server,
+        "/v1/chat/completions",
+        {"messages": MSGS, "max_tokens": 3, "chat_template_kwargs": kwargs},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    assert server.engine.added[-1][1] == want
