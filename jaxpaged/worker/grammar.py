@@ -68,9 +68,15 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf, n_vocab=self.vocab_size, eos_token=self._eos
-            )
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            except Exception as e:  # not a fast Hugging Face tokenizer
+                raise ValueError(
+                    "structured_output: this model's tokenizer cannot drive a grammar "
+                    f"({type(e).__name__}: {e})"
+                ) from e
         return self._tokenizer
 
     def grammar(self, spec: StructuredOutput) -> str:
