@@ -10,6 +10,8 @@ host token. Either way the outputs are the same: the overlap only changes when t
 them. What it costs: a request that stops on EOS, a stop token id or a stop string in step k-1
 has already been given a step-k token, which is dropped (its blocks are freed at the update).
 Length limits cost nothing: a request whose last allowed token is in flight is not scheduled.
+A request with ``structured_output`` is not scheduled while its token is in flight either (its
+grammar's next mask needs that token): it decodes every other step, the others overlap.
 
 Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``):
 
@@ -26,6 +28,7 @@ Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_t
    request starts from the longest cached prefix; a sample of an ``n > 1`` group starts as
    a fork of a sibling whose prompt is computed (sharing all its prompt blocks and
    recomputing only the last prompt token), and waits while a sibling is still prefilling.
+   A request with ``prompt_logprobs`` computes its whole prompt (no prefix-cache hit).
    A preempted request comes back only once its in-flight token is known.
 
 Every scheduled sequence feeds ``token_ids`` at positions ``start_pos ..``; it samples
