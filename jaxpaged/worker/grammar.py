@@ -3,7 +3,7 @@ sequence, and the packed allowed-token bitmask of each sequence's next token.
 
 Why llguidance (measured on the bundled SmolLM2 tokenizer, 49152 tokens; BUILD.md has the
 figures): it needs nothing but numpy (xgrammar needs torch, triton and transformers), a
-nested JSON schema compiles in ~14 ms (xgrammar ~50 ms), and a mask costs ~70 us a token
+nested JSON schema compiles in ~14 ms (xgrammar ~50 ms), and a mask costs ~10-70 us a token
 (xgrammar ~5 us), well under the step's own time.
 
 The mask is the sampler's format: int32 ``[ceil(V / 32)]`` per sequence, bit ``j`` of word
@@ -114,6 +114,9 @@ class GrammarMatchers:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        # fills several masks on llguidance's own threads (no GIL): 32 rows of a JSON schema
+        # took 0.09 ms against 0.3 ms one by one here
+        self._executor = llguidance.LLExecutor()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -133,8 +136,11 @@ class GrammarMatchers:
     def masks(self, request_ids: Sequence[str]) -> np.ndarray:  # int32 [len, W]
         """The packed allowed-token masks of the requests' next tokens."""
         out = llnp.allocate_token_bitmask(len(request_ids), self.compiler.vocab_size)
-        for i, rid in enumerate(request_ids):
-            llnp.fill_next_token_bitmask(self._matchers[rid], out, i)
+        if len(request_ids) == 1:
+            llnp.fill_next_token_bitmask(self._matchers[request_ids[0]], out, 0)
+        else:
+            rows = [(self._matchers[rid], i) for i, rid in enumerate(request_ids)]
+            llnp.fill_next_token_bitmask_par(self._executor, rows, out)
         return out[:, : mask_width(self.compiler.vocab_size)]
 
     def retain(self, alive: Iterable[str]) -> None:

@@ -104,3 +104,19 @@ def test_grammars_are_cached_and_invalid_ones_named(compiler):
     ]:
         with pytest.raises(ValueError, match=r"^structured_output: invalid grammar"):
             comp.grammar(bad)
+
+
+def test_batched_masks_equal_one_by_one(compiler):
+    """Several rows filled on llguidance's threads give each row's own mask."""
+    from jaxpaged.worker.grammar import GrammarMatchers
+
+    comp, tok = compiler
+    matchers = GrammarMatchers(comp)
+    specs = [StructuredOutput(regex="[0-9]+"), StructuredOutput(choice=["yes", "no way"])]
+    specs.append(StructuredOutput(json={"type": "object"}))
+    for i, spec in enumerate(specs):
+        matchers.add(f"r{i}", spec)
+    together = matchers.masks([f"r{i}" for i in range(len(specs))])
+    for i in range(len(specs)):
+        np.testing.assert_array_equal(together[i], matchers.masks([f"r{i}"])[0])
+    assert len({together[i].tobytes() for i in range(len(specs))}) == len(specs)
