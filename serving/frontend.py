@@ -22,6 +22,7 @@ from jaxpaged.engine.protocol import EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
+from jaxpaged.serving.reasoning import REASONING_PARSERS
 
 __all__ = [
     "EngineDeadError",
@@ -125,6 +126,7 @@ class ServingConfig:
     api_key: str | None = None
     shutdown_timeout: float = 30.0  # seconds
     chat_template: str | None = None  # template text (a file is read by the CLI)
+    reasoning_parser: str | None = None  # splits <think>...</think> into reasoning_content
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -132,6 +134,11 @@ class ServingConfig:
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(
                 f"max_queue_len must be >= 1 (or None: no limit), got {self.max_queue_len}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

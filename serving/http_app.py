@@ -38,6 +38,7 @@ from jaxpaged.serving.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from jaxpaged.serving.reasoning import ThinkSplitter
 
 __all__ = ["create_app"]
 
@@ -416,8 +417,10 @@ def create_app(frontend: Frontend) -> FastAPI:
                 "choices": choices,
             }
 
+        parser = cfg.reasoning_parser
         if body.stream:
             started: set[int] = set()
+            splitters: dict[int, ThinkSplitter] = {}
 
             def chunks(_: int, __: RequestOutput, d: CompletionOutput) -> list[dict]:
                 """A role chunk before a sample's first content, its content, and a finish
@@ -437,13 +440,22 @@ def create_app(frontend: Frontend) -> FastAPI:
                             ]
                         )
                     )
-                if d.text or d.token_ids:
+                delta: dict[str, str] = {"content": d.text}
+                if parser is not None:  # the reasoning part goes to reasoning_content
+                    splitter = splitters.setdefault(d.index, ThinkSplitter(parser))
+                    reasoning, content = splitter.feed(d.text)
+                    if d.finish_reason is not None:
+                        tail_r, tail_c = splitter.flush()
+                        reasoning, content = reasoning + tail_r, content + tail_c
+                    delta = {k: v for k, v in (("reasoning_content", reasoning),
+                                               ("content", content)) if v}  # fmt: skip
+                if d.text or d.token_ids or (parser is not None and delta):
                     out.append(
                         head(
                             [
                                 {
                                     "index": d.index,
-                                    "delta": {"content": d.text},
+                                    "delta": delta,
                                     "logprobs": None
                                     if d.logprobs is None
                                     else fmt.chat_logprobs(d.logprobs),
@@ -471,10 +483,17 @@ def create_app(frontend: Frontend) -> FastAPI:
             tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
         (out,) = await _until_disconnect(request, collect(handles))
+
+        def message(text: str) -> dict:
+            if parser is None:
+                return {"role": "assistant", "content": text}
+            reasoning, content = ThinkSplitter(parser).split(text)
+            return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message(c.text),
                 "logprobs": None if c.logprobs is None else fmt.chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
     )
     s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=("qwen3", "deepseek_r1"),
+        help="split the <think>...</think> part of chat replies into reasoning_content",
+    )
+    s.add_argument(
         "--max-queue-len",
         type=positive_int,
         default=None,
@@ -184,6 +190,7 @@ def main(
         api_key=args.api_key or None,
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
+        reasoning_parser=args.reasoning_parser,
     )
     if args.process_id != 0:
         # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing

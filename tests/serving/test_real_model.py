@@ -71,7 +71,9 @@ def real():
         "text": llm.generate(PROMPTS, GREEDY, use_tqdm=False),
         "chat": llm.chat(CHATS, GREEDY, use_tqdm=False),
     }
-    server = ServerThread(AsyncEngine(engine), served_model_name="smollm2")
+    server = ServerThread(
+        AsyncEngine(engine), served_model_name="smollm2", reasoning_parser="qwen3"
+    )
     server.ref = ref
     server.llm_engine = engine
     yield server
@@ -319,6 +321,27 @@ def test_structured_output_always_validates(real):
         msgs = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
     text = "".join(d.text for m in msgs for d in m.outputs)
     jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+def test_reasoning_parser_splits_think_blocks(real):
+    """With --reasoning-parser qwen3, a reply made (by a regex) to open with a think block
+    comes back split into reasoning_content and content, whole and streamed; replies without
+    one keep all their text as content (the other chat tests here)."""
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    ask = dict(
+        model="smollm2", messages=CHATS[0], max_tokens=60, temperature=0.7, seed=3,
+        extra_body={"guided_regex": "<think>[a-z ]{4,30}</think>[A-Z][a-z ]{4,30}"},
+    )  # fmt: skip
+    m = client.chat.completions.create(**ask).choices[0].message
+    reasoning, content = m.model_extra["reasoning_content"], m.content
+    assert re.fullmatch("[a-z ]{4,30}", reasoning) and re.fullmatch("[A-Z][a-z ]{4,30}", content)
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["content"] += delta.content or ""
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": reasoning, "content": content}
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):
