@@ -21,6 +21,7 @@ _EXPORTS = {
     "RequestMetrics": "jaxpaged.outputs",
     "RequestOutput": "jaxpaged.outputs",
     "SamplingParams": "jaxpaged.sampling_params",
+    "StructuredOutput": "jaxpaged.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -67,3 +67,6 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed while serving this request
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing
+    # precedes it); on every output once the first token is out, else None
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None

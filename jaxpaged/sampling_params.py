@@ -8,22 +8,29 @@ can turn it into a 400 naming the argument while the engine keeps serving other 
 Conventions (vLLM's): ``temperature == 0`` is greedy; ``top_k == -1``, ``top_p == 1``,
 ``min_p == 0`` and the neutral penalties switch their stage off; ``max_tokens=None`` means
 "until max_model_len"; ``logprobs=k`` returns the sampled token's logprob plus the top k
-(0 = sampled token only); ``min_tokens`` bans EOS and ``stop_token_ids`` (and disables stop
+(0 = sampled token only); ``prompt_logprobs=k`` returns the log-probability of every prompt
+token after the first (raw model distribution) plus the top k at each position (such a
+request's first sample computes its whole prompt: no prefix-cache hit); ``min_tokens`` bans EOS and ``stop_token_ids`` (and disables stop
 checks) until that many tokens are out. ``stop`` strings are matched by the detokenizer.
+``logit_bias`` (OpenAI's: token id -> bias in [-100, 100], added to the logits before
+penalties and filters) is held in the step's fixed-size per-request state, hence bounded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "MAX_BANNED_IDS",
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_N",
     "MAX_PROCESSOR_ARGS",
     "SamplingParams",
+    "StructuredOutput",
     "banned_ids_for_min_tokens",
     "validate_prompt",
 ]
@@ -34,6 +41,8 @@ MAX_LOGPROBS = 20  # most top logprobs per token (OpenAI's limit; the step's sta
 MAX_BANNED_IDS = 32
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_PROCESSOR_ARGS = 8  # per-request parameters of a logits processor (the step's fixed width)
+MAX_LOGIT_BIAS = 300  # most logit_bias entries: the step's fixed-size per-request bias list
+MAX_BIAS = 100.0  # |bias| (OpenAI's range)
 
 
 def _is_int(x: object) -> bool:
@@ -71,6 +80,74 @@ def _str_tuple(name: str, value: object) -> tuple[str, ...]:
     return items
 
 
+def _bias_tuple(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping or a sequence of pairs."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = list(value)
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, Sequence) or len(item) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {item!r}")
+        token, bias = item
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+        if not _is_finite(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ValueError(
+                f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r} "
+                f"for token {token}"
+            )
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutput:
+    """Constrains the output to a grammar (exactly one field set): a JSON schema (``json``,
+    a dict or its JSON text), any JSON object (``json_object``), a regular expression, one of
+    some strings (``choice``), or a Lark grammar (``grammar``, llguidance's dialect). Invalid
+    grammars are refused when the request arrives (ValueError naming ``structured_output``)."""
+
+    json: str | None = None  # also accepts a dict; stored as canonical JSON text
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # also accepts a list
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))  # keeps key order
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _str_tuple("structured_output.choice", self.choice))
+            if not self.choice:
+                raise ValueError("structured_output.choice must hold at least one string")
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_output must set exactly one of json, json_object, regex, choice "
+                f"or grammar, got {kinds or 'none'}"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output.{name} must be a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_output.json_object must be a bool")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request decoding settings (immutable; ``dataclasses.replace`` to derive)."""
@@ -87,6 +164,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # also accepts a str or a list; stored as a tuple
     stop_token_ids: tuple[int, ...] = ()  # also accepts a list
@@ -96,13 +174,27 @@ class SamplingParams:
     # and its parameters for this request (numbers; the processor says what they mean)
     logits_processor: str | None = None
     logits_processor_args: tuple[float, ...] = ()
+    # token id -> bias; also accepts a dict; stored as sorted (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None  # also accepts a dict of its fields
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            object.__setattr__(
+                self, "structured_output", StructuredOutput(**self.structured_output)
+            )
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise ValueError(
+                f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
+            )
         # Normalise the sequence fields first so the frozen instance is hashable.
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
         )
+        object.__setattr__(self, "logit_bias", _bias_tuple(self.logit_bias))
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not _is_finite(self.temperature) or self.temperature < 0:
@@ -133,12 +225,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -22,6 +22,7 @@ from jaxpaged.engine.protocol import EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
+from jaxpaged.serving.reasoning import REASONING_PARSERS
 
 __all__ = [
     "EngineDeadError",
@@ -40,6 +41,13 @@ __all__ = [
 ]
 
 log = logging.getLogger("jaxpaged.serving")
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tools",
+     "documents", "continue_final_message", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 class Phase(str, enum.Enum):
@@ -120,6 +128,7 @@ class ServingConfig:
     shutdown_timeout: float = 30.0  # seconds
     chat_template: str | None = None  # template text (a file is read by the CLI)
     enable_weight_updates: bool = False  # serve jaxpaged.v1.Admin (UpdateWeights) over gRPC
+    reasoning_parser: str | None = None  # splits <think>...</think> into reasoning_content
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.served_model_aliases):
@@ -127,6 +136,11 @@ class ServingConfig:
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(
                 f"max_queue_len must be >= 1 (or None: no limit), got {self.max_queue_len}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
@@ -375,17 +389,32 @@ class Frontend:
         }
         raise Unavailable(f"server not ready: {reasons[self.phase]}")
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the reply (the same
-        ids as ``LLM.chat`` uses)."""
+        ids as ``LLM.chat`` uses). ``template_kwargs`` become variables of the template (the
+        request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        template_kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(template_kwargs) & _RESERVED_TEMPLATE_ARGS)
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {reserved}: the server sets them",
+                param="chat_template_kwargs",
+            )
         try:
             ids = self.engine.tokenizer.apply_chat_template(
                 list(messages),
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 chat_template=self.config.chat_template,
+                **template_kwargs,
             )
         except Exception as e:  # template errors are the caller's input problem
             raise InvalidRequest(

@@ -19,7 +19,7 @@ _sym_db = _symbol_database.Default()
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1cjaxpaged/v1/generation.proto\x12\x0bjaxpaged.v1"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxpaged.v1.ChatMessage"\xf4\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x03H\x0b\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x03\x12\x0c\n\x04stop\x18\x0f \x03(\t\x12"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxpaged.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxpaged.v1.ChatH\x00\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.jaxpaged.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x42\x07\n\x05input"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxpaged.v1.TopLogprob"\x9a\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxpaged.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x03"k\n\x07Timings\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x02 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x15\n\re2e_latency_s\x18\x04 \x01(\x01"\xcb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.jaxpaged.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxpaged.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.jaxpaged.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03""\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t"\x0f\n\rAbortResponse"\x15\n\x13GetModelInfoRequest"\xf4\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nnum_layers\x18\x06 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x03\x12\x11\n\tnum_heads\x18\x08 \x01(\x03\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x03\x12\x10\n\x08head_dim\x18\n \x01(\x03\x12\x15\n\reos_token_ids\x18\x0b \x03(\x03"\x16\n\x14GetServerInfoRequest"\xf6\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12@\n\rengine_config\x18\x03 \x03(\x0b\x32).jaxpaged.v1.ServerInfo.EngineConfigEntry\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x03\x12\x13\n\x0bnum_swapped\x18\x06 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x1a\n\x12in_flight_requests\x18\x0b \x01(\x03\x12\x15\n\rmax_queue_len\x18\x0c \x01(\x03\x1a\x33\n\x11\x45ngineConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xae\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxpaged.v1.GenerateRequest\x1a\x1d.jaxpaged.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxpaged.v1.AbortRequest\x1a\x1a.jaxpaged.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .jaxpaged.v1.GetModelInfoRequest\x1a\x16.jaxpaged.v1.ModelInfo\x12K\n\rGetServerInfo\x12!.jaxpaged.v1.GetServerInfoRequest\x1a\x17.jaxpaged.v1.ServerInfob\x06proto3'
+    b'\n\x1cjaxpaged/v1/generation.proto\x12\x0bjaxpaged.v1"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxpaged.v1.ChatMessage"\xd2\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x03H\x0b\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x03\x12\x0c\n\x04stop\x18\x0f \x03(\t\x12"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.jaxpaged.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x03H\r\x88\x01\x01\x12\x38\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1d.jaxpaged.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t"\x8d\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.jaxpaged.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxpaged.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxpaged.v1.ChatH\x00\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.jaxpaged.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x42\x07\n\x05input"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxpaged.v1.TopLogprob"\x9a\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxpaged.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x03"k\n\x07Timings\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x02 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x15\n\re2e_latency_s\x18\x04 \x01(\x01"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.jaxpaged.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxpaged.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.jaxpaged.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.jaxpaged.v1.TokenLogprob""\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t"\x0f\n\rAbortResponse"\x15\n\x13GetModelInfoRequest"\xf4\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nnum_layers\x18\x06 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x03\x12\x11\n\tnum_heads\x18\x08 \x01(\x03\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x03\x12\x10\n\x08head_dim\x18\n \x01(\x03\x12\x15\n\reos_token_ids\x18\x0b \x03(\x03"\x16\n\x14GetServerInfoRequest"\xf6\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12@\n\rengine_config\x18\x03 \x03(\x0b\x32).jaxpaged.v1.ServerInfo.EngineConfigEntry\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x03\x12\x13\n\x0bnum_swapped\x18\x06 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x1a\n\x12in_flight_requests\x18\x0b \x01(\x03\x12\x15\n\rmax_queue_len\x18\x0c \x01(\x03\x1a\x33\n\x11\x45ngineConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xae\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxpaged.v1.GenerateRequest\x1a\x1d.jaxpaged.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxpaged.v1.AbortRequest\x1a\x1a.jaxpaged.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .jaxpaged.v1.GetModelInfoRequest\x1a\x16.jaxpaged.v1.ModelInfo\x12K\n\rGetServerInfo\x12!.jaxpaged.v1.GetServerInfoRequest\x1a\x17.jaxpaged.v1.ServerInfob\x06proto3'
 )
 
 _globals = globals()
@@ -27,6 +27,8 @@ _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "jaxpaged.v1.generation_pb2", _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
     DESCRIPTOR._loaded_options = None
+    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._loaded_options = None
+    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._serialized_options = b"8\001"
     _globals["_SERVERINFO_ENGINECONFIGENTRY"]._loaded_options = None
     _globals["_SERVERINFO_ENGINECONFIGENTRY"]._serialized_options = b"8\001"
     _globals["_TOKENIDS"]._serialized_start = 45
@@ -36,35 +38,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
     _globals["_CHAT"]._serialized_start = 116
     _globals["_CHAT"]._serialized_end = 166
     _globals["_SAMPLINGPARAMS"]._serialized_start = 169
-    _globals["_SAMPLINGPARAMS"]._serialized_end = 797
-    _globals["_GENERATEREQUEST"]._serialized_start = 800
-    _globals["_GENERATEREQUEST"]._serialized_end = 1011
-    _globals["_TOPLOGPROB"]._serialized_start = 1013
-    _globals["_TOPLOGPROB"]._serialized_end = 1060
-    _globals["_TOKENLOGPROB"]._serialized_start = 1062
-    _globals["_TOKENLOGPROB"]._serialized_end = 1149
-    _globals["_COMPLETIONDELTA"]._serialized_start = 1152
-    _globals["_COMPLETIONDELTA"]._serialized_end = 1306
-    _globals["_USAGE"]._serialized_start = 1308
-    _globals["_USAGE"]._serialized_end = 1395
-    _globals["_TIMINGS"]._serialized_start = 1397
-    _globals["_TIMINGS"]._serialized_end = 1504
-    _globals["_GENERATERESPONSE"]._serialized_start = 1507
-    _globals["_GENERATERESPONSE"]._serialized_end = 1710
-    _globals["_ABORTREQUEST"]._serialized_start = 1712
-    _globals["_ABORTREQUEST"]._serialized_end = 1746
-    _globals["_ABORTRESPONSE"]._serialized_start = 1748
-    _globals["_ABORTRESPONSE"]._serialized_end = 1763
-    _globals["_GETMODELINFOREQUEST"]._serialized_start = 1765
-    _globals["_GETMODELINFOREQUEST"]._serialized_end = 1786
-    _globals["_MODELINFO"]._serialized_start = 1789
-    _globals["_MODELINFO"]._serialized_end = 2033
-    _globals["_GETSERVERINFOREQUEST"]._serialized_start = 2035
-    _globals["_GETSERVERINFOREQUEST"]._serialized_end = 2057
-    _globals["_SERVERINFO"]._serialized_start = 2060
-    _globals["_SERVERINFO"]._serialized_end = 2434
-    _globals["_SERVERINFO_ENGINECONFIGENTRY"]._serialized_start = 2383
-    _globals["_SERVERINFO_ENGINECONFIGENTRY"]._serialized_end = 2434
-    _globals["_GENERATION"]._serialized_start = 2437
-    _globals["_GENERATION"]._serialized_end = 2739
+    _globals["_SAMPLINGPARAMS"]._serialized_end = 1019
+    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._serialized_start = 757
+    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._serialized_end = 805
+    _globals["_CHOICES"]._serialized_start = 1021
+    _globals["_CHOICES"]._serialized_end = 1047
+    _globals["_STRUCTUREDOUTPUT"]._serialized_start = 1050
+    _globals["_STRUCTUREDOUTPUT"]._serialized_end = 1191
+    _globals["_GENERATEREQUEST"]._serialized_start = 1194
+    _globals["_GENERATEREQUEST"]._serialized_end = 1405
+    _globals["_TOPLOGPROB"]._serialized_start = 1407
+    _globals["_TOPLOGPROB"]._serialized_end = 1454
+    _globals["_TOKENLOGPROB"]._serialized_start = 1456
+    _globals["_TOKENLOGPROB"]._serialized_end = 1543
+    _globals["_COMPLETIONDELTA"]._serialized_start = 1546
+    _globals["_COMPLETIONDELTA"]._serialized_end = 1700
+    _globals["_USAGE"]._serialized_start = 1702
+    _globals["_USAGE"]._serialized_end = 1789
+    _globals["_TIMINGS"]._serialized_start = 1791
+    _globals["_TIMINGS"]._serialized_end = 1898
+    _globals["_GENERATERESPONSE"]._serialized_start = 1901
+    _globals["_GENERATERESPONSE"]._serialized_end = 2156
+    _globals["_ABORTREQUEST"]._serialized_start = 2158
+    _globals["_ABORTREQUEST"]._serialized_end = 2192
+    _globals["_ABORTRESPONSE"]._serialized_start = 2194
+    _globals["_ABORTRESPONSE"]._serialized_end = 2209
+    _globals["_GETMODELINFOREQUEST"]._serialized_start = 2211
+    _globals["_GETMODELINFOREQUEST"]._serialized_end = 2232
+    _globals["_MODELINFO"]._serialized_start = 2235
+    _globals["_MODELINFO"]._serialized_end = 2479
+    _globals["_GETSERVERINFOREQUEST"]._serialized_start = 2481
+    _globals["_GETSERVERINFOREQUEST"]._serialized_end = 2503
+    _globals["_SERVERINFO"]._serialized_start = 2506
+    _globals["_SERVERINFO"]._serialized_end = 2880
+    _globals["_SERVERINFO_ENGINECONFIGENTRY"]._serialized_start = 2829
+    _globals["_SERVERINFO_ENGINECONFIGENTRY"]._serialized_end = 2880
+    _globals["_GENERATION"]._serialized_start = 2883
+    _globals["_GENERATION"]._serialized_end = 3185
 # @@protoc_insertion_point(module_scope)

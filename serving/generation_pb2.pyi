@@ -47,7 +47,18 @@ class SamplingParams(_message.Message):
         "stop",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        "logit_bias",
+        "prompt_logprobs",
+        "structured_output",
     )
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
+
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +76,9 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -82,6 +96,9 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    logit_bias: _containers.ScalarMap[int, float]
+    prompt_logprobs: int
+    structured_output: StructuredOutput
     def __init__(
         self,
         temperature: float | None = ...,
@@ -101,6 +118,36 @@ class SamplingParams(_message.Message):
         stop: _Iterable[str] | None = ...,
         include_stop_str_in_output: bool | None = ...,
         skip_special_tokens: bool | None = ...,
+        logit_bias: _Mapping[int, float] | None = ...,
+        prompt_logprobs: int | None = ...,
+        structured_output: StructuredOutput | _Mapping | None = ...,
+    ) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Iterable[str] | None = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json", "json_object", "regex", "choice", "grammar")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    json_object: bool
+    regex: str
+    choice: Choices
+    grammar: str
+    def __init__(
+        self,
+        json: str | None = ...,
+        json_object: bool | None = ...,
+        regex: str | None = ...,
+        choice: Choices | _Mapping | None = ...,
+        grammar: str | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
@@ -208,19 +255,29 @@ class Timings(_message.Message):
     ) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "outputs", "finished", "usage", "timings", "prompt_token_ids")
+    __slots__ = (
+        "request_id",
+        "outputs",
+        "finished",
+        "usage",
+        "timings",
+        "prompt_token_ids",
+        "prompt_logprobs",
+    )
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
     finished: bool
     usage: Usage
     timings: Timings
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     def __init__(
         self,
         request_id: str | None = ...,
@@ -229,6 +286,7 @@ class GenerateResponse(_message.Message):
         usage: Usage | _Mapping | None = ...,
         timings: Timings | _Mapping | None = ...,
         prompt_token_ids: _Iterable[int] | None = ...,
+        prompt_logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
     ) -> None: ...
 
 class AbortRequest(_message.Message):

@@ -1,7 +1,8 @@
 """The gRPC service `jaxpaged.v1.Generation` (grpc.aio), with the standard health service and
 server reflection on the same server.
 
-Status codes: INVALID_ARGUMENT (bad input, message naming the field), UNAUTHENTICATED (API
+Status codes: INVALID_ARGUMENT (bad input, message naming the field; also a field this
+server does not know, e.g. from a client built on a newer .proto), UNAUTHENTICATED (API
 key missing or wrong in the `authorization: Bearer <key>` metadata), RESOURCE_EXHAUSTED
 (queue full), UNAVAILABLE (loading, draining, engine dead), INTERNAL (the engine failed
 while serving the call). A cancelled call or an expired deadline aborts the request.
@@ -16,13 +17,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 import jaxpaged
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutput
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
 from jaxpaged.serving.frontend import (
@@ -53,7 +56,47 @@ _SCALAR_FIELDS = (
     "max_tokens",
     "min_tokens",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
+
+
+_CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_known_fields(msg: Message, where: str = "") -> None:
+    """Refuses a message (or any message inside it) that carries fields this server's .proto
+    does not define: protobuf keeps them as unknown fields, and ignoring them would answer a
+    request other than the one sent."""
+    name = where or msg.DESCRIPTOR.name
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        raise InvalidRequest(
+            f"{name}: field number(s) {numbers} are unknown to this server (a client built "
+            "from a newer .proto?); jaxpaged refuses fields it would not honour",
+            param=name,
+        )
+    for field, value in msg.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue
+        items = value if field.is_repeated else [value]
+        for i, item in enumerate(items):
+            suffix = f"[{i}]" if field.is_repeated else ""
+            check_known_fields(item, f"{name}.{field.name}{suffix}")
+
+
+def _structured_output(msg: pb.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(
+            "structured_output: set one of json, json_object, regex, choice or grammar",
+            param="structured_output",
+        )
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="structured_output") from None
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -61,6 +104,9 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs: dict[str, Any] = {
         name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)
     }
+    kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_output"):
+        kwargs["structured_output"] = _structured_output(msg.structured_output)
     kwargs["ignore_eos"] = msg.ignore_eos
     kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
     kwargs["stop"] = list(msg.stop)
@@ -119,14 +165,21 @@ def _final_fields(out: RequestOutput, totals: RequestTotals) -> dict[str, Any]:
 
 
 def _response_pb(
-    request_id: str, out: RequestOutput, totals: RequestTotals, *, first: bool
+    request_id: str,
+    out: RequestOutput,
+    totals: RequestTotals,
+    *,
+    first: bool,
+    with_prompt_logprobs: bool,
 ) -> pb.GenerateResponse:
-    """One message per engine output; the prompt's ids ride on the first only."""
+    """One message per engine output; the prompt's ids ride on the first only, its logprobs
+    on the one ``with_prompt_logprobs`` says."""
     return pb.GenerateResponse(
         request_id=request_id,
         outputs=[_completion_pb(c) for c in out.outputs],
         finished=out.finished,
         prompt_token_ids=out.prompt_token_ids if first else (),
+        prompt_logprobs=_logprobs_pb(out.prompt_logprobs[1:]) if with_prompt_logprobs else (),
         **(_final_fields(out, totals) if out.finished else {}),
     )
 
@@ -148,6 +201,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         frontend = self._frontend
         try:
             self._check_auth(context)
+            check_known_fields(request)
             params = sampling_params_from_proto(request.sampling_params)
             frontend.check_ready()
             kind = request.WhichOneof("input")
@@ -162,6 +216,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             elif kind == "token_ids":
                 prompt = list(request.token_ids.ids)
             else:
+                for i, m in enumerate(request.chat.messages):
+                    if m.role not in _CHAT_ROLES:
+                        raise InvalidRequest(
+                            f"chat.messages[{i}].role must be one of {list(_CHAT_ROLES)}, "
+                            f"got {m.role!r}",
+                            param="role",
+                        )
                 prompt = frontend.render_chat(
                     [{"role": m.role, "content": m.content} for m in request.chat.messages]
                 )
@@ -173,11 +234,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._fail(context, e)
             return
         async with handle:
-            first = True
+            first, prompt_sent = True, False
             try:
                 async for out in handle:
-                    yield _response_pb(rid, out, handle.totals, first=first)
-                    first = False
+                    send_prompt = not prompt_sent and out.prompt_logprobs is not None
+                    yield _response_pb(
+                        rid, out, handle.totals, first=first, with_prompt_logprobs=send_prompt
+                    )
+                    first, prompt_sent = False, prompt_sent or send_prompt
             except ServingError as e:
                 await self._fail(context, e)
 

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (both with
-server-sent-event streaming), /v1/models, /health and /metrics.
+server-sent-event streaming), /v1/models, /health and /metrics, and vLLM's /tokenize,
+/detokenize and /version.
 
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with 400 (bad input), 401 (API key), 429 (queue full), 500 (engine failure) or 503 (not
@@ -9,6 +10,7 @@ ready). A client that disconnects aborts its requests, which frees their KV bloc
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import time
 import uuid
@@ -29,7 +31,14 @@ from jaxpaged.serving.frontend import (
     output_kind_for,
 )
 from jaxpaged.serving.metrics import CONTENT_TYPE, RequestTotals
-from jaxpaged.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from jaxpaged.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from jaxpaged.serving.reasoning import ThinkSplitter
 
 __all__ = ["create_app"]
 
@@ -83,6 +92,9 @@ class _Formatter:
     def token(self, token_id: int) -> str:
         return self._tok.decode([token_id])
 
+    def text(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(list(token_ids))
+
     def completion_logprobs(self, logprobs: tuple[Logprob, ...], offset: int) -> dict:
         tokens, lps, tops, offsets = [], [], [], []
         pos = offset
@@ -99,6 +111,43 @@ class _Formatter:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def echo_logprobs(self, out: RequestOutput, k: int, generated: dict) -> dict:
+        """OpenAI's completion logprobs of an echoed prompt (the first token has none)
+        followed by those of the generated tokens (``generated``, offsets already past the
+        prompt's text)."""
+        tokens = [self.token(t) for t in out.prompt_token_ids]
+        lps = out.prompt_logprobs or (None,) * len(tokens)
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {
+            "tokens": tokens + generated["tokens"],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps]
+            + generated["token_logprobs"],
+            "top_logprobs": [
+                None if lp is None else {self.token(t): v for t, v in list(lp.top.items())[:k]}
+                for lp in lps
+            ]
+            + generated["top_logprobs"],
+            "text_offset": offsets + generated["text_offset"],
+        }
+
+    def prompt_logprobs(self, lps: tuple[Logprob | None, ...] | None) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or token id -> its
+        logprob and text, for the token itself and the top k."""
+        if lps is None:
+            return None
+        return [
+            None
+            if lp is None
+            else {
+                str(t): {"logprob": v, "decoded_token": self.token(t)}
+                for t, v in {lp.token_id: lp.logprob, **lp.top}.items()
+            }
+            for lp in lps
+        ]
 
     def chat_logprobs(self, logprobs: tuple[Logprob, ...]) -> dict:
         content = []
@@ -179,15 +228,16 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     async def sse(
         handles: list[RequestHandle],
-        chunks: Callable[[int, CompletionOutput], list[dict]],
+        chunks: Callable[[int, RequestOutput, CompletionOutput], list[dict]],
         tail: list[Callable[[], dict]],
     ) -> AsyncIterator[str]:
-        """Server-sent events: chunks(position of the request, one sample's delta) for each
+        """Server-sent events: chunks(position of the request, its output, one sample's delta)
+        for each
         sample of each output as it arrives, then the tail's objects, then [DONE]."""
         try:
             async for i, out in merge_handles(handles):
                 for delta in out.outputs:
-                    for chunk in chunks(i, delta):
+                    for chunk in chunks(i, out, delta):
                         yield _sse(chunk)
             for make in tail:
                 yield _sse(make())
@@ -237,6 +287,49 @@ def create_app(frontend: Frontend) -> FastAPI:
             ],
         }
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": importlib.metadata.version("jaxpaged")}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body: TokenizeRequest = await admit(request, TokenizeRequest)
+        body.check()
+        frontend.check_ready()
+        tok = frontend.engine.tokenizer
+        if body.messages is not None:
+            ids = frontend.render_chat(
+                body.template_messages(),
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        else:
+            try:
+                ids = [
+                    int(t)
+                    for t in tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ]
+            except Exception as e:  # the tokenizer refuses the caller's text
+                raise InvalidRequest(f"prompt: cannot tokenize: {e}", param="prompt") from e
+        return {
+            "count": len(ids),
+            "max_model_len": frontend.engine.max_model_len,
+            "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body: DetokenizeRequest = await admit(request, DetokenizeRequest)
+        frontend.check_ready()
+        vocab = frontend.engine.model_config.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", param="tokens"
+                )
+        return {"prompt": frontend.engine.tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await admit(request, CompletionRequest)
@@ -249,21 +342,33 @@ def create_app(frontend: Frontend) -> FastAPI:
         n = params.n
         handles = await open_all(prompts, params, cid, output_kind_for(stream=body.stream))
         text_len: dict[int, int] = {}  # choice index -> length of its text sent so far
+        # echo: each choice's text starts with its prompt's
+        echoed = [p if isinstance(p, str) else fmt.text(p) for p in prompts] if body.echo else []
 
-        def choice(i: int, d: CompletionOutput) -> dict:
+        def choice(i: int, out: RequestOutput, d: CompletionOutput) -> dict:
             """The choice of sample d of prompt i; its logprobs' text offsets continue from
-            the text this choice has already sent."""
+            the text this choice has already sent. The choice's first chunk carries the echoed
+            prompt (and its logprobs) and the prompt_logprobs asked for."""
             index = i * n + d.index
-            offset = text_len.get(index, 0)
+            first = index not in text_len
+            prefix = echoed[i] if echoed and first else ""
+            offset = text_len.get(index, 0) + len(prefix)
             text_len[index] = offset + len(d.text)
+            logprobs = None
+            if d.logprobs is not None:
+                logprobs = fmt.completion_logprobs(d.logprobs, offset)
+                if prefix:
+                    logprobs = fmt.echo_logprobs(out, params.logprobs, logprobs)
+            extra = {}
+            if body.prompt_logprobs is not None and first:
+                extra["prompt_logprobs"] = fmt.prompt_logprobs(out.prompt_logprobs)
             return {
                 "index": index,
-                "text": d.text,
-                "logprobs": None
-                if d.logprobs is None
-                else fmt.completion_logprobs(d.logprobs, offset),
+                "text": prefix + d.text,
+                "logprobs": logprobs,
                 "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason,
+                **extra,
             }
 
         def head(choices: list[dict]) -> dict:
@@ -281,11 +386,11 @@ def create_app(frontend: Frontend) -> FastAPI:
         if body.stream:
             tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(
-                sse(handles, lambda i, d: [head([choice(i, d)])], tail),
+                sse(handles, lambda i, out, d: [head([choice(i, out, d)])], tail),
                 media_type="text/event-stream",
             )
         outs = await _until_disconnect(request, collect(handles))
-        choices = [choice(i, c) for i, out in enumerate(outs) for c in out.outputs]
+        choices = [choice(i, out, c) for i, out in enumerate(outs) for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**head(choices), "usage": usage()})
 
@@ -294,7 +399,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         body: ChatCompletionRequest = await admit(request, ChatCompletionRequest)
         params = body.sampling_params()
         frontend.check_ready()
-        prompt = frontend.render_chat(body.template_messages())
+        prompt = frontend.render_chat(
+            body.template_messages(), template_kwargs=body.chat_template_kwargs
+        )
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         fmt = _Formatter(frontend.engine.tokenizer)
@@ -312,10 +419,12 @@ def create_app(frontend: Frontend) -> FastAPI:
                 "choices": choices,
             }
 
+        parser = cfg.reasoning_parser
         if body.stream:
             started: set[int] = set()
+            splitters: dict[int, ThinkSplitter] = {}
 
-            def chunks(_: int, d: CompletionOutput) -> list[dict]:
+            def chunks(_: int, __: RequestOutput, d: CompletionOutput) -> list[dict]:
                 """A role chunk before a sample's first content, its content, and a finish
                 chunk on its last delta."""
                 out = []
@@ -333,13 +442,22 @@ def create_app(frontend: Frontend) -> FastAPI:
                             ]
                         )
                     )
-                if d.text or d.token_ids:
+                delta: dict[str, str] = {"content": d.text}
+                if parser is not None:  # the reasoning part goes to reasoning_content
+                    splitter = splitters.setdefault(d.index, ThinkSplitter(parser))
+                    reasoning, content = splitter.feed(d.text)
+                    if d.finish_reason is not None:
+                        tail_r, tail_c = splitter.flush()
+                        reasoning, content = reasoning + tail_r, content + tail_c
+                    delta = {k: v for k, v in (("reasoning_content", reasoning),
+                                               ("content", content)) if v}  # fmt: skip
+                if d.text or d.token_ids or (parser is not None and delta):
                     out.append(
                         head(
                             [
                                 {
                                     "index": d.index,
-                                    "delta": {"content": d.text},
+                                    "delta": delta,
                                     "logprobs": None
                                     if d.logprobs is None
                                     else fmt.chat_logprobs(d.logprobs),
@@ -367,10 +485,17 @@ def create_app(frontend: Frontend) -> FastAPI:
             tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
         (out,) = await _until_disconnect(request, collect(handles))
+
+        def message(text: str) -> dict:
+            if parser is None:
+                return {"role": "assistant", "content": text}
+            reasoning, content = ThinkSplitter(parser).split(text)
+            return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message(c.text),
                 "logprobs": None if c.logprobs is None else fmt.chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,

@@ -2,37 +2,119 @@
 conversion to :class:`jaxpaged.SamplingParams`.
 
 Bodies are parsed strictly (JSON types must match: ``"max_tokens": "10"`` is an error, not
-10) so that every mistake comes back as a 400 naming the field. Unknown fields are ignored,
-as OpenAI clients send optional fields this server does not use. Extra sampling fields
-beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...) are
-accepted at the top level, which is where the ``openai`` client's ``extra_body`` puts them.
+10) so that every mistake comes back as a 400 naming the field. No field is silently
+ignored: an unknown field, or a known one jaxpaged does not honour (:data:`UNSUPPORTED_FIELDS`),
+is a 400 naming it; the few fields accepted on purpose without effect are listed in
+:data:`NO_EFFECT_FIELDS` (and in docs/architecture.md). A ``null`` value means "not set", as
+in OpenAI's API. Extra sampling fields beyond OpenAI's (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ...) are accepted at the top level, which is where the
+``openai`` client's ``extra_body`` puts them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutput
 from jaxpaged.serving.frontend import InvalidRequest, field_of
 
 __all__ = [
+    "NO_EFFECT_FIELDS",
+    "UNSUPPORTED_FIELDS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
     "parse_body",
 ]
 
 _OPENAI_MAX_COMPLETION_LOGPROBS = 5
 
+# Accepted on purpose and without effect on the output (field -> why that is honest).
+NO_EFFECT_FIELDS: dict[str, str] = {
+    "user": "an end-user id kept for the caller's own records",
+    "metadata": "tags kept for the caller's own records",
+    "safety_identifier": "an end-user id for abuse monitoring",
+    "prompt_cache_key": "prefix caching is automatic (content-addressed KV blocks)",
+}
+
+# Fields of OpenAI's API (or vLLM's extra fields) that jaxpaged does not honour (field ->
+# why): a request that sets one gets a 400 naming it rather than an answer without it.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    **dict.fromkeys(
+        ("audio", "modalities", "prediction", "web_search_options", "verbosity"),
+        "not supported by a text-only engine",
+    ),
+    "reasoning_effort": "jaxpaged has no reasoning-effort control",
+    "service_tier": "jaxpaged has one service tier",
+    "store": "jaxpaged does not store completions",
+    **dict.fromkeys(
+        ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"),
+        "tool calling is not supported yet",
+    ),
+    "guided_decoding_backend": "jaxpaged has one grammar engine (llguidance)",
+    "guided_whitespace_pattern": "not supported by jaxpaged's grammar engine",
+    "prompt_logprobs": "prompt log-probabilities are served on /v1/completions only",
+    "suffix": "insertion (suffix) is not supported",
+    "use_beam_search": "beam search is not supported",
+}
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Strict types, no unknown fields; a null unsupported field counts as not sent."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in UNSUPPORTED_FIELDS)}
+        return data
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchema(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def structured_output(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidRequest(
+                    "response_format.json_schema.schema is required with type json_schema",
+                    param="response_format",
+                )
+            return {"json": self.json_schema.schema_}
+        return None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs object (exactly one field)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(_Strict):
@@ -50,7 +132,18 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # structured output, vLLM's extra fields (at most one of them, or response_format)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # accepted without effect (NO_EFFECT_FIELDS)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # extra body fields (vLLM's names)
     top_k: int | None = None
     min_p: float | None = None
@@ -62,18 +155,19 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
 
-    def _params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "stop": self.stop,
@@ -81,6 +175,8 @@ class _SamplingFields(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
+            "logit_bias": _logit_bias(self.logit_bias),
+            "structured_output": self._structured_output(),
         }
         for name in (
             "temperature",
@@ -99,9 +195,66 @@ class _SamplingFields(_Strict):
         except ValueError as e:
             raise InvalidRequest(str(e), param=field_of(str(e))) from e
 
+    def _structured_output(self) -> dict[str, Any] | None:
+        """The one structured-output request among response_format, guided_* and
+        structured_outputs (as StructuredOutput's fields), or None."""
+        asked: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None:
+            spec = self.response_format.structured_output()
+            if spec is not None:
+                asked["response_format"] = spec
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                asked[name] = {key: getattr(self, name)}
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(exclude_none=True)
+            asked["structured_outputs"] = {
+                ("json" if k == "json_" else k): v for k, v in so.items()
+            }
+        if len(asked) > 1:
+            raise InvalidRequest(
+                f"ask for one structured output at a time, got {sorted(asked)}",
+                param=sorted(asked)[1],
+            )
+        if not asked:
+            return None
+        ((name, spec),) = asked.items()
+        if isinstance(spec.get("json"), str):
+            try:
+                spec["json"] = json.loads(spec["json"])
+            except json.JSONDecodeError as e:
+                raise InvalidRequest(
+                    f"{name}: the schema is not valid JSON: {e}", param=name
+                ) from None
+        try:
+            return StructuredOutput(**spec)
+        except ValueError as e:
+            raise InvalidRequest(f"{name}: {e}", param=name) from None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                param="logit_bias",
+            ) from None
+    return out
 
 
 class CompletionRequest(_SamplingFields):
@@ -110,7 +263,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request (a list of strings or of token-id lists means several)."""
@@ -130,10 +283,6 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest(
                 "best_of must equal n (beam search is not supported)", param="best_of"
@@ -143,7 +292,12 @@ class CompletionRequest(_SamplingFields):
                 f"logprobs must be in [0, {_OPENAI_MAX_COMPLETION_LOGPROBS}], got {self.logprobs}",
                 param="logprobs",
             )
-        return self._params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self._params(
+            max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs
+        )
 
 
 class TextPart(_Strict):
@@ -152,7 +306,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -161,7 +315,10 @@ class ChatMessage(_Strict):
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.name is not None:  # templates that know names use it
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -169,6 +326,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -188,6 +346,32 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.as_template_input() for m in self.messages]
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # text prompts only (a chat template adds its own)
+    add_generation_prompt: bool = True  # chat only
+    chat_template_kwargs: dict[str, Any] | None = None  # chat only
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("exactly one of prompt or messages is required", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_input() for m in self.messages or ()]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_body(model: type[_Strict], body: bytes) -> Any:
     """Parses and type-checks a JSON body; InvalidRequest names the first bad field."""
     if not body.strip():
@@ -201,8 +385,21 @@ def parse_body(model: type[_Strict], body: bytes) -> Any:
         loc = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x))
         if err["type"] == "missing":
             raise InvalidRequest(f"{loc} is required", param=loc or None) from None
+        if err["type"] == "extra_forbidden":
+            raise InvalidRequest(_refusal(loc), param=loc or None) from None
         where = f"{loc}: " if loc else "body: "
         raise InvalidRequest(f"{where}{err['msg']}", param=loc or None) from None
+
+
+def _refusal(loc: str) -> str:
+    """Why a field that is not part of the request model is refused."""
+    name = loc.rsplit(".", 1)[-1]
+    if loc == name and name in UNSUPPORTED_FIELDS:
+        return f"{name} is not supported by jaxpaged: {UNSUPPORTED_FIELDS[name]}"
+    return (
+        f"{loc} is not a field jaxpaged knows; it refuses fields it would not honour "
+        "rather than ignore them"
+    )
 
 
 def _is_union_tag(x: object) -> bool:

@@ -64,6 +64,12 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         "--chat-template", default=None, help="a Jinja chat template, or a file holding one"
     )
     s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=("qwen3", "deepseek_r1"),
+        help="split the <think>...</think> part of chat replies into reasoning_content",
+    )
+    s.add_argument(
         "--max-queue-len",
         type=positive_int,
         default=None,
@@ -222,6 +228,7 @@ def main(
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
         enable_weight_updates=args.enable_weight_updates,
+        reasoning_parser=args.reasoning_parser,
     )
     if args.process_id != 0:
         # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing

@@ -26,13 +26,16 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.protocol import EngineStats
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sched.output import RunnerOutput, SchedulerOutput
+from jaxpaged.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
 from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import Scheduler
+from jaxpaged.worker.grammar import GrammarMatchers
 
 __all__ = ["DeviceRunner", "EngineCore", "EngineRequest", "EngineStepError"]
 
@@ -86,8 +89,10 @@ class EngineCore:
         num_kv_blocks: int,
         compilations: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.time,
+        grammars: GrammarMatchers | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.grammars = grammars  # structured output: a matcher per grammar request
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.num_kv_blocks = num_kv_blocks
@@ -155,7 +160,10 @@ class EngineCore:
         try:
             if plan.has_work:
                 self.outputs.scheduled((s.request_id for s in plan.seqs), self._num_cached_tokens)
-                pending = self.runner.dispatch(plan)
+                allowed = self._grammar_masks(plan)
+                pending = (
+                    self.runner.dispatch(plan, allowed) if allowed else self.runner.dispatch(plan)
+                )
             if self._in_flight is not None:
                 prev_plan, prev_pending = self._in_flight
                 self._in_flight = None
@@ -307,6 +315,12 @@ class EngineCore:
                         arrival_time=item.arrival_time,
                     )
                 )
+            spec = item.params.structured_output
+            if spec is not None:
+                if self.grammars is None:
+                    raise ValueError("structured_output needs a tokenizer (this engine has none)")
+                for sid in ids:
+                    self.grammars.add(sid, spec)
         except ValueError as exc:
             logger.error("request %r refused by the scheduler: %s", item.request_id, exc)
             for sid in ids:
@@ -318,8 +332,34 @@ class EngineCore:
 
     def _apply(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         updates = self.scheduler.update(plan, result)
+        if self.grammars:
+            updates = self._advance_grammars(updates)
         self._generation_tokens_total += sum(len(u.new_token_ids) for u in updates)
         return self.outputs.process(updates, self._finish_on_stop_string)
+
+    def _grammar_masks(self, plan: SchedulerOutput) -> dict[int, np.ndarray]:
+        """Sequence index -> the allowed-token mask of each grammar request that samples in
+        this plan (its matcher has seen all its tokens: the scheduler saw to that)."""
+        if not self.grammars:
+            return {}
+        rows = [i for i, s in enumerate(plan.seqs) if s.do_sample and s.request_id in self.grammars]
+        if not rows:
+            return {}
+        masks = self.grammars.masks([plan.seqs[i].request_id for i in rows])
+        return dict(zip(rows, masks, strict=True))
+
+    def _advance_grammars(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
+        """Feeds new tokens to their requests' matchers; a request whose grammar has ended
+        (or that broke it) stops there."""
+        out = []
+        for u in updates:
+            if u.request_id in self.grammars and u.new_token_ids and not u.finished:
+                if not all(self.grammars.accept(u.request_id, t) for t in u.new_token_ids):
+                    self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
+                    u = dataclasses.replace(u, finish_reason="stop")
+            out.append(u)
+        self.grammars.retain(self.scheduler.requests)
+        return out
 
     def _finish_on_stop_string(self, sample_id: str, stop: str) -> None:
         self.scheduler.finish(sample_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)

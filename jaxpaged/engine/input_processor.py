@@ -24,6 +24,7 @@ from jaxpaged.sampling_params import (
     banned_ids_for_min_tokens,
     validate_prompt,
 )
+from jaxpaged.worker.grammar import GrammarCompiler
 
 __all__ = ["InputProcessor"]
 
@@ -41,8 +42,10 @@ class InputProcessor:
         num_kv_blocks: int,
         eos_token_ids: Sequence[int],
         logits_processors: Sequence[str] = (),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -106,6 +109,15 @@ class InputProcessor:
                 raise ValueError(
                     f"stop_token_ids: with min_tokens > 0 the engine holds back at most "
                     f"{MAX_BANNED_IDS} ids (EOS included unless ignore_eos), got {len(banned)}"
+                )
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise ValueError("structured_output needs a tokenizer (this engine has none)")
+            self.grammars.grammar(params.structured_output)  # checked and cached
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"logit_bias names token {token}, outside the vocabulary [0, {self.vocab_size})"
                 )
         max_tokens = params.effective_max_tokens(num_prompt_tokens, self.max_model_len)
         # the last output token is never fed back, so its K/V is never stored

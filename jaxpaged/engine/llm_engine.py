@@ -31,6 +31,7 @@ from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.compile_counter import CompileCounter
+from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
 from jaxpaged.worker.kv_cache import KVLayout, device_kv_budget, num_blocks_for
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
@@ -176,7 +177,14 @@ class LLMEngine:
             bytes_per_block=self.layout.bytes_per_block,
         )
         self.eos_token_ids = eos
+        # structured output needs the tokenizer's token strings
+        grammars = (
+            None
+            if tokenizer is None
+            else GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids=eos)
+        )
         self.inputs = InputProcessor(
+            grammars=grammars,
             tokenizer=tokenizer,
             vocab_size=model_config.vocab_size,
             max_model_len=scheduler_config.max_model_len,
@@ -192,6 +200,7 @@ class LLMEngine:
             eos_token_ids=eos,
             num_kv_blocks=num_blocks,
             compilations=lambda: self._compiles.count,
+            grammars=None if grammars is None else GrammarMatchers(grammars),
         )
         self._live: set[str] = set()  # user request ids added and not yet finished
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)

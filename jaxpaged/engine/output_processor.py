@@ -79,6 +79,7 @@ class _Group:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -181,6 +182,8 @@ class OutputProcessor:
                 delta += sample.detokenizer.flush()
             if u.error is not None:
                 group.error = u.error
+            if u.prompt_logprobs is not None and sample.index == 0:
+                group.prompt_logprobs = (None, *u.prompt_logprobs)
             sample.text.append(delta)
             sample.token_ids.extend(u.new_token_ids)
             sample.logprobs.extend(u.new_logprobs)
@@ -266,6 +269,7 @@ class OutputProcessor:
                     ),
                     num_cached_tokens=group.num_cached_tokens,
                     error=group.error,
+                    prompt_logprobs=group.prompt_logprobs,
                 )
             )
         return outputs

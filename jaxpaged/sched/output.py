@@ -48,6 +48,9 @@ class ScheduledSeq:
     start_pos: int
     block_table: tuple[int, ...]  # device block ids; covers positions [0, kv_len)
     sampling: SeqSampling | None  # None: a non-final prefill chunk (its logits are not needed)
+    # prompt_logprobs: the prompt token after each of the first len() fed positions
+    prompt_targets: tuple[int, ...] = ()
+    prompt_top_k: int = 0  # top logprobs wanted with each
 
     @property
     def do_sample(self) -> bool:
@@ -87,6 +90,7 @@ class StateRowInit:
     output_token_ids: tuple[int, ...]
     min_tokens: int = 0
     banned_ids: tuple[int, ...] = ()  # held back until min_tokens: EOS + stop_token_ids
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,6 +138,8 @@ class RunnerOutput:
 
     sampled_token_ids: Sequence[int]
     logprobs: Sequence[Logprob | None] | None = None  # same alignment
+    # same alignment: the logprobs of each sequence's prompt_targets (None: none wanted)
+    prompt_logprobs: Sequence[Sequence[Logprob] | None] | None = None
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -145,6 +151,8 @@ class RequestUpdate:
     request_id: str
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[Logprob, ...] = ()
+    # on the first token's update of a request with prompt_logprobs: those of prompt tokens 1..
+    prompt_logprobs: tuple[Logprob, ...] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "error" once finished
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 
+from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
@@ -83,6 +85,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # prompt_logprobs: the logprob of prompt token i + 1 at index i, as steps compute them
+    prompt_logprobs: list[Logprob] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -149,9 +153,33 @@ class Request:
         return self.num_total_tokens - self.num_computed_tokens > 1
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt's log-probabilities are still to compute (the first sample of a
+        request with prompt_logprobs computes them; its siblings fork from it)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.sample_index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
+
+    def prompt_logprob_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """The prompt tokens whose logprobs positions ``start .. end - 1`` give (each the
+        token after its position), when they are still wanted; else ()."""
+        if not self.wants_prompt_logprobs:
+            return ()
+        return tuple(self.prompt_token_ids[start + 1 : min(end, self.num_prompt_tokens - 1) + 1])
+
+    def add_prompt_logprobs(self, start: int, logprobs: Sequence[Logprob]) -> None:
+        """Keeps the logprobs of positions ``start ..`` not kept yet (a recompute after a
+        preemption computes them again)."""
+        for i, lp in enumerate(logprobs, start):
+            if i == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(lp)
+
+    @property
     def needs_state_row(self) -> bool:
-        """Whether its sampling reads on-device per-request state: penalties, min_tokens or
-        a logits processor (which reads the token history)."""
+        """Whether its sampling reads on-device per-request state: penalties, min_tokens,
+        logit_bias or a logits processor (which reads the token history)."""
         sp = self.sampling_params
         return (
             sp.repetition_penalty != 1.0
@@ -159,4 +187,5 @@ class Request:
             or sp.frequency_penalty != 0.0
             or sp.min_tokens > 0
             or sp.logits_processor is not None
+            or bool(sp.logit_bias)
         )

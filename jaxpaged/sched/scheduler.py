@@ -10,6 +10,8 @@ host token. Either way the outputs are the same: the overlap only changes when t
 them. What it costs: a request that stops on EOS, a stop token id or a stop string in step k-1
 has already been given a step-k token, which is dropped (its blocks are freed at the update).
 Length limits cost nothing: a request whose last allowed token is in flight is not scheduled.
+A request with ``structured_output`` is not scheduled while its token is in flight either (its
+grammar's next mask needs that token): it decodes every other step, the others overlap.
 
 Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``):
 
@@ -26,6 +28,7 @@ Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_t
    request starts from the longest cached prefix; a sample of an ``n > 1`` group starts as
    a fork of a sibling whose prompt is computed (sharing all its prompt blocks and
    recomputing only the last prompt token), and waits while a sibling is still prefilling.
+   A request with ``prompt_logprobs`` computes its whole prompt (no prefix-cache hit).
    A preempted request comes back only once its in-flight token is known.
 
 Every scheduled sequence feeds ``token_ids`` at positions ``start_pos ..``; it samples
@@ -272,6 +275,7 @@ class Scheduler:
                         banned_ids=banned_ids_for_min_tokens(sp, req.eos_token_ids)
                         if sp.min_tokens
                         else (),
+                        logit_bias=sp.logit_bias,
                     )
                 )
 
@@ -283,6 +287,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or self._length_reached(req):
                 continue  # preempted earlier in this loop, or its last token is in flight
+            if req.num_inflight and req.sampling_params.structured_output is not None:
+                continue  # its grammar's next mask needs the token in flight
             n = min(req.num_total_tokens - req.num_computed_tokens, budget)
             new_copies = self._allocate(req, n)
             while new_copies is None:
@@ -387,6 +393,8 @@ class Scheduler:
             start_pos=start,
             block_table=self.pool.block_table(req.request_id),
             sampling=sampling,
+            prompt_targets=req.prompt_logprob_targets(start, end),
+            prompt_top_k=req.sampling_params.prompt_logprobs or 0,
         )
 
     def _admit(
@@ -429,7 +437,11 @@ class Scheduler:
             if siblings:  # a sibling is prefilling this prompt: fork from it later
                 held.append(req)
                 return False
-        prefix = self.pool.find_prefix(req.request_id, req.num_tokens, req.token_ids_slice)
+        prefix = (  # prompt logprobs need every prompt position computed
+            []
+            if req.wants_prompt_logprobs
+            else self.pool.find_prefix(req.request_id, req.num_tokens, req.token_ids_slice)
+        )
         start = len(prefix) * self.block_size
         n = min(req.num_tokens - start, budget)
         new_copies = self._allocate(req, n, prefix)
@@ -504,8 +516,11 @@ class Scheduler:
             )
         now = self.clock()
         updates: list[RequestUpdate] = []
+        prompt_lps = runner_output.prompt_logprobs or [None] * len(seqs)
         for i, s in enumerate(seqs):
             req = self.requests.get(s.request_id)
+            if req is not None and req.arrival_order == s.seq_id and prompt_lps[i]:
+                req.add_prompt_logprobs(s.start_pos, prompt_lps[i])
             if req is None or req.arrival_order != s.seq_id or not s.do_sample:
                 continue  # ended since (abort / stop), or a chunk that does not sample
             req.num_inflight -= 1
@@ -529,11 +544,13 @@ class Scheduler:
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
+            first = req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None
             updates.append(
                 RequestUpdate(
                     request_id=s.request_id,
                     new_token_ids=(token,),
                     new_logprobs=() if lp is None else (lp,),
+                    prompt_logprobs=tuple(req.prompt_logprobs) if first else None,
                     finish_reason=None if status is None else status.finish_reason,
                     stop_reason=req.stop_reason if status is not None else None,
                 )

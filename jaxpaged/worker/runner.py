@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
 from jaxpaged.outputs import Logprob
-from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
@@ -52,6 +52,8 @@ class PendingStep:
     out: StepOutput
     num_seqs: int
     logprobs_wanted: tuple[int | None, ...]  # per sequence: top-k asked for, None = none
+    # per sequence: (first row, its prompt targets, top-k asked for), None = none
+    prompt_wanted: tuple[tuple[int, tuple[int, ...], int] | None, ...]
     failed: dict[str, str]  # sequences left out of the batch: request id -> reason
 
 
@@ -132,6 +134,7 @@ class Runner:
                 self.buckets.max_num_seqs,
                 self.model_config.vocab_size,
                 MAX_BANNED_IDS,
+                MAX_LOGIT_BIAS,
                 # each row's token history, for the processors only
                 history_len=self.max_model_len if self.logits_processors else 1,
             )
@@ -208,11 +211,15 @@ class Runner:
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
     def build_batch(
-        self, seqs: Sequence[ScheduledSeq], bucket: Bucket
+        self,
+        seqs: Sequence[ScheduledSeq],
+        bucket: Bucket,
+        allowed: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[StepBatch, dict[int, str]]:
         """Host-side padding of one step into ``bucket`` (numpy; one transfer per array), and
         the sequences whose sampling settings could not be filled (index -> reason: they ride
-        as padding rows and their requests fail; the others are unaffected)."""
+        as padding rows and their requests fail; the others are unaffected). ``allowed``:
+        sequence index -> its structured-output mask (int32 [ceil(V / 32)])."""
         t, s, b = bucket.num_tokens, bucket.num_seqs, bucket.max_blocks
         bs = self.layout.block_size
         tokens = np.zeros(t, np.int32)
@@ -223,9 +230,11 @@ class Runner:
         tables = np.zeros((s, b), np.int32)
         cu = np.zeros(s + 1, np.int32)
         sample_rows = np.zeros(s, np.int32)
+        prompt_targets = np.full(t, -1, np.int32)
         row = 0
         for i, seq in enumerate(seqs):
             n = seq.num_tokens
+            prompt_targets[row : row + len(seq.prompt_targets)] = seq.prompt_targets
             pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
             table = np.asarray(seq.block_table, np.int32)
             tokens[row : row + n] = seq.token_ids
@@ -245,6 +254,7 @@ class Runner:
             vocab_size=self.model_config.vocab_size,
             engine_key_data=self.engine_key_data,
             processor_names=self.processor_names,
+            allowed=allowed,
         )
         batch = StepBatch(
             tokens=tokens,
@@ -257,6 +267,7 @@ class Runner:
             num_seqs=np.array([len(seqs)], np.int32),
             sample_rows=sample_rows,
             sampling=sampling,
+            prompt_targets=prompt_targets,
         )
         return batch, failed
 
@@ -272,9 +283,12 @@ class Runner:
         self.sampled = out.token_ids
         return out
 
-    def dispatch(self, plan: SchedulerOutput) -> PendingStep | None:
+    def dispatch(
+        self, plan: SchedulerOutput, allowed: Mapping[int, np.ndarray] | None = None
+    ) -> PendingStep | None:
         """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
-        without waiting for it (None when the plan has no sequences)."""
+        without waiting for it (None when the plan has no sequences). ``allowed``: sequence
+        index -> its structured-output mask."""
         self._swap_out(plan.blocks_to_swap_out)
         self._swap_in(plan.blocks_to_swap_in)
         self._copy(plan.blocks_to_copy)
@@ -283,16 +297,24 @@ class Runner:
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
-        batch, failed_rows = self.build_batch(plan.seqs, bucket)
+        batch, failed_rows = self.build_batch(plan.seqs, bucket, allowed)
         out = self._run(batch, bucket)
         wanted = tuple(
             None if s.sampling is None else s.sampling.params.logprobs for s in plan.seqs
         )
+        prompt_wanted = _prompt_wanted(plan.seqs)
         # start the device->host copies now: they run as soon as the step is done
-        for x in out if any(w is not None for w in wanted) else (out.token_ids,):
+        some = any(w is not None for w in wanted) or any(prompt_wanted)
+        for x in out if some else (out.token_ids,):
             x.copy_to_host_async()
         failed = {plan.seqs[i].request_id: why for i, why in failed_rows.items()}
-        return PendingStep(out=out, num_seqs=len(plan.seqs), logprobs_wanted=wanted, failed=failed)
+        return PendingStep(
+            out=out,
+            num_seqs=len(plan.seqs),
+            logprobs_wanted=wanted,
+            prompt_wanted=prompt_wanted,
+            failed=failed,
+        )
 
     def collect(self, pending: PendingStep | None) -> RunnerOutput:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs)."""
@@ -300,7 +322,7 @@ class Runner:
             return RunnerOutput(sampled_token_ids=())
         n = pending.num_seqs
         want = pending.logprobs_wanted
-        if all(w is None for w in want):  # the usual case: the tokens alone
+        if all(w is None for w in want) and not any(pending.prompt_wanted):  # the usual case
             token_ids = np.asarray(pending.out.token_ids)
             return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), failed=pending.failed)
         out = jax.device_get(pending.out)
@@ -316,8 +338,12 @@ class Runner:
             )
             for i, w in enumerate(want)
         ]
+        prompt = [None if p is None else _prompt_logprobs(out, *p) for p in pending.prompt_wanted]
         return RunnerOutput(
-            sampled_token_ids=out.token_ids[:n].tolist(), logprobs=logprobs, failed=pending.failed
+            sampled_token_ids=out.token_ids[:n].tolist(),
+            logprobs=logprobs,
+            prompt_logprobs=prompt,
+            failed=pending.failed,
         )
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -326,9 +352,9 @@ class Runner:
 
     # ------------------------------------------------------- sampler state rows
     def state_row_arrays(self, init: StateRowInit) -> tuple[np.ndarray, ...]:
-        """The int32 inputs of ``init_state_row``: row [], prompt [H], output [H] (H =
-        max_model_len), min_tokens [], banned ids [MAX_BANNED_IDS], -1 padded: one shape,
-        one compiled program."""
+        """The inputs of ``init_state_row``: row [], prompt [H], output [H] (H =
+        max_model_len), min_tokens [], banned ids [MAX_BANNED_IDS], logit-bias ids and
+        float32 biases [MAX_LOGIT_BIAS], -1 / 0 padded: one shape, one compiled program."""
         h = self.max_model_len
         prompt = np.full(h, -1, np.int32)
         output = np.full(h, -1, np.int32)
@@ -336,8 +362,12 @@ class Runner:
         prompt[: len(init.prompt_token_ids)] = init.prompt_token_ids
         output[: len(init.output_token_ids)] = init.output_token_ids
         banned[: len(init.banned_ids)] = init.banned_ids  # admission bounds its length
+        bias_ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+        bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+        for i, (token, bias) in enumerate(init.logit_bias):  # SamplingParams bounds its length
+            bias_ids[i], bias_values[i] = token, bias
         row, min_tokens = np.array(init.row, np.int32), np.array(init.min_tokens, np.int32)
-        return row, prompt, output, min_tokens, banned
+        return row, prompt, output, min_tokens, banned, bias_ids, bias_values
 
     def _init_state_row(self, init: StateRowInit) -> None:
         arrays = self.state_row_arrays(init)
@@ -489,3 +519,34 @@ class Runner:
         bar.close()
         self.warmed_up = True
         return total, time.perf_counter() - start
+
+
+def _prompt_wanted(
+    seqs: Sequence[ScheduledSeq],
+) -> tuple[tuple[int, tuple[int, ...], int] | None, ...]:
+    """Per sequence: (its first row in the batch, its prompt targets, the top-k asked for),
+    or None when it wants no prompt logprobs in this step."""
+    out = []
+    row = 0
+    for seq in seqs:
+        out.append((row, seq.prompt_targets, seq.prompt_top_k) if seq.prompt_targets else None)
+        row += seq.num_tokens
+    return tuple(out)
+
+
+def _prompt_logprobs(out: StepOutput, first: int, targets: Sequence[int], k: int) -> list[Logprob]:
+    """One sequence's prompt logprobs from a step's host copy: rows ``first ..``."""
+    return [
+        Logprob(
+            token_id=target,
+            logprob=float(out.prompt_logprobs[r]),
+            top=dict(
+                zip(
+                    out.prompt_top_ids[r, :k].tolist(),
+                    out.prompt_top_logprobs[r, :k].tolist(),
+                    strict=True,
+                )
+            ),
+        )
+        for r, target in enumerate(targets, first)
+    ]

@@ -10,7 +10,9 @@ row needs them (the program is the same either way):
 * top-k, and top-p: each an exact per-row threshold search (32 passes, no sort);
 * the random draw and all filters, when every row is greedy.
 
-Order of operations: penalties (repetition on prompt + output tokens; frequency
+Order of operations: the structured-output mask (tokens its grammar forbids get -inf; a
+packed int32 bitmask per row, all ones for rows without a grammar), ``logit_bias (added to the raw logits, as OpenAI and vLLM do),
+penalties (repetition on prompt + output tokens; frequency
 and presence on output tokens), ``min_tokens`` bans of EOS / stop token ids, greedy argmax
 for rows with temperature < 1e-5, temperature, top-k, top-p, min-p, then an inverse-CDF
 draw with one uniform per row (see :func:`sample_from_logits`).
@@ -26,9 +28,9 @@ draws the same tokens whatever else is in the batch, at whatever row, across run
 Unseeded rows use the engine's key data and an engine-unique per-sequence stream.
 
 Per-sequence state (:class:`SeqState`): the runner keeps, on the device, one row per running
-request that has penalties or ``min_tokens``: a ``[V]`` mask of its prompt's tokens, ``[V]``
-counts of the tokens it generated, how many it generated, its ``min_tokens`` and the ids that
-holds back (EOS and ``stop_token_ids``). A row is filled once when the request starts running
+request that has penalties, ``min_tokens`` or ``logit_bias``: a ``[V]`` mask of its prompt's
+tokens, ``[V]`` counts of the tokens it generated, how many it generated, its ``min_tokens``
+and the ids that holds back (EOS and ``stop_token_ids``), and its logit-bias pairs. A row is filled once when the request starts running
 (:func:`init_state_row`, from its prompt and output so far) and the step adds each sampled
 token to its row (:func:`record_sampled`), so no token history crosses from the host per step
 and the state stays exact when the host learns the tokens a step late.
@@ -37,7 +39,7 @@ and the state stays exact when the host learns the tokens a step late.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -70,6 +72,7 @@ class SamplingTensors(NamedTuple):
     num_logprobs: jax.Array  # [B] int32 top logprobs the row wants (-1: no logprobs at all)
     processor: jax.Array  # [B] int32 index of the row's logits processor; -1 = none
     processor_args: jax.Array  # [B, MAX_PROCESSOR_ARGS] float32 its per-request parameters
+    allowed: jax.Array  # [B, ceil(V / 32)] int32 packed: bit j of word i allows token 32i+j
 
 
 class SamplerOutput(NamedTuple):
@@ -105,10 +108,12 @@ class SeqState(NamedTuple):
     # num_tokens; H = max_model_len when the engine has processors, else 1 (unused)
     tokens: jax.Array  # int32 [R, H]
     num_tokens: jax.Array  # int32 [R]
+    bias_ids: jax.Array  # int32 [R, L]: logit_bias token ids, -1 padded
+    bias_values: jax.Array  # float32 [R, L]: the bias of each, 0 padded
 
 
 def create_seq_state(
-    num_rows: int, vocab_size: int, max_banned: int, history_len: int = 1
+    num_rows: int, vocab_size: int, max_banned: int, max_bias: int = 1, history_len: int = 1
 ) -> SeqState:
     return SeqState(
         prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),
@@ -118,6 +123,8 @@ def create_seq_state(
         banned_ids=jnp.full((num_rows, max_banned), -1, jnp.int32),
         tokens=jnp.full((num_rows, history_len), -1, jnp.int32),
         num_tokens=jnp.zeros((num_rows,), jnp.int32),
+        bias_ids=jnp.full((num_rows, max_bias), -1, jnp.int32),
+        bias_values=jnp.zeros((num_rows, max_bias), jnp.float32),
     )
 
 
@@ -134,9 +141,14 @@ def init_state_row(
     output_ids: jax.Array,  # int32 [H] the output so far, -1 padded
     min_tokens: jax.Array,  # int32 []
     banned_ids: jax.Array,  # int32 [M] ids held back until min_tokens, -1 padded
+    bias_ids: jax.Array | None = None,  # int32 [L] logit_bias ids, -1 padded
+    bias_values: jax.Array | None = None,  # float32 [L] their biases
 ) -> SeqState:
     """Fills one row from a request (when it starts running). One compiled shape: H is fixed
-    by the runner (``max_model_len``), M by ``MAX_BANNED_IDS``."""
+    by the runner (``max_model_len``), M by ``MAX_BANNED_IDS``, L by ``MAX_LOGIT_BIAS``."""
+    if bias_ids is None:  # no bias: the row's list all padding
+        bias_ids = jnp.full(state.bias_ids.shape[1:], -1, jnp.int32)
+        bias_values = jnp.zeros(state.bias_values.shape[1:], jnp.float32)
     v = state.prompt_mask.shape[1]
     mask = jnp.zeros((v,), jnp.bool_).at[_drop_padding(prompt_ids, v)].set(True, mode="drop")
     counts = jnp.zeros((v,), jnp.int32).at[_drop_padding(output_ids, v)].add(1, mode="drop")
@@ -156,6 +168,8 @@ def init_state_row(
         banned_ids=state.banned_ids.at[row].set(banned_ids),
         tokens=state.tokens.at[row].set(history),
         num_tokens=state.num_tokens.at[row].set(num_prompt + num_output),
+        bias_ids=state.bias_ids.at[row].set(bias_ids),
+        bias_values=state.bias_values.at[row].set(bias_values),
     )
 
 
@@ -187,6 +201,29 @@ def banned_now(
     return jnp.where(active[:, None], state.banned_ids[rows], -1)
 
 
+def apply_allowed(
+    logits: jax.Array,  # [B, V] float32
+    allowed: jax.Array,  # [B, ceil(V / 32)] int32 packed mask
+) -> jax.Array:  # [B, V]
+    """-inf for every token a row's mask does not allow."""
+    b, v = logits.shape
+    bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(b, -1)[:, :v] != 0, logits, -jnp.inf)
+
+
+def apply_logit_bias(
+    logits: jax.Array,  # [B, V] float32
+    t: SamplingTensors,
+    state: SeqState,
+) -> jax.Array:  # [B, V]
+    """Adds each row's logit_bias pairs to its logits (rows without a state row: none)."""
+    b, v = logits.shape
+    rows = jnp.clip(t.state_rows, 0, state.bias_ids.shape[0] - 1)
+    ids = jnp.where((t.state_rows >= 0)[:, None], state.bias_ids[rows], -1)  # [B, L]
+    batch_rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    return logits.at[batch_rows, _drop_padding(ids, v)].add(state.bias_values[rows], mode="drop")
+
+
 def seed_to_key_data(seed: int) -> np.ndarray:
     """Threefry key data [2] uint32 of an integer seed (taken modulo 2**64)."""
     seed = int(seed) % (1 << 64)
@@ -200,11 +237,12 @@ def build_sampling_tensors(
     vocab_size: int,
     engine_key_data: np.ndarray,  # [2] uint32, e.g. seed_to_key_data(engine seed)
     processor_names: Sequence[str] = (),  # the engine's logits processors, in index order
+    allowed: Mapping[int, np.ndarray] | None = None,  # row -> int32 [ceil(V / 32)] mask
 ) -> tuple[SamplingTensors, dict[int, str]]:
     """Host-side (numpy) tensors for ``rows`` padded to ``batch_size`` rows, and the rows
     that could not be filled (index -> reason; left as padding, so one bad row cannot stop
     the batch). None rows (sequences that do not sample) and padding rows are greedy with
-    every filter off.
+    every filter off; rows without an ``allowed`` mask may take any token.
     """
     n = len(rows)
     if n > batch_size:
@@ -231,7 +269,10 @@ def build_sampling_tensors(
         num_logprobs=np.full(b, -1, np.int32),
         processor=np.full(b, -1, np.int32),
         processor_args=np.zeros((b, MAX_PROCESSOR_ARGS), np.float32),
+        allowed=np.full((b, -(-vocab_size // 32)), -1, np.int32),
     )
+    for i, mask in (allowed or {}).items():
+        t.allowed[i] = mask
     failed: dict[int, str] = {}
     for i, row in enumerate(rows):
         if row is None:
@@ -247,7 +288,7 @@ def build_sampling_tensors(
 
 def _padding_values(vocab_size: int) -> tuple[object, ...]:
     """Each SamplingTensors field's value for a padding row (greedy, filters off)."""
-    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1, -1, 0.0)
+    return (0.0, 1.0, vocab_size, 0.0, 1.0, 0.0, 0.0, 0, 0, 0, -1, -1, -1, 0.0, -1)
 
 
 def _fill_row(
@@ -273,9 +314,12 @@ def _fill_row(
     has_penalty = (
         sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
     )
-    processor = getattr(sp, "logits_processor", None)
-    if (has_penalty or sp.min_tokens > 0 or processor is not None) and row.state_row < 0:
-        raise ValueError("penalties / min_tokens / logits_processor: the sequence has no state row")
+    processor = sp.logits_processor
+    needs_row = has_penalty or sp.min_tokens > 0 or sp.logit_bias or processor is not None
+    if needs_row and row.state_row < 0:
+        raise ValueError(
+            "penalties / min_tokens / logit_bias / logits_processor: the sequence has no state row"
+        )
     t.state_rows[i] = row.state_row
     t.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
     if processor is not None:
@@ -449,9 +493,15 @@ def sample(
     )
     greedy = t.temperature < GREEDY_EPS  # [B]
     banned = banned_now(t, state)  # [B, M]
+    r = state.bias_ids.shape[0]
+    biased = (t.state_rows >= 0) & (state.bias_ids[jnp.clip(t.state_rows, 0, r - 1), 0] >= 0)
+    needs_bias = jnp.any(biased)
+    needs_mask = jnp.any(t.allowed != -1)
 
     def _pick(logits):
-        x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, logits, t, state)
+        x = lax.cond(needs_mask, apply_allowed, lambda lg, _: lg, logits, t.allowed)
+        x = lax.cond(needs_bias, apply_logit_bias, lambda lg, *_: lg, x, t, state)
+        x = lax.cond(needs_penalty, apply_penalties, lambda lg, *_: lg, x, t, state)
         # min_tokens: EOS / stop ids may not be sampled yet (padding -1 -> dropped).
         banned_cols = jnp.where(banned < 0, v, banned)
         banned_rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned_cols.shape)
@@ -483,7 +533,7 @@ def sample(
 
     # The common case (greedy, no penalty, no ban) is one argmax over the raw logits: the
     # general path's conditionals and scatter each copy the [B, V] logits.
-    plain = jnp.all(greedy) & ~needs_penalty & jnp.all(banned < 0)
+    plain = jnp.all(greedy) & ~needs_penalty & ~needs_bias & ~needs_mask & jnp.all(banned < 0)
     token_ids = lax.cond(plain, argmax, _pick, logits)
 
     # Logprobs (as logits - logsumexp: no [B, V] log_softmax) only when some row asks: the

@@ -33,6 +33,9 @@ class StepBatch(NamedTuple):
     num_seqs: jax.Array  # int32 [1]
     sample_rows: jax.Array  # int32 [S]; row of each sequence's last token (0 for padding)
     sampling: sampler.SamplingTensors  # per sequence, [S, ...]
+    # int32 [T]; the prompt token that follows the row, for rows whose prompt logprob is
+    # wanted (SamplingParams.prompt_logprobs), -1 = none
+    prompt_targets: jax.Array
 
 
 class StepOutput(NamedTuple):
@@ -40,6 +43,55 @@ class StepOutput(NamedTuple):
     logprobs: jax.Array  # float32 [S]; log-probability of the sampled token
     top_ids: jax.Array  # int32 [S, K]
     top_logprobs: jax.Array  # float32 [S, K]
+    prompt_logprobs: jax.Array  # float32 [T]; log-probability of the row's prompt target
+    prompt_top_ids: jax.Array  # int32 [T, K]
+    prompt_top_logprobs: jax.Array  # float32 [T, K]
+
+
+_PROMPT_CHUNK = 64  # rows of [rows, V] logits at a time when prompt logprobs are wanted
+
+
+def prompt_logprobs(
+    params: Params,
+    hidden: jax.Array,  # [T, D] every fed row's final hidden state
+    targets: jax.Array,  # int32 [T] the token whose logprob each row gives, -1 = none
+    *,
+    config: ModelConfig,
+    num_logprobs: int,
+    kernels: StepKernels = XLA_KERNELS,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T], [T, K] int32, [T, K]
+    """Raw log-probabilities of each row's next prompt token and the top K, computed only
+    when some row wants them and then in chunks of rows, so no [T, V] array is ever live."""
+    t = hidden.shape[0]
+    k = num_logprobs
+    chunk = min(t, _PROMPT_CHUNK)
+    pad = -t % chunk
+    logits_fn = kernels.logits_fn(chunk)  # the params may be in a kernel's own layout
+
+    def one(args):
+        h, tgt = args  # [C, D], [C]
+        logits = compute_logits(params, h, config=config, linear_fn=logits_fn)  # [C, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
+        own = jnp.take_along_axis(logits, jnp.maximum(tgt, 0)[:, None], axis=-1)[:, 0] - lse
+        if k == 0:
+            return own, jnp.zeros((chunk, 0), jnp.int32), jnp.zeros((chunk, 0), jnp.float32)
+        vals, ids = jax.lax.top_k(logits, k)
+        return own, ids.astype(jnp.int32), vals - lse[:, None]
+
+    def run(_):
+        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+        tgt = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
+        own, ids, top = jax.lax.map(one, (h, tgt))
+        return own.reshape(-1)[:t], ids.reshape(-1, k)[:t], top.reshape(-1, k)[:t]
+
+    def none(_):
+        return (
+            jnp.zeros((t,), jnp.float32),
+            jnp.zeros((t, k), jnp.int32),
+            jnp.zeros((t, k), jnp.float32),
+        )
+
+    return jax.lax.cond(jnp.any(targets >= 0), run, none, None)
 
 
 @functools.partial(
@@ -143,5 +195,13 @@ def step(
     seq_state = sampler.record_sampled(seq_state, batch.sampling.state_rows, out.token_ids)
     num_rows = prev_sampled.shape[0]
     token_ids = jnp.zeros((num_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
-    out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
+    prompt = prompt_logprobs(
+        params,
+        hidden,
+        batch.prompt_targets,
+        config=config,
+        num_logprobs=num_logprobs,
+        kernels=kernels,
+    )
+    out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs, *prompt)
     return replicate_on(out, mesh), pool, replicate_on(seq_state, mesh)

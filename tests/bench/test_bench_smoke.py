@@ -145,6 +145,15 @@ def test_roofline_counts_match_hf_model():
 
 
 # ------------------------------------------------------------------- scripts (subprocess)
+def test_grammar_bench_smoke(tiny_model):
+    proc = _run(["bench/grammar.py", "--model", tiny_model, "--batch-sizes", "2",
+                 "--max-tokens", "6", "--rounds", "1", "--enforce-eager"])  # fmt: skip
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["batch"] for r in rows] == [2]
+    assert all(r["plain_tok_s"] > 0 and r["json_schema_tok_s"] > 0 for r in rows)
+    assert all(r["mask_us_per_row"] > 0 for r in rows)
+
+
 def test_throughput_smoke(tmp_path, tiny_model):
     out = tmp_path / "t.json"
     proc = _run([

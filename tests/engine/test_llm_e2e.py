@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, SamplingParams
+from jaxpaged import LLM, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.slow
 
@@ -287,7 +287,8 @@ def test_reset_prefix_cache_recomputes_the_prompt(llm, workload):
 
 
 def test_no_compilation_after_warmup(bundled_model_path, workload):
-    """A warmed-up engine serves varied batch sizes and lengths without compiling."""
+    """A warmed-up engine serves varied batch sizes and lengths without compiling, with
+    prompt logprobs, logit bias and grammar masks in the mix."""
     llm = LLM(
         bundled_model_path,
         max_model_len=MAX_MODEL_LEN,
@@ -309,8 +310,13 @@ def test_no_compilation_after_warmup(bundled_model_path, workload):
                     max_tokens=int(rng.integers(1, 30)),
                     logprobs=int(rng.choice([0, 3])) if batch == 3 else None,
                     repetition_penalty=1.1 if batch == 8 else 1.0,
+                    prompt_logprobs=2 if batch == 1 else None,
+                    logit_bias={5: 2.0} if batch == 16 and k % 3 == 1 else None,
+                    structured_output=StructuredOutput(regex="[a-z ]{1,40}")
+                    if batch == 16 and k % 3 == 0
+                    else None,
                 )
-                for _ in picks
+                for k in range(len(picks))
             ],
             use_tqdm=False,
         )

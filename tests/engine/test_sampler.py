@@ -33,6 +33,7 @@ ENGINE_KEY = seed_to_key_data(1234)
 B, V = 16, 64  # shared small shape: fewer compilations
 H = 64  # state-row fills: prompt / output padded to this many ids
 M = 16  # ids min_tokens may hold back per row
+L = 8  # logit_bias pairs per row
 
 
 class Built(NamedTuple):
@@ -76,6 +77,7 @@ def params(**kw) -> SimpleNamespace:
         min_tokens=0,
         ignore_eos=False,
         stop_token_ids=(),
+        logit_bias=(),
     )
     d.update(kw)
     return SimpleNamespace(**d)
@@ -106,16 +108,20 @@ def build(rows, batch_size, vocab_size, eos_token_ids=()) -> Built:
     seeded row is its sample index, else its engine stream), and a sampler state whose row i
     holds row i's prompt, output, min_tokens and held-back ids when it has penalties or
     min_tokens."""
-    state = create_seq_state(batch_size, vocab_size, M)
+    state = create_seq_state(batch_size, vocab_size, M, L)
     seqs = []
     for i, r in enumerate(rows):
         sp = r.params
-        state_row = i if has_penalty(sp) or sp.min_tokens else -1
+        state_row = i if has_penalty(sp) or sp.min_tokens or sp.logit_bias else -1
         if state_row >= 0:
             ids = banned_ids_for_min_tokens(sp, eos_token_ids)
+            bias_ids = np.full(L, -1, np.int32)
+            bias_values = np.zeros(L, np.float32)
+            for j, (token, bias) in enumerate(sp.logit_bias):
+                bias_ids[j], bias_values[j] = token, bias
             state = init_state_row(
                 state, np.int32(i), padded(r.prompt), padded(r.output),
-                np.int32(sp.min_tokens), padded(ids)[:M],
+                np.int32(sp.min_tokens), padded(ids)[:M], bias_ids, bias_values,
             )  # fmt: skip
         seqs.append(
             SimpleNamespace(

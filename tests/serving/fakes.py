@@ -64,10 +64,13 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i >= 32)
 
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [chr(i) for i in ids]
+
     def apply_chat_template(
-        self, messages, add_generation_prompt=True, tokenize=False, chat_template=None
+        self, messages, add_generation_prompt=True, tokenize=False, chat_template=None, **extra
     ):
-        parts = []
+        parts = [f"<{k}={v}>" for k, v in sorted(extra.items())]  # template variables
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown role {m['role']}")

@@ -179,8 +179,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "a" * 60, "max_tokens": 10}, "max_tokens"),
     ({"prompt": [1, VOCAB + 5]}, "prompt"),
     ({"prompt": "a", "model": "gpt-4"}, "model"),
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logit_bias": {"5": -101.0}}, "logit_bias"),
     ({"prompt": "a", "ignore_eos": "no"}, "ignore_eos"),
 ]
 

@@ -186,6 +186,7 @@ def test_engine_build_failure_exits_1(serve_process):
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--preemption-mode", "pause"], "--preemption-mode"),
         (["--chat-template", "/no/such/file"], "--chat-template"),
+        (["--reasoning-parser", "gpt"], "--reasoning-parser"),
     ],
 )
 def test_bad_flags_fail_clearly(flags, message, capsys):

@@ -13,18 +13,23 @@ the offline reference runs on it first, then the server takes it over.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 from fakes import wait_until
 from harness import ServerThread
 
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.serving.client import GenerationClient
+from jaxpaged.serving import generation_pb2 as pb
+from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+from jaxpaged.serving.client import GenerationClient, build_request
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +71,9 @@ def real():
         "text": llm.generate(PROMPTS, GREEDY, use_tqdm=False),
         "chat": llm.chat(CHATS, GREEDY, use_tqdm=False),
     }
-    server = ServerThread(AsyncEngine(engine), served_model_name="smollm2")
+    server = ServerThread(
+        AsyncEngine(engine), served_model_name="smollm2", reasoning_parser="qwen3"
+    )
     server.ref = ref
     server.llm_engine = engine
     yield server
@@ -141,6 +148,200 @@ def test_openai_greedy_equals_offline(real):
         if chunk.choices:
             content += chunk.choices[0].delta.content or ""
     assert content == ref["chat"][1].outputs[0].text
+
+
+def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> np.ndarray:
+    """transformers' float32 log-probability of each prompt token after the first."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1).numpy()
+    return logp[np.arange(len(ids) - 1), ids[1:]]
+
+
+def test_echo_logprobs_and_prompt_logprobs_equal_transformers(real, bundled_model_path):
+    """A prompt longer than the step budget (several prefill chunks): echo + logprobs and
+    prompt_logprobs over HTTP and gRPC give transformers' log-probabilities within 1e-3, the
+    second time too, when the prompt's blocks are in the prefix cache."""
+    text = " ".join(PROMPTS * 6)
+    tok = httpx.post(real.http + "/tokenize", json={"prompt": text}, timeout=30).json()
+    ids = tok["tokens"]
+    assert tok["count"] == len(ids) > 64 and tok["max_model_len"] == 512
+    assert httpx.post(real.http + "/detokenize", json={"tokens": ids}, timeout=30).json() == {
+        "prompt": text
+    }
+    want = _hf_prompt_logprobs(bundled_model_path, ids)
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    for _ in range(2):
+        r = client.completions.create(
+            model="smollm2", prompt=text, max_tokens=2, temperature=0, echo=True, logprobs=2,
+            extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+        c = r.choices[0]
+        assert c.text.startswith(text)
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
+        assert "".join(lp.tokens) == c.text and lp.text_offset[len(ids)] == len(text)
+        np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want, atol=1e-3)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        plp = c.model_extra["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(ids)
+        for i in (1, len(ids) // 2, len(ids) - 1):
+            assert plp[i][str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-3)
+    with grpc.insecure_channel(real.grpc_target) as channel:
+        req = build_request(ids, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        msgs = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+    got = [m for m in msgs if m.prompt_logprobs]
+    assert len(got) == 1 and [lp.token_id for lp in got[0].prompt_logprobs] == ids[1:]
+    np.testing.assert_allclose([lp.logprob for lp in got[0].prompt_logprobs], want, atol=1e-3)
+
+
+def test_logit_bias_moves_greedy_choices(real):
+    """-100 on the greedy first token yields the model's second choice; +100 on a token makes
+    every greedy token that one."""
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    ask = {"model": "smollm2", "prompt": PROMPTS[0], "temperature": 0, "logprobs": 2}
+    plain = client.completions.create(**ask, max_tokens=1).choices[0].logprobs.top_logprobs[0]
+    ids = [
+        httpx.post(real.http + "/tokenize", json={"prompt": t}, timeout=30).json()["tokens"]
+        for t in plain
+    ]
+    (best,), (second,) = ids
+    r = client.completions.create(**ask, max_tokens=1, logit_bias={str(best): -100})
+    assert r.choices[0].logprobs.tokens[0] == list(plain)[1]
+    r = client.completions.create(
+        **ask, max_tokens=4, logit_bias={str(second): 100}, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].logprobs.tokens == [list(plain)[1]] * 4
+
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "address"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 10},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
+        "required": ["colour", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"x": {"type": "number"}, "ok": {"type": "boolean"}},
+            "required": ["x", "ok"],
+            "additionalProperties": False,
+        },
+        "minItems": 2,
+        "maxItems": 3,
+    },
+]
+
+
+def test_structured_output_always_validates(real):
+    """JSON schemas (nested objects, enums, arrays, patterns, required fields) at temperature
+    0.9 in one batch with an unconstrained request: every output parses and validates; the
+    openai client's parse() gets its object; choice and regex hold; a bad schema is a 400."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pydantic = pytest.importorskip("pydantic")
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    ask = [{"role": "user", "content": "Give me some example data as JSON."}]
+
+    def constrained(i):
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": f"s{i % 3}", "schema": SCHEMAS[i % 3]},
+        }
+        return client.chat.completions.create(
+            model="smollm2", messages=ask, temperature=0.9, seed=i, max_tokens=200,
+            response_format=fmt,
+        )  # fmt: skip
+
+    def plain():
+        return client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=40)
+
+    results = _threads([lambda i=i: constrained(i) for i in range(3)] + [plain])
+    for i, r in enumerate(results[:3]):
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMAS[i % 3])
+    assert results[3].choices[0].finish_reason == "length"
+
+    class Point(pydantic.BaseModel):
+        label: str = pydantic.Field(max_length=12)
+        x: int
+        y: int
+
+    parsed = client.beta.chat.completions.parse(
+        model="smollm2", messages=ask, response_format=Point, temperature=0.7, max_tokens=100
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Point)
+    r = client.completions.create(
+        model="smollm2", prompt="Is water wet? Answer:", max_tokens=8, temperature=1.0,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )  # fmt: skip
+    assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model="smollm2", prompt="Call me at", max_tokens=20, temperature=1.0,
+        extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="structured_output"):
+        client.completions.create(
+            model="smollm2", prompt="x", extra_body={"guided_json": {"type": "objekt"}}
+        )
+    with grpc.insecure_channel(real.grpc_target) as channel:
+        so = pb.StructuredOutput(json=json.dumps(SCHEMAS[1]))
+        req = build_request("Data:", max_tokens=120, temperature=0.8, structured_output=so)
+        msgs = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+    text = "".join(d.text for m in msgs for d in m.outputs)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+def test_reasoning_parser_splits_think_blocks(real):
+    """With --reasoning-parser qwen3, a reply made (by a regex) to open with a think block
+    comes back split into reasoning_content and content, whole and streamed; replies without
+    one keep all their text as content (the other chat tests here)."""
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    ask = dict(
+        model="smollm2", messages=CHATS[0], max_tokens=60, temperature=0.7, seed=3,
+        extra_body={"guided_regex": "<think>[a-z ]{4,30}</think>[A-Z][a-z ]{4,30}"},
+    )  # fmt: skip
+    m = client.chat.completions.create(**ask).choices[0].message
+    reasoning, content = m.model_extra["reasoning_content"], m.content
+    assert re.fullmatch("[a-z ]{4,30}", reasoning) and re.fullmatch("[A-Z][a-z ]{4,30}", content)
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["content"] += delta.content or ""
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": reasoning, "content": content}
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):

@@ -1,0 +1,122 @@
+"""Structured output on the host: the scheduler keeps a grammar request off the overlapped
+path (never planned with a token in flight) while other requests keep overlapping, and the
+llguidance grammars on the bundled tokenizer (masks, cache, invalid grammars)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_runner import reference_output, run
+from test_scheduler import assert_all_free, make, make_request
+
+from jaxpaged.sampling_params import SamplingParams, StructuredOutput
+
+REGEX = StructuredOutput(regex="[0-9]+")
+
+
+def test_grammar_requests_wait_for_their_token_while_others_overlap():
+    """Overlapped, a plain request feeds every decode from the device (prev_row); a grammar
+    request is planned only once the host has its previous token (so its matcher can make the
+    next mask): every other step. Both produce the reference's tokens."""
+    sched, runner = make()
+    prompt = [2, 7, 1, 8]
+    sched.add_request(make_request("plain", prompt, max_tokens=6))
+    sched.add_request(make_request("g", prompt, max_tokens=6, structured_output=REGEX))
+    plans = []
+    done = run(sched, runner, overlap=True, on_step=lambda plan, ups: plans.append(plan))
+    assert done == {"plain": reference_output(prompt, 6), "g": reference_output(prompt, 6)}
+    plain = [i for i, p in enumerate(plans) for s in p.seqs if s.request_id == "plain"]
+    grammar = [(i, s) for i, p in enumerate(plans) for s in p.seqs if s.request_id == "g"]
+    assert plain == list(range(6))  # one step each, back to back
+    # while the plain request keeps the steps coming: every other step (an empty plan after
+    # it ends lets the host catch up at once)
+    assert [i for i, _ in grammar][:3] == [0, 2, 4] and len(grammar) == 6
+    assert all(s.prev_row == -1 for _, s in grammar)  # fed from the host's tokens
+    assert_all_free(sched)
+
+
+def test_structured_output_validation():
+    so = StructuredOutput(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert so.json == '{"type": "object", "properties": {"b": {}, "a": {}}}'  # order kept
+    assert SamplingParams(structured_output={"choice": ["x", "y"]}).structured_output == (
+        StructuredOutput(choice=("x", "y"))
+    )
+    for bad, match in [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"choice": []}, "at least one"),
+        ({"regex": ""}, "non-empty"),
+        ({"json_object": False}, "exactly one"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            StructuredOutput(**bad)
+
+
+@pytest.fixture(scope="module")
+def compiler(bundled_model_path):
+    transformers = pytest.importorskip("transformers")
+    from jaxpaged.worker.grammar import GrammarCompiler
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_path)
+    return GrammarCompiler(tokenizer, 49152, eos_token_ids=[2]), tokenizer
+
+
+def _allowed(mask_row: np.ndarray) -> np.ndarray:  # int32 [W] -> token ids allowed
+    bits = (mask_row.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return np.flatnonzero(bits.reshape(-1))
+
+
+def test_choice_masks_allow_exactly_the_prefixes_then_end(compiler):
+    """Each allowed token continues one of the choices (checked on the token's text), the
+    whole-word tokens are among them, and a complete choice ends the grammar."""
+    from jaxpaged.worker.grammar import GrammarMatchers
+
+    comp, tok = compiler
+    matchers = GrammarMatchers(comp)
+    matchers.add("r", StructuredOutput(choice=["yes", "no way"]))
+    first = _allowed(matchers.masks(["r"])[0])
+    texts = [tok.decode([int(t)]) for t in first]
+    assert all(t and ("yes".startswith(t) or "no way".startswith(t)) for t in texts), texts
+    (yes,) = tok.encode("yes", add_special_tokens=False)
+    assert yes in first
+    assert not matchers.accept("r", yes)  # a complete choice: the grammar has ended
+    no, way = tok.encode("no way", add_special_tokens=False)
+    matchers.add("s", StructuredOutput(choice=["yes", "no way"]))
+    assert matchers.accept("s", no)
+    assert list(_allowed(matchers.masks(["s"])[0])) == [way]
+    assert not matchers.accept("s", way)
+    matchers.retain(["s"])
+    assert "r" not in matchers and len(matchers) == 1
+
+
+def test_grammars_are_cached_and_invalid_ones_named(compiler):
+    comp, _ = compiler
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    before = comp.num_compiled
+    comp.grammar(StructuredOutput(json=schema))
+    comp.grammar(StructuredOutput(json=dict(schema)))  # an equal schema: the cache
+    assert comp.num_compiled == before + 1
+    for bad in [
+        StructuredOutput(json={"type": "objekt"}),
+        StructuredOutput(json='{"type": '),
+        StructuredOutput(regex="[a-"),
+        StructuredOutput(grammar="start: undefined_rule"),
+    ]:
+        with pytest.raises(ValueError, match=r"^structured_output: invalid grammar"):
+            comp.grammar(bad)
+
+
+def test_batched_masks_equal_one_by_one(compiler):
+    """Several rows filled on llguidance's threads give each row's own mask."""
+    from jaxpaged.worker.grammar import GrammarMatchers
+
+    comp, tok = compiler
+    matchers = GrammarMatchers(comp)
+    specs = [StructuredOutput(regex="[0-9]+"), StructuredOutput(choice=["yes", "no way"])]
+    specs.append(StructuredOutput(json={"type": "object"}))
+    for i, spec in enumerate(specs):
+        matchers.add(f"r{i}", spec)
+    together = matchers.masks([f"r{i}" for i in range(len(specs))])
+    for i in range(len(specs)):
+        np.testing.assert_array_equal(together[i], matchers.masks([f"r{i}"])[0])
+    assert len({together[i].tobytes() for i in range(len(specs))}) == len(specs)
