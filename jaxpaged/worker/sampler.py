@@ -314,7 +314,7 @@ def _fill_row(
     has_penalty = (
         sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
     )
-    processor = sp.logits_processor
+    processor = getattr(sp, "logits_processor", None)
     needs_row = has_penalty or sp.min_tokens > 0 or sp.logit_bias or processor is not None
     if needs_row and row.state_row < 0:
         raise ValueError(

@@ -114,6 +114,7 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "host", "port", "grpc_port", "served_model_name", "chat_template", "max_queue_len",
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
+        "reasoning_parser",
     }  # fmt: skip
 
 
