@@ -178,9 +178,9 @@ def test_throughput_smoke(tmp_path, tiny_model):
 
 
 def test_throughput_rejects_unknown_system():
-    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "vllm"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "vllm" in proc.stderr
+    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "unknown ['bogus']" in proc.stderr
 
 
 def test_throughput_rejects_zero_decode_rounds():
