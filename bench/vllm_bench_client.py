@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+
+# bench/ (this script's folder, first on sys.path) holds modules named like ones vLLM imports
+# (kernels.py): vLLM must see only its own environment.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def run(argv: list[str]) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
 
-    p = argparse.ArgumentParser(description=__doc__)
+    try:  # the parser class vLLM's own command builds these flags on
+        from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
+    except ImportError:
+        Parser = argparse.ArgumentParser
+    p = Parser(description=__doc__)
     add_cli_args(p)
     result = main(p.parse_args(argv))
     if asyncio.iscoroutine(result):

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+
+# bench/ (this script's folder, first on sys.path) holds modules named like ones vLLM imports
+# (kernels.py): vLLM must see only its own environment.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def main() -> int:
