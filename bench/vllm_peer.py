@@ -50,7 +50,11 @@ def check_vllm_python(path: str, timeout: float = 300.0) -> str:
 
 
 def _env() -> dict[str, str]:
-    return {**_DEFAULT_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    """vLLM's environment. Its processes also run outside the repository (``cwd``): the
+    repository's top-level ``kernels`` package would shadow the one transformers probes for."""
+    env = {**_DEFAULT_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,7 +95,7 @@ def run_offline(
         cmd = [vllm_python, str(BENCH / "vllm_offline.py"), "--spec", str(spec_path),
                "--out", str(out_path)]  # fmt: skip
         with open(log_path or os.devnull, "w", encoding="utf-8") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=tmp,
                                   timeout=timeout, check=False)  # fmt: skip
         if proc.returncode != 0 or not out_path.exists():
             where = f" (log: {log_path})" if log_path else " (pass a log path to see why)"
@@ -191,7 +195,8 @@ def launched_vllm_server(
            "--seed", "0", *server_args]  # fmt: skip
     print("launching:", shlex.join(cmd), flush=True)
     with open(log_path or os.devnull, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                                cwd=tempfile.gettempdir())  # fmt: skip
         try:
             took = wait_healthy(proc, f"http://{host}:{port}/health", timeout, "vLLM's server")
             print(f"vLLM server ready in {took:.1f} s", flush=True)
@@ -226,7 +231,8 @@ def run_vllm_bench_serve(
                "--ignore-eos", "--temperature", "0", "--seed", str(seed),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp,
+                              timeout=timeout)  # fmt: skip
         path = Path(tmp) / "result.json"
         if proc.returncode != 0 or not path.exists():
             raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n"
