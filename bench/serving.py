@@ -11,6 +11,16 @@ ignored, so every run of the same seed asks for the same work. Reported: request
 output tokens/s, and mean / p50 / p99 of TTFT (time to first token), TPOT (time per output
 token after the first), ITL (gaps between streamed chunks) and E2E latency. ``--sweep`` writes
 ``PREFIX.csv`` and ``PREFIX.png`` (throughput and latency against concurrency).
+
+vLLM as a peer (bench/vllm_peer.py), with ``--launch``:
+
+    python bench/serving.py --launch --vllm-python VENV/bin/python [--vllm-client] \
+        --dtype float32 --max-model-len 1024 --max-num-seqs 16 --concurrency 16
+
+runs the same load against jaxpaged's server and then vLLM's (launched in turn from that
+environment, with the same --dtype / --max-model-len / --max-num-seqs), and prints the ratios.
+``--vllm-client`` also runs vLLM's own client (``vllm bench serve``: random prompts of
+``--vllm-input-len`` tokens, ``--vllm-output-len`` out, EOS ignored) against both servers.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import csv
 import dataclasses
 import json
@@ -32,6 +43,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from common import BenchRequest, make_workload, summarize
+from vllm_peer import (
+    check_vllm_python,
+    launched_vllm_server,
+    print_vllm_bench_table,
+    run_vllm_bench_serve,
+)
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 
@@ -219,47 +236,42 @@ def print_row(row: dict[str, Any]) -> None:
         print(f"   first error: {row['first_error']}")
 
 
-def write_sweep(rows: Sequence[dict[str, Any]], prefix: str) -> tuple[str, str]:
-    """``prefix``.csv with every column and ``prefix``.png: output tok/s and request/s (left),
-    TTFT / TPOT / E2E p50 and p99 (right) against concurrency."""
+def write_sweep(rows: Sequence[dict[str, Any]], prefix: str,
+                peer: Sequence[dict[str, Any]] | None = None) -> tuple[str, str]:  # fmt: skip
+    """``prefix``.csv with every column and ``prefix``.png: output tok/s (left) and TTFT /
+    TPOT p50 and p99 (right) against concurrency; a ``peer``'s rows (vLLM's) beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     csv_path, png_path = f"{prefix}.csv", f"{prefix}.png"
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    every = [*rows, *(peer or ())]
+    keys = list(dict.fromkeys(k for r in every for k in r))
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerows(rows)
-    conc = [r["concurrency"] for r in rows]
+        w.writerows(every)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a.plot(conc, [r["output_tok_s"] for r in rows], "o-", label="output tok/s")
-    a.set_xscale("log", base=2)
-    a.set_xlabel("concurrency")
+    series = [("jaxpaged", rows, "-")] + ([("vLLM", peer, "--")] if peer else [])
+    for name, rs, line in series:
+        conc = [r["concurrency"] for r in rs]
+        a.plot(conc, [r["output_tok_s"] for r in rs], "o" + line, label=f"{name} output tok/s")
+        for m, mark in (("ttft", "o"), ("tpot", "s")):
+            for q, dots in (("p50", line), ("p99", ":")):
+                b.plot(conc, [r[f"{m}_{q}_ms"] for r in rs], mark + dots,
+                       label=f"{name} {m.upper()} {q}")  # fmt: skip
+    conc = [r["concurrency"] for r in rows]
     a.set_ylabel("output tokens/s")
-    a2 = a.twinx()
-    a2.plot(conc, [r["request_throughput"] for r in rows], "s--", color="tab:orange", label="req/s")
-    a2.set_ylabel("requests/s")
     a.set_title("throughput")
-    a.legend(loc="upper left")
-    a2.legend(loc="lower right")
-    for m, style in (("ttft", "o-"), ("tpot", "s-"), ("e2e", "^-")):
-        b.plot(conc, [r[f"{m}_p50_ms"] for r in rows], style, label=f"{m.upper()} p50")
-        b.plot(
-            conc,
-            [r[f"{m}_p99_ms"] for r in rows],
-            style.replace("-", ":"),
-            label=f"{m.upper()} p99",
-        )
-    b.set_xscale("log", base=2)
+    a.legend(fontsize=8)
     b.set_yscale("log")
-    b.set_xlabel("concurrency")
     b.set_ylabel("ms")
     b.set_title("latency")
-    b.legend(fontsize=8)
+    b.legend(fontsize=7)
     for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
         ax.set_xticks(conc, [str(c) for c in conc])
         ax.minorticks_off()
     fig.tight_layout()
@@ -286,7 +298,7 @@ def launched_server(args: argparse.Namespace) -> Iterator[None]:
     if args.model:
         cmd.append(args.model)
     cmd += ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-            "--log-level", "warning", *args.server_args]  # fmt: skip
+            "--log-level", "warning", *_shared_server_args(args), *args.server_args]  # fmt: skip
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
     print("launching:", " ".join(cmd), flush=True)
@@ -321,6 +333,28 @@ def launched_server(args: argparse.Namespace) -> Iterator[None]:
                 proc.wait()
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+def _shared_server_args(args: argparse.Namespace) -> list[str]:
+    """--dtype, --max-model-len and --max-num-seqs, for whichever server is launched."""
+    out = []
+    for flag, value in (("--dtype", args.dtype), ("--max-model-len", args.max_model_len),
+                        ("--max-num-seqs", args.max_num_seqs)):  # fmt: skip
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+@contextlib.contextmanager
+def _vllm_target(args: argparse.Namespace, folder: str) -> Iterator[argparse.Namespace]:
+    """vLLM's server launched for the same model and limits; ``args`` pointing at it."""
+    with launched_vllm_server(args.vllm_python, model=folder, host=args.host,
+                              served_model_name=args.served_model_name,
+                              server_args=_shared_server_args(args),
+                              log_path=args.vllm_log) as port:  # fmt: skip
+        target = copy.copy(args)
+        target.port = port
+        yield target
 
 
 def _served_name(args: argparse.Namespace) -> str:
@@ -364,6 +398,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--launch-timeout", type=float, default=900.0)
     p.add_argument("--server-log", default=None, help="--launch: server output goes here")
+    p.add_argument("--dtype", default=None, help="--launch: the servers' dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="--launch: the servers' limit")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="--launch: the servers' limit")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="with --launch: also serve the load from vLLM (that environment's Python)")  # fmt: skip
+    p.add_argument("--vllm-log", default=None, help="vLLM's server output goes here")
+    p.add_argument("--vllm-client", action="store_true",
+                   help="also run `vllm bench serve` against each server (needs --vllm-python)")  # fmt: skip
+    p.add_argument("--vllm-input-len", type=int, default=256, help="--vllm-client prompt tokens")
+    p.add_argument("--vllm-output-len", type=int, default=128, help="--vllm-client output tokens")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="--launch: everything after this goes to jaxpaged.serve")  # fmt: skip
     return p
@@ -384,10 +428,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--num-prompts must be >= 1", file=sys.stderr)
         return 2
 
+    if args.vllm_python and not args.launch:
+        print("--vllm-python needs --launch (both servers are launched alike)", file=sys.stderr)
+        return 2
+    if args.vllm_client and not args.vllm_python:
+        print("--vllm-client needs --vllm-python PATH", file=sys.stderr)
+        return 2
+    if args.vllm_python:
+        if args.backend != "http":
+            print("--vllm-python compares over HTTP; leave --backend at http", file=sys.stderr)
+            return 2
+        try:
+            print(f"vLLM {check_vllm_python(args.vllm_python)} from {args.vllm_python}")
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        if args.dtype is None:
+            args.dtype = "float32"  # the same on both; their own defaults differ
+
     from jaxpaged.models import load_tokenizer
     from jaxpaged.models.resolve import resolve_model_folder
 
-    tokenizer = load_tokenizer(resolve_model_folder(args.model))
+    folder = str(resolve_model_folder(args.model))
+    tokenizer = load_tokenizer(folder)
     lo, hi = (
         (args.equal_length, args.equal_length)
         if args.equal_length
@@ -395,30 +458,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     work = make_workload(tokenizer, num_prompts=args.num_prompts, seed=args.seed,
                          max_prompt_words=args.max_prompt_words, min_output=lo, max_output=hi)  # fmt: skip
+    if args.sweep:
+        plan = [(c, None) for c in levels]
+    elif args.request_rate:
+        plan = [(args.max_concurrency, args.request_rate)]
+    else:
+        plan = [(args.concurrency or 16, None)]
+
+    rows_by_server: dict[str, list[dict[str, Any]]] = {}
+    bench_serve: dict[str, dict[str, Any]] = {}
+
+    def measure(name: str, target: argparse.Namespace) -> None:
+        rows = rows_by_server.setdefault(name, [])
+        for conc, rate in plan:
+            row = asyncio.run(run_load(target, work, concurrency=conc, request_rate=rate))
+            row["load_avg"] = os.getloadavg()[0]
+            row["server"] = name
+            print(f"[{name}]")
+            print_row(row)
+            rows.append(row)
+        if args.vllm_client:
+            print(f"[{name}] vllm bench serve ...", flush=True)
+            bench_serve[name] = run_vllm_bench_serve(
+                args.vllm_python, base_url=f"http://{target.host}:{target.port}",
+                model=target.served_model_name, tokenizer=folder,
+                num_prompts=args.num_prompts, input_len=args.vllm_input_len,
+                output_len=args.vllm_output_len, concurrency=plan[0][0] or 16, seed=args.seed,
+            )  # fmt: skip
 
     server = launched_server(args) if args.launch else contextlib.nullcontext()
-    rows = []
     with server:
         if args.backend == "http" and not args.served_model_name:
             args.served_model_name = _served_name(args)
-        if args.sweep:
-            plan = [(c, None) for c in levels]
-        elif args.request_rate:
-            plan = [(args.max_concurrency, args.request_rate)]
-        else:
-            plan = [(args.concurrency or 16, None)]
-        for conc, rate in plan:
-            row = asyncio.run(run_load(args, work, concurrency=conc, request_rate=rate))
-            row["load_avg"] = os.getloadavg()[0]
-            print_row(row)
-            rows.append(row)
+        measure("jaxpaged", args)
+    if args.vllm_python:
+        with _vllm_target(args, folder) as target:
+            measure("vllm", target)
+        _print_ratios(rows_by_server)
+    if bench_serve:
+        print_vllm_bench_table(bench_serve)
+    rows = [r for rs in rows_by_server.values() for r in rs]
     if args.sweep:
-        csv_path, png_path = write_sweep(rows, args.out_prefix)
+        csv_path, png_path = write_sweep(rows_by_server["jaxpaged"], args.out_prefix,
+                                         peer=rows_by_server.get("vllm"))  # fmt: skip
         print(f"wrote {csv_path} and {png_path}")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"rows": rows, "vllm_bench_serve": bench_serve} if bench_serve else rows,
+                      f, indent=2)  # fmt: skip
     return 1 if any(r["failed"] for r in rows) else 0
+
+
+def _print_ratios(rows_by_server: dict[str, list[dict[str, Any]]]) -> None:
+    """jaxpaged over vLLM, load by load: throughput (higher is better) and latencies."""
+    keys = (("output tok/s", "output_tok_s"), ("TTFT p50", "ttft_p50_ms"),
+            ("TPOT p50", "tpot_p50_ms"), ("ITL p99", "itl_p99_ms"), ("E2E p50", "e2e_p50_ms"))  # fmt: skip
+    for ours, theirs in zip(rows_by_server["jaxpaged"], rows_by_server["vllm"], strict=True):
+        parts = [f"{label} {ours[k] / theirs[k]:.2f}x" for label, k in keys if theirs[k]]
+        print(f"jaxpaged / vllm at concurrency {ours['concurrency']}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 
 Systems, all greedy, EOS ignored, the same token ids:
   jaxpaged   LLM.generate (continuous batching over the paged KV pool)
+  vllm       vLLM's LLM.generate, from the environment of --vllm-python PATH (bench/vllm_peer.py;
+             added to the systems when given): ratios against it, and its greedy tokens
+             compared with jaxpaged's (the first divergence of each request)
   hf-static  transformers model.generate() over static, left-padded batches of --batch-size;
              each batch runs to its longest request, only the requested tokens count as useful
   hf-cb      transformers' own continuous batching (init_continuous_batching, paged attention)
@@ -35,8 +38,10 @@ from typing import Any
 
 from common import BenchRequest, load_jsonl_workload, make_workload
 from roofline import MachinePeaks, decode_step_cost, measure_peaks
+from vllm_peer import check_vllm_python, compare_greedy, describe_agreement, run_offline
 
-SYSTEMS = ("jaxpaged", "hf-static", "hf-cb")
+SYSTEMS = ("jaxpaged", "hf-static", "hf-cb", "vllm")
+PEERS = ("hf-static", "hf-cb", "vllm")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -50,6 +55,12 @@ class SystemResult:
     load_seconds: float
     warmup_seconds: float = 0.0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token_ids: list[list[int]] | None = None  # per request, where the system reports them
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**dataclasses.asdict(self), "tok_per_s": self.tok_per_s}
+        del out["token_ids"]
+        return out
 
     @property
     def tok_per_s(self) -> float:
@@ -114,6 +125,7 @@ def run_jaxpaged(llm: Any, load_seconds: float, work: list[BenchRequest]) -> Sys
             "num_preemptions": m["num_preemptions"],
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
         },
+        token_ids=[list(o.outputs[0].token_ids) for o in outs],
     )
 
 
@@ -245,6 +257,26 @@ def run_hf_cb(
     )
 
 
+# ---------------------------------------------------------------------------------- vLLM
+def run_vllm(args: argparse.Namespace, work: list[BenchRequest], folder: str) -> SystemResult:
+    run = run_offline(args.vllm_python, work, model=folder, dtype=args.dtype,
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                      log_path=args.vllm_log)  # fmt: skip
+    produced = [len(t) for t in run.token_ids]
+    _check_counts("vllm", produced, work)
+    return SystemResult(
+        system="vllm",
+        num_requests=len(work),
+        useful_tokens=sum(produced),
+        generated_tokens=sum(produced),
+        seconds=run.seconds,
+        load_seconds=run.load_seconds,
+        warmup_seconds=run.warmup_seconds,
+        extra={"version": run.version},
+        token_ids=run.token_ids,
+    )
+
+
 # ---------------------------------------------------------------------------------- main
 def _decode_step_report(
     llm: Any, work: Sequence[BenchRequest], args: argparse.Namespace
@@ -329,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--max-prompt-words", type=int, default=300)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default="jaxpaged,hf-static,hf-cb",
+                   help=f"subset of {','.join(SYSTEMS)}")  # fmt: skip
     p.add_argument("--jsonl", default=None, help="prompts from a JSONL file instead")
     p.add_argument("--max-model-len", type=int, default=None, help="jaxpaged (default: model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="jaxpaged")
@@ -346,12 +379,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems in turn this many times; ratios are per-round medians")  # fmt: skip
     p.add_argument("--json-out", default=None, help="write all results as JSON here")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the Python of a vLLM environment: adds vLLM to the systems")  # fmt: skip
+    p.add_argument("--vllm-log", default=None, help="vLLM's output goes here")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.vllm_python and "vllm" not in systems:
+        systems.append("vllm")
+    if "vllm" in systems and not args.vllm_python:
+        print("--systems vllm needs --vllm-python PATH (a vLLM environment's Python)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     unknown = set(systems) - set(SYSTEMS)
     if unknown or not systems:
         print(
@@ -363,6 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--num-prompts, --batch-size, --rounds and --decode-rounds must be >= 1",
               file=sys.stderr)  # fmt: skip
         return 2
+
+    if args.vllm_python:
+        try:
+            print(f"vLLM {check_vllm_python(args.vllm_python)} from {args.vllm_python}")
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
 
     from jaxpaged.models import load_tokenizer
     from jaxpaged.models.resolve import resolve_model_folder
@@ -398,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     llm, jax_load_s = build_jaxpaged(args)
                 llm.reset_prefix_cache()  # a later round must not reuse the last one's prompts
                 results[s] = run_jaxpaged(llm, jax_load_s, work)
+            elif s == "vllm":
+                results[s] = run_vllm(args, work, folder)
             elif s == "hf-static":
                 results[s] = run_hf_static(args, work, folder, tokenizer)
             else:
@@ -423,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{e['warmup_programs']} programs; compilations after warm-up: "
               f"{e['compilations_after_warmup']}; KV waste {e['kv_cache_waste']:.1%}; "
               f"preemptions {e['num_preemptions']}")  # fmt: skip
-        for other in ("hf-static", "hf-cb"):
+        for other in PEERS:
             if other in results:
                 # per round: the two systems ran minutes apart, not hours; the median of the
                 # rounds is the figure to quote on a machine whose speed drifts
@@ -434,10 +485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 detail = (f" (median of rounds: {', '.join(f'{x:.2f}x' for x in per_round)})"
                           if len(per_round) > 1 else "")  # fmt: skip
                 print(f"ratio jaxpaged / {other}: {ratio:.2f}x{detail}")
-    report["results"] = {k: {**dataclasses.asdict(v), "tok_per_s": v.tok_per_s}
-                         for k, v in results.items()}  # fmt: skip
-    report["rounds"] = [{k: {**dataclasses.asdict(v), "tok_per_s": v.tok_per_s}
-                         for k, v in r.items()} for r in rounds]  # fmt: skip
+    if "jaxpaged" in results and "vllm" in results:
+        cmp = compare_greedy(results["jaxpaged"].token_ids, results["vllm"].token_ids)
+        report["greedy_vs_vllm"] = cmp
+        print(describe_agreement(cmp, ("jaxpaged", "vllm")))
+    report["results"] = {k: v.to_json() for k, v in results.items()}
+    report["rounds"] = [{k: v.to_json() for k, v in r.items()} for r in rounds]
 
     if llm is not None and args.decode_batch > 0:
         report["decode_step"] = _decode_step_report(llm, work, args)

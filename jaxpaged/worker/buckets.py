@@ -56,7 +56,8 @@ class BucketSet:
 
     @property
     def decode_seqs(self) -> tuple[int, ...]:
-        # down to 1: XLA:CPU's dots cost ~3x more at 8 rows than at 1 (bench/RESULTS.md)
+        # down to 1: a step's 30 layers of XLA:CPU matmuls took 52 ms at 1 row and 166 ms at
+        # 8 (2-core dev VM), so a lone sequence must not be padded to 8
         return pow2_ladder(1, self.max_num_seqs)
 
     @property

@@ -266,7 +266,8 @@ def linear(
 def argmax(x: jax.Array) -> jax.Array:  # float32 [R, V] -> int32 [R]
     """``jnp.argmax(x, axis=-1)`` in the C++ kernel (the first index of each row's maximum,
     or of its first NaN), for greedy sampling: XLA:CPU's index-tracking reduce is several
-    times slower over a batch's logits (measured: bench/RESULTS.md)."""
+    times slower over a batch's logits (32 x 49152 float32: 1.8-1.9 ms against 0.4-0.5 ms
+    for this kernel, 2-core Zen 4 VM)."""
     _require("argmax")
     if x.ndim != 2 or x.shape[1] < 1:
         raise ValueError(f"argmax needs x [R, V] with V >= 1, got shape {x.shape}")

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -78,14 +79,14 @@ constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
 // the slice kAhead on) into L2, then the rest. Two loops, each unrolled by 4: a prefetch
 // test inside one loop cost a third of the 32-row throughput (bench: 46-51 -> 69-71
 // GFLOP/s per core, standalone harness).
-template <typename W, typename Step>
-__attribute__((always_inline)) inline void slice_loop(int64_t kc, const W* prefetch,
+template <typename Step>
+__attribute__((always_inline)) inline void slice_loop(int64_t kc, const char* prefetch,
                                                       int64_t pf_count, Step&& step) {
   const int64_t with_pf = std::min(pf_count, kc);
   int64_t k = 0;
 #pragma GCC unroll 4
   for (; k < with_pf; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kLine<W>), _MM_HINT_T1);
+    _mm_prefetch(prefetch + k * 64, _MM_HINT_T1);
     step(k);
   }
 #pragma GCC unroll 4
@@ -96,8 +97,9 @@ __attribute__((always_inline)) inline void slice_loop(int64_t kc, const W* prefe
 #ifdef JAXPAGED_AVX512
 // AVX-512: a panel's 16 weights at one k are one vector, so a tile of kMr = 8 rows keeps 8
 // accumulators and each broadcast of x feeds one FMA of 16 lanes. Against the AVX2 tile
-// (two vectors per panel row, 6 rows) on the 2-core AVX-512 machine, a decode step's
-// matmuls ran ~15% faster (measured: bench/RESULTS.md).
+// (two vectors per panel row, 6 rows) on a 2-core Zen 4 VM, a batch-32 decode step's 30
+// layers of matmuls plus the lm_head went from 59-66 to 49.5-53 ms (C++ harness over this
+// source, weights cold).
 inline __m512 load_panel_row(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_panel_row(const bf16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -106,7 +108,7 @@ inline __m512 load_panel_row(const bf16_t* p) {
 
 template <int MR, typename W>
 inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t kc,
-                 const float* base, const W* prefetch, int64_t pf_count) {
+                 const float* base, const char* prefetch, int64_t pf_count) {
   __m512 acc[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
@@ -142,7 +144,7 @@ inline void load_panel_row(const bf16_t* p, __m256& w0, __m256& w1) {
 // x is packed: x[k * MR + m].
 template <int MR, typename W>
 inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t kc,
-                 const float* base, const W* prefetch, int64_t pf_count) {
+                 const float* base, const char* prefetch, int64_t pf_count) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
@@ -175,7 +177,7 @@ inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t 
 // A tile of 1 .. kMr rows.
 template <int MR, typename W>
 inline void tile_rows_upto(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
-                           int64_t kc, const float* base, const W* prefetch, int64_t pf_count) {
+                           int64_t kc, const float* base, const char* prefetch, int64_t pf_count) {
   if constexpr (MR > 1)
     if (rows < MR)
       return tile_rows_upto<MR - 1>(rows, x, panel, y, ldy, kc, base, prefetch, pf_count);
@@ -184,13 +186,13 @@ inline void tile_rows_upto(int64_t rows, const float* x, const W* panel, float* 
 
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
-                      int64_t kc, const float* base, const W* prefetch, int64_t pf_count) {
+                      int64_t kc, const float* base, const char* prefetch, int64_t pf_count) {
   tile_rows_upto<kMr>(rows, x, panel, y, ldy, kc, base, prefetch, pf_count);
 }
 #else
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
-                      int64_t kc, const float* base, const W*, int64_t) {
+                      int64_t kc, const float* base, const char*, int64_t) {
   for (int64_t m = 0; m < rows; ++m) {
     float acc[kNr] = {};
     for (int64_t k = 0; k < kc; ++k) {
@@ -203,8 +205,29 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
 }
 #endif
 
+// n bfloat16 weights (bits) widened to float32 into dst: a panel slice converted once for
+// all the row tiles that read it.
+inline void widen(const bf16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef JAXPAGED_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = jaxpaged::to_float(src[i]);
+}
+
 // Rows [m0, m0 + rows) of y, panels [p0, p1); xp: that row block packed by pack_tile.
 // residual ([M, N] like y, or null) is added in the first slice's store.
+//
+// bfloat16 weights read by more than one row tile are widened once per slice into an L1
+// buffer that every tile then reads as float32. Widened inside each tile instead (a zero
+// extension and a shift per 8 weights, again for every tile, in the FMA-bound loop), a
+// decode step's matmuls at 32 rows took 1.54x as long as float32's on an AVX2 EPYC; widened
+// once, 0.92x (bench/linear_dtypes.py, median of 7 alternated pairs each). A lone tile (a
+// few rows: decode at a small batch) widens in registers.
 template <typename W>
 void linear_block(const float* xp, const W* w, const float* residual, float* y, int64_t K,
                   int64_t N, int64_t m0, int64_t rows, int64_t p0, int64_t p1) {
@@ -212,6 +235,8 @@ void linear_block(const float* xp, const W* w, const float* residual, float* y, 
   const int64_t nt = split_rows(rows, tiles);
   constexpr int64_t slice_lines = kKc * kNr / kLine<W>;
   const int64_t per_tile = (slice_lines + nt - 1) / nt;  // lines of the slice per tile
+  constexpr bool kNarrow = !std::is_same_v<W, float>;
+  alignas(64) float widened[kNarrow ? kKc * kNr : 1];
   // panel by panel, slice by slice: the item reads its weights as one sequential stream
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
@@ -219,13 +244,24 @@ void linear_block(const float* xp, const W* w, const float* residual, float* y, 
       const W* panel = w + p * K * kNr + k0 * kNr;
       const W* pf_base = panel + kAhead * kKc * kNr;  // the stream is contiguous
       const int64_t lines = kc * kNr / kLine<W>;
+      bool wide = false;
+      if constexpr (kNarrow) {
+        if (nt > 1) {
+          widen(panel, widened, kc * kNr);
+          wide = true;
+        }
+      }
       for (int64_t t = 0; t < nt; ++t) {
         const int64_t pf_first = std::min(t * per_tile, lines);
         const int64_t pf_count = std::min(per_tile, lines - pf_first);
         const int64_t at = (m0 + tiles[t][0]) * N + p * kNr;
         const float* base = k0 > 0 ? y + at : residual != nullptr ? residual + at : nullptr;
-        tile_rows(tiles[t][1], xp + tiles[t][0] * K + k0 * tiles[t][1], panel, y + at, N, kc,
-                  base, pf_base + pf_first * kLine<W>, pf_count);
+        const float* xt = xp + tiles[t][0] * K + k0 * tiles[t][1];
+        const char* pf = reinterpret_cast<const char*>(pf_base + pf_first * kLine<W>);
+        if (wide)
+          tile_rows(tiles[t][1], xt, widened, y + at, N, kc, base, pf, pf_count);
+        else
+          tile_rows(tiles[t][1], xt, panel, y + at, N, kc, base, pf, pf_count);
       }
     }
 }

@@ -6,7 +6,7 @@ gives freed heap tops back to the OS (``M_TRIM_THRESHOLD``), so every batch-32 S
 decode step mapped its 36 MiB scratch anew and faulted in the ~11 MB it touches: ~2,800
 minor page faults per step, each a trap and a zeroed page, then a TLB shootdown across the
 cores at ``munmap``: 5-8.5 ms of system CPU time per ~64 ms step on the 2-core dev VM,
-1.4-2.1 ms with the settings below (measured: bench/RESULTS.md).
+1.4-2.1 ms with the settings below (system CPU time per step, measured with getrusage).
 
 With both thresholds above a step's buffers the block stays in the heap for the next step,
 as a caching device allocator would. That alone is not enough: a step runs on whichever XLA

@@ -3,11 +3,11 @@
 A batch-32 SmolLM2 decode step reads every matmul weight once from memory (~510 MB in
 float32: the layers and the vocabulary projection), which with 4 KiB pages is ~125k pages a
 step: a TLB miss and a page walk each, and a stop for the hardware prefetchers at every page
-boundary. Measured on the 2-core dev VM (bench/RESULTS.md): the panel
-GEMM over 30 cold layers, 32 rows, paired passes over a 4 KiB-page and a 2 MiB-page copy of
-the same weights: 183 -> 198 GFLOP/s for the gate/up shape (37 of 40 pairs faster), 184 -> 208
-for the down shape (77 of 80); the engine's whole decode step, alternating two copies of its
-weights: -1.8 ms (82 of 100 pairs faster).
+boundary. Measured on the 2-core dev VM: the panel GEMM over 30 cold layers, 32 rows, paired
+passes over a 4 KiB-page and a 2 MiB-page copy of the same weights: 183 -> 198 GFLOP/s for
+the gate/up shape (37 of 40 pairs faster), 184 -> 208 for the down shape (77 of 80); the
+engine's whole decode step, alternating two copies of its weights: -1.8 ms (82 of 100 pairs
+faster).
 
 XLA:CPU takes its buffers from malloc, so they cannot be asked for huge pages up front. Once
 the weights are loaded, ``MADV_HUGEPAGE`` then ``MADV_COLLAPSE`` (Linux 6.1+) move the

@@ -187,9 +187,9 @@ def test_throughput_smoke(tmp_path, tiny_model):
 
 
 def test_throughput_rejects_unknown_system():
-    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "vllm"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "vllm" in proc.stderr
+    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "unknown ['bogus']" in proc.stderr
 
 
 def test_throughput_rejects_zero_decode_rounds():
@@ -256,3 +256,18 @@ def test_gpu_bench_dry_run(tmp_path):
     result = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert [r["concurrency"] for r in result["rows"]] == [1, 2]
     assert all(r["running"] == r["concurrency"] and r["tok_s"] > 0 for r in result["rows"])
+
+
+def test_linear_dtypes_smoke():
+    proc = _run(["bench/linear_dtypes.py", "--rows", "2", "--pairs", "1", "--layers", "2"])
+    assert "bf16 / f32" in proc.stdout and "of 1" in proc.stdout
+
+
+def test_dtype_ab_smoke(tmp_path, tiny_model):
+    out = tmp_path / "ab.json"
+    proc = _run(["bench/dtype_ab.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
+                 "--rounds", "1", "--max-model-len", "256", "--enforce-eager",
+                 "--compare-hf", "2", "--compare-tokens", "4", "--json-out", str(out)])  # fmt: skip
+    assert "bfloat16 speed-up at batch 2" in proc.stdout
+    cmp = json.loads(out.read_text())["greedy_vs_hf"]
+    assert cmp["requests"] == 2 and cmp["tokens"] == 8

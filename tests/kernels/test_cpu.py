@@ -195,6 +195,24 @@ def test_linear_bfloat16_weights_match_numpy(rng, m, x_dtype):
     np.testing.assert_array_equal(np.asarray(same), np.asarray(out.astype(x_dtype)))
 
 
+# one row tile (weights widened in registers) and several (each slice widened once, shared)
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 32, 97])
+@pytest.mark.parametrize("k,n", [(576, 960), (13, 16), (1536, 48)])
+def test_linear_bfloat16_weights_every_tile_path(rng, m, k, n):
+    """bfloat16 weights with a residual, for row counts that run one register tile or
+    several per slice: against float64 numpy on the same bfloat16 values, every layer."""
+    layers = 2
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = jnp.asarray(rng.standard_normal((layers, n, k), dtype=np.float32), jnp.bfloat16)
+    res = rng.standard_normal((m, n), dtype=np.float32)
+    packed = cpu.pack_panels(w)
+    fn = jax.jit(lambda x, w, i, r: cpu.linear(x, w, i, residual=r))
+    for index in range(layers):
+        out = np.asarray(fn(jnp.asarray(x), packed, jnp.int32(index), jnp.asarray(res)))
+        ref = res + x.astype(np.float64) @ np.asarray(w[index], np.float64).T
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("m,real", [(32, 24), (64, 1), (200, 131), (8, 0), (6, 6)])
 def test_linear_computes_only_the_real_rows(rng, m, real):
     """A padded step passes its real row count: those rows match numpy, the padding rows

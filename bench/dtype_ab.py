@@ -1,0 +1,105 @@
+"""float32 against bfloat16 for one model on this machine, side by side in one process.
+
+    python bench/dtype_ab.py [--batch 32] [--steps 8] [--rounds 4] [--compare-hf 8]
+
+1. Decode steps: two engines (weights and KV cache in float32, and in bfloat16), their
+   pure-decode steps at ``--batch`` sequences timed in alternating rounds (this VM's speed
+   drifts over minutes; alternation puts both dtypes in the same minutes). Prints each
+   round's medians and the bfloat16 speed-up (float32 step time / bfloat16 step time).
+2. ``--compare-hf N``: N chat prompts decoded greedily (EOS ignored) by the bfloat16 engine
+   and by transformers' own bfloat16 model, and where their tokens first part, request by
+   request (bench/vllm_peer.py's compare_greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+from common import make_workload
+from step_breakdown import time_decode_steps
+from vllm_peer import compare_greedy, describe_agreement
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _engine(args: argparse.Namespace, dtype: str) -> Any:
+    from jaxpaged import LLM
+
+    return LLM(args.model, dtype=dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.batch, enforce_eager=args.enforce_eager,
+               show_progress=False)  # fmt: skip
+
+
+def _hf_greedy(folder: str, work: list[Any]) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    out = []
+    with torch.inference_mode():
+        for r in work:
+            ids = torch.tensor([list(r.prompt_token_ids)])
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 do_sample=False, max_new_tokens=r.max_tokens,
+                                 min_new_tokens=r.max_tokens)  # fmt: skip
+            out.append(gen[0, ids.shape[1] :].tolist())
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per dtype, alternated")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
+    p.add_argument("--compare-hf", type=int, default=0, metavar="N")
+    p.add_argument("--compare-tokens", type=int, default=64, help="tokens per compared prompt")
+    p.add_argument("--json-out", default=None, help="with --compare-hf: the figures as JSON")
+    args = p.parse_args()
+
+    from jaxpaged.models import load_tokenizer
+    from jaxpaged.models.resolve import resolve_model_folder
+
+    folder = str(resolve_model_folder(args.model))
+    tokenizer = load_tokenizer(folder)
+    work = make_workload(tokenizer, num_prompts=args.batch, seed=0, max_prompt_words=200)
+    prompts = [r.prompt_token_ids for r in work]
+    engines = {d: _engine(args, d) for d in DTYPES}
+    medians: dict[str, list[float]] = {d: [] for d in DTYPES}
+    for rnd in range(args.rounds):
+        for d in DTYPES:
+            (timing,) = time_decode_steps(engines[d], prompts, batch=args.batch, steps=args.steps)
+            medians[d].append(timing.median)
+        f32, bf16 = medians["float32"][-1], medians["bfloat16"][-1]
+        print(f"round {rnd + 1}: decode step at batch {args.batch}: float32 {f32 * 1e3:.1f} ms, "
+              f"bfloat16 {bf16 * 1e3:.1f} ms, bfloat16 speed-up {f32 / bf16:.2f}x", flush=True)  # fmt: skip
+    ups = [f / b for f, b in zip(medians["float32"], medians["bfloat16"], strict=True)]
+    print(f"bfloat16 speed-up at batch {args.batch}: median {statistics.median(ups):.2f}x "
+          f"(rounds: {', '.join(f'{u:.2f}x' for u in ups)})")  # fmt: skip
+
+    if args.compare_hf:
+        from jaxpaged import SamplingParams
+
+        del engines["float32"]
+        sub = make_workload(tokenizer, num_prompts=args.compare_hf, seed=1, max_prompt_words=120,
+                            min_output=args.compare_tokens, max_output=args.compare_tokens)  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=args.compare_tokens, ignore_eos=True)
+        outs = engines["bfloat16"].generate([list(r.prompt_token_ids) for r in sub], params,
+                                            use_tqdm=False)  # fmt: skip
+        ours = [list(o.outputs[0].token_ids) for o in outs]
+        cmp = compare_greedy(ours, _hf_greedy(folder, sub))
+        print(describe_agreement(cmp, ("jaxpaged bfloat16", "transformers bfloat16")))
+        if args.json_out:
+            with open(args.json_out, "w", encoding="utf-8") as f:
+                json.dump({"speedups": ups, "medians_s": medians, "greedy_vs_hf": cmp}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
