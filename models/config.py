@@ -10,14 +10,65 @@ from collections.abc import Mapping
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (rope_type 'llama3'); other types are rejected."""
+    """Rotary frequency scaling, as transformers' rope init functions of the same
+    ``rope_type`` compute it (models/rope.py); the fields a type does not use stay None."""
 
+    rope_type: str = "llama3"
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+    @classmethod
+    def from_hf_dict(cls, rope: Mapping, max_position_embeddings: int) -> RopeScaling | None:
+        """The scaling of a config's ``rope_scaling`` / ``rope_parameters`` (None: plain
+        RoPE); ValueError naming a rope type or option jaxpaged does not run."""
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            return None
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("unsupported rope option partial_rotary_factor != 1")
+        factor = float(rope["factor"]) if rope.get("factor") is not None else None
+        old = rope.get("original_max_position_embeddings")
+        if rope_type == "llama3":
+            return cls(
+                factor=factor,
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(old),
+            )
+        if rope_type == "linear":
+            return cls(rope_type="linear", factor=factor)
+        if old is None:
+            raise ValueError("rope type 'yarn' needs original_max_position_embeddings")
+        if factor is None:  # as transformers: the ratio of the context lengths
+            factor = max_position_embeddings / old
+        return cls(
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=int(old),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+            attention_factor=rope.get("attention_factor"),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+            truncate=bool(rope.get("truncate", True)),
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,17 +124,8 @@ class ModelConfig:
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+        max_pos = d.get("max_position_embeddings", 2048)
+        scaling = RopeScaling.from_hf_dict(rope, max_pos)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -98,7 +140,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",

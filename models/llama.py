@@ -34,9 +34,11 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from .config import ModelConfig
-from .layers import apply_rope, dense_causal_attention, rms_norm, rope_inv_freq
+from .layers import apply_rope, dense_causal_attention, rms_norm
+from .rope import rope_attention_factor, rope_inv_freq
 
 AttentionFn = Callable[
     [jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]
@@ -186,8 +188,8 @@ def _layer(
     if c.qk_norm:
         q = rms_norm(q, layers["q_norm"][layer], eps)
         k = rms_norm(k, layers["k_norm"][layer], eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, rope_attention_factor(c))
+    k = apply_rope(k, positions, inv_freq, rope_attention_factor(c))
 
     attn, cache = attention_fn(q, k, v, layer, cache)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
@@ -201,6 +203,115 @@ def _layer(
     return x, cache
 
 
+class LlamaForCausalLM(nnx.Module):
+    """The Llama family as an NNX module whose state is exactly the params tree above
+    (``nnx.split(model)[1].to_pure_dict()`` has the same paths and shapes as
+    `param_shapes`), so loaders, tensor-parallel shardings, Orbax and the CPU weight packing
+    work on the state as on any params tree, and the engine's jitted step takes
+    ``(graphdef, state)`` with the graph definition static.
+
+    ``lm_head``: whether the state holds its own vocabulary projection (default: unless the
+    embeddings are tied; packed params add one even when tied, see `map_matmul_weights`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: Any = jnp.float32,
+        lm_head: bool | None = None,
+    ) -> None:
+        self.config = config
+        shapes = param_shapes(config)
+        self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
+        self.layers = _StackedLayers(shapes["layers"], dtype)
+        self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
+        if not config.tie_word_embeddings if lm_head is None else lm_head:
+            self.lm_head = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+
+    @classmethod
+    def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
+        """The static graph of a model over ``params`` (no arrays are made)."""
+        has_head = "lm_head" in params
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config, lm_head=has_head)))
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: Params) -> LlamaForCausalLM:
+        """The module over ``params`` as they are (arrays are not copied)."""
+        return nnx.merge(cls.graphdef_for(config, params), params)
+
+    def params(self) -> Params:
+        """The state as a plain params tree."""
+        return nnx.state(self).to_pure_dict()
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [T]
+        positions: jax.Array,  # int32 [T]
+        attention_fn: AttentionFn = dense_causal_attention,
+        cache: Any = None,
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """Final-normed hidden states [T, D] and the cache as threaded through every layer's
+        ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`)."""
+        config = self.config
+        linear_fn = linear_fn or linear_xla
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [T, D]
+        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+        # host arrays can't take a traced index
+        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_param(v)}
+
+        def body(carry, layer):
+            x, cache = carry
+            x, cache = _layer(
+                x, layers, layer, positions, cache,
+                config=config, attention_fn=attention_fn, linear_fn=linear_fn,
+            )  # fmt: skip
+            return (x, cache), None
+
+        (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
+        return rms_norm(x, self.final_norm[...], config.rms_norm_eps), cache
+
+    def compute_logits(
+        self,
+        hidden: jax.Array,  # [T, D]
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> jax.Array:
+        """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``)."""
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]  # [V, D]
+        if linear_fn is not None:
+            return linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+
+    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
+    @staticmethod
+    def map_matmul_weights(
+        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+    ) -> Params:
+        return map_matmul_weights(params, config, fn)
+
+    @staticmethod
+    def streamed_weights(params: Params) -> list[jax.Array]:
+        return streamed_weights(params)
+
+
+class _StackedLayers(nnx.Module):
+    """Every decoder layer's weights, stacked on a leading L axis (one nnx.Param per leaf of
+    ``param_shapes(config)["layers"]``), so the decoder is one ``lax.scan`` and a native
+    matmul reads layer l of a weight in place."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+        for name, shape in shapes.items():
+            init = jnp.ones if name.endswith("norm") else jnp.zeros
+            setattr(self, name, nnx.Param(init(shape, dtype)))
+
+
+def _is_param(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
 def forward(
     params: Params,
     tokens: jax.Array,  # int32 [T]
@@ -211,24 +322,10 @@ def forward(
     cache: Any = None,
     linear_fn: LinearFn | None = None,
 ) -> tuple[jax.Array, Any]:
-    """Run the decoder over T tokens; returns the final-normed hidden states [T, D] and the cache
-    as threaded through every layer's `attention_fn`. ``linear_fn`` does every matmul (None:
-    `linear_xla`)."""
-    linear_fn = linear_fn or linear_xla
-    x = jnp.take(params["embed"], tokens, axis=0)  # [T, D]
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    layers = jax.tree.map(jnp.asarray, params["layers"])  # host arrays can't take a traced index
-
-    def body(carry, layer):
-        x, cache = carry
-        x, cache = _layer(
-            x, layers, layer, positions, cache,
-            config=config, attention_fn=attention_fn, linear_fn=linear_fn,
-        )  # fmt: skip
-        return (x, cache), None
-
-    (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache
+    """`LlamaForCausalLM.__call__` over a params tree: the final-normed hidden states [T, D]
+    and the cache."""
+    model = LlamaForCausalLM.from_params(config, params)
+    return model(tokens, positions, attention_fn, cache, linear_fn=linear_fn)
 
 
 def compute_logits(
@@ -238,8 +335,6 @@ def compute_logits(
     config: ModelConfig,
     linear_fn: LinearFn | None = None,
 ) -> jax.Array:
-    """Vocabulary logits [T, V] in float32 (tied embeddings reuse `embed`)."""
-    w = _vocab_projection(params)  # [V, D]
-    if linear_fn is not None:
-        return linear_fn(hidden, w[None], 0).astype(jnp.float32)
-    return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+    """`LlamaForCausalLM.compute_logits` over a params tree: float32 logits [T, V]."""
+    model = LlamaForCausalLM.from_params(config, params)
+    return model.compute_logits(hidden, linear_fn=linear_fn)

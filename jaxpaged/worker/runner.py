@@ -19,12 +19,13 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
 from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
+from jaxpaged.models.llama import LlamaForCausalLM, Params
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
@@ -67,8 +68,13 @@ class Runner:
         seed: int = 0,
         attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        graphdef: nnx.GraphDef | None = None,
     ) -> None:
+        """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
+        definition (None: the Llama family over ``model_config``)."""
         self.model_config = model_config
+        # host (numpy) leaves go to the default device once, not with every step
+        params = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), params)
         self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
         # multi-host: rank 0's hook that announces each device call to the followers
         # (see jaxpaged.distributed.multihost); None on one host
@@ -77,17 +83,26 @@ class Runner:
         self.max_model_len = max_model_len
         self.backend = attention_backend
 
+        # The model class's platform hooks: which weights a native matmul may repack
+        # (map_matmul_weights; without it every matmul stays XLA's) and which a step streams.
+        model_class = LlamaForCausalLM if graphdef is None else type(nnx.merge(graphdef, params))
+        mapper = getattr(model_class, "map_matmul_weights", None)
+
+        def weight_map(p, fn):
+            return p if mapper is None else mapper(p, model_config, fn)
+
+        streamed = getattr(model_class, "streamed_weights", jax.tree.leaves)
         # the platform's part, chosen once: on CPU the native kernels over weights packed
         # into their layout and the streamed weights on 2 MiB pages; elsewhere XLA's
-        def weight_map(p, fn):
-            return map_matmul_weights(p, model_config, fn)
-
         self.platform = select_backend(
             params, weight_map, attention_backend=attention_backend, sharded=mesh is not None
         )
         self.kernels = self.platform.kernels
         self.params = self.platform.pack_weights(params, weight_map)
-        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(self.params))
+        # packing may add a leaf (the tied vocabulary projection's own packed copy)
+        graph_for = getattr(model_class, "graphdef_for", None)
+        self.graphdef = graphdef if graph_for is None else graph_for(model_config, self.params)
+        self.huge_page_bytes = self.platform.back_with_huge_pages(streamed(self.params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -114,7 +129,7 @@ class Runner:
     # ------------------------------------------------------------------ step
     def _step_kwargs(self) -> dict[str, object]:
         return dict(
-            config=self.model_config,
+            graphdef=self.graphdef,
             num_blocks=self.layout.num_blocks,
             block_size=self.layout.block_size,
             num_logprobs=MAX_LOGPROBS,

@@ -1,6 +1,7 @@
 """The jitted engine step: model forward over the paged KV pool, logits of each sequence's last
-token, on-device sampling. Pure function of (params, pool, per-sequence sampler state,
-previous step's sampled tokens, batch); the pool and the sampler state are donated."""
+token, on-device sampling. Pure function of (model state, pool, per-sequence sampler state,
+previous step's sampled tokens, batch); the model's NNX graph definition is static, the pool
+and the sampler state are donated."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpaged.distributed.parallel import replicate_on, shard_attention
 from jaxpaged.kernels import ragged_paged_attention, write_kv
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
-from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, compute_logits, forward
+from jaxpaged.models.llama import Params
 from jaxpaged.worker import sampler
 from jaxpaged.worker.kv_cache import KVPool
 
@@ -44,7 +45,7 @@ class StepOutput(NamedTuple):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "config",
+        "graphdef",
         "num_blocks",
         "block_size",
         "num_logprobs",
@@ -63,7 +64,7 @@ def step(
     prev_sampled: jax.Array,  # int32 [R] the previous step's StepOutput.token_ids
     batch: StepBatch,
     *,
-    config: ModelConfig,
+    graphdef: nnx.GraphDef,
     num_blocks: int,
     block_size: int,
     num_logprobs: int,
@@ -73,17 +74,20 @@ def step(
     mesh: jax.sharding.Mesh | None = None,
     kernels: StepKernels = XLA_KERNELS,
 ) -> tuple[StepOutput, KVPool, sampler.SeqState]:
-    """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
+    """Runs the model (``nnx.merge(graphdef, params)``: a module of the paged-model protocol,
+    docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. Decode tokens the host has not seen yet come straight
     from ``prev_sampled`` (``batch.prev_rows``), so the host never waits for a step before
     dispatching the next. ``max_q_len`` / ``max_kv_len`` are the bucket's static
     bounds, passed to the attention kernel so it reads only blocks that can be live. With a
     ``mesh`` (tensor parallelism) the attention runs per device on its heads under shard_map,
     and logits and outputs are gathered whole onto every device."""
-    sm_scale = config.head_dim**-0.5
+    model = nnx.merge(graphdef, params)
+    default_scale = model.config.head_dim**-0.5
     layer_slots = num_blocks * block_size
 
-    def attend(q, k, v, layer, k_pages, v_pages, slot_mapping, kv_lens, tables, cu_q_lens, n):
+    def paged(q, k, v, layer, k_pages, v_pages, slot_mapping, kv_lens, tables, cu_q_lens, n, *,
+              sm_scale, sliding_window, soft_cap):  # fmt: skip
         slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
         out = ragged_paged_attention(
@@ -95,38 +99,40 @@ def step(
             cu_q_lens,
             n,
             sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
             backend=backend,
             max_q_len=max_q_len,
             max_kv_len=max_kv_len,
         )
         return out, k_pages, v_pages
 
-    if mesh is not None:
-        attend = shard_attention(attend, mesh)
-
-    def attention_fn(q, k, v, layer, pool):
+    def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None, soft_cap=None):
+        attend = functools.partial(
+            paged,
+            sm_scale=default_scale if sm_scale is None else sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+        if mesh is not None:
+            attend = shard_attention(attend, mesh)
         b = batch
         meta = (b.slot_mapping, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
         out, k_pages, v_pages = attend(q, k, v, layer, *pool, *meta)
         return out, (k_pages, v_pages)
 
-    # None on platforms that leave the matmuls to XLA's dots
+    # The platform's matmul (a model the backend packed weights for takes it); none on
+    # platforms that leave the matmuls to XLA's dots
     linear_fn = kernels.linear_fn(batch.cu_q_lens[-1])
     logits_fn = kernels.logits_fn(batch.num_seqs[0])
+    model_kw = {} if linear_fn is None else {"linear_fn": linear_fn}
+    logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
-    hidden, pool = forward(
-        params,
-        tokens,
-        batch.positions,
-        config=config,
-        attention_fn=attention_fn,
-        cache=pool,
-        linear_fn=linear_fn,
-    )
+    hidden, pool = model(tokens, batch.positions, attention_fn, pool, **model_kw)
     rows = hidden[batch.sample_rows]  # [S, D]
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
-    logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
+    logits = model.compute_logits(rows, **logits_kw).astype(jnp.float32)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(
         logits, batch.sampling, seq_state, num_logprobs=num_logprobs, argmax=kernels.argmax
