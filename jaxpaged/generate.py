@@ -28,7 +28,7 @@ def generate(
     prompts: Prompt | Sequence[Prompt],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
-    model: str | os.PathLike | None = None,
+    model: str | os.PathLike | Any = None,
     params: Params | None = None,
     config: ModelConfig | None = None,
     tokenizer: Any = None,
@@ -36,13 +36,21 @@ def generate(
     use_tqdm: bool = False,
     **engine_args: Any,
 ) -> list[RequestOutput]:
-    """One call from JAX research code: a model by name or folder (None = the bundled one), or
-    params + config (+ a tokenizer, needed for text prompts, and the model's end tokens if the
-    config lacks them) already in memory. Engine arguments are
+    """One call from JAX research code: a model by name or folder (None = the bundled one),
+    params + config of a jaxpaged family already in memory, or ``model`` a Flax NNX module of
+    your own (docs/models.md; ``params`` then optionally a state of its graph to serve instead
+    of its own). A tokenizer is needed for text prompts, ``eos_token_ids`` if the config lacks
+    the model's end tokens. Engine arguments are
     :class:`~jaxpaged.args.EngineArgs` fields (max_model_len, num_kv_blocks, enforce_eager,
     ...); ``show_progress`` defaults to ``use_tqdm``."""
     engine_args.setdefault("show_progress", use_tqdm)
-    if params is None and config is None:
+    if model is not None and not isinstance(model, str | os.PathLike):
+        if config is not None:
+            raise ValueError("config: a module of your own brings its own (module.config)")
+        llm = LLM.from_model(
+            model, tokenizer, params=params, eos_token_ids=eos_token_ids, **engine_args
+        )
+    elif params is None and config is None:
         if eos_token_ids is not None:
             raise ValueError("eos_token_ids: only for params + config (a model brings its own)")
         llm = LLM(model, **engine_args)

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# the model_type of a model of your own (docs/models.md): never read from a checkpoint
+CUSTOM_MODEL_TYPE = "custom"
 
 
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
@@ -91,12 +93,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None  # Mistral: every layer attends to the last W positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if self.model_type not in (*SUPPORTED_MODEL_TYPES, CUSTOM_MODEL_TYPE):
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -125,6 +128,12 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         max_pos = d.get("max_position_embeddings", 2048)
+        window = d.get("sliding_window") if model_type == "mistral" else None
+        if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+            raise ValueError(
+                f"unsupported {model_type} option use_sliding_window=True (sliding window "
+                "attention on the layers from max_window_layers on)"
+            )
         scaling = RopeScaling.from_hf_dict(rope, max_pos)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -144,6 +153,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),

@@ -8,11 +8,11 @@ params dtype with float32 accumulation.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -49,14 +49,21 @@ def grouped_attention(
     k: jax.Array,  # [S, Hkv, hd]
     v: jax.Array,  # [S, Hkv, hd]
     mask: jax.Array,  # bool [T, S], True where query t may read key s
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
-    """Masked softmax attention with GQA (query head h reads KV head h // G); returns [T, Hq, hd]."""
+    """Masked softmax attention with GQA (query head h reads KV head h // G); logits are
+    ``sm_scale * q.k`` (default hd**-0.5), soft-capped as ``soft_cap * tanh(x / soft_cap)``
+    if set; returns [T, Hq, hd]."""
     t, hq, hd = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.reshape(t, hkv, g, hd)
     scores = jnp.einsum("tkgh,skh->kgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
+    scores = scores * (1.0 / math.sqrt(hd) if sm_scale is None else sm_scale)
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (padding) gives NaN; make it zero so outputs stay finite.
@@ -69,11 +76,20 @@ def dense_causal_attention(
     q: jax.Array,  # [T, Hq, hd]
     k: jax.Array,  # [T, Hkv, hd]
     v: jax.Array,  # [T, Hkv, hd]
-    layer: jax.Array,  # int32 scalar, unused
-    cache,
-):
-    """Causal attention over the T tokens of one sequence; ignores and returns `cache` as is."""
+    layer: jax.Array | int,  # int32 [], unused
+    cache: Any,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, Any]:
+    """The `AttentionFn` of a dense forward: causal attention over the T tokens of one
+    sequence (the last ``sliding_window`` positions only, if set), with the paged engine's
+    options; ignores and returns ``cache`` as is."""
     del layer
     t = q.shape[0]
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return grouped_attention(q, k, v, mask), cache
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    return grouped_attention(q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap), cache

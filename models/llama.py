@@ -40,9 +40,26 @@ from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
 from .rope import rope_attention_factor, rope_inv_freq
 
-AttentionFn = Callable[
-    [jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]
-]  # (q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd], layer int32 [], cache) -> (out [T, Hq, hd], cache)
+
+class AttentionFn(Protocol):
+    """Attention of one layer over the new tokens and whatever ``cache`` holds: the paged
+    engine writes k and v into its KV pool and runs ragged paged attention; a dense forward
+    uses `dense_causal_attention`."""
+
+    def __call__(
+        self,
+        q: jax.Array,  # [T, Hq, hd]
+        k: jax.Array,  # [T, Hkv, hd]
+        v: jax.Array,  # [T, Hkv, hd]
+        layer: jax.Array | int,  # int32 []
+        cache: Any,
+        *,
+        sm_scale: float | None = None,  # None: hd ** -0.5
+        sliding_window: int | None = None,  # attend to the last this-many positions only
+        soft_cap: float | None = None,
+    ) -> tuple[jax.Array, Any]:  # (out [T, Hq, hd], cache)
+        ...
+
 
 Params = dict[str, Any]
 
@@ -191,7 +208,8 @@ def _layer(
     q = apply_rope(q, positions, inv_freq, rope_attention_factor(c))
     k = apply_rope(k, positions, inv_freq, rope_attention_factor(c))
 
-    attn, cache = attention_fn(q, k, v, layer, cache)  # [T, Hq, hd]
+    window = {} if c.sliding_window is None else {"sliding_window": c.sliding_window}
+    attn, cache = attention_fn(q, k, v, layer, cache, **window)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
     x = linear_fn(attn, w["wo"], layer, residual=x)
 
@@ -205,7 +223,7 @@ def _layer(
 
 class LlamaForCausalLM(nnx.Module):
     """The Llama family as an NNX module whose state is exactly the params tree above
-    (``nnx.split(model)[1].to_pure_dict()`` has the same paths and shapes as
+    (``nnx.to_pure_dict(nnx.state(model))`` has the same paths and shapes as
     `param_shapes`), so loaders, tensor-parallel shardings, Orbax and the CPU weight packing
     work on the state as on any params tree, and the engine's jitted step takes
     ``(graphdef, state)`` with the graph definition static.
@@ -242,7 +260,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def params(self) -> Params:
         """The state as a plain params tree."""
-        return nnx.state(self).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self))
 
     def __call__(
         self,

@@ -74,7 +74,9 @@ class Runner:
         definition (None: the Llama family over ``model_config``)."""
         self.model_config = model_config
         # host (numpy) leaves go to the default device once, not with every step
-        params = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), params)
+        params = jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), params
+        )
         self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
         # multi-host: rank 0's hook that announces each device call to the followers
         # (see jaxpaged.distributed.multihost); None on one host
