@@ -7,7 +7,10 @@ import json
 import os
 from collections.abc import Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
+GPT_MODEL_TYPES = ("gpt2", "opt")
+SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES)
 # the model_type of a model of your own (docs/models.md): never read from a checkpoint
 CUSTOM_MODEL_TYPE = "custom"
 
@@ -94,6 +97,8 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None  # Mistral: every layer attends to the last W positions
+    hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
+    position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -123,6 +128,10 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type in GPT_MODEL_TYPES:
+            from .gpt import gpt_config_fields
+
+            return cls(**gpt_config_fields(d))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

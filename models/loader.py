@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
+from .config import GPT_MODEL_TYPES, ModelConfig
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
 
@@ -216,6 +216,11 @@ def load_host_params(
 ) -> dict[str, Any]:
     """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`."""
     st = SafetensorsIndex(safetensors_files(folder))
+    if config.model_type in GPT_MODEL_TYPES:
+        from . import gpt
+
+        with tqdm(desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+            return gpt.load_host_params(_Reader(st, dtype, folder, bar), config, dtype)
     shapes = param_shapes(config)
     with tqdm(
         total=_num_tensors(config),

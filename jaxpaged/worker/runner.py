@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
 from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import LlamaForCausalLM, Params
+from jaxpaged.models.families import family_class
+from jaxpaged.models.llama import Params
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
@@ -87,7 +88,10 @@ class Runner:
 
         # The model class's platform hooks: which weights a native matmul may repack
         # (map_matmul_weights; without it every matmul stays XLA's) and which a step streams.
-        model_class = LlamaForCausalLM if graphdef is None else type(nnx.merge(graphdef, params))
+        if graphdef is None:
+            model_class = family_class(model_config)
+        else:
+            model_class = type(nnx.merge(graphdef, params))
         mapper = getattr(model_class, "map_matmul_weights", None)
 
         def weight_map(p, fn):
