@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
 GPT_MODEL_TYPES = ("gpt2", "opt")
 SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES)
@@ -96,7 +96,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None  # Mistral: every layer attends to the last W positions
+    sliding_window: int | None = None  # Mistral, Phi-3: every layer sees the last W positions
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
     bos_token_id: int | None = None
@@ -137,7 +137,9 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         max_pos = d.get("max_position_embeddings", 2048)
-        window = d.get("sliding_window") if model_type == "mistral" else None
+        window = d.get("sliding_window") if model_type in ("mistral", "phi3") else None
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
         if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
             raise ValueError(
                 f"unsupported {model_type} option use_sliding_window=True (sliding window "

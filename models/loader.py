@@ -144,6 +144,12 @@ def _hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]
         p + "mlp.up_proj.weight": (f, d),
         p + "mlp.down_proj.weight": (d, f),
     }
+    if c.model_type == "phi3":  # q, k, v fused in one projection; gate and up in another
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del names[p + f"self_attn.{name}.weight"]
+        del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
+        names[p + "self_attn.qkv_proj.weight"] = ((c.num_heads + 2 * c.num_kv_heads) * hd, d)
+        names[p + "mlp.gate_up_proj.weight"] = (2 * f, d)
     if c.qkv_bias:
         names[p + "self_attn.q_proj.bias"] = (c.num_heads * hd,)
         names[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * hd,)
@@ -185,10 +191,18 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
 
     out["attn_norm"][i] = r("input_layernorm.weight")
     out["mlp_norm"][i] = r("post_attention_layernorm.weight")
+    if c.model_type == "phi3":
+        qkv = r("self_attn.qkv_proj.weight")  # rows: q heads, then k heads, then v heads
+        q_rows, kv_rows = c.num_heads * hd, hkv * hd
+        wq, wk, wv = np.split(qkv, [q_rows, q_rows + kv_rows])
+        wg, wu = np.split(r("mlp.gate_up_proj.weight"), 2)  # gate rows, then up rows
+    else:
+        wq, wk, wv = (r(f"self_attn.{n}_proj.weight") for n in "qkv")
+        wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")
     wqkv = out["wqkv"][i]  # [Hkv, G + 2, hd, D]
-    wqkv[:, :g] = r("self_attn.q_proj.weight").reshape(hkv, g, hd, d)
-    wqkv[:, g] = r("self_attn.k_proj.weight").reshape(hkv, hd, d)
-    wqkv[:, g + 1] = r("self_attn.v_proj.weight").reshape(hkv, hd, d)
+    wqkv[:, :g] = wq.reshape(hkv, g, hd, d)
+    wqkv[:, g] = wk.reshape(hkv, hd, d)
+    wqkv[:, g + 1] = wv.reshape(hkv, hd, d)
     if c.qkv_bias:
         bqkv = out["bqkv"][i]  # [Hkv, G + 2, hd]
         bqkv[:, :g] = r("self_attn.q_proj.bias").reshape(hkv, g, hd)
@@ -198,8 +212,8 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
         out["q_norm"][i] = r("self_attn.q_norm.weight")
         out["k_norm"][i] = r("self_attn.k_norm.weight")
     out["wo"][i] = r("self_attn.o_proj.weight").reshape(d, hkv, g, hd)
-    out["w_gate_up"][i, 0] = r("mlp.gate_proj.weight")
-    out["w_gate_up"][i, 1] = r("mlp.up_proj.weight")
+    out["w_gate_up"][i, 0] = wg
+    out["w_gate_up"][i, 1] = wu
     out["w_down"][i] = r("mlp.down_proj.weight")
 
 

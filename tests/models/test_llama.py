@@ -65,6 +65,12 @@ FAMILIES = {
         transformers.MistralForCausalLM,
         dict(sliding_window=8),
     ),
+    # fused qkv_proj and gate_up_proj; a sliding window shorter than SEQ
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(sliding_window=16, pad_token_id=0),
+    ),
     "llama-linear-rope": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
