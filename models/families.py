@@ -16,3 +16,14 @@ def family_class(config: ModelConfig) -> type:
     from .llama import LlamaForCausalLM
 
     return LlamaForCausalLM
+
+
+def family_param_shapes(config: ModelConfig) -> dict:
+    """The shape of every leaf of a jaxpaged family's state (its params tree)."""
+    if config.model_type in GPT_MODEL_TYPES:
+        from .gpt import param_shapes
+
+        return param_shapes(config)
+    from .llama import param_shapes
+
+    return param_shapes(config)
