@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral")
 # decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
 GPT_MODEL_TYPES = ("gpt2", "opt")
 SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES)
@@ -97,6 +97,8 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None  # Mistral, Phi-3: every layer sees the last W positions
+    num_experts: int = 0  # Mixtral: MoE MLPs of this many experts (0: one dense MLP)
+    num_experts_per_tok: int = 0  # the top-k experts each token is routed to
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
     bos_token_id: int | None = None
@@ -137,7 +139,8 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         max_pos = d.get("max_position_embeddings", 2048)
-        window = d.get("sliding_window") if model_type in ("mistral", "phi3") else None
+        windowed = ("mistral", "phi3", "mixtral")
+        window = d.get("sliding_window") if model_type in windowed else None
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
         if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
@@ -165,6 +168,8 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=int(window) if window else None,
+            num_experts=int(d.get("num_local_experts") or 0) if model_type == "mixtral" else 0,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),

@@ -1,4 +1,4 @@
-"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3) as a pure function of params.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Mixtral) as an NNX module over a params tree.
 
 Params are a plain nested dict with the layers stacked on a leading L axis, so the decoder runs
 as one `lax.scan` (compile time independent of depth) and the tree shards and donates cleanly.
@@ -98,6 +98,12 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
         "w_gate_up": (n, 2, f, d),
         "w_down": (n, d, f),
     }
+    if c.num_experts:  # Mixtral: a router and E gated MLPs in place of the one
+        e = c.num_experts
+        del layers["w_gate_up"], layers["w_down"]
+        layers["router"] = (n, e, d)
+        layers["w_experts_gate_up"] = (n, e, 2, f, d)
+        layers["w_experts_down"] = (n, e, d, f)
     if c.qkv_bias:
         layers["bqkv"] = (n, c.num_kv_heads, g + 2, hd)
     if c.qk_norm:
@@ -138,12 +144,11 @@ def _matmul_views(layers: dict[str, jax.Array], config: ModelConfig) -> dict[str
     (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
     of layer l at 2l, up at 2l + 1), w_down [L, D, F]."""
     n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
-    return {
-        "wqkv": layers["wqkv"].reshape(n, -1, d),
-        "wo": layers["wo"].reshape(n, d, -1),
-        "w_gate_up": layers["w_gate_up"].reshape(2 * n, f, d),
-        "w_down": layers["w_down"],
-    }
+    views = {"wqkv": layers["wqkv"].reshape(n, -1, d), "wo": layers["wo"].reshape(n, d, -1)}
+    if not config.num_experts:  # experts' weights stay XLA's (_moe_mlp)
+        views["w_gate_up"] = layers["w_gate_up"].reshape(2 * n, f, d)
+        views["w_down"] = layers["w_down"]
+    return views
 
 
 def map_matmul_weights(
@@ -213,12 +218,35 @@ def _layer(
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
     x = linear_fn(attn, w["wo"], layer, residual=x)
 
+    if c.num_experts:
+        return x + _moe_mlp(rms_norm(x, layers["mlp_norm"][layer], eps), layers, layer, c), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
     up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
     x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
     return x, cache
+
+
+def _moe_mlp(
+    h: jax.Array,  # [T, D], normed
+    layers: dict[str, jax.Array],
+    layer: jax.Array,  # int32 []
+    config: ModelConfig,
+) -> jax.Array:  # [T, D]
+    """Mixtral's sparse MLP: softmax over the router's logits (float32), the top k experts
+    renormalized to sum to 1, their gated SiLU MLPs summed with those weights. Every expert
+    runs on every token (weights zero off the top k): exact, and cheap for few experts."""
+    logits = jnp.einsum("td,ed->te", h, layers["router"][layer], preferred_element_type=jnp.float32)
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), config.num_experts_per_tok)
+    top_w = (top_w / top_w.sum(axis=-1, keepdims=True)).astype(h.dtype)  # [T, k]
+    weights = jnp.einsum(
+        "tk,tke->te", top_w, jax.nn.one_hot(top_i, config.num_experts, dtype=h.dtype)
+    )
+    gate_up = jnp.einsum("td,ecfd->tecf", h, layers["w_experts_gate_up"][layer])  # [T, E, 2, F]
+    act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [T, E, F]
+    out = jnp.einsum("tef,edf->ted", act, layers["w_experts_down"][layer])  # [T, E, D]
+    return jnp.einsum("te,ted->td", weights, out)
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -144,6 +144,15 @@ def _hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]
         p + "mlp.up_proj.weight": (f, d),
         p + "mlp.down_proj.weight": (d, f),
     }
+    if c.num_experts:  # Mixtral: a router and E experts (w1 gate, w3 up, w2 down)
+        del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
+        del names[p + "mlp.down_proj.weight"]
+        moe = p + "block_sparse_moe."
+        names[moe + "gate.weight"] = (c.num_experts, d)
+        for e in range(c.num_experts):
+            names[moe + f"experts.{e}.w1.weight"] = (f, d)
+            names[moe + f"experts.{e}.w3.weight"] = (f, d)
+            names[moe + f"experts.{e}.w2.weight"] = (d, f)
     if c.model_type == "phi3":  # q, k, v fused in one projection; gate and up in another
         for name in ("q_proj", "k_proj", "v_proj"):
             del names[p + f"self_attn.{name}.weight"]
@@ -198,7 +207,6 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
         wg, wu = np.split(r("mlp.gate_up_proj.weight"), 2)  # gate rows, then up rows
     else:
         wq, wk, wv = (r(f"self_attn.{n}_proj.weight") for n in "qkv")
-        wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")
     wqkv = out["wqkv"][i]  # [Hkv, G + 2, hd, D]
     wqkv[:, :g] = wq.reshape(hkv, g, hd, d)
     wqkv[:, g] = wk.reshape(hkv, hd, d)
@@ -212,6 +220,16 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
         out["q_norm"][i] = r("self_attn.q_norm.weight")
         out["k_norm"][i] = r("self_attn.k_norm.weight")
     out["wo"][i] = r("self_attn.o_proj.weight").reshape(d, hkv, g, hd)
+    if c.num_experts:
+        out["router"][i] = r("block_sparse_moe.gate.weight")
+        for e in range(c.num_experts):
+            expert = f"block_sparse_moe.experts.{e}."
+            out["w_experts_gate_up"][i, e, 0] = r(expert + "w1.weight")
+            out["w_experts_gate_up"][i, e, 1] = r(expert + "w3.weight")
+            out["w_experts_down"][i, e] = r(expert + "w2.weight")
+        return
+    if c.model_type != "phi3":
+        wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")
     out["w_gate_up"][i, 0] = wg
     out["w_gate_up"][i, 1] = wu
     out["w_down"][i] = r("mlp.down_proj.weight")

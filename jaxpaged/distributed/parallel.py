@@ -99,6 +99,11 @@ def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
             f"tensor_parallel_size={n}: tensor parallelism supports the Llama family only "
             f"({', '.join(LLAMA_MODEL_TYPES)}), not model_type {c.model_type!r}"
         )
+    if n > 1 and c.num_experts:
+        raise ValueError(
+            f"tensor_parallel_size={n}: tensor parallelism does not split Mixture-of-Experts "
+            f"weights yet (model_type {c.model_type!r})"
+        )
     if c.num_heads % n:
         raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}")
     if c.intermediate_size % n:
