@@ -38,6 +38,13 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 def gpt_config_fields(d: Mapping) -> dict[str, Any]:
     """ModelConfig fields of a GPT-2 or OPT config.json; ValueError naming an option jaxpaged
     does not run."""
+    try:
+        return _gpt_config_fields(d)
+    except KeyError as e:
+        raise ValueError(f"{d['model_type']} config.json lacks the field {e.args[0]!r}") from None
+
+
+def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
     model_type = d["model_type"]
     if model_type == "gpt2":
         hidden, heads = d["n_embd"], d["n_head"]
