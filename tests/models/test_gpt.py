@@ -101,65 +101,55 @@ def test_logits_match_transformers(built, name):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
+def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=1,
+            eos_token_id=None,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_through_the_paged_engine(built, name):
+    """Token-id prompts batched, the longest prefilled in chunks beside the others' decodes;
+    for OPT the engine is built as the seeds' example writes it, ``LLM(model=<an OPT
+    folder>)``, and also takes text prompts and sampling."""
     hf, folder = built[name]
     rng = np.random.default_rng(2)
     prompts = [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in (13, 5, 9)]
-    want = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=8,
-                do_sample=False,
-                pad_token_id=1,
-                eos_token_id=None,
-            )
-        want.append(out[0, len(prompt) :].tolist())
-    config, params = load_model(folder, dtype="float32", progress=False)
-    outs = jaxpaged.generate(
-        prompts,
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-        params=params,
-        config=config,
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # max_num_batched_tokens=8: the 13-token prompt prefills in chunks beside decodes
+    engine = dict(
         max_model_len=64,
         num_kv_blocks=32,
         block_size=4,
-        max_num_batched_tokens=8,  # the 13-token prompt prefills in chunks beside decodes
+        max_num_batched_tokens=8,
         enforce_eager=True,
     )
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
-
-
-def test_the_seeds_opt_example_runs_as_written(built):
-    """``LLM(model=<an OPT folder>)`` with text prompts and sampling, as the seeds show it;
-    greedy output equals transformers' for the same text."""
-    hf, folder = built["opt"]
-    prompts = ["Hello, my name is", "The future of AI"]
-    llm = LLM(model=folder, max_model_len=64, num_kv_blocks=32, enforce_eager=True)
-    try:
-        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        sampled = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=6))
-    finally:
-        llm.engine.close()
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    for prompt, out, s in zip(prompts, outs, sampled, strict=True):
-        ids = tok(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            want = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=6,
-                do_sample=False,
-                pad_token_id=1,
-                eos_token_id=None,
-            )
-        assert list(out.outputs[0].token_ids) == want[0, ids.shape[1] :].tolist()
-        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
-        assert len(s.outputs[0].token_ids) <= 6
+    if name == "gpt2":
+        config, params = load_model(folder, dtype="float32", progress=False)
+        outs = jaxpaged.generate(prompts, greedy, params=params, config=config, **engine)
+    else:
+        llm = LLM(model=folder, **engine)
+        try:
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            texts = ["Hello, my name is", "The future of AI"]
+            text_outs = llm.generate(texts, greedy, use_tqdm=False)
+            sampled = llm.generate(texts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=6))
+        finally:
+            llm.engine.close()
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        for text, out, s in zip(texts, text_outs, sampled, strict=True):
+            got = list(out.outputs[0].token_ids)
+            assert got == _hf_greedy(hf, tok(text).input_ids, 8)
+            assert out.outputs[0].text == tok.decode(got)
+            assert 1 <= len(s.outputs[0].token_ids) <= 6
+    assert [list(o.outputs[0].token_ids) for o in outs] == [_hf_greedy(hf, p, 8) for p in prompts]
 
 
 @pytest.mark.parametrize(
