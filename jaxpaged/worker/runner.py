@@ -39,7 +39,7 @@ from jaxpaged.worker.kv_cache import (
     gather_blocks,
     scatter_blocks,
 )
-from jaxpaged.worker.step import StepBatch, StepOutput, step
+from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput, step
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,9 @@ class Runner:
         self.params = self.platform.pack_weights(params, weight_map)
         # packing may add a leaf (the tied vocabulary projection's own packed copy)
         graph_for = getattr(model_class, "graphdef_for", None)
-        self.graphdef = graphdef if graph_for is None else graph_for(model_config, self.params)
+        self.graphdef = StaticGraph(
+            graphdef if graph_for is None else graph_for(model_config, self.params)
+        )
         self.huge_page_bytes = self.platform.back_with_huge_pages(streamed(self.params))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
