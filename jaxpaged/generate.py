@@ -33,7 +33,7 @@ def generate(
     prompts: Prompt | Sequence[Prompt],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
-    model: str | os.PathLike | None = None,
+    model: str | os.PathLike | Any = None,
     params: Params | None = None,
     config: ModelConfig | None = None,
     tokenizer: Any = None,
@@ -42,9 +42,11 @@ def generate(
     generator: Generator | None = None,
     **engine_args: Any,
 ) -> list[RequestOutput]:
-    """One call from JAX research code: a model by name or folder (None = the bundled one), or
-    params + config (+ a tokenizer, needed for text prompts, and the model's end tokens if the
-    config lacks them) already in memory. Engine arguments are
+    """One call from JAX research code: a model by name or folder (None = the bundled one),
+    params + config of a jaxpaged family already in memory, or ``model`` a Flax NNX module of
+    your own (docs/models.md; ``params`` then optionally a state of its graph to serve instead
+    of its own). A tokenizer is needed for text prompts, ``eos_token_ids`` if the config lacks
+    the model's end tokens. Engine arguments are
     :class:`~jaxpaged.args.EngineArgs` fields (max_model_len, num_kv_blocks, enforce_eager,
     ...); ``show_progress`` defaults to ``use_tqdm``.
 
@@ -117,7 +119,7 @@ class Generator:
     def llm(
         self,
         *,
-        model: str | os.PathLike | None = None,
+        model: str | os.PathLike | Any = None,
         params: Params | None = None,
         config: ModelConfig | None = None,
         tokenizer: Any = None,
@@ -126,7 +128,15 @@ class Generator:
     ) -> LLM:
         """The open engine for these arguments (its weights replaced by ``params``), or a new
         one. Arguments as :func:`generate`'s."""
-        if params is None and config is None:
+        own_module = model is not None and not isinstance(model, str | os.PathLike)
+        eos = None if eos_token_ids is None else tuple(eos_token_ids)
+        if own_module:
+            if config is not None:
+                raise ValueError("config: a module of your own brings its own (module.config)")
+            args = EngineArgs.from_kwargs(**engine_args)
+            # the module is held by its engine, so its id stays its own while the engine lives
+            key = ("module", id(model), _settings_key(args), id(tokenizer), eos)
+        elif params is None and config is None:
             if eos_token_ids is not None:
                 raise ValueError("eos_token_ids: only for params + config (a model brings its own)")
             args = EngineArgs.from_kwargs(model=model, **engine_args)
@@ -139,7 +149,6 @@ class Generator:
             engine_args.setdefault("max_model_len", min(config.max_position_embeddings, 4096))
             args = EngineArgs.from_kwargs(**engine_args)
             spec = ParamsSpec.of(params)
-            eos = None if eos_token_ids is None else tuple(eos_token_ids)
             key = (
                 "params",
                 _settings_key(args),
@@ -165,7 +174,11 @@ class Generator:
         while len(self._llms) >= self.max_engines:
             _, (old, _) = self._llms.popitem(last=False)
             old.engine.close()
-        if params is None:
+        if own_module:
+            llm = LLM.from_model(
+                model, tokenizer, params=params, eos_token_ids=eos_token_ids, **engine_args
+            )
+        elif params is None:
             llm = LLM(model, **engine_args)
         else:
             engine = LLMEngine.from_engine_args(

@@ -48,6 +48,42 @@ class LLM:
         self._ids = itertools.count()
 
     @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        params: Any = None,
+        eos_token_ids: Sequence[int] | None = None,
+        **engine_args: Any,
+    ) -> LLM:
+        """An engine over a Flax NNX module of your own (the paged-model protocol,
+        docs/models.md): its ``config`` (a ModelConfig) sizes the KV pool, its state (or
+        ``params``, a state of the same graph) is served as it is. A tokenizer is needed for
+        text prompts; ``engine_args`` are :class:`~jaxpaged.args.EngineArgs` fields
+        (``max_model_len`` defaults to the config's max_position_embeddings, at most 4096)."""
+        from flax import nnx
+
+        from jaxpaged.models.protocol import check_paged_model
+
+        config = check_paged_model(model)
+        graphdef, state = nnx.split(model)
+        if params is not None:
+            state = params
+        if isinstance(state, nnx.State):
+            state = nnx.to_pure_dict(state)
+        engine_args.setdefault("max_model_len", min(config.max_position_embeddings, 4096))
+        engine = LLMEngine.from_engine_args(
+            EngineArgs.from_kwargs(**engine_args),
+            model_config=config,
+            params=state,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
+            graphdef=graphdef,
+        )
+        return cls.from_engine(engine)
+
+    @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = engine

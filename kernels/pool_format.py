@@ -59,6 +59,8 @@ class PoolFormat:
         num_kv_heads: int,
         sm_scale: float,
         backend: str | None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
         max_q_len: int | None = None,
         max_kv_len: int | None = None,
     ) -> jax.Array:  # [T, Hq, D]
@@ -68,9 +70,11 @@ class PoolFormat:
             return ragged_paged_attention_tpu(
                 q, pool[0], kv_lens, block_tables, cu_q_lens, num_seqs,
                 num_kv_heads=num_kv_heads, sm_scale=sm_scale,
+                sliding_window=sliding_window, soft_cap=soft_cap,
             )  # fmt: skip
         return ragged_paged_attention(
             q, *pool, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap,
             backend=backend, max_q_len=max_q_len, max_kv_len=max_kv_len,
         )  # fmt: skip
 

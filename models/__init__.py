@@ -1,4 +1,5 @@
-"""Flax (pure-function) Llama-family models, their safetensors/hub loader and the bundled model."""
+"""Flax NNX models (the Llama family; your own, docs/models.md), their safetensors/hub loader
+and the bundled model."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Any
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from .hub import ModelNotFoundError, resolve_model_path
 from .layers import dense_causal_attention
-from .llama import compute_logits, forward, param_shapes
+from .llama import AttentionFn, LlamaForCausalLM, compute_logits, forward, param_shapes
 from .loader import TensorError, load_model, load_tokenizer, put_on_device
 
 __all__ = [
+    "AttentionFn",
+    "LlamaForCausalLM",
     "SUPPORTED_MODEL_TYPES",
     "ModelConfig",
     "ModelNotFoundError",

@@ -7,17 +7,73 @@ import json
 import os
 from collections.abc import Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral")
+# decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
+GPT_MODEL_TYPES = ("gpt2", "opt")
+SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES)
+# the model_type of a model of your own (docs/models.md): never read from a checkpoint
+CUSTOM_MODEL_TYPE = "custom"
+
+
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (rope_type 'llama3'); other types are rejected."""
+    """Rotary frequency scaling, as transformers' rope init functions of the same
+    ``rope_type`` compute it (models/rope.py); the fields a type does not use stay None."""
 
+    rope_type: str = "llama3"
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+    @classmethod
+    def from_hf_dict(cls, rope: Mapping, max_position_embeddings: int) -> RopeScaling | None:
+        """The scaling of a config's ``rope_scaling`` / ``rope_parameters`` (None: plain
+        RoPE); ValueError naming a rope type or option jaxpaged does not run."""
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            return None
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("unsupported rope option partial_rotary_factor != 1")
+        factor = float(rope["factor"]) if rope.get("factor") is not None else None
+        old = rope.get("original_max_position_embeddings")
+        if rope_type == "llama3":
+            return cls(
+                factor=factor,
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(old),
+            )
+        if rope_type == "linear":
+            return cls(rope_type="linear", factor=factor)
+        if old is None:
+            raise ValueError("rope type 'yarn' needs original_max_position_embeddings")
+        if factor is None:  # as transformers: the ratio of the context lengths
+            factor = max_position_embeddings / old
+        return cls(
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=int(old),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+            attention_factor=rope.get("attention_factor"),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+            truncate=bool(rope.get("truncate", True)),
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,12 +96,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None  # Mistral, Phi-3: every layer sees the last W positions
+    num_experts: int = 0  # Mixtral: MoE MLPs of this many experts (0: one dense MLP)
+    num_experts_per_tok: int = 0  # the top-k experts each token is routed to
+    hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
+    position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if self.model_type not in (*SUPPORTED_MODEL_TYPES, CUSTOM_MODEL_TYPE):
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -69,21 +130,25 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type in GPT_MODEL_TYPES:
+            from .gpt import gpt_config_fields
+
+            return cls(**gpt_config_fields(d))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        max_pos = d.get("max_position_embeddings", 2048)
+        windowed = ("mistral", "phi3", "mixtral")
+        window = d.get("sliding_window") if model_type in windowed else None
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
+        if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+            raise ValueError(
+                f"unsupported {model_type} option use_sliding_window=True (sliding window "
+                "attention on the layers from max_window_layers on)"
             )
-        elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+        scaling = RopeScaling.from_hf_dict(rope, max_pos)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -98,10 +163,13 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if window else None,
+            num_experts=int(d.get("num_local_experts") or 0) if model_type == "mixtral" else 0,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),

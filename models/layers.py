@@ -8,12 +8,11 @@ params dtype with float32 accumulation.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from .config import ModelConfig
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -25,35 +24,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Per-pair rotary frequencies [head_dim // 2] (float32), with llama3 scaling if configured.
-
-    Computed on the host in float64 and rounded once, so it is a compile-time constant.
-    """
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    inv_freq = inv_freq.astype(np.float32).astype(np.float64)  # HF rounds to float32 here
-    s = config.rope_scaling
-    if s is not None:
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        old_len = s.original_max_position_embeddings
-        low_wavelen = old_len / s.low_freq_factor
-        high_wavelen = old_len / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate pairs (i, i + hd/2) of every head by position * inv_freq (HF 'rotate_half' layout)."""
-    # x: [T, H, hd], positions: int32 [T], inv_freq: [hd // 2]
+def apply_rope(
+    x: jax.Array,  # [T, H, hd]
+    positions: jax.Array,  # int32 [T]
+    inv_freq: np.ndarray,  # [hd // 2]
+    attention_factor: float = 1.0,
+) -> jax.Array:
+    """Rotate pairs (i, i + hd/2) of every head by position * inv_freq (HF 'rotate_half'
+    layout); cos and sin are scaled by ``attention_factor`` (YaRN's), as transformers does."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, hd/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
     sin = jnp.sin(angles)[:, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
@@ -66,14 +49,21 @@ def grouped_attention(
     k: jax.Array,  # [S, Hkv, hd]
     v: jax.Array,  # [S, Hkv, hd]
     mask: jax.Array,  # bool [T, S], True where query t may read key s
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
-    """Masked softmax attention with GQA (query head h reads KV head h // G); returns [T, Hq, hd]."""
+    """Masked softmax attention with GQA (query head h reads KV head h // G); logits are
+    ``sm_scale * q.k`` (default hd**-0.5), soft-capped as ``soft_cap * tanh(x / soft_cap)``
+    if set; returns [T, Hq, hd]."""
     t, hq, hd = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.reshape(t, hkv, g, hd)
     scores = jnp.einsum("tkgh,skh->kgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
+    scores = scores * (1.0 / math.sqrt(hd) if sm_scale is None else sm_scale)
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (padding) gives NaN; make it zero so outputs stay finite.
@@ -86,11 +76,20 @@ def dense_causal_attention(
     q: jax.Array,  # [T, Hq, hd]
     k: jax.Array,  # [T, Hkv, hd]
     v: jax.Array,  # [T, Hkv, hd]
-    layer: jax.Array,  # int32 scalar, unused
-    cache,
-):
-    """Causal attention over the T tokens of one sequence; ignores and returns `cache` as is."""
+    layer: jax.Array | int,  # int32 [], unused
+    cache: Any,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, Any]:
+    """The `AttentionFn` of a dense forward: causal attention over the T tokens of one
+    sequence (the last ``sliding_window`` positions only, if set), with the paged engine's
+    options; ignores and returns ``cache`` as is."""
     del layer
     t = q.shape[0]
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return grouped_attention(q, k, v, mask), cache
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    return grouped_attention(q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap), cache

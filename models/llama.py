@@ -1,4 +1,4 @@
-"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3) as a pure function of params.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Mixtral) as an NNX module over a params tree.
 
 Params are a plain nested dict with the layers stacked on a leading L axis, so the decoder runs
 as one `lax.scan` (compile time independent of depth) and the tree shards and donates cleanly.
@@ -34,13 +34,32 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from .config import ModelConfig
-from .layers import apply_rope, dense_causal_attention, rms_norm, rope_inv_freq
+from .layers import apply_rope, dense_causal_attention, rms_norm
+from .rope import rope_attention_factor, rope_inv_freq
 
-AttentionFn = Callable[
-    [jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]
-]  # (q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd], layer int32 [], cache) -> (out [T, Hq, hd], cache)
+
+class AttentionFn(Protocol):
+    """Attention of one layer over the new tokens and whatever ``cache`` holds: the paged
+    engine writes k and v into its KV pool and runs ragged paged attention; a dense forward
+    uses `dense_causal_attention`."""
+
+    def __call__(
+        self,
+        q: jax.Array,  # [T, Hq, hd]
+        k: jax.Array,  # [T, Hkv, hd]
+        v: jax.Array,  # [T, Hkv, hd]
+        layer: jax.Array | int,  # int32 []
+        cache: Any,
+        *,
+        sm_scale: float | None = None,  # None: hd ** -0.5
+        sliding_window: int | None = None,  # attend to the last this-many positions only
+        soft_cap: float | None = None,
+    ) -> tuple[jax.Array, Any]:  # (out [T, Hq, hd], cache)
+        ...
+
 
 Params = dict[str, Any]
 
@@ -79,6 +98,12 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
         "w_gate_up": (n, 2, f, d),
         "w_down": (n, d, f),
     }
+    if c.num_experts:  # Mixtral: a router and E gated MLPs in place of the one
+        e = c.num_experts
+        del layers["w_gate_up"], layers["w_down"]
+        layers["router"] = (n, e, d)
+        layers["w_experts_gate_up"] = (n, e, 2, f, d)
+        layers["w_experts_down"] = (n, e, d, f)
     if c.qkv_bias:
         layers["bqkv"] = (n, c.num_kv_heads, g + 2, hd)
     if c.qk_norm:
@@ -119,12 +144,11 @@ def _matmul_views(layers: dict[str, jax.Array], config: ModelConfig) -> dict[str
     (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
     of layer l at 2l, up at 2l + 1), w_down [L, D, F]."""
     n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
-    return {
-        "wqkv": layers["wqkv"].reshape(n, -1, d),
-        "wo": layers["wo"].reshape(n, d, -1),
-        "w_gate_up": layers["w_gate_up"].reshape(2 * n, f, d),
-        "w_down": layers["w_down"],
-    }
+    views = {"wqkv": layers["wqkv"].reshape(n, -1, d), "wo": layers["wo"].reshape(n, d, -1)}
+    if not config.num_experts:  # experts' weights stay XLA's (_moe_mlp)
+        views["w_gate_up"] = layers["w_gate_up"].reshape(2 * n, f, d)
+        views["w_down"] = layers["w_down"]
+    return views
 
 
 def map_matmul_weights(
@@ -186,19 +210,152 @@ def _layer(
     if c.qk_norm:
         q = rms_norm(q, layers["q_norm"][layer], eps)
         k = rms_norm(k, layers["k_norm"][layer], eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, rope_attention_factor(c))
+    k = apply_rope(k, positions, inv_freq, rope_attention_factor(c))
 
-    attn, cache = attention_fn(q, k, v, layer, cache)  # [T, Hq, hd]
+    window = {} if c.sliding_window is None else {"sliding_window": c.sliding_window}
+    attn, cache = attention_fn(q, k, v, layer, cache, **window)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
     x = linear_fn(attn, w["wo"], layer, residual=x)
 
+    if c.num_experts:
+        return x + _moe_mlp(rms_norm(x, layers["mlp_norm"][layer], eps), layers, layer, c), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
     up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
     x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
     return x, cache
+
+
+def _moe_mlp(
+    h: jax.Array,  # [T, D], normed
+    layers: dict[str, jax.Array],
+    layer: jax.Array,  # int32 []
+    config: ModelConfig,
+) -> jax.Array:  # [T, D]
+    """Mixtral's sparse MLP: softmax over the router's logits (float32), the top k experts
+    renormalized to sum to 1, their gated SiLU MLPs summed with those weights. Every expert
+    runs on every token (weights zero off the top k): exact, and cheap for few experts."""
+    logits = jnp.einsum("td,ed->te", h, layers["router"][layer], preferred_element_type=jnp.float32)
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), config.num_experts_per_tok)
+    top_w = (top_w / top_w.sum(axis=-1, keepdims=True)).astype(h.dtype)  # [T, k]
+    weights = jnp.einsum(
+        "tk,tke->te", top_w, jax.nn.one_hot(top_i, config.num_experts, dtype=h.dtype)
+    )
+    gate_up = jnp.einsum("td,ecfd->tecf", h, layers["w_experts_gate_up"][layer])  # [T, E, 2, F]
+    act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [T, E, F]
+    out = jnp.einsum("tef,edf->ted", act, layers["w_experts_down"][layer])  # [T, E, D]
+    return jnp.einsum("te,ted->td", weights, out)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The Llama family as an NNX module whose state is exactly the params tree above
+    (``nnx.to_pure_dict(nnx.state(model))`` has the same paths and shapes as
+    `param_shapes`), so loaders, tensor-parallel shardings, Orbax and the CPU weight packing
+    work on the state as on any params tree, and the engine's jitted step takes
+    ``(graphdef, state)`` with the graph definition static.
+
+    ``lm_head``: whether the state holds its own vocabulary projection (default: unless the
+    embeddings are tied; packed params add one even when tied, see `map_matmul_weights`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: Any = jnp.float32,
+        lm_head: bool | None = None,
+    ) -> None:
+        self.config = config
+        shapes = param_shapes(config)
+        self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
+        self.layers = _StackedLayers(shapes["layers"], dtype)
+        self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
+        if not config.tie_word_embeddings if lm_head is None else lm_head:
+            self.lm_head = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+
+    @classmethod
+    def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
+        """The static graph of a model over ``params`` (no arrays are made)."""
+        has_head = "lm_head" in params
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config, lm_head=has_head)))
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: Params) -> LlamaForCausalLM:
+        """The module over ``params`` as they are (arrays are not copied)."""
+        return nnx.merge(cls.graphdef_for(config, params), params)
+
+    def params(self) -> Params:
+        """The state as a plain params tree."""
+        return nnx.to_pure_dict(nnx.state(self))
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [T]
+        positions: jax.Array,  # int32 [T]
+        attention_fn: AttentionFn = dense_causal_attention,
+        cache: Any = None,
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """Final-normed hidden states [T, D] and the cache as threaded through every layer's
+        ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`)."""
+        config = self.config
+        linear_fn = linear_fn or linear_xla
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [T, D]
+        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+        # host arrays can't take a traced index
+        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_param(v)}
+
+        def body(carry, layer):
+            x, cache = carry
+            x, cache = _layer(
+                x, layers, layer, positions, cache,
+                config=config, attention_fn=attention_fn, linear_fn=linear_fn,
+            )  # fmt: skip
+            return (x, cache), None
+
+        (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
+        return rms_norm(x, self.final_norm[...], config.rms_norm_eps), cache
+
+    def compute_logits(
+        self,
+        hidden: jax.Array,  # [T, D]
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> jax.Array:
+        """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``)."""
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]  # [V, D]
+        if linear_fn is not None:
+            return linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+
+    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
+    @staticmethod
+    def map_matmul_weights(
+        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+    ) -> Params:
+        return map_matmul_weights(params, config, fn)
+
+    @staticmethod
+    def streamed_weights(params: Params) -> list[jax.Array]:
+        return streamed_weights(params)
+
+
+class _StackedLayers(nnx.Module):
+    """Every decoder layer's weights, stacked on a leading L axis (one nnx.Param per leaf of
+    ``param_shapes(config)["layers"]``), so the decoder is one ``lax.scan`` and a native
+    matmul reads layer l of a weight in place."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+        for name, shape in shapes.items():
+            init = jnp.ones if name.endswith("norm") else jnp.zeros
+            setattr(self, name, nnx.Param(init(shape, dtype)))
+
+
+def _is_param(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 def forward(
@@ -211,24 +368,10 @@ def forward(
     cache: Any = None,
     linear_fn: LinearFn | None = None,
 ) -> tuple[jax.Array, Any]:
-    """Run the decoder over T tokens; returns the final-normed hidden states [T, D] and the cache
-    as threaded through every layer's `attention_fn`. ``linear_fn`` does every matmul (None:
-    `linear_xla`)."""
-    linear_fn = linear_fn or linear_xla
-    x = jnp.take(params["embed"], tokens, axis=0)  # [T, D]
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    layers = jax.tree.map(jnp.asarray, params["layers"])  # host arrays can't take a traced index
-
-    def body(carry, layer):
-        x, cache = carry
-        x, cache = _layer(
-            x, layers, layer, positions, cache,
-            config=config, attention_fn=attention_fn, linear_fn=linear_fn,
-        )  # fmt: skip
-        return (x, cache), None
-
-    (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache
+    """`LlamaForCausalLM.__call__` over a params tree: the final-normed hidden states [T, D]
+    and the cache."""
+    model = LlamaForCausalLM.from_params(config, params)
+    return model(tokens, positions, attention_fn, cache, linear_fn=linear_fn)
 
 
 def compute_logits(
@@ -238,8 +381,6 @@ def compute_logits(
     config: ModelConfig,
     linear_fn: LinearFn | None = None,
 ) -> jax.Array:
-    """Vocabulary logits [T, V] in float32 (tied embeddings reuse `embed`)."""
-    w = _vocab_projection(params)  # [V, D]
-    if linear_fn is not None:
-        return linear_fn(hidden, w[None], 0).astype(jnp.float32)
-    return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+    """`LlamaForCausalLM.compute_logits` over a params tree: float32 logits [T, V]."""
+    model = LlamaForCausalLM.from_params(config, params)
+    return model.compute_logits(hidden, linear_fn=linear_fn)

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
+from .config import GPT_MODEL_TYPES, ModelConfig
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
 
@@ -144,6 +144,21 @@ def _hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]
         p + "mlp.up_proj.weight": (f, d),
         p + "mlp.down_proj.weight": (d, f),
     }
+    if c.num_experts:  # Mixtral: a router and E experts (w1 gate, w3 up, w2 down)
+        del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
+        del names[p + "mlp.down_proj.weight"]
+        moe = p + "block_sparse_moe."
+        names[moe + "gate.weight"] = (c.num_experts, d)
+        for e in range(c.num_experts):
+            names[moe + f"experts.{e}.w1.weight"] = (f, d)
+            names[moe + f"experts.{e}.w3.weight"] = (f, d)
+            names[moe + f"experts.{e}.w2.weight"] = (d, f)
+    if c.model_type == "phi3":  # q, k, v fused in one projection; gate and up in another
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del names[p + f"self_attn.{name}.weight"]
+        del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
+        names[p + "self_attn.qkv_proj.weight"] = ((c.num_heads + 2 * c.num_kv_heads) * hd, d)
+        names[p + "mlp.gate_up_proj.weight"] = (2 * f, d)
     if c.qkv_bias:
         names[p + "self_attn.q_proj.bias"] = (c.num_heads * hd,)
         names[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * hd,)
@@ -185,10 +200,17 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
 
     out["attn_norm"][i] = r("input_layernorm.weight")
     out["mlp_norm"][i] = r("post_attention_layernorm.weight")
+    if c.model_type == "phi3":
+        qkv = r("self_attn.qkv_proj.weight")  # rows: q heads, then k heads, then v heads
+        q_rows, kv_rows = c.num_heads * hd, hkv * hd
+        wq, wk, wv = np.split(qkv, [q_rows, q_rows + kv_rows])
+        wg, wu = np.split(r("mlp.gate_up_proj.weight"), 2)  # gate rows, then up rows
+    else:
+        wq, wk, wv = (r(f"self_attn.{n}_proj.weight") for n in "qkv")
     wqkv = out["wqkv"][i]  # [Hkv, G + 2, hd, D]
-    wqkv[:, :g] = r("self_attn.q_proj.weight").reshape(hkv, g, hd, d)
-    wqkv[:, g] = r("self_attn.k_proj.weight").reshape(hkv, hd, d)
-    wqkv[:, g + 1] = r("self_attn.v_proj.weight").reshape(hkv, hd, d)
+    wqkv[:, :g] = wq.reshape(hkv, g, hd, d)
+    wqkv[:, g] = wk.reshape(hkv, hd, d)
+    wqkv[:, g + 1] = wv.reshape(hkv, hd, d)
     if c.qkv_bias:
         bqkv = out["bqkv"][i]  # [Hkv, G + 2, hd]
         bqkv[:, :g] = r("self_attn.q_proj.bias").reshape(hkv, g, hd)
@@ -198,8 +220,18 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
         out["q_norm"][i] = r("self_attn.q_norm.weight")
         out["k_norm"][i] = r("self_attn.k_norm.weight")
     out["wo"][i] = r("self_attn.o_proj.weight").reshape(d, hkv, g, hd)
-    out["w_gate_up"][i, 0] = r("mlp.gate_proj.weight")
-    out["w_gate_up"][i, 1] = r("mlp.up_proj.weight")
+    if c.num_experts:
+        out["router"][i] = r("block_sparse_moe.gate.weight")
+        for e in range(c.num_experts):
+            expert = f"block_sparse_moe.experts.{e}."
+            out["w_experts_gate_up"][i, e, 0] = r(expert + "w1.weight")
+            out["w_experts_gate_up"][i, e, 1] = r(expert + "w3.weight")
+            out["w_experts_down"][i, e] = r(expert + "w2.weight")
+        return
+    if c.model_type != "phi3":
+        wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")
+    out["w_gate_up"][i, 0] = wg
+    out["w_gate_up"][i, 1] = wu
     out["w_down"][i] = r("mlp.down_proj.weight")
 
 
@@ -216,6 +248,11 @@ def load_host_params(
 ) -> dict[str, Any]:
     """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`."""
     st = SafetensorsIndex(safetensors_files(folder))
+    if config.model_type in GPT_MODEL_TYPES:
+        from . import gpt
+
+        with tqdm(desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+            return gpt.load_host_params(_Reader(st, dtype, folder, bar), config, dtype)
     shapes = param_shapes(config)
     with tqdm(
         total=_num_tensors(config),

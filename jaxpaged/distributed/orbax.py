@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxpaged.distributed import parallel
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, param_shapes
+from jaxpaged.models.families import family_param_shapes as param_shapes
+from jaxpaged.models.llama import Params
 
 MARKER = "jaxpaged_orbax.json"
 PARAMS_DIR = "params"

@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.config import LLAMA_MODEL_TYPES, ModelConfig
 from jaxpaged.models.llama import Params
 
 AXIS = "tp"
@@ -94,6 +94,16 @@ def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
     """How many copies of each KV head N devices need (1 = plain split); ValueError naming
     the config field when N cannot split the model."""
     n, c = tensor_parallel_size, config
+    if n > 1 and c.model_type not in LLAMA_MODEL_TYPES:
+        raise ValueError(
+            f"tensor_parallel_size={n}: tensor parallelism supports the Llama family only "
+            f"({', '.join(LLAMA_MODEL_TYPES)}), not model_type {c.model_type!r}"
+        )
+    if n > 1 and c.num_experts:
+        raise ValueError(
+            f"tensor_parallel_size={n}: tensor parallelism does not split Mixture-of-Experts "
+            f"weights yet (model_type {c.model_type!r})"
+        )
     if c.num_heads % n:
         raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}")
     if c.intermediate_size % n:

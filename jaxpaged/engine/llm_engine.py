@@ -63,7 +63,11 @@ class LLMEngine:
         eos_token_ids: Sequence[int] | None = None,
         process_config: ProcessConfig | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
+        graphdef: Any = None,
     ) -> None:
+        """``params`` is the model's state; ``graphdef`` the NNX graph definition of a model
+        of the paged-model protocol (docs/models.md; None: the Llama family of
+        ``model_config``)."""
         cache_config = cache_config or CacheConfig()
         logits_processors = _check_processors(logits_processors)
         # only what was asked for; again for engines built on params in hand (JAX started:
@@ -80,6 +84,12 @@ class LLMEngine:
         self._given_spec = ParamsSpec.of(params)
         if parallel_config.tensor_parallel_size > 1:
             from jaxpaged.distributed.parallel import make_mesh, shard_params
+
+            if graphdef is not None:
+                raise ValueError(
+                    "tensor_parallel_size > 1 is not supported for a model of your own "
+                    "(jaxpaged knows how to split only its own families' weights)"
+                )
 
             self.mesh = make_mesh(parallel_config.tensor_parallel_size)
             model_config, params = shard_params(model_config, params, self.mesh)
@@ -126,6 +136,7 @@ class LLMEngine:
                 attention_backend=attention_backend,
                 mesh=self.mesh,
                 logits_processors=logits_processors,
+                graphdef=graphdef,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -232,6 +243,7 @@ class LLMEngine:
         params: Params | None = None,
         tokenizer: Any = None,
         eos_token_ids: Sequence[int] | None = None,
+        graphdef: Any = None,
     ) -> LLMEngine:
         """The one construction path: an engine over ``params`` already in memory (with their
         ``model_config``, a tokenizer for text prompts, extra EOS ids), or, without params,
@@ -240,7 +252,12 @@ class LLMEngine:
         cache_config, parallel_config = args.cache_config(), args.parallel_config()
         process_config = args.process_config()
         if params is None:
-            if model_config is not None or tokenizer is not None or eos_token_ids is not None:
+            if (
+                model_config is not None
+                or tokenizer is not None
+                or eos_token_ids is not None
+                or graphdef is not None
+            ):
                 raise ValueError(
                     "model_config, tokenizer and eos_token_ids come with params "
                     "(without params, args.model is loaded with its own)"
@@ -264,6 +281,7 @@ class LLMEngine:
             eos_token_ids=eos_token_ids,
             process_config=process_config,
             logits_processors=args.logits_processors,
+            graphdef=graphdef,
         )
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again
@@ -508,7 +526,15 @@ def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProc
 
 
 def _params_dtype(params: Params) -> Any:
-    return params["embed"].dtype
+    """The dtype of the model's floating-point state (its embedding for jaxpaged's own)."""
+    embed = params.get("embed") if isinstance(params, dict) else None
+    if hasattr(embed, "dtype"):
+        return embed.dtype
+    leaves = jax.tree.leaves(params)
+    floats = [x.dtype for x in leaves if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    if not floats:
+        raise ValueError("the model's state holds no floating-point arrays")
+    return floats[0]
 
 
 def _eos_ids(config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None) -> tuple[int, ...]:

@@ -19,13 +19,15 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
 from jaxpaged.kernels import default_backend
 from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, map_matmul_weights, streamed_weights
+from jaxpaged.models.families import family_class
+from jaxpaged.models.llama import Params
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
@@ -39,7 +41,7 @@ from jaxpaged.worker.kv_cache import (
     scatter_blocks,
 )
 from jaxpaged.worker.logits_processors import LogitsProcessor
-from jaxpaged.worker.step import StepBatch, StepOutput, step
+from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput, step
 from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,10 @@ class Runner:
         attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         logits_processors: tuple[LogitsProcessor, ...] = (),
+        graphdef: nnx.GraphDef | None = None,
     ) -> None:
+        """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
+        definition (None: the Llama family over ``model_config``)."""
         self.model_config = model_config
         # traced into the step (static); their names index them in SamplingTensors.processor
         self.logits_processors = tuple(logits_processors)
@@ -86,6 +91,14 @@ class Runner:
         self.max_model_len = max_model_len
         self.backend = attention_backend
 
+        # The model class's platform hooks: which weights a native matmul may repack
+        # (map_matmul_weights; without it every matmul stays XLA's) and which a step streams.
+        if graphdef is None:
+            model_class = family_class(model_config)
+        else:
+            model_class = type(nnx.merge(graphdef, params))
+        self._mapper = getattr(model_class, "map_matmul_weights", None)
+        self._streamed = getattr(model_class, "streamed_weights", jax.tree.leaves)
         # the platform's part, chosen once: on CPU the native kernels over weights packed
         # into their layout and the streamed weights on 2 MiB pages; elsewhere XLA's
         self.platform = select_backend(
@@ -96,7 +109,14 @@ class Runner:
         self.params_spec = ParamsSpec.of(params)
         self.params: Params | None = None
         self.huge_page_bytes = 0
+        # host (numpy) leaves go to the default device once, not with every step
         self._install_params(self.params_spec.place(params))
+        # packing may add a leaf (the tied vocabulary projection's own packed copy); a swap
+        # packs the same way, so the graph definition stays valid across update_params
+        graph_for = getattr(model_class, "graphdef_for", None)
+        self.graphdef = StaticGraph(
+            graphdef if graph_for is None else graph_for(model_config, self.params)
+        )
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -110,14 +130,16 @@ class Runner:
         self.warmed_up = False
 
     def _weight_map(self, params: Params, fn):
-        return map_matmul_weights(params, self.model_config, fn)
+        """The model class's hook: which weights a native matmul may repack (without it
+        every matmul stays XLA's)."""
+        return params if self._mapper is None else self._mapper(params, self.model_config, fn)
 
     def _install_params(self, params: Params, *, huge_pages: bool = True) -> None:
         # packed before the old weights are let go: if packing fails, the engine keeps its
         # weights (at the cost of two packed copies for a moment where the platform packs)
         packed = self.platform.pack_weights(params, self._weight_map)
         if huge_pages:
-            self.huge_page_bytes = self.platform.back_with_huge_pages(streamed_weights(packed))
+            self.huge_page_bytes = self.platform.back_with_huge_pages(self._streamed(packed))
         else:
             self.huge_page_bytes = 0
         self.params = packed
@@ -188,7 +210,7 @@ class Runner:
     # ------------------------------------------------------------------ step
     def _step_kwargs(self) -> dict[str, object]:
         return dict(
-            config=self.model_config,
+            graphdef=self.graphdef,
             num_blocks=self.layout.num_blocks,
             block_size=self.layout.block_size,
             pool_format=self.layout.format,

@@ -1,6 +1,7 @@
 """The jitted engine step: model forward over the paged KV pool, logits of each sequence's last
-token, on-device sampling. Pure function of (params, pool, per-sequence sampler state,
-previous step's sampled tokens, batch); the pool and the sampler state are donated."""
+token, on-device sampling. Pure function of (model state, pool, per-sequence sampler state,
+previous step's sampled tokens, batch); the model's NNX graph definition is static, the pool
+and the sampler state are donated."""
 
 from __future__ import annotations
 
@@ -9,15 +10,31 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpaged.distributed.parallel import replicate_on, shard_attention
 from jaxpaged.kernels.pool_format import SPLIT, PoolFormat
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
-from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params, compute_logits, forward
+from jaxpaged.models.llama import Params
 from jaxpaged.worker import sampler
 from jaxpaged.worker.kv_cache import KVPool
 from jaxpaged.worker.logits_processors import LogitsProcessor
+
+
+class StaticGraph:
+    """A model's NNX graph definition as the step's static argument, its hash computed once:
+    jit hashes static arguments on every call, and a GraphDef's hash walks its whole tree
+    (~0.1 ms per step measured here, against ~10 us for a frozen config)."""
+
+    def __init__(self, graphdef: nnx.GraphDef) -> None:
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, StaticGraph) and self.graphdef == other.graphdef)
 
 
 class StepBatch(NamedTuple):
@@ -52,11 +69,10 @@ _PROMPT_CHUNK = 64  # rows of [rows, V] logits at a time when prompt logprobs ar
 
 
 def prompt_logprobs(
-    params: Params,
+    model: nnx.Module,  # of the paged-model protocol (docs/models.md)
     hidden: jax.Array,  # [T, D] every fed row's final hidden state
     targets: jax.Array,  # int32 [T] the token whose logprob each row gives, -1 = none
     *,
-    config: ModelConfig,
     num_logprobs: int,
     kernels: StepKernels = XLA_KERNELS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T], [T, K] int32, [T, K]
@@ -67,10 +83,11 @@ def prompt_logprobs(
     chunk = min(t, _PROMPT_CHUNK)
     pad = -t % chunk
     logits_fn = kernels.logits_fn(chunk)  # the params may be in a kernel's own layout
+    logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
 
     def one(args):
         h, tgt = args  # [C, D], [C]
-        logits = compute_logits(params, h, config=config, linear_fn=logits_fn)  # [C, V]
+        logits = model.compute_logits(h, **logits_kw).astype(jnp.float32)  # [C, V]
         lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
         own = jnp.take_along_axis(logits, jnp.maximum(tgt, 0)[:, None], axis=-1)[:, 0] - lse
         if k == 0:
@@ -97,7 +114,7 @@ def prompt_logprobs(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "config",
+        "graphdef",
         "num_blocks",
         "block_size",
         "pool_format",
@@ -118,7 +135,7 @@ def step(
     prev_sampled: jax.Array,  # int32 [R] the previous step's StepOutput.token_ids
     batch: StepBatch,
     *,
-    config: ModelConfig,
+    graphdef: StaticGraph,
     num_blocks: int,
     block_size: int,
     num_logprobs: int,
@@ -130,17 +147,20 @@ def step(
     kernels: StepKernels = XLA_KERNELS,
     logits_processors: tuple[LogitsProcessor, ...] = (),
 ) -> tuple[StepOutput, KVPool, sampler.SeqState]:
-    """Runs every layer over the batch's tokens, writing their K/V into the pool first, and
+    """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
+    docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. Decode tokens the host has not seen yet come straight
     from ``prev_sampled`` (``batch.prev_rows``), so the host never waits for a step before
     dispatching the next. ``max_q_len`` / ``max_kv_len`` are the bucket's static
     bounds, passed to the attention kernel so it reads only blocks that can be live. With a
     ``mesh`` (tensor parallelism) the attention runs per device on its heads under shard_map,
     and logits and outputs are gathered whole onto every device."""
-    sm_scale = config.head_dim**-0.5
+    model = nnx.merge(graphdef.graphdef, params)
+    default_scale = model.config.head_dim**-0.5
     layer_slots = num_blocks * block_size
 
-    def attend(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n):
+    def paged(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n, *,
+              sm_scale, sliding_window, soft_cap):  # fmt: skip
         slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
         pool = pool_format.write(pool, k, v, slots)
         out = pool_format.attend(
@@ -152,37 +172,39 @@ def step(
             n,
             num_kv_heads=k.shape[1],
             sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
             backend=backend,
             max_q_len=max_q_len,
             max_kv_len=max_kv_len,
         )
         return out, pool
 
-    if mesh is not None:
-        attend = shard_attention(attend, mesh)
-
-    def attention_fn(q, k, v, layer, pool):
+    def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None, soft_cap=None):
+        attend = functools.partial(
+            paged,
+            sm_scale=default_scale if sm_scale is None else sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+        if mesh is not None:
+            attend = shard_attention(attend, mesh)
         b = batch
         meta = (b.slot_mapping, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
         return attend(q, k, v, layer, tuple(pool), *meta)
 
-    # None on platforms that leave the matmuls to XLA's dots
+    # The platform's matmul (a model the backend packed weights for takes it); none on
+    # platforms that leave the matmuls to XLA's dots
     linear_fn = kernels.linear_fn(batch.cu_q_lens[-1])
     logits_fn = kernels.logits_fn(batch.num_seqs[0])
+    model_kw = {} if linear_fn is None else {"linear_fn": linear_fn}
+    logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
-    hidden, pool = forward(
-        params,
-        tokens,
-        batch.positions,
-        config=config,
-        attention_fn=attention_fn,
-        cache=pool,
-        linear_fn=linear_fn,
-    )
+    hidden, pool = model(tokens, batch.positions, attention_fn, pool, **model_kw)
     rows = hidden[batch.sample_rows]  # [S, D]
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
-    logits = compute_logits(params, rows, config=config, linear_fn=logits_fn)  # [S, V]
+    logits = model.compute_logits(rows, **logits_kw).astype(jnp.float32)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(
         logits,
@@ -196,10 +218,9 @@ def step(
     num_rows = prev_sampled.shape[0]
     token_ids = jnp.zeros((num_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
     prompt = prompt_logprobs(
-        params,
+        model,
         hidden,
         batch.prompt_targets,
-        config=config,
         num_logprobs=num_logprobs,
         kernels=kernels,
     )

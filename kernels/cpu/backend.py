@@ -99,4 +99,7 @@ def _linear_applies(params: Any, map_matmul_weights: WeightMap) -> bool:
         return w
 
     jax.eval_shape(lambda p: map_matmul_weights(p, record), params)
-    return all(n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views)
+    # no views: the model leaves its matmuls to XLA
+    return bool(views) and all(
+        n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views
+    )

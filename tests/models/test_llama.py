@@ -6,6 +6,8 @@ with `load_model`, and must reproduce transformers' float32 logits and its greed
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,9 @@ import pytest
 import torch
 import transformers
 
-from jaxpaged.models import compute_logits, dense_causal_attention, forward, load_model
+import jaxpaged
+from jaxpaged import SamplingParams
+from jaxpaged.models import ModelConfig, compute_logits, dense_causal_attention, forward, load_model
 
 TINY = dict(
     vocab_size=256,
@@ -54,6 +58,35 @@ FAMILIES = {
         transformers.MistralConfig,
         transformers.MistralForCausalLM,
         dict(num_key_value_heads=4, sliding_window=None),
+    ),
+    # a window much shorter than SEQ, so outputs differ from full attention
+    "mistral-window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=8),
+    ),
+    # fused qkv_proj and gate_up_proj; a sliding window shorter than SEQ
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(sliding_window=16, pad_token_id=0),
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
+    "llama-linear-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(rope_scaling=dict(rope_type="linear", factor=4.0)),
+    ),
+    "qwen2-yarn": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        # original context 64: the ramp between interpolated and kept frequencies is inside
+        # head_dim; attention_factor from factor (cos and sin scaled)
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
     ),
 }
 
@@ -180,3 +213,76 @@ def test_bfloat16_params_compute_in_bfloat16(build):
     with torch.no_grad():
         want = hf(torch.tensor(tokens[None])).logits[0].numpy()
     assert rel_err(np.asarray(logits), want) < 5e-2
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "mixtral"])
+def test_greedy_through_the_paged_engine(build, name):
+    """Prompts three windows long, prefilled in chunks shorter than the window and decoded
+    past it, beside other sequences: the engine's greedy tokens equal transformers' (which
+    masks keys older than the window; routes each token to its top experts)."""
+    hf, folder = build(name)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, TINY["vocab_size"], size=n)] for n in (24, 13)]
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        want.append(out[0, len(prompt) :].tolist())
+    config, params = load_model(folder, dtype="float32", progress=False)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = jaxpaged.generate(
+        prompts,
+        greedy,
+        params=params,
+        config=config,
+        max_model_len=64,
+        num_kv_blocks=32,
+        block_size=4,
+        max_num_batched_tokens=6,
+        enforce_eager=True,
+    )
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    # transformers stops at an end token, jaxpaged ignores it here: compare what both made
+    assert [g[: len(w)] for g, w in zip(got, want, strict=True)] == want
+    assert all(len(w) == 12 or w[-1] in config.eos_token_ids for w in want)
+
+
+def test_the_sliding_window_matters(build):
+    _, folder = build("mistral-window")
+    config, params = load_model(folder, dtype="float32", progress=False)
+    assert config.sliding_window == 8
+    full = dataclasses.replace(config, sliding_window=None)
+    tokens = jnp.asarray(np.arange(24) % TINY["vocab_size"], jnp.int32)
+    logits = [
+        compute_logits(params, forward(params, tokens, jnp.arange(24), config=c)[0], config=c)
+        for c in (config, full)
+    ]
+    assert rel_err(np.asarray(logits[1]), np.asarray(logits[0])) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
+        (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "'longrope'"),
+        (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
+        (dict(model_type="gpt_neox"), "'gpt_neox'"),
+    ],
+)
+def test_unsupported_options_are_refused_by_name(extra, named):
+    d = dict(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf_dict({**d, **extra})

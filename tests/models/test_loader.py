@@ -221,11 +221,11 @@ def test_unknown_model_type_lists_supported(qwen2, tmp_path):
     folder = _copy(qwen2[1], tmp_path / "m")
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
-    cfg["model_type"] = "gpt2"
+    cfg["model_type"] = "gpt_neox"
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     with pytest.raises(
-        ValueError, match=r"model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3"
+        ValueError, match=r"model_type 'gpt_neox'; supported: llama, mistral, qwen2, qwen3, phi3"
     ):
         load_model(folder)
 

@@ -1,0 +1,29 @@
+"""Which NNX module class serves a config's model_type."""
+
+from __future__ import annotations
+
+from .config import GPT_MODEL_TYPES, ModelConfig
+
+
+def family_class(config: ModelConfig) -> type:
+    """The module class of a jaxpaged family (ValueError for a model of your own)."""
+    if config.model_type in GPT_MODEL_TYPES:
+        from .gpt import GPTForCausalLM
+
+        return GPTForCausalLM
+    if config.model_type == "custom":
+        raise ValueError("a model_type 'custom' config comes with its own module (LLM.from_model)")
+    from .llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def family_param_shapes(config: ModelConfig) -> dict:
+    """The shape of every leaf of a jaxpaged family's state (its params tree)."""
+    if config.model_type in GPT_MODEL_TYPES:
+        from .gpt import param_shapes
+
+        return param_shapes(config)
+    from .llama import param_shapes
+
+    return param_shapes(config)

@@ -1,0 +1,275 @@
+"""GPT-2 and OPT: decoders with learned absolute positions, LayerNorm (with bias) before
+attention and MLP, biased projections and a plain (non-gated) MLP, as one NNX module.
+
+The state is a flat params tree with the layers stacked on a leading L axis (one
+``lax.scan``), matmul weights [out, in] like HF's nn.Linear (GPT-2's Conv1D weights are
+transposed at load):
+
+    {"embed": [V, D], "pos_embed": [P, D],
+     "layers": {"ln1_w", "ln1_b": [L, D], "wqkv": [L, 3, Hq * hd, D], "bqkv": [L, 3, Hq * hd],
+                "wo": [L, D, Hq * hd], "bo": [L, D], "ln2_w", "ln2_b": [L, D],
+                "w_fc": [L, F, D], "b_fc": [L, F], "w_proj": [L, D, F], "b_proj": [L, D]},
+     "final_ln_w", "final_ln_b": [D],
+     "lm_head": [V, D]}                      # absent when tied (both families' default)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig
+from .layers import dense_causal_attention
+from .llama import AttentionFn, Params
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def gpt_config_fields(d: Mapping) -> dict[str, Any]:
+    """ModelConfig fields of a GPT-2 or OPT config.json; ValueError naming an option jaxpaged
+    does not run."""
+    try:
+        return _gpt_config_fields(d)
+    except KeyError as e:
+        raise ValueError(f"{d['model_type']} config.json lacks the field {e.args[0]!r}") from None
+
+
+def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
+    model_type = d["model_type"]
+    if model_type == "gpt2":
+        hidden, heads = d["n_embd"], d["n_head"]
+        for option in ("scale_attn_by_inverse_layer_idx",):
+            if d.get(option):
+                raise ValueError(f"unsupported gpt2 option {option}=True")
+        if d.get("scale_attn_weights") is False:
+            raise ValueError("unsupported gpt2 option scale_attn_weights=False")
+        fields = dict(
+            num_layers=d["n_layer"],
+            intermediate_size=d.get("n_inner") or 4 * hidden,
+            max_position_embeddings=d.get("n_positions", 1024),
+            rms_norm_eps=d.get("layer_norm_epsilon", 1e-5),
+            hidden_act=d.get("activation_function", "gelu_new"),
+            position_offset=0,
+        )
+    else:
+        hidden, heads = d["hidden_size"], d["num_attention_heads"]
+        for option, ok in (
+            ("do_layer_norm_before", True),
+            ("enable_bias", True),
+            ("layer_norm_elementwise_affine", True),
+            ("_remove_final_layer_norm", False),
+        ):
+            if d.get(option, ok) != ok:
+                raise ValueError(f"unsupported opt option {option}={d[option]!r}")
+        if d.get("word_embed_proj_dim", hidden) != hidden:
+            raise ValueError(
+                "unsupported opt option word_embed_proj_dim != hidden_size (project_in/out)"
+            )
+        fields = dict(
+            num_layers=d["num_hidden_layers"],
+            intermediate_size=d["ffn_dim"],
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=1e-5,  # nn.LayerNorm's default, which OPT uses
+            hidden_act=d.get("activation_function", "relu"),
+            position_offset=2,  # OPTLearnedPositionalEmbedding's offset
+        )
+    if fields["hidden_act"] not in ACTIVATIONS:
+        raise ValueError(
+            f"unsupported {model_type} activation_function {fields['hidden_act']!r}; "
+            f"supported: {', '.join(ACTIVATIONS)}"
+        )
+    eos = d.get("eos_token_id")
+    return dict(
+        model_type=model_type,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        **fields,
+    )
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    c = config
+    n, d, f, q = c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    layers = {
+        "ln1_w": (n, d), "ln1_b": (n, d),
+        "wqkv": (n, 3, q, d), "bqkv": (n, 3, q),
+        "wo": (n, d, q), "bo": (n, d),
+        "ln2_w": (n, d), "ln2_b": (n, d),
+        "w_fc": (n, f, d), "b_fc": (n, f),
+        "w_proj": (n, d, f), "b_proj": (n, d),
+    }  # fmt: skip
+    shapes: dict[str, Any] = {
+        "embed": (c.vocab_size, d),
+        "pos_embed": (c.max_position_embeddings + c.position_offset, d),
+        "layers": layers,
+        "final_ln_w": (d,),
+        "final_ln_b": (d,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (c.vocab_size, d)
+    return shapes
+
+
+def layer_norm(
+    x: jax.Array,  # [T, D]
+    weight: jax.Array,  # [D]
+    bias: jax.Array,  # [D]
+    eps: float,
+) -> jax.Array:
+    """LayerNorm over the last axis in float32, as torch's nn.LayerNorm."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    # x [T, K], w [N, K], b [N] -> [T, N]
+    return jnp.einsum("ti,oi->to", x, w) + b
+
+
+class GPTForCausalLM(nnx.Module):
+    """GPT-2 and OPT; the state is the params tree of the module docstring."""
+
+    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
+        self.config = config
+        shapes = param_shapes(config)
+        self.layers = _Stacked(shapes["layers"], dtype)
+        for name, shape in shapes.items():
+            if name != "layers":
+                setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+
+    @classmethod
+    def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [T]
+        positions: jax.Array,  # int32 [T]
+        attention_fn: AttentionFn = dense_causal_attention,
+        cache: Any = None,
+    ) -> tuple[jax.Array, Any]:
+        c = self.config
+        eps, act = c.rms_norm_eps, ACTIVATIONS[c.hidden_act]
+        t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = x + jnp.take(self.pos_embed[...], positions + c.position_offset, axis=0)
+        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
+
+        def body(carry, layer):
+            x, cache = carry
+            w = jax.tree.map(lambda a: a[layer], layers)
+            y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
+            qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, Hq*hd]
+            q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
+            attn, cache = attention_fn(q, k, v, layer, cache)
+            x = x + _dense(attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"])
+            y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
+            x = x + _dense(act(_dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
+            return (x, cache), None
+
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
+        return layer_norm(x, self.final_ln_w[...], self.final_ln_b[...], eps), cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]
+        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+
+
+class _Stacked(nnx.Module):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+# ------------------------------------------------------------------- loading
+
+
+def load_host_params(
+    read: Callable[[str, tuple[int, ...]], np.ndarray],
+    config: ModelConfig,
+    dtype: np.dtype,
+) -> dict[str, Any]:
+    """The params tree from HF tensors; ``read(name, shape)`` checks each one's presence and
+    shape (GPT-2's Conv1D weights are read [in, out] and transposed)."""
+    c = config
+    d, f, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    shapes = param_shapes(c)
+    layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
+    gpt2 = c.model_type == "gpt2"
+    for i in range(c.num_layers):
+        L = {k: v[i] for k, v in layers.items()}  # views into layer i
+        if gpt2:
+            p = f"transformer.h.{i}."
+            L["ln1_w"][:], L["ln1_b"][:] = (
+                read(p + "ln_1.weight", (d,)),
+                read(p + "ln_1.bias", (d,)),
+            )
+            L["ln2_w"][:], L["ln2_b"][:] = (
+                read(p + "ln_2.weight", (d,)),
+                read(p + "ln_2.bias", (d,)),
+            )
+            L["wqkv"][:] = read(p + "attn.c_attn.weight", (d, 3 * q)).T.reshape(3, q, d)
+            L["bqkv"][:] = read(p + "attn.c_attn.bias", (3 * q,)).reshape(3, q)
+            L["wo"][:] = read(p + "attn.c_proj.weight", (q, d)).T
+            L["bo"][:] = read(p + "attn.c_proj.bias", (d,))
+            L["w_fc"][:] = read(p + "mlp.c_fc.weight", (d, f)).T
+            L["b_fc"][:] = read(p + "mlp.c_fc.bias", (f,))
+            L["w_proj"][:] = read(p + "mlp.c_proj.weight", (f, d)).T
+            L["b_proj"][:] = read(p + "mlp.c_proj.bias", (d,))
+        else:
+            p = f"model.decoder.layers.{i}."
+            ln = (("ln1", "self_attn_layer_norm"), ("ln2", "final_layer_norm"))
+            for ours, theirs in ln:
+                L[ours + "_w"][:] = read(p + theirs + ".weight", (d,))
+                L[ours + "_b"][:] = read(p + theirs + ".bias", (d,))
+            for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                L["wqkv"][j] = read(p + f"self_attn.{name}.weight", (q, d))
+                L["bqkv"][j] = read(p + f"self_attn.{name}.bias", (q,))
+            L["wo"][:] = read(p + "self_attn.out_proj.weight", (d, q))
+            L["bo"][:] = read(p + "self_attn.out_proj.bias", (d,))
+            L["w_fc"][:], L["b_fc"][:] = read(p + "fc1.weight", (f, d)), read(p + "fc1.bias", (f,))
+            L["w_proj"][:] = read(p + "fc2.weight", (d, f))
+            L["b_proj"][:] = read(p + "fc2.bias", (d,))
+    top = "transformer." if gpt2 else "model.decoder."
+    names = (
+        {"embed": "wte", "pos_embed": "wpe", "final_ln_w": "ln_f.weight", "final_ln_b": "ln_f.bias"}
+        if gpt2
+        else {
+            "embed": "embed_tokens",
+            "pos_embed": "embed_positions",
+            "final_ln_w": "final_layer_norm.weight",
+            "final_ln_b": "final_layer_norm.bias",
+        }
+    )
+    host: dict[str, Any] = {"layers": layers}
+    for ours, theirs in names.items():
+        full = top + theirs + ("" if theirs.endswith(("weight", "bias")) else ".weight")
+        host[ours] = read(full, shapes[ours])
+    if not c.tie_word_embeddings:
+        host["lm_head"] = read("lm_head.weight", shapes["lm_head"])
+    return host

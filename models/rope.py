@@ -1,0 +1,84 @@
+"""Rotary position frequencies: default, and the scalings transformers implements as static
+functions of the config (llama3, linear, yarn).
+
+Computed on the host in float64 and rounded once (as transformers rounds its float32
+arange-based frequencies), so they are compile-time constants of the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Per-pair rotary frequencies [head_dim // 2] (float32), scaled as the config says."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    inv_freq = inv_freq.astype(np.float32).astype(np.float64)  # HF rounds to float32 here
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    if s.rope_type == "linear":
+        return (inv_freq / s.factor).astype(np.float32)
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(config, exponents)
+    return _llama3_inv_freq(config, inv_freq)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What transformers multiplies cos and sin by (yarn's attention temperature; 1 else)."""
+    s = config.rope_scaling
+    if s is None or s.rope_type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+    if s.mscale and s.mscale_all_dim:
+        return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+    return _yarn_mscale(s.factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _llama3_inv_freq(config: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    s = config.rope_scaling
+    old_len = s.original_max_position_embeddings
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(config: ModelConfig, exponents: np.ndarray) -> np.ndarray:
+    """YaRN: interpolate (divide by factor) the low frequencies, keep the high ones, with a
+    linear ramp over the dimensions between beta_slow and beta_fast rotations."""
+    s = config.rope_scaling
+    dim, base = config.head_dim, config.rope_theta
+    pos_freqs = (base**exponents).astype(np.float32).astype(np.float64)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (s.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        old = s.original_max_position_embeddings
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoids a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp.astype(np.float64)  # 1: extrapolate (keep), 0: interpolate
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
