@@ -283,9 +283,9 @@ def breakdown(
         phases["schedule"].append(time.perf_counter() - t0)
         return plan
 
-    def build_batch(seqs, bucket):
+    def build_batch(seqs, bucket, *rest):
         t0 = time.perf_counter()
-        b = orig_build(seqs, bucket)
+        b = orig_build(seqs, bucket, *rest)
         phases["build_batch (pad)"].append(time.perf_counter() - t0)
         captured["batch"], captured["bucket"] = b[0], bucket
         return b

@@ -53,19 +53,9 @@ def generate(
     Without ``generator`` each call builds an engine (KV pool, warm-up) and closes it. In a
     loop, pass a :class:`Generator` you own: calls with the same config, params shapes and
     settings reuse its engine, swapping in the new ``params`` without recompiling."""
-    if generator is not None:
-        return generator.generate(
-            prompts,
-            sampling_params,
-            model=model,
-            params=params,
-            config=config,
-            tokenizer=tokenizer,
-            eos_token_ids=eos_token_ids,
-            use_tqdm=use_tqdm,
-            **engine_args,
-        )
-    with Generator() as gen:
+    owned = generator is None
+    gen = Generator() if owned else generator
+    try:
         return gen.generate(
             prompts,
             sampling_params,
@@ -77,6 +67,9 @@ def generate(
             use_tqdm=use_tqdm,
             **engine_args,
         )
+    finally:
+        if owned:
+            gen.close()
 
 
 class Generator:

@@ -278,20 +278,6 @@ class EngineCore:
         if item.request_id in self.outputs:
             logger.error("request_id %r is already in use; dropped", item.request_id)
             return []
-        if self.sleep_level:
-            # queued before the engine went to sleep: it ends with the error a caller
-            # adding it now would get
-            self.outputs.add(
-                item.request_id,
-                prompt=item.prompt,
-                prompt_token_ids=item.prompt_token_ids,
-                params=item.params,
-                kind=item.output_kind,
-                arrival_time=item.arrival_time,
-            )
-            why = f"EngineAsleepError: {asleep_message(self.sleep_level)}"
-            _, out = self.outputs.end(item.request_id, "error", why)
-            return [] if out is None else [out]
         ids = self.outputs.add(
             item.request_id,
             prompt=item.prompt,
@@ -300,6 +286,12 @@ class EngineCore:
             kind=item.output_kind,
             arrival_time=item.arrival_time,
         )
+        if self.sleep_level:
+            # queued before the engine went to sleep: it ends with the error a caller
+            # adding it now would get
+            why = f"EngineAsleepError: {asleep_message(self.sleep_level)}"
+            _, out = self.outputs.end(item.request_id, "error", why)
+            return [] if out is None else [out]
         n = len(ids)
         try:
             for i, sid in enumerate(ids):
