@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from vllm_peer import (
     launched_vllm_server,
     print_vllm_bench_table,
     run_vllm_bench_serve,
+    stop,
 )
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -324,13 +324,7 @@ def launched_server(args: argparse.Namespace) -> Iterator[None]:
         print(f"server ready in {time.perf_counter() - t0:.1f} s", flush=True)
         yield
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         if log is not subprocess.DEVNULL:
             log.close()
 
