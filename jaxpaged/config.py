@@ -34,6 +34,9 @@ GiB = 1 << 30
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+# KV pool dtypes: the model's, bfloat16, or 8-bit with per-(token, head) scales
+# (fp8 = float8_e4m3fn; kernels/kv_quant.py)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "fp8", "int8")
 
 
 def _is_int(x: object) -> bool:
@@ -61,8 +64,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto = the model's dtype
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not _is_int(self.block_size) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (

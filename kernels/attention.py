@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import cpu
+from .kv_quant import check_scales, is_quantized
 from .reference import ragged_paged_attention_reference
 from .xla import ragged_paged_attention_xla
 
@@ -50,6 +51,8 @@ def validate_inputs(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
+    v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
 ) -> None:
     """Raise ValueError naming the argument whose shape, dtype or value is inconsistent."""
     if q.ndim != 3:
@@ -71,9 +74,16 @@ def validate_inputs(
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
+    check_scales(k_pages, k_scales, v_scales)
     for name, x in (("q", q), ("k_pages", k_pages)):
+        if name == "k_pages" and is_quantized(x.dtype):
+            continue
         if not any(x.dtype == d for d in _FLOATS):
-            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+            raise ValueError(
+                f"{name} dtype must be float32, bfloat16 or float16"
+                + (" (or int8 / float8_e4m3fn with scales)" if name == "k_pages" else "")
+                + f", got {x.dtype}"
+            )
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be [max_num_seqs], got shape {kv_lens.shape}")
     max_seqs = kv_lens.shape[0]
@@ -136,6 +146,8 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
+    k_scales: jax.Array | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     """Causal GQA attention of ragged query rows over a paged KV pool.
 
@@ -149,6 +161,9 @@ def ragged_paged_attention(
     they hold, undefined when they do not): `max_q_len`, an upper bound on every
     sequence's query length (1 for a decode-only step), and `max_kv_len`, an upper bound
     on kv_lens. `interpret` runs the Pallas kernel in interpret mode (CPU tests).
+
+    An int8 or float8_e4m3fn pool comes with `k_scales`/`v_scales`, one float32 scale per
+    (token, KV head): a row's value is its stored value times its scale (kv_quant.py).
     """
     validate_inputs(
         q,
@@ -161,7 +176,10 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
+    quantized = k_scales is not None
     if backend is None:
         backend = "pallas" if interpret else default_backend()
         if backend == "cpu" and not cpu.supports(q.dtype, k_pages.dtype):
@@ -183,14 +201,19 @@ def ragged_paged_attention(
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    scales = dict(k_scales=k_scales, v_scales=v_scales) if quantized else {}
     if backend == "reference":
-        return ragged_paged_attention_reference(*args, **opts)
+        return ragged_paged_attention_reference(*args, **opts, **scales)
     if backend == "xla":
-        return ragged_paged_attention_xla(*args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len)
+        return ragged_paged_attention_xla(
+            *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len, **scales
+        )
     if backend == "cpu":
-        return cpu.ragged_paged_attention_native(*args, **opts)
+        return cpu.ragged_paged_attention_native(*args, **opts, **scales)
     if backend == "tpu":
-        from .tpu import combine_kv, ragged_paged_attention_tpu
+        from .tpu import combine_kv, ragged_paged_attention_tpu, refuse_quantized
+
+        refuse_quantized(k_pages.dtype)
 
         # separate K and V pools are combined here (a copy); the engine keeps its pool combined
         # and calls ragged_paged_attention_tpu directly (pool_format.py)
@@ -201,5 +224,5 @@ def ragged_paged_attention(
     from .pallas_gpu import ragged_paged_attention_pallas
 
     return ragged_paged_attention_pallas(
-        *args, **opts, interpret=bool(interpret), max_q_len=max_q_len
+        *args, **opts, interpret=bool(interpret), max_q_len=max_q_len, **scales
     )

@@ -2,7 +2,8 @@
 
 Most backends read two pools, K and V, each ``[num_blocks, block_size, Hkv, D]``. The "tpu"
 backend (JAX's TPU kernel) reads one pool with K and V combined per page and padded to the
-kernel's tiling (``tpu.combined_pool_shape``). A :class:`PoolFormat` gives the engine the
+kernel's tiling (``tpu.combined_pool_shape``). An 8-bit (int8 / float8_e4m3fn) pool adds a
+float32 scale per (token, KV head) for K and for V (kv_quant.py). A :class:`PoolFormat` gives the engine the
 pool's array shapes, how to write new K/V rows into it and how to attend over it, so the
 step and the model code never branch on the backend.
 """
@@ -12,16 +13,33 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from .attention import default_backend, ragged_paged_attention
-from .write_kv import write_kv
+from .write_kv import write_kv, write_kv_quantized
 
-Pool = tuple[jax.Array, ...]  # (k_pages, v_pages), or (kv_pages,) when combined
+# (k_pages, v_pages), (kv_pages,) when combined, (k_pages, v_pages, k_scales, v_scales) quantized
+Pool = tuple[jax.Array, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolFormat:
     combined: bool  # one pool, K and V interleaved per head (JAX's TPU kernel)
+    quantized: bool = False  # 8-bit K/V pages plus float32 scales per (token, head)
+
+    def __post_init__(self) -> None:
+        if self.combined and self.quantized:
+            from .tpu import refuse_quantized
+
+            refuse_quantized(jnp.int8)
+
+    def page_dtypes(self, dtype) -> tuple[jnp.dtype, ...]:
+        """Dtype of each array of the pool whose K/V values are ``dtype``."""
+        if self.combined:
+            return (jnp.dtype(dtype),)
+        if self.quantized:
+            return (jnp.dtype(dtype),) * 2 + (jnp.dtype(jnp.float32),) * 2
+        return (jnp.dtype(dtype),) * 2
 
     def page_shapes(
         self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
@@ -32,6 +50,8 @@ class PoolFormat:
 
             return (combined_pool_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype),)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if self.quantized:
+            return (shape, shape, shape[:3], shape[:3])
         return (shape, shape)
 
     def write(
@@ -45,6 +65,8 @@ class PoolFormat:
             from .tpu import write_kv_combined
 
             return (write_kv_combined(pool[0], k, v, slot_mapping),)
+        if self.quantized:
+            return write_kv_quantized(pool, k, v, slot_mapping)
         return write_kv(*pool, k, v, slot_mapping)
 
     def attend(
@@ -72,16 +94,20 @@ class PoolFormat:
                 num_kv_heads=num_kv_heads, sm_scale=sm_scale,
                 sliding_window=sliding_window, soft_cap=soft_cap,
             )  # fmt: skip
+        scales = dict(k_scales=pool[2], v_scales=pool[3]) if self.quantized else {}
         return ragged_paged_attention(
-            q, *pool, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            q, *pool[:2], kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
-            backend=backend, max_q_len=max_q_len, max_kv_len=max_kv_len,
+            backend=backend, max_q_len=max_q_len, max_kv_len=max_kv_len, **scales,
         )  # fmt: skip
 
 
 SPLIT = PoolFormat(combined=False)  # separate K and V pools: every backend but "tpu"
 
 
-def pool_format(backend: str | None, platform: str | None = None) -> PoolFormat:
-    """The layout the attention ``backend`` reads (None: the platform's default backend)."""
-    return PoolFormat(combined=(backend or default_backend(platform)) == "tpu")
+def pool_format(
+    backend: str | None, platform: str | None = None, *, quantized: bool = False
+) -> PoolFormat:
+    """The layout the attention ``backend`` reads (None: the platform's default backend);
+    ``quantized`` for an 8-bit KV cache (a ValueError on the "tpu" backend)."""
+    return PoolFormat(combined=(backend or default_backend(platform)) == "tpu", quantized=quantized)

@@ -55,8 +55,11 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # float32 [N, B, Hkv]: with an 8-bit pool (kv_quant.py)
+    v_scales: jax.Array | None = None,  # float32 [N, B, Hkv]
 ) -> jax.Array:  # [T, Hq, D]
-    """Causal GQA attention of each query row over its sequence's paged KV."""
+    """Causal GQA attention of each query row over its sequence's paged KV (an 8-bit
+    pool's rows are dequantized with their scales first)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -69,6 +72,9 @@ def ragged_paged_attention_reference(
     v = v_pages[tables].reshape(num_tokens, -1, num_kv_heads, head_dim)
     k = k.astype(jnp.float32)
     v = v.astype(jnp.float32)
+    if k_scales is not None:
+        k = k * k_scales[tables].reshape(num_tokens, -1, num_kv_heads)[..., None]
+        v = v * v_scales[tables].reshape(num_tokens, -1, num_kv_heads)[..., None]
 
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     logits = jnp.einsum("thgd,tkhd->thgk", qg, k) * sm_scale  # [T, Hkv, G, K]

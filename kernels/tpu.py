@@ -38,6 +38,19 @@ def _tiles(num_combined_heads: int, dtype) -> bool:
     return words in (1, 2, 4, 8) or words % 8 == 0
 
 
+def refuse_quantized(dtype) -> None:
+    """ValueError for an 8-bit pool: JAX 0.10.2's TPU kernel takes only static per-tensor
+    ``k_scale``/``v_scale`` floats, not the per-(token, head) scales written with each row
+    (kv_quant.py), so an int8/fp8 KV cache cannot be read on this backend."""
+    if jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(
+            f"the 'tpu' attention backend cannot read a {jnp.dtype(dtype)} KV cache: JAX's TPU "
+            "ragged paged attention takes one static scale per tensor, not the per-(token, "
+            "head) scales of jaxpaged's quantized pools; use kv_cache_dtype='auto' or "
+            "'bfloat16' (--kv-cache-dtype), or attention_backend='xla' (--attention-backend)"
+        )
+
+
 def pool_kv_heads(num_kv_heads: int, dtype) -> int:
     """KV heads per page in the combined pool: the fewest >= num_kv_heads the kernel tiles."""
     heads = num_kv_heads

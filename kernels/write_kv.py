@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from . import cpu
 from .attention import default_backend
+from .kv_quant import check_scales, quantize_rows
 
 
 def _check(
@@ -65,9 +66,10 @@ def write_kv(
     # the scatter can skip conflict handling; mode="drop" discards them.
     slots = jnp.where(slots < 0, num_slots + jnp.arange(num_tokens, dtype=jnp.int32), slots)
 
-    if k_pages.dtype.itemsize == 2 and default_backend() == "cpu":
+    if k_pages.dtype.itemsize in (1, 2) and default_backend() == "cpu":
         # XLA:CPU scatters into a 16-bit float pool by converting all of it to float32 and
-        # back (seconds per step for a bfloat16 model); the native copy moves only the rows
+        # back (seconds per step for a bfloat16 model); the native copy moves only the rows.
+        # 8-bit pools (int8, float8_e4m3fn) take the same copy.
         return cpu.write_kv_native(k_pages, v_pages, k, v, slots)
 
     def scatter(pages: jax.Array, rows: jax.Array) -> jax.Array:
@@ -76,3 +78,27 @@ def write_kv(
         return flat.reshape(shape)
 
     return scatter(k_pages, k), scatter(v_pages, v)
+
+
+def write_kv_quantized(
+    pool: tuple[jax.Array, jax.Array, jax.Array, jax.Array],  # k/v pages [N, B, Hkv, D] 8-bit,
+    # k/v scales float32 [N, B, Hkv]
+    k: jax.Array,  # [T, Hkv, D] float
+    v: jax.Array,  # [T, Hkv, D] float
+    slot_mapping: jax.Array,  # int32 [T]; negative = padding, not written
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:  # the pool, same shapes
+    """`write_kv` into an 8-bit pool (kv_quant.py): each (token, head) row is quantized with
+    its own scale and the rows and their scales are stored at the same slots, in one op."""
+    k_pages, v_pages, k_scales, v_scales = pool
+    _check(k_pages, v_pages, k, v, slot_mapping)
+    check_scales(k_pages, k_scales, v_scales)
+    kq, ks = quantize_rows(k, k_pages.dtype)
+    vq, vs = quantize_rows(v, v_pages.dtype)
+    # the scales as pools of rows of one element, so the same row writer stores them
+    scale_shape = (*k_scales.shape, 1)
+    k_scales, v_scales = write_kv(
+        k_scales.reshape(scale_shape), v_scales.reshape(scale_shape),
+        ks[..., None], vs[..., None], slot_mapping,
+    )  # fmt: skip
+    k_pages, v_pages = write_kv(k_pages, v_pages, kq, vq, slot_mapping)
+    return k_pages, v_pages, k_scales.reshape(scale_shape[:3]), v_scales.reshape(scale_shape[:3])

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .kv_quant import dequantize
 from .reference import MASK_VALUE
 
 DEFAULT_Q_TILE = 64
@@ -40,6 +41,7 @@ def _attend(
     num_chunks: jax.Array,  # int32 scalar  chunks to visit (max over groups)
     k_pages: jax.Array,  # [NB, B, Hkv, D]
     v_pages: jax.Array,  # [NB, B, Hkv, D]
+    scales: tuple[jax.Array, jax.Array] | None,  # float32 [NB, B, Hkv] each, 8-bit pools
     *,
     blocks_per_chunk: int,
     sm_scale: float,
@@ -51,7 +53,8 @@ def _attend(
     block_size = k_pages.shape[1]
     max_blocks = tables.shape[1]
     chunk = blocks_per_chunk * block_size
-    compute_dtype = k_pages.dtype
+    # an 8-bit pool is dequantized to the query's dtype as each chunk is gathered
+    compute_dtype = k_pages.dtype if scales is None else q.dtype
     # Rows and the query heads of one KV head form the M dimension of one matmul.
     qc = q.astype(compute_dtype).transpose(0, 2, 3, 1, 4).reshape(n, hkv, g * r, d)
 
@@ -61,8 +64,13 @@ def _attend(
         ids = jnp.take_along_axis(tables, jnp.minimum(blk, max_blocks - 1), axis=1)  # [N, C]
         # XLA:CPU runs batched dots fastest with batch dims leading and no transposed
         # operand: K as [N, Hkv, D, L], V as [N, Hkv, L, D].
-        k = k_pages[ids].reshape(n, chunk, hkv, d).transpose(0, 2, 3, 1)
-        v = v_pages[ids].reshape(n, chunk, hkv, d).transpose(0, 2, 1, 3)
+        k = k_pages[ids].reshape(n, chunk, hkv, d)
+        v = v_pages[ids].reshape(n, chunk, hkv, d)
+        if scales is not None:
+            k = dequantize(k, scales[0][ids].reshape(n, chunk, hkv), compute_dtype)
+            v = dequantize(v, scales[1][ids].reshape(n, chunk, hkv), compute_dtype)
+        k = k.transpose(0, 2, 3, 1)
+        v = v.transpose(0, 2, 1, 3)
         s = jnp.einsum("nhmd,nhdl->nhml", qc, k, preferred_element_type=jnp.float32)
         s = s * sm_scale
         if soft_cap is not None:
@@ -113,6 +121,8 @@ def ragged_paged_attention_xla(
     max_kv_len: int | None = None,
     q_tile: int = DEFAULT_Q_TILE,
     kv_chunk: int = DEFAULT_KV_CHUNK,
+    k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool (kv_quant.py)
+    v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention`; extra static hints:
 
@@ -161,6 +171,7 @@ def ragged_paged_attention_xla(
     def attend(q_rows, pos, valid, tables, first, n_chunks):  # _attend on this pool
         return _attend(
             q_rows, pos, valid, tables, first, n_chunks, k_pages, v_pages,
+            None if k_scales is None else (k_scales, v_scales),
             blocks_per_chunk=blocks_per_chunk, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip

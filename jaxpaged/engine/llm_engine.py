@@ -24,6 +24,7 @@ from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
+from jaxpaged.kernels.kv_quant import is_quantized
 from jaxpaged.kernels.pool_format import pool_format
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
@@ -32,7 +33,12 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
-from jaxpaged.worker.kv_cache import KVLayout, device_kv_budget, num_blocks_for
+from jaxpaged.worker.kv_cache import (
+    KVLayout,
+    device_kv_budget,
+    kv_storage_dtype,
+    num_blocks_for,
+)
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
 from jaxpaged.worker.weights import ParamsSpec
@@ -100,9 +106,18 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._compiles = CompileCounter().open()
 
-        kv_dtype = dtype or str(_params_dtype(params))
-        # the pool's layout follows the attention backend (kernels/pool_format.py)
-        combined_kv = pool_format(attention_backend).combined
+        kv_dtype = kv_storage_dtype(
+            cache_config.kv_cache_dtype, dtype or str(_params_dtype(params))
+        )
+        quantized_kv = is_quantized(kv_dtype)
+        if quantized_kv and self.mesh is not None:
+            raise ValueError(
+                f"kv_cache_dtype={cache_config.kv_cache_dtype!r} does not support "
+                "tensor_parallel_size > 1 yet; use kv_cache_dtype='auto' or 'bfloat16'"
+            )
+        # the pool's layout follows the attention backend (kernels/pool_format.py); an 8-bit
+        # cache on the "tpu" backend is a ValueError there
+        combined_kv = pool_format(attention_backend, quantized=quantized_kv).combined
         if combined_kv and self.mesh is not None:
             # the combined pool's padded heads do not split over devices like the model's
             if attention_backend == "tpu":

@@ -5,7 +5,10 @@ and layer l's view of block b is row l * num_blocks + b. Keeping one flat array 
 lets the step carry (and donate) two buffers instead of 2 * num_layers, and lets the kernels
 see the plain [num_blocks, block_size, Hkv, hd] interface with per-layer offset block ids.
 With the "tpu" attention backend the pool is one array, K and V combined per page and padded
-to the kernel's tiling (``KVLayout.combined``; kernels/pool_format.py has the shapes).
+to the kernel's tiling (``KVLayout.combined``; kernels/pool_format.py has the shapes). An
+8-bit KV cache (dtype int8 or float8_e4m3fn) adds k and v scales, each [L * num_blocks,
+block_size, Hkv] float32 (kernels/kv_quant.py): block rows line up with the pages', so
+copy-on-write and swap move a block's scales with its values.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kernels.kv_quant import KV_QUANT_DTYPES, is_quantized
 from jaxpaged.kernels.pool_format import PoolFormat
 from jaxpaged.models.config import ModelConfig
 
-# (k, v), each [L * num_blocks, block_size, Hkv, hd]; or (kv,) when combined
+# (k, v), each [L * num_blocks, block_size, Hkv, hd]; or (kv,) when combined; or
+# (k, v, k_scales, v_scales) for an 8-bit pool, scales [L * num_blocks, block_size, Hkv]
 KVPool = tuple[jax.Array, ...]
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -36,12 +41,17 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # of the K/V values; int8 / float8_e4m3fn: quantized, with scales
     combined: bool = False  # one array, K and V per page (the "tpu" attention backend)
 
     @property
     def format(self) -> PoolFormat:
-        return PoolFormat(combined=self.combined)
+        return PoolFormat(combined=self.combined, quantized=is_quantized(self.dtype))
+
+    @property
+    def dtypes(self) -> tuple[jnp.dtype, ...]:
+        """Dtype of each array of the pool."""
+        return self.format.page_dtypes(self.dtype)
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -56,9 +66,12 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one logical block takes across all layers, K and V (padding included)."""
-        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
-        return sum(self.num_layers * int(np.prod(s[1:])) * itemsize for s in self.shapes)
+        """Bytes one logical block takes across all layers, K and V (padding and scales
+        included)."""
+        return sum(
+            self.num_layers * int(np.prod(s[1:])) * np.dtype(d).itemsize
+            for s, d in zip(self.shapes, self.dtypes, strict=True)
+        )
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -74,8 +87,19 @@ class KVLayout:
 def block_bytes(
     *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
 ) -> int:
-    itemsize = np.dtype(jnp.dtype(dtype)).itemsize
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    """Bytes of one block of a split pool, all layers, K and V (and an 8-bit pool's scales)."""
+    return KVLayout(
+        num_layers=num_layers, num_blocks=1, block_size=block_size,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+    ).bytes_per_block  # fmt: skip
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_kv_dtype: str) -> str:
+    """The pool's value dtype for ``--kv-cache-dtype``: "auto" keeps the model's, "fp8" is
+    float8_e4m3fn, "int8" int8 (both quantized, kernels/kv_quant.py), else the name itself."""
+    if kv_cache_dtype == "auto":
+        return model_kv_dtype
+    return KV_QUANT_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
 
 
 def num_blocks_for(
@@ -170,8 +194,8 @@ def configure_device_memory(gpu_memory_utilization: float) -> None:
 def create_pool(*, layout: KVLayout, sharding: jax.sharding.Sharding | None = None) -> KVPool:
     """Born on the device (and with its sharding), never staged through the host."""
     pool = []
-    for shape in layout.shapes:
-        zeros = jnp.zeros(shape, jnp.dtype(layout.dtype))
+    for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
+        zeros = jnp.zeros(shape, dtype)
         if sharding is not None:
             zeros = jax.lax.with_sharding_constraint(zeros, sharding)
         pool.append(zeros)
