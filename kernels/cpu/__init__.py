@@ -31,6 +31,7 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc", _HERE / "cpu_argmax.cc")
 _HEADERS = (_HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
 _TARGET = "jaxpaged_paged_attention"
+_QUANT_TARGET = "jaxpaged_paged_attention_quant"  # 8-bit pools with per-(token, head) scales
 _LINEAR_TARGET = "jaxpaged_linear"
 _WRITE_KV_TARGET = "jaxpaged_write_kv"
 _ARGMAX_TARGET = "jaxpaged_argmax"
@@ -98,6 +99,7 @@ def _register() -> str | None:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
             for name, fn in (
                 (_TARGET, lib.JaxpagedPagedAttention),
+                (_QUANT_TARGET, lib.JaxpagedPagedAttentionQuant),
                 (_LINEAR_TARGET, lib.JaxpagedLinear),
                 (_WRITE_KV_TARGET, lib.JaxpagedWriteKV),
                 (_ARGMAX_TARGET, lib.JaxpagedArgmax),
@@ -121,9 +123,13 @@ def available() -> bool:
     return _register() is None
 
 
+_POOL_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)))
+
+
 def supports(q_dtype, kv_dtype) -> bool:
-    """The kernel reads float32 or bfloat16 pools; queries are passed as float32."""
-    return jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and (
+    """The kernel reads float32, bfloat16 and 8-bit (int8 / float8_e4m3fn, with scales) pools;
+    queries are passed as float32."""
+    return jnp.dtype(kv_dtype) in _POOL_DTYPES and (
         jnp.dtype(q_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     )
 
@@ -140,20 +146,26 @@ def ragged_paged_attention_native(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
+    v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
 ) -> jax.Array:  # [T, Hq, D]
     """The "cpu" backend: every row in the C++ kernel (decode rows and prefill tiles alike;
-    bench/kernels.py has it against the XLA path). Inputs are validated by
-    `ragged_paged_attention`."""
+    bench/kernels.py has it against the XLA path). An 8-bit pool's rows are dequantized with
+    their scales as the kernel reads them. Inputs are validated by `ragged_paged_attention`."""
     _require("attention")
     if not supports(q.dtype, k_pages.dtype):
         raise ValueError(f"backend 'cpu' needs float32/bfloat16 q and pages, got {k_pages.dtype}")
     if q.shape[2] > 256 or k_pages.shape[1] > 64:
         raise ValueError("backend 'cpu' supports head_dim <= 256 and block_size <= 64")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    pages = (k_pages, v_pages)
+    if k_scales is None:
+        call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    else:
+        call = jax.ffi.ffi_call(_QUANT_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        pages += (k_scales, v_scales)
     out = call(
         q.astype(jnp.float32),
-        k_pages,
-        v_pages,
+        *pages,
         kv_lens,
         block_tables,
         cu_q_lens,

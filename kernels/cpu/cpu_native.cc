@@ -45,6 +45,48 @@ inline const float* as_float(const uint16_t* src, float* buf, int64_t n) {
   return buf;
 }
 
+// 8-bit KV pools (kernels/kv_quant.py): int8 or float8_e4m3fn values, one float32 scale per
+// (token, KV head) row, row value = value * scale. A row is dequantized into `buf` as it is
+// read, so the kernels below see float rows as they do for bfloat16.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// float8_e4m3fn -> float for all 256 codes: 4 exponent bits (bias 7), 3 mantissa bits,
+// subnormals at exponent 0, NaN at 0x7f/0xff, no infinities.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                       : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) x = NAN;
+      v[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+// The row `row` of `pages` as float; `scales` (one per row of D values) only for 8-bit pools.
+template <typename KV>
+inline const float* load_row(const KV* row, const KV*, const float*, float* buf, int64_t D) {
+  return as_float(row, buf, D);
+}
+inline const float* load_row(const int8_t* row, const int8_t* pages, const float* scales,
+                             float* buf, int64_t D) {
+  const float s = scales[(row - pages) / D];
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) buf[i] = s * static_cast<float>(row[i]);
+  return buf;
+}
+inline const float* load_row(const Fp8E4M3* row, const Fp8E4M3* pages, const float* scales,
+                             float* buf, int64_t D) {
+  const float s = scales[(row - pages) / D];
+  for (int64_t i = 0; i < D; ++i) buf[i] = s * kFp8.v[row[i].bits];
+  return buf;
+}
+
 // q.k over n floats. Kept out of line so the compiler vectorizes along n (it would
 // otherwise vectorize the caller's loop over keys with slow gathers).
 __attribute__((noinline)) float dot(const float* __restrict a, const float* __restrict b,
@@ -296,6 +338,8 @@ struct Shapes {
   int64_t num_pool_blocks, max_seqs, max_blocks;
   float sm_scale, soft_cap;
   int64_t sliding_window;
+  const float* k_scales = nullptr;  // [NB, B, Hkv]: 8-bit pools only (load_row)
+  const float* v_scales = nullptr;
 };
 
 struct WorkItem {
@@ -416,11 +460,11 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
     for (int64_t h = 0; h < H; ++h) {
       const float* vrows[kMaxBlockSize];
       for (int64_t j = 0; j < n_keys; ++j)
-        vrows[j] = as_float(row_of(v_pages, phys, j, h), &vbuf[j * D], D);
+        vrows[j] = load_row(row_of(v_pages, phys, j, h), v_pages, sh.v_scales, &vbuf[j * D], D);
       if (few_queries) {
         const float* krows[kMaxBlockSize];
         for (int64_t j = 0; j < n_keys; ++j)
-          krows[j] = as_float(row_of(k_pages, phys, j, h), &kbuf[j * D], D);
+          krows[j] = load_row(row_of(k_pages, phys, j, h), k_pages, sh.k_scales, &kbuf[j * D], D);
         for (int64_t mi = 0; mi < M; ++mi) {
           int64_t lo, hi;
           if (!visible(mi, kpos0, n_keys, lo, hi)) continue;
@@ -435,8 +479,8 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
       }
       // Many queries (prefill tile): transpose K once, then scores along the block.
       for (int64_t j = 0; j < n_keys; ++j) {
-        const KV* kr = row_of(k_pages, phys, j, h);
-        for (int64_t d = 0; d < D; ++d) kt[d * B + j] = to_float(kr[d]);
+        const float* kr = load_row(row_of(k_pages, phys, j, h), k_pages, sh.k_scales, &kbuf[j * D], D);
+        for (int64_t d = 0; d < D; ++d) kt[d * B + j] = kr[d];
       }
       for (int64_t j = n_keys; j < B; ++j)  // scored below but never used: keep them finite
         for (int64_t d = 0; d < D; ++d) kt[d * B + j] = 0.0f;
@@ -548,8 +592,8 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
       const float* krows[kMaxBlockSize];
       const float* vrows[kMaxBlockSize];
       for (int64_t j = 0; j < n_keys; ++j) {
-        krows[j] = as_float(row_of(k_pages, phys, j, h), &kbuf[j * D], D);
-        vrows[j] = as_float(row_of(v_pages, phys, j, h), &vbuf[j * D], D);
+        krows[j] = load_row(row_of(k_pages, phys, j, h), k_pages, sh.k_scales, &kbuf[j * D], D);
+        vrows[j] = load_row(row_of(v_pages, phys, j, h), v_pages, sh.v_scales, &vbuf[j * D], D);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = pos0 + r;
@@ -626,12 +670,38 @@ void attend_chain(const Shapes& sh, const RowKernels& fns, const std::vector<Wor
 }
 #endif
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
-                              ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
-                              int64_t sliding_window) {
+// The 8-bit pools' instantiations, kept apart from the float ones' dispatch.
+#ifdef JAXPAGED_AVX2
+void attend_chain_8bit(ffi::DataType dtype, const Shapes& sh, const RowKernels& fns,
+                       const std::vector<WorkItem>& items, int64_t begin, int64_t end,
+                       const float* q, const void* kp, const void* vp, const int32_t* kv_lens,
+                       const int32_t* tables, const int32_t* cu_q_lens, float* out) {
+  if (dtype == ffi::DataType::S8)
+    attend_chain<int8_t>(sh, fns, items, begin, end, q, static_cast<const int8_t*>(kp),
+                         static_cast<const int8_t*>(vp), kv_lens, tables, cu_q_lens, out);
+  else
+    attend_chain<Fp8E4M3>(sh, fns, items, begin, end, q, static_cast<const Fp8E4M3*>(kp),
+                          static_cast<const Fp8E4M3*>(vp), kv_lens, tables, cu_q_lens, out);
+}
+#endif
+void attend_8bit(ffi::DataType dtype, const Shapes& sh, const WorkItem& w, const float* q,
+                 const void* kp, const void* vp, const int32_t* kv_lens, const int32_t* tables,
+                 const int32_t* cu_q_lens, float* out) {
+  if (dtype == ffi::DataType::S8)
+    attend<int8_t>(sh, w, q, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp),
+                   kv_lens, tables, cu_q_lens, out);
+  else
+    attend<Fp8E4M3>(sh, w, q, static_cast<const Fp8E4M3*>(kp), static_cast<const Fp8E4M3*>(vp),
+                    kv_lens, tables, cu_q_lens, out);
+}
+
+// Both handlers' body; k_scales/v_scales are null for float pools.
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, const float* k_scales, const float* v_scales,
+                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
+                          ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                          int64_t sliding_window) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4)
@@ -649,11 +719,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   sh.sm_scale = sm_scale;
   sh.soft_cap = soft_cap;
   sh.sliding_window = sliding_window;
+  sh.k_scales = k_scales;
+  sh.v_scales = v_scales;
   if (sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize)
     return ffi::Error::InvalidArgument("head_dim must be <= 256 and block_size <= 64");
   const auto dtype = k_pages.element_type();
-  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("k_pages/v_pages must be float32 or bfloat16");
+  const bool eight_bit = dtype == ffi::DataType::S8 || dtype == ffi::DataType::F8E4M3FN;
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && !eight_bit)
+    return ffi::Error::InvalidArgument("k_pages/v_pages must be float32, bfloat16, int8 or fp8");
+  if (eight_bit != (k_scales != nullptr))
+    return ffi::Error::InvalidArgument("int8/fp8 pools, and only they, come with scales");
 
   const int32_t* cu = cu_q_lens.typed_data();
   const int32_t* lens = kv_lens.typed_data();
@@ -700,6 +775,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         attend_chain<float>(sh, vec, items, chains[c], chains[c + 1], qp,
                             static_cast<const float*>(kp), static_cast<const float*>(vp), lens,
                             tp, cu, o);
+      else if (eight_bit)
+        attend_chain_8bit(dtype, sh, vec, items, chains[c], chains[c + 1], qp, kp, vp, lens,
+                          tp, cu, o);
       else
         attend_chain<uint16_t>(sh, vec, items, chains[c], chains[c + 1], qp,
                                static_cast<const uint16_t*>(kp),
@@ -713,11 +791,40 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (dtype == ffi::DataType::F32)
       attend<float>(sh, w, qp, static_cast<const float*>(kp), static_cast<const float*>(vp),
                     lens, tp, cu, o);
+    else if (eight_bit)
+      attend_8bit(dtype, sh, w, qp, kp, vp, lens, tp, cu, o);
     else
       attend<uint16_t>(sh, w, qp, static_cast<const uint16_t*>(kp),
                        static_cast<const uint16_t*>(vp), lens, tp, cu, o);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                              int64_t sliding_window) {
+  return PagedAttention(pool, q, k_pages, v_pages, nullptr, nullptr, kv_lens, tables, cu_q_lens,
+                        num_seqs, out, sm_scale, soft_cap, sliding_window);
+}
+
+// An 8-bit pool with its scales [NB, B, Hkv] float32 (one per token and KV head).
+ffi::Error PagedAttentionQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                   ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
+                                   ffi::Buffer<ffi::S32> cu_q_lens,
+                                   ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
+                                   float sm_scale, float soft_cap, int64_t sliding_window) {
+  const auto kd = k_pages.dimensions();
+  if (kd.size() != 4 || k_scales.element_count() != kd[0] * kd[1] * kd[2] ||
+      v_scales.element_count() != k_scales.element_count())
+    return ffi::Error::InvalidArgument("k_scales/v_scales must be [NB, B, Hkv] like the pages");
+  return PagedAttention(pool, q, k_pages, v_pages, k_scales.typed_data(), v_scales.typed_data(),
+                        kv_lens, tables, cu_q_lens, num_seqs, out, sm_scale, soft_cap,
+                        sliding_window);
 }
 
 // Rows k[t], v[t] into flat slot slots[t] of the pools, in place: the outputs alias the
@@ -768,6 +875,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hq, D]
                                   .Arg<ffi::AnyBuffer>()          // k_pages [NB, B, Hkv, D]
                                   .Arg<ffi::AnyBuffer>()          // v_pages [NB, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionQuant, PagedAttentionQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_pages [NB, B, Hkv, D] 8-bit
+                                  .Arg<ffi::AnyBuffer>()          // v_pages [NB, B, Hkv, D] 8-bit
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales [NB, B, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales [NB, B, Hkv]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]

@@ -109,11 +109,37 @@ def check_backend(rng, backend, kind, shape, *, interpret=None, tol=1e-5):
     assert np.all(np.asarray(out)[total:] == 0.0), "padding rows not zero"
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}_bs{}_hq{}_hkv{}".format(*s[:4]))
+def shape_id(s):
+    return "d{}_bs{}_hq{}_hkv{}".format(*s[:4])
+
+
+# each XLA compile here costs seconds: two shapes, one per 8-bit dtype
+@pytest.mark.parametrize("kind,shape", [("int8", SHAPES[0]), ("fp8", SHAPES[1])], ids=str)
 def test_reference_and_xla_read_quantized_pool(rng, kind, shape):
     check_backend(rng, "reference", kind, shape)
     check_backend(rng, "xla", kind, shape)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the native kernel")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_cpu_reads_quantized_pool(rng, kind, shape):
+    """The native kernel's vector path (groups <= 8, head_dim % 8 == 0) over 8-bit pools."""
+    check_backend(rng, "cpu", kind, shape)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the native kernel")
+def test_cpu_scalar_path_reads_quantized_pool(rng):
+    """A GQA group of 16 and head_dim 36: the scalar loops, prefill tiles included."""
+    check_backend(rng, "cpu", "int8", (36, 8, 16, 1, 11, None))
+    check_backend(rng, "cpu", "fp8", (36, 8, 16, 1, None, None))
+
+
+def test_pallas_interpret_reads_quantized_pool(rng):
+    """The Pallas kernels (interpret mode: NaN-poisoned outputs) dequantize after each K/V
+    tile load."""
+    check_backend(rng, "pallas", "int8", SHAPES[0], interpret=True)
+    check_backend(rng, "pallas", "fp8", (64, 8, 8, 2, None, None), interpret=True)
 
 
 def test_quantized_pool_needs_its_scales(rng):
@@ -140,5 +166,3 @@ def test_quantize_rows_matches_numpy(rng):
         np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-6)
         np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want_q.astype(np.float32))
 
-
-__all__ = ["cpu"]
