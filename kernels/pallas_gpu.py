@@ -189,8 +189,10 @@ def _stream_kv(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    scale_refs=None,  # (k, v) f32 refs [NB, B] for this KV head: an 8-bit pool's scales
 ):
     """Online-softmax attention of q over blocks [first_page, end_page) of one sequence.
+    An 8-bit pool's tiles are dequantized to q's dtype right after they are loaded.
 
     Returns (acc [M, D] f32, unnormalised; m [M] f32 running max; l [M] f32 sum).
     """
@@ -205,6 +207,11 @@ def _stream_kv(
         ids = tables_ref[seq, pl.ds(page0, pages_per_step)]  # [C]
         k = k_ref[ids].reshape(block_k, head_dim)
         v = v_ref[ids].reshape(block_k, head_dim)
+        if scale_refs is not None:
+            ks = scale_refs[0][ids].reshape(block_k, 1)
+            vs = scale_refs[1][ids].reshape(block_k, 1)
+            k = (k.astype(jnp.float32) * ks).astype(q.dtype)
+            v = (v.astype(jnp.float32) * vs).astype(q.dtype)
         s = lax.dot_general(
             q,
             k,
@@ -255,16 +262,15 @@ def _decode_kernel(
     q_ref,  # [BH, D]
     k_ref,  # [NB, B, D]
     v_ref,  # [NB, B, D]
-    o_ref,  # f32 [BH, D]
-    m_ref,  # f32 [BH]
-    l_ref,  # f32 [BH]
-    *,
+    *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], o [BH, D], m [BH], l [BH] f32
     pages_per_step: int,
     group: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    quantized: bool = False,
 ):
+    scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else (None, refs)
     seq = pl.program_id(0)
     split = pl.program_id(2)
     block_size = k_ref.shape[1]
@@ -290,6 +296,7 @@ def _decode_kernel(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            scale_refs=scale_refs,
         )
         o_ref[...] = acc
         m_ref[...] = m
@@ -321,15 +328,16 @@ def _prefill_kernel(
     q_ref,  # [TQ * Gp, D]
     k_ref,  # [NB, B, D]
     v_ref,  # [NB, B, D]
-    o_ref,  # [TQ * Gp, D]
-    *,
+    *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], o [TQ * Gp, D]
     tokens: int,
     group_pad: int,
     pages_per_step: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    quantized: bool = False,
 ):
+    scale_refs, o_ref = (refs[:2], refs[2]) if quantized else (None, refs[0])
     tile = pl.program_id(0)
     block_size = k_ref.shape[1]
     seq = tile_seq_ref[tile]
@@ -360,6 +368,7 @@ def _prefill_kernel(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        scale_refs=scale_refs,
     )
     l = jnp.where(l > 0, l, 1.0)  # noqa: E741
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -402,6 +411,8 @@ def ragged_paged_attention_pallas(
     interpret: bool = False,
     max_q_len: int | None = None,
     config: PallasConfig | None = None,
+    k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
+    v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention` (inputs are validated there); `config`
     defaults to `choose_config` for the shape."""
@@ -423,7 +434,9 @@ def ragged_paged_attention_pallas(
             group_pad=group_pad,
         )
     pages_per_step = _pages_per_step(config, block_size)
-    compute_dtype = k_pages.dtype
+    quantized = k_scales is not None
+    # an 8-bit pool's tiles are dequantized to the query's dtype in the kernels
+    compute_dtype = q.dtype if quantized else k_pages.dtype
     qc = q.astype(compute_dtype)
     num_seqs = jnp.reshape(num_seqs, (-1,))[0]
 
@@ -442,12 +455,19 @@ def ragged_paged_attention_pallas(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        quantized=quantized,
     )
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     prefill_params = plgpu.CompilerParams(
         num_warps=config.prefill_warps, num_stages=config.prefill_stages
     )
     pool_spec = _pool_spec(num_blocks, block_size, head_dim)
+    # the pool's arrays as the kernels read them: K, V and, for an 8-bit pool, their scales
+    pools, pool_specs = (k_pages, v_pages), [pool_spec, pool_spec]
+    if quantized:
+        scale_spec = pl.BlockSpec((num_blocks, block_size, _SQUEEZED), lambda i, h, *_: (0, 0, h))
+        pools += (k_scales, v_scales)
+        pool_specs += [scale_spec, scale_spec]
 
     # --- decode kernel: last row of every sequence --------------------------------
     rows = max(16, group_pad)
@@ -476,8 +496,7 @@ def ragged_paged_attention_pallas(
             _full_spec((max_seqs,)),
             _full_spec((max_seqs, width)),
             pl.BlockSpec((_SQUEEZED, _SQUEEZED, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            pool_spec,
-            pool_spec,
+            *pool_specs,
         ],
         out_specs=[
             pl.BlockSpec(
@@ -495,7 +514,7 @@ def ragged_paged_attention_pallas(
         compiler_params=params,
         interpret=interpret,
         name="jaxpaged_decode_attention",
-    )(split_pages[None], kv_lens, tables, qd, k_pages, v_pages)
+    )(split_pages[None], kv_lens, tables, qd, *pools)
     # Merge the splits (flash-decoding): weights exp(m_k - max_k m_k) over the splits that
     # ran; the others' outputs were never written and are not read.
     first, end = _split_range(
@@ -553,15 +572,14 @@ def ragged_paged_attention_pallas(
                     _full_spec((max_seqs,)),
                     _full_spec((max_seqs, width)),
                     tile_spec,
-                    pool_spec,
-                    pool_spec,
+                    *pool_specs,
                 ],
                 out_specs=tile_spec,
                 out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
                 compiler_params=prefill_params,
                 interpret=interpret,
                 name="jaxpaged_prefill_attention",
-            )(t_seq, t_off, kv_lens, q_lens, tables, qt, k_pages, v_pages)
+            )(t_seq, t_off, kv_lens, q_lens, tables, qt, *pools)
             res = res.reshape(num_tiles, num_kv_heads, tokens, group_pad, head_dim)
             res = res[:, :, :, :group].transpose(0, 2, 1, 3, 4)  # [NT, TQ, Hkv, G, D]
             dest = jnp.where(row_ok, src, num_tokens).reshape(-1)

@@ -165,4 +165,3 @@ def test_quantize_rows_matches_numpy(rng):
         want_q, want_s = np_quantize(x, kind)
         np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-6)
         np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want_q.astype(np.float32))
-
