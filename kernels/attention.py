@@ -189,7 +189,7 @@ def ragged_paged_attention(
 
             reason = unsupported_reason(
                 head_dim=q.shape[2],
-                itemsize=k_pages.dtype.itemsize,
+                itemsize=(q.dtype if quantized else k_pages.dtype).itemsize,
                 block_size=k_pages.shape[1],
                 group_pad=1 << max(0, (q.shape[1] // k_pages.shape[2] - 1).bit_length()),
             )

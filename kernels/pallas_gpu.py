@@ -429,7 +429,8 @@ def ragged_paged_attention_pallas(
     if config is None:
         config = choose_config(
             head_dim=head_dim,
-            itemsize=k_pages.dtype.itemsize,
+            # an 8-bit pool's tiles are held dequantized, in the query's dtype
+            itemsize=(q.dtype if k_scales is not None else k_pages.dtype).itemsize,
             block_size=block_size,
             group_pad=group_pad,
         )

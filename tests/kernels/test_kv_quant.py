@@ -12,6 +12,7 @@ import pytest
 
 from jaxpaged.kernels import cpu, ragged_paged_attention
 from jaxpaged.kernels.kv_quant import quantize_rows
+from jaxpaged.kernels.pallas_gpu import ragged_paged_attention_pallas
 from jaxpaged.kernels.pool_format import PoolFormat
 from jaxpaged.kernels.testing import make_case, mixed_seqs, rel_err
 from jaxpaged.kernels.write_kv import write_kv_quantized
@@ -121,8 +122,10 @@ def test_reference_and_xla_read_quantized_pool(rng, kind, shape):
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the native kernel")
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize(
+    "kind,shape", [("int8", SHAPES[0]), ("fp8", SHAPES[1]), ("int8", SHAPES[2]),
+                   ("fp8", SHAPES[3]), ("fp8", SHAPES[0])], ids=str,
+)  # fmt: skip
 def test_cpu_reads_quantized_pool(rng, kind, shape):
     """The native kernel's vector path (groups <= 8, head_dim % 8 == 0) over 8-bit pools."""
     check_backend(rng, "cpu", kind, shape)
@@ -137,9 +140,38 @@ def test_cpu_scalar_path_reads_quantized_pool(rng):
 
 def test_pallas_interpret_reads_quantized_pool(rng):
     """The Pallas kernels (interpret mode: NaN-poisoned outputs) dequantize after each K/V
-    tile load."""
-    check_backend(rng, "pallas", "int8", SHAPES[0], interpret=True)
-    check_backend(rng, "pallas", "fp8", (64, 8, 8, 2, None, None), interpret=True)
+    tile load (one case: interpret mode is slow on CPU)."""
+    check_backend(rng, "pallas", "fp8", (64, 16, 4, 2, 29, None), interpret=True)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_pallas_quantized_lowers_to_triton(kind):
+    """Both Pallas kernels over an 8-bit pool pass the Pallas->Triton lowering on a CPU."""
+    from tests.kernels.test_pallas import _lower_for_gpu
+
+    t, nb, bs, s, p, hq, hkv, d = 50, 250, 16, 7, 33, 9, 3, 64
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in [
+            ((t, hq, d), jnp.bfloat16),
+            ((nb, bs, hkv, d), NP_DTYPES[kind]),
+            ((nb, bs, hkv, d), NP_DTYPES[kind]),
+            ((s,), jnp.int32),
+            ((s, p), jnp.int32),
+            ((s + 1,), jnp.int32),
+            ((1,), jnp.int32),
+            ((nb, bs, hkv), jnp.float32),
+            ((nb, bs, hkv), jnp.float32),
+        ]
+    ]
+
+    def fn(*a):
+        return ragged_paged_attention_pallas(
+            *a[:7], sm_scale=0.1, sliding_window=100, k_scales=a[7], v_scales=a[8]
+        )
+
+    text = _lower_for_gpu(fn, *args)
+    assert text.count("triton") >= 2, "expected both Triton kernels in the module"
 
 
 def test_quantized_pool_needs_its_scales(rng):
