@@ -31,6 +31,7 @@ CLI_CASES = {
     "block_size": (["--block-size", "32"], 32),
     "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
     "kv_cache_memory": (["--kv-cache-memory", "1GiB"], 1 << 30),
+    "kv_cache_dtype": (["--kv-cache-dtype", "int8"], "int8"),
     "num_kv_blocks": (["--num-kv-blocks", "64"], 64),
     "swap_space": (["--swap-space", "16GiB"], 16.0),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),
