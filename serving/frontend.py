@@ -23,6 +23,8 @@ from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
 from jaxpaged.serving.reasoning import REASONING_PARSERS
+from jaxpaged.serving.tool_parsers import TOOL_CALL_PARSERS
+from jaxpaged.serving.tool_prompt import TemplateToolSupport, conversation_for_template
 
 __all__ = [
     "EngineDeadError",
@@ -129,6 +131,8 @@ class ServingConfig:
     chat_template: str | None = None  # template text (a file is read by the CLI)
     enable_weight_updates: bool = False  # serve jaxpaged.v1.Admin (UpdateWeights) over gRPC
     reasoning_parser: str | None = None  # splits <think>...</think> into reasoning_content
+    tool_call_parser: str | None = None  # the model's tool-call format (serving/tool_parsers.py)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides to call
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.served_model_aliases):
@@ -142,6 +146,13 @@ class ServingConfig:
                 f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for name in ("port", "grpc_port"):
@@ -293,6 +304,7 @@ class Frontend:
         self._idle.set()
         self._force = asyncio.Event()
         self._admitting = 0
+        self._tool_support: TemplateToolSupport | None = None  # probed on first use
         self.metrics.bind(self)
 
     # ---- life cycle -------------------------------------------------------------------------
@@ -395,10 +407,13 @@ class Frontend:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the reply (the same
         ids as ``LLM.chat`` uses). ``template_kwargs`` become variables of the template (the
-        request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+        request's ``chat_template_kwargs``, e.g. ``enable_thinking``). ``tools`` and tool turns
+        go to the template, or into the messages where it does not render them
+        (serving/tool_prompt.py)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         template_kwargs = dict(template_kwargs or {})
@@ -408,6 +423,12 @@ class Frontend:
                 f"chat_template_kwargs may not set {reserved}: the server sets them",
                 param="chat_template_kwargs",
             )
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages, tools = conversation_for_template(
+                messages, tools, self._template_tool_support(), self.config.tool_call_parser
+            )
+        if tools:
+            template_kwargs["tools"] = list(tools)
         try:
             ids = self.engine.tokenizer.apply_chat_template(
                 list(messages),
@@ -423,6 +444,18 @@ class Frontend:
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+    def _template_tool_support(self) -> TemplateToolSupport:
+        if self._tool_support is None:
+            tokenizer, template = self.engine.tokenizer, self.config.chat_template
+
+            def render(messages: list, **kwargs: Any) -> str:
+                return tokenizer.apply_chat_template(
+                    messages, tokenize=False, chat_template=template, **kwargs
+                )
+
+            self._tool_support = TemplateToolSupport.probe(render)
+        return self._tool_support
 
     async def open(
         self,

@@ -14,19 +14,76 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
 
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(
+        self, id: str | None = ..., name: str | None = ..., arguments: str | None = ...
+    ) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: str | None = ..., content: str | None = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(
+        self,
+        role: str | None = ...,
+        content: str | None = ...,
+        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
+        tool_call_id: str | None = ...,
+    ) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(
+        self,
+        name: str | None = ...,
+        description: str | None = ...,
+        parameters: str | None = ...,
+    ) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    function: str
+    def __init__(self, mode: str | None = ..., function: str | None = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "tools", "tool_choice", "parallel_tool_calls")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Iterable[ChatMessage | _Mapping] | None = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(
+        self,
+        messages: _Iterable[ChatMessage | _Mapping] | None = ...,
+        tools: _Iterable[Tool | _Mapping] | None = ...,
+        tool_choice: ToolChoice | _Mapping | None = ...,
+        parallel_tool_calls: bool | None = ...,
+    ) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = (
@@ -198,19 +255,29 @@ class TokenLogprob(_message.Message):
     ) -> None: ...
 
 class CompletionDelta(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = (
+        "index",
+        "token_ids",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "tool_calls",
+    )
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
     stop_reason: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     def __init__(
         self,
         index: int | None = ...,
@@ -219,6 +286,7 @@ class CompletionDelta(_message.Message):
         logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
         finish_reason: str | None = ...,
         stop_reason: str | None = ...,
+        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
     ) -> None: ...
 
 class Usage(_message.Message):

@@ -36,6 +36,7 @@ from jaxpaged.serving.frontend import (
     field_of,
     output_kind_for,
 )
+from jaxpaged.serving.grpc_chat import ChatTools, chat_prompt
 from jaxpaged.serving.metrics import RequestTotals
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
@@ -58,9 +59,6 @@ _SCALAR_FIELDS = (
     "skip_special_tokens",
     "prompt_logprobs",
 )
-
-
-_CHAT_ROLES = ("system", "user", "assistant")
 
 
 def check_known_fields(msg: Message, where: str = "") -> None:
@@ -204,6 +202,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             check_known_fields(request)
             params = sampling_params_from_proto(request.sampling_params)
             frontend.check_ready()
+            tools = None
             kind = request.WhichOneof("input")
             if kind is None:
                 raise InvalidRequest(
@@ -216,16 +215,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             elif kind == "token_ids":
                 prompt = list(request.token_ids.ids)
             else:
-                for i, m in enumerate(request.chat.messages):
-                    if m.role not in _CHAT_ROLES:
-                        raise InvalidRequest(
-                            f"chat.messages[{i}].role must be one of {list(_CHAT_ROLES)}, "
-                            f"got {m.role!r}",
-                            param="role",
-                        )
-                prompt = frontend.render_chat(
-                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                )
+                prompt, params, plan = chat_prompt(frontend, request.chat, params)
+                tools = ChatTools(plan)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             handle = await frontend.open(
                 rid, prompt, params, output_kind=output_kind_for(stream=request.stream)
@@ -238,9 +229,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:
                 async for out in handle:
                     send_prompt = not prompt_sent and out.prompt_logprobs is not None
-                    yield _response_pb(
+                    response = _response_pb(
                         rid, out, handle.totals, first=first, with_prompt_logprobs=send_prompt
                     )
+                    if tools is not None:
+                        tools.add_calls(response)
+                    yield response
                     first, prompt_sent = False, prompt_sent or send_prompt
             except ServingError as e:
                 await self._fail(context, e)

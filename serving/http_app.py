@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from jaxpaged.serving.chat_reply import ReplyBuilder
 from jaxpaged.serving.deltas import merge_handles
 from jaxpaged.serving.frontend import (
     Frontend,
@@ -38,7 +39,7 @@ from jaxpaged.serving.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from jaxpaged.serving.reasoning import ThinkSplitter
+from jaxpaged.serving.tools import plan_tools
 
 __all__ = ["create_app"]
 
@@ -180,6 +181,40 @@ def _usage(totals: Sequence[RequestTotals]) -> dict:
     }
 
 
+def _chat_chunks(
+    head: Callable[[list[dict]], dict],
+    builder: Callable[[], ReplyBuilder],
+    fmt: _Formatter,
+) -> Callable[[int, RequestOutput, CompletionOutput], list[dict]]:
+    """The stream chunks of a chat's sample deltas: a role chunk before a sample's first
+    content, its content / reasoning / tool-call deltas (the delta's logprobs on the first),
+    and a finish chunk on its last delta."""
+    replies: dict[int, ReplyBuilder] = {}
+
+    def choice(index: int, delta: dict, logprobs: Any = None, finish: str | None = None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunks(_: int, __: RequestOutput, d: CompletionOutput) -> list[dict]:
+        out = []
+        reply = replies.get(d.index)
+        if reply is None:
+            reply = replies[d.index] = builder()
+            out.append(head([choice(d.index, {"role": "assistant", "content": ""})]))
+        deltas = reply.delta(d.text, finished=d.finish_reason is not None)
+        deltas = [x for x in deltas if x != {"content": ""}]
+        if not deltas and d.token_ids:  # held back: the tokens' logprobs still go out
+            deltas = [{"content": ""} if reply.plain else {}]
+        logprobs = None if d.logprobs is None else fmt.chat_logprobs(d.logprobs)
+        for i, delta in enumerate(deltas):
+            out.append(head([choice(d.index, delta, logprobs if i == 0 else None)]))
+        if d.finish_reason is not None:
+            last = choice(d.index, {}, finish=reply.finish_reason(d.finish_reason))
+            out.append(head([{**last, "stop_reason": d.stop_reason}]))
+        return out
+
+    return chunks
+
+
 def create_app(frontend: Frontend) -> FastAPI:
     """The HTTP app of one server; all state lives in `frontend`."""
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None)
@@ -302,6 +337,7 @@ def create_app(frontend: Frontend) -> FastAPI:
                 body.template_messages(),
                 add_generation_prompt=body.add_generation_prompt,
                 template_kwargs=body.chat_template_kwargs,
+                tools=body.template_tools(),
             )
         else:
             try:
@@ -397,10 +433,17 @@ def create_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await admit(request, ChatCompletionRequest)
-        params = body.sampling_params()
+        tools = plan_tools(
+            body,
+            tool_call_parser=cfg.tool_call_parser,
+            auto_enabled=cfg.enable_auto_tool_choice,
+        )
+        params = body.sampling_params(tool_grammar=tools.grammar)
         frontend.check_ready()
         prompt = frontend.render_chat(
-            body.template_messages(), template_kwargs=body.chat_template_kwargs
+            body.template_messages(),
+            template_kwargs=body.chat_template_kwargs,
+            tools=body.template_tools(),
         )
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -419,89 +462,31 @@ def create_app(frontend: Frontend) -> FastAPI:
                 "choices": choices,
             }
 
-        parser = cfg.reasoning_parser
+        def builder() -> ReplyBuilder:
+            return ReplyBuilder(cfg.reasoning_parser, tools)
+
         if body.stream:
-            started: set[int] = set()
-            splitters: dict[int, ThinkSplitter] = {}
-
-            def chunks(_: int, __: RequestOutput, d: CompletionOutput) -> list[dict]:
-                """A role chunk before a sample's first content, its content, and a finish
-                chunk on its last delta."""
-                out = []
-                if d.index not in started:
-                    started.add(d.index)
-                    out.append(
-                        head(
-                            [
-                                {
-                                    "index": d.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    )
-                delta: dict[str, str] = {"content": d.text}
-                if parser is not None:  # the reasoning part goes to reasoning_content
-                    splitter = splitters.setdefault(d.index, ThinkSplitter(parser))
-                    reasoning, content = splitter.feed(d.text)
-                    if d.finish_reason is not None:
-                        tail_r, tail_c = splitter.flush()
-                        reasoning, content = reasoning + tail_r, content + tail_c
-                    delta = {k: v for k, v in (("reasoning_content", reasoning),
-                                               ("content", content)) if v}  # fmt: skip
-                if d.text or d.token_ids or (parser is not None and delta):
-                    out.append(
-                        head(
-                            [
-                                {
-                                    "index": d.index,
-                                    "delta": delta,
-                                    "logprobs": None
-                                    if d.logprobs is None
-                                    else fmt.chat_logprobs(d.logprobs),
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    )
-                if d.finish_reason is not None:
-                    out.append(
-                        head(
-                            [
-                                {
-                                    "index": d.index,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": d.finish_reason,
-                                    "stop_reason": d.stop_reason,
-                                }
-                            ]
-                        )
-                    )
-                return out
-
+            chunks = _chat_chunks(head, builder, fmt)
             tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
         (out,) = await _until_disconnect(request, collect(handles))
-
-        def message(text: str) -> dict:
-            if parser is None:
-                return {"role": "assistant", "content": text}
-            reasoning, content = ThinkSplitter(parser).split(text)
-            return {"role": "assistant", "content": content, "reasoning_content": reasoning}
-
-        choices = [
-            {
-                "index": c.index,
-                "message": message(c.text),
-                "logprobs": None if c.logprobs is None else fmt.chat_logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
-        return JSONResponse({**head(choices), "object": "chat.completion", "usage": usage()})
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            reply = builder()
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": reply.message(c.text),
+                    "logprobs": None if c.logprobs is None else fmt.chat_logprobs(c.logprobs),
+                    "finish_reason": reply.finish_reason(c.finish_reason),
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        extra = {}
+        if body.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = fmt.prompt_logprobs(out.prompt_logprobs)
+        return JSONResponse(
+            {**head(choices), "object": "chat.completion", "usage": usage(), **extra}
+        )
 
     return app

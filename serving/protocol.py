@@ -53,12 +53,11 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "service_tier": "jaxpaged has one service tier",
     "store": "jaxpaged does not store completions",
     **dict.fromkeys(
-        ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"),
-        "tool calling is not supported yet",
+        ("functions", "function_call"),
+        "the legacy function-calling fields are not supported; use tools and tool_choice",
     ),
     "guided_decoding_backend": "jaxpaged has one grammar engine (llguidance)",
     "guided_whitespace_pattern": "not supported by jaxpaged's grammar engine",
-    "prompt_logprobs": "prompt log-probabilities are served on /v1/completions only",
     "suffix": "insertion (suffix) is not supported",
     "use_beam_search": "beam search is not supported",
 }
@@ -161,7 +160,12 @@ class _SamplingFields(_Strict):
             )
 
     def _params(
-        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        tool_grammar: StructuredOutput | None = None,
     ) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": self.n,
@@ -176,7 +180,7 @@ class _SamplingFields(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
             "logit_bias": _logit_bias(self.logit_bias),
-            "structured_output": self._structured_output(),
+            "structured_output": self._structured_output(tool_grammar),
         }
         for name in (
             "temperature",
@@ -195,9 +199,11 @@ class _SamplingFields(_Strict):
         except ValueError as e:
             raise InvalidRequest(str(e), param=field_of(str(e))) from e
 
-    def _structured_output(self) -> dict[str, Any] | None:
-        """The one structured-output request among response_format, guided_* and
-        structured_outputs (as StructuredOutput's fields), or None."""
+    def _structured_output(
+        self, tool_grammar: StructuredOutput | None = None
+    ) -> StructuredOutput | None:
+        """The one structured-output request among response_format, guided_*,
+        structured_outputs and a forced tool call's grammar, or None."""
         asked: dict[str, dict[str, Any]] = {}
         if self.response_format is not None:
             spec = self.response_format.structured_output()
@@ -211,6 +217,8 @@ class _SamplingFields(_Strict):
         ):
             if getattr(self, name) is not None:
                 asked[name] = {key: getattr(self, name)}
+        if tool_grammar is not None:
+            asked["tool_choice"] = {"json": tool_grammar.json}
         if self.structured_outputs is not None:
             so = self.structured_outputs.model_dump(exclude_none=True)
             asked["structured_outputs"] = {
@@ -305,12 +313,69 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # honoured where the call is forced (tool_choice)
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# fields the openai client writes back with an assistant message it received; null only
+_NULL_REPLY_FIELDS = ("refusal", "annotations", "audio", "function_call", "reasoning_content")
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
 
-    def as_template_input(self) -> dict[str, Any]:
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_reply_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_REPLY_FIELDS)}
+        return data
+
+    def as_template_input(self, index: int = 0) -> dict[str, Any]:
+        """The message as chat templates take it (tool-call arguments as objects, as
+        Hugging Face templates expect); InvalidRequest for a misplaced tool field."""
+        where = f"messages.{index}"
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequest("tool_calls are allowed on assistant messages only", param=where)
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise InvalidRequest(
+                "a tool message needs tool_call_id, and only a tool message may carry it",
+                param=f"{where}.tool_call_id",
+            )
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -318,7 +383,28 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:  # templates that know names use it
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                _template_tool_call(c, f"{where}.tool_calls.{i}")
+                for i, c in enumerate(self.tool_calls)
+            ]
         return out
+
+
+def _template_tool_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(
+            f"{where}.function.arguments is not valid JSON: {e}", param=where
+        ) from None
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -327,23 +413,43 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_grammar: StructuredOutput | None = None) -> SamplingParams:
+        """``tool_grammar``: the structured output a forced tool_choice asks for."""
         self._check_common()
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequest(
+                "prompt_logprobs is not available when streaming", param="prompt_logprobs"
+            )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = (
             self.max_completion_tokens
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return self._params(max_tokens=max_tokens, logprobs=logprobs)
+        return self._params(
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            tool_grammar=tool_grammar,
+        )
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_input() for m in self.messages]
+        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape, nulls left out)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class TokenizeRequest(_Strict):
@@ -352,6 +458,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # chat only
     add_special_tokens: bool = True  # text prompts only (a chat template adds its own)
     add_generation_prompt: bool = True  # chat only
     chat_template_kwargs: dict[str, Any] | None = None  # chat only
@@ -364,7 +471,12 @@ class TokenizeRequest(_Strict):
             raise InvalidRequest("messages must not be empty", param="messages")
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_input() for m in self.messages or ()]
+        return [m.as_template_input(i) for i, m in enumerate(self.messages or ())]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class DetokenizeRequest(_Strict):

@@ -70,6 +70,19 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         help="split the <think>...</think> part of chat replies into reasoning_content",
     )
     s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="the model's tool-call format, parsed into tool_calls (hermes: Qwen2.5/Qwen3, "
+        "<tool_call> blocks; llama3_json: Llama 3.x JSON calls)",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the model decides whether to call a tool; needs '
+        "--tool-call-parser)",
+    )
+    s.add_argument(
         "--max-queue-len",
         type=positive_int,
         default=None,
@@ -203,6 +216,8 @@ def main(
             f"--tensor-parallel-size {args.tensor_parallel_size} exceeds the "
             f"{jax.device_count()} available device(s)"
         )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
         chat_template = _read_chat_template(args.chat_template)
     except (OSError, ValueError) as e:
@@ -229,6 +244,8 @@ def main(
         chat_template=chat_template,
         enable_weight_updates=args.enable_weight_updates,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     if args.process_id != 0:
         # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing

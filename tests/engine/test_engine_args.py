@@ -115,7 +115,7 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "host", "port", "grpc_port", "served_model_name", "chat_template", "max_queue_len",
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
-        "reasoning_parser",
+        "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
     }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from jaxpaged.serving.protocol import NO_EFFECT_FIELDS, UNSUPPORTED_FIELDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MSGS = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def _ids(text: str) -> list[int]:
@@ -65,7 +66,12 @@ REFUSED = [
         "guided_decoding_backend",
         "llguidance",
     ),
-    ("/v1/chat/completions", {"messages": MSGS, "prompt_logprobs": 1}, "prompt_logprobs", "/v1/c"),
+    (
+        "/v1/chat/completions",
+        {"messages": MSGS, "prompt_logprobs": 1, "stream": True},
+        "prompt_logprobs",
+        "streaming",
+    ),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     (
         "/v1/completions",
@@ -73,8 +79,40 @@ REFUSED = [
         "stream_options.continuous_usage_stats",
         "not a field",
     ),
-    ("/v1/chat/completions", {"messages": MSGS, "tools": []}, "tools", "not supported"),
-    ("/v1/chat/completions", {"messages": MSGS, "tool_choice": "auto"}, "tool_choice", "not s"),
+    ("/v1/chat/completions", {"messages": MSGS, "tools": [TOOL]}, "tool_choice", "--enable-auto"),
+    ("/v1/chat/completions", {"messages": MSGS, "tool_choice": "auto"}, "tool_choice", "needs t"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MSGS,
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        "not among the tools ['f']",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MSGS, "tools": [TOOL], "tool_choice": "required", "guided_regex": "a"},
+        "tool_choice",
+        "one structured output at a time",
+    ),
+    ("/v1/chat/completions", {"messages": MSGS, "functions": []}, "functions", "tool_choice"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                }
+            ]
+        },
+        "messages.0.tool_calls.0.function.arguments",
+        "not valid JSON",
+    ),
     ("/v1/chat/completions", {"messages": MSGS, "store": True}, "store", "not supported"),
     (
         "/v1/chat/completions",
@@ -97,14 +135,14 @@ REFUSED = [
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]},
-        "messages.0.tool_call_id",
-        "not a field",
+        "tool_call_id",
+        "only a tool message",
     ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "tool", "content": "x"}]},
-        "role",
-        "",
+        "tool_call_id",
+        "needs tool_call_id",
     ),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
@@ -135,7 +173,7 @@ def test_fields_it_would_not_honour_are_refused_with_400_naming_them(
 
 def test_unsupported_fields_through_the_openai_client(server):
     client = _client(server)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
         client.chat.completions.create(
             model="test-model",
             messages=MSGS,

@@ -187,6 +187,8 @@ def test_engine_build_failure_exits_1(serve_process):
         (["--preemption-mode", "pause"], "--preemption-mode"),
         (["--chat-template", "/no/such/file"], "--chat-template"),
         (["--reasoning-parser", "gpt"], "--reasoning-parser"),
+        (["--tool-call-parser", "xml"], "--tool-call-parser"),
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
     ],
 )
 def test_bad_flags_fail_clearly(flags, message, capsys):

@@ -13,6 +13,7 @@ the offline reference runs on it first, then the server takes it over.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -25,6 +26,7 @@ import openai
 import pytest
 from fakes import wait_until
 from harness import ServerThread
+from tool_cases import TOOLS, WEATHER_ASK, WEATHER_TIME_SCHEMAS, streamed_calls
 
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
@@ -72,7 +74,11 @@ def real():
         "chat": llm.chat(CHATS, GREEDY, use_tqdm=False),
     }
     server = ServerThread(
-        AsyncEngine(engine), served_model_name="smollm2", reasoning_parser="qwen3"
+        AsyncEngine(engine),
+        served_model_name="smollm2",
+        reasoning_parser="qwen3",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
     )
     server.ref = ref
     server.llm_engine = engine
@@ -150,11 +156,17 @@ def test_openai_greedy_equals_offline(real):
     assert content == ref["chat"][1].outputs[0].text
 
 
+@functools.cache
+def _hf_model(model_path: str):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
 def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> np.ndarray:
     """transformers' float32 log-probability of each prompt token after the first."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    hf = _hf_model(model_path)
     with torch.no_grad():
         logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1).numpy()
     return logp[np.arange(len(ids) - 1), ids[1:]]
@@ -342,6 +354,81 @@ def test_reasoning_parser_splits_think_blocks(real):
             parts["content"] += delta.content or ""
             parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
     assert parts == {"reasoning_content": reasoning, "content": content}
+
+
+def test_forced_tool_calls_parse_validate_and_stream(real):
+    """A named function and "required" (greedy and at temperature 0.8) return tool_calls
+    whose arguments parse and validate against the tool's schema; streamed deltas reassemble
+    to the same calls as the whole reply; a reply in Hermes' format (made so by a regex, tool
+    choice "auto") is parsed into tool_calls too."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, temperature in ((named, 0), ("required", 0), ("required", 0.8)):
+        ask = dict(
+            model="smollm2", messages=WEATHER_ASK, tools=TOOLS, tool_choice=choice,
+            temperature=temperature, seed=5, max_tokens=80, parallel_tool_calls=False,
+        )  # fmt: skip
+        c = client.chat.completions.create(**ask).choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        assert call.id and call.type == "function"
+        assert choice == "required" or call.function.name == "get_weather"
+        jsonschema.validate(
+            json.loads(call.function.arguments), WEATHER_TIME_SCHEMAS[call.function.name]
+        )
+        if temperature == 0:
+            calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
+            assert finish == "tool_calls"
+            assert calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+    hermes = (
+        r'<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
+    )
+    ask = dict(
+        model="smollm2", messages=WEATHER_ASK, tools=TOOLS, temperature=0.9, seed=2,
+        max_tokens=60, extra_body={"guided_regex": hermes},
+    )  # fmt: skip
+    m = client.chat.completions.create(**ask).choices[0].message
+    assert m.content is None and m.tool_calls[0].function.name == "get_time"
+    assert json.loads(m.tool_calls[0].function.arguments)["tz"] in ("UTC", "CET")
+    calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert finish == "tool_calls" and [c["name"] for c in calls] == ["get_time"]
+
+
+def test_tool_results_flow_into_the_next_turn(real, bundled_model_path):
+    """An assistant turn with tool_calls and a tool result are rendered into the prompt
+    (SmolLM2's template ignores tools: they are written into the messages) and the chat
+    answers; a chat's prompt_logprobs equal transformers' within 1e-3."""
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    first = client.chat.completions.create(
+        model="smollm2", messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
+        temperature=0, max_tokens=80, parallel_tool_calls=False,
+    ).choices[0].message  # fmt: skip
+    turns = [
+        *WEATHER_ASK,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny, 21 C"},
+    ]
+    tok = httpx.post(
+        real.http + "/tokenize", json={"messages": turns, "tools": TOOLS}, timeout=30
+    ).json()
+    rendered = httpx.post(real.http + "/detokenize", json={"tokens": tok["tokens"]}, timeout=30)
+    prompt = rendered.json()["prompt"]
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+    assert first.tool_calls[0].function.name in prompt and '"get_time"' in prompt
+    r = client.chat.completions.create(
+        model="smollm2", messages=turns, tools=TOOLS, tool_choice="none", temperature=0,
+        max_tokens=8,
+    )  # fmt: skip
+    assert r.usage.prompt_tokens == tok["count"] and r.choices[0].message.content
+    r = client.chat.completions.create(
+        model="smollm2", messages=CHATS[1], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    plp = r.model_extra["prompt_logprobs"]
+    ids = list(real.ref["chat"][1].prompt_token_ids)
+    assert plp[0] is None and len(plp) == len(ids)
+    got = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    np.testing.assert_allclose(got, _hf_prompt_logprobs(bundled_model_path, ids), atol=1e-3)
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):

@@ -1,0 +1,44 @@
+"""Tools and a question for the tool-call tests on the real model, and the reassembly of
+streamed tool-call deltas."""
+
+from __future__ import annotations
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed_calls(stream) -> tuple[list[dict], str | None]:
+    """Tool calls reassembled from OpenAI deltas (a call's first delta has its id and
+    name, later ones argument pieces), and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            if c.id is not None:
+                assert c.type == "function" and c.function.arguments == ""
+                calls[c.index] = {"name": c.function.name, "arguments": ""}
+            else:
+                calls[c.index]["arguments"] += c.function.arguments
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+WEATHER_TIME_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
