@@ -32,4 +32,3 @@ def test_bf16_dot_products_only_with_avx512_bf16_or_amx():
     assert features.has_bf16_dot(frozenset({"avx512_bf16"}))
     assert features.has_bf16_dot(frozenset({"amx_bf16"}))
     assert not features.has_bf16_dot(features.parse_flags(GRACE))  # no x86 kernel for arm64
-
