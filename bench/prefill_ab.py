@@ -71,6 +71,33 @@ def prefill_peak(model: str | None, prompt_len: int, repeats: int) -> dict[str, 
             "peak_gflop_s": peak / 1e9, "share": flops / t / peak}  # fmt: skip
 
 
+def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str) -> None:
+    """Bars of each variant's TTFT and ITL p50 / p99 (medians over rounds), one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, (what, p50, p99) in zip(
+        axes,
+        (("TTFT", "median_ttft_ms", "p99_ttft_ms"), ("ITL", "median_itl_ms", "p99_itl_ms")),
+        strict=True,
+    ):
+        xs = range(len(names))
+        for off, key, label in ((-0.2, p50, "p50"), (0.2, p99, "p99")):
+            vals = [statistics.median(r[key] for r in results[n]) for n in names]
+            bars = ax.bar([x + off for x in xs], vals, width=0.4, label=label)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel(f"{what} ms")
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -87,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prefill-peak", action="store_true")
+    p.add_argument("--plot", default=None, metavar="PNG", help="TTFT and ITL bars per variant")
     args = p.parse_args(argv)
     variants = args.variant or [_variant(v) for v in DEFAULT_VARIANTS]
     print(f"vLLM {check_vllm_python(args.vllm_python)} client from {args.vllm_python}")
@@ -125,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {rnd + 1} {name}: {figs}, ITL p99/p50 "
                       f"{r['p99_itl_ms'] / r['median_itl_ms']:.1f}x, load {r['load_avg']:.1f}",
                       flush=True)  # fmt: skip
+    if args.plot:
+        plot(results, args.plot, f"vllm bench serve: {args.num_prompts} requests, "
+             f"{args.input_len} in / {args.output_len} out, {args.concurrency} in flight "
+             f"({args.rounds} rounds, medians)")  # fmt: skip
+        print(f"wrote {args.plot}")
     base = variants[0][0]
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for _, k in KEYS}

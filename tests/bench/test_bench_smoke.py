@@ -266,8 +266,9 @@ def test_linear_dtypes_smoke():
 def test_dtype_ab_smoke(tmp_path, tiny_model):
     out = tmp_path / "ab.json"
     proc = _run(["bench/dtype_ab.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
-                 "--rounds", "1", "--max-model-len", "256", "--enforce-eager",
+                 "--rounds", "1", "--max-model-len", "256", "--enforce-eager", "--bf16-activations",
                  "--compare-hf", "2", "--compare-tokens", "4", "--json-out", str(out)])  # fmt: skip
     assert "bfloat16 speed-up at batch 2" in proc.stdout
+    assert "bfloat16-act speed-up at batch 2" in proc.stdout
     cmp = json.loads(out.read_text())["greedy_vs_hf"]
     assert cmp["requests"] == 2 and cmp["tokens"] == 8
