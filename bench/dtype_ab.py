@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from typing import Any
 
@@ -23,14 +24,23 @@ from step_breakdown import time_decode_steps
 from vllm_peer import compare_greedy, describe_agreement
 
 DTYPES = ("float32", "bfloat16")
+# --bf16-activations: a third engine, bfloat16 with its activations rounded to bfloat16
+# between layers (the CPU backend's choice before it kept them float32)
+BF16_ACT = "bfloat16-act"
 
 
 def _engine(args: argparse.Namespace, dtype: str) -> Any:
+    import dataclasses
+
     from jaxpaged import LLM
 
-    return LLM(args.model, dtype=dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.batch, enforce_eager=args.enforce_eager,
-               show_progress=False)  # fmt: skip
+    llm = LLM(args.model, dtype=dtype.split("-")[0], max_model_len=args.max_model_len,
+              max_num_seqs=args.batch, enforce_eager=args.enforce_eager or dtype == BF16_ACT,
+              show_progress=False)  # fmt: skip
+    if dtype == BF16_ACT:  # eager: its steps compile at first use, before the timed ones
+        runner = llm.engine.runner
+        runner.kernels = dataclasses.replace(runner.kernels, activation_dtype=None)
+    return llm
 
 
 def _hf_greedy(folder: str, work: list[Any]) -> list[list[int]]:
@@ -58,6 +68,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4, help="rounds per dtype, alternated")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
+    p.add_argument("--bf16-activations", action="store_true",
+                   help="also time bfloat16 with bfloat16 activations between layers")  # fmt: skip
     p.add_argument("--compare-hf", type=int, default=0, metavar="N")
     p.add_argument("--compare-tokens", type=int, default=64, help="tokens per compared prompt")
     p.add_argument("--json-out", default=None, help="with --compare-hf: the figures as JSON")
@@ -70,18 +82,27 @@ def main() -> int:
     tokenizer = load_tokenizer(folder)
     work = make_workload(tokenizer, num_prompts=args.batch, seed=0, max_prompt_words=200)
     prompts = [r.prompt_token_ids for r in work]
-    engines = {d: _engine(args, d) for d in DTYPES}
-    medians: dict[str, list[float]] = {d: [] for d in DTYPES}
+    from jaxpaged.kernels.cpu.features import bf16_dot_flags
+
+    print(f"CPU bfloat16 dot products: {', '.join(bf16_dot_flags()) or 'none'}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    dtypes = DTYPES + ((BF16_ACT,) if args.bf16_activations else ())
+    engines = {d: _engine(args, d) for d in dtypes}
+    medians: dict[str, list[float]] = {d: [] for d in dtypes}
     for rnd in range(args.rounds):
-        for d in DTYPES:
+        for d in dtypes:
             (timing,) = time_decode_steps(engines[d], prompts, batch=args.batch, steps=args.steps)
             medians[d].append(timing.median)
-        f32, bf16 = medians["float32"][-1], medians["bfloat16"][-1]
-        print(f"round {rnd + 1}: decode step at batch {args.batch}: float32 {f32 * 1e3:.1f} ms, "
-              f"bfloat16 {bf16 * 1e3:.1f} ms, bfloat16 speed-up {f32 / bf16:.2f}x", flush=True)  # fmt: skip
+        f32 = medians["float32"][-1]
+        parts = ", ".join(f"{d} {medians[d][-1] * 1e3:.1f} ms" for d in dtypes)
+        ups = ", ".join(f"{d} {f32 / medians[d][-1]:.2f}x" for d in dtypes[1:])
+        print(f"round {rnd + 1}: decode step at batch {args.batch}: {parts}; speed-up over "
+              f"float32: {ups} (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    for d in dtypes[1:]:
+        per = [f / b for f, b in zip(medians["float32"], medians[d], strict=True)]
+        print(f"{d} speed-up at batch {args.batch}: median {statistics.median(per):.2f}x "
+              f"(rounds: {', '.join(f'{u:.2f}x' for u in per)})")  # fmt: skip
     ups = [f / b for f, b in zip(medians["float32"], medians["bfloat16"], strict=True)]
-    print(f"bfloat16 speed-up at batch {args.batch}: median {statistics.median(ups):.2f}x "
-          f"(rounds: {', '.join(f'{u:.2f}x' for u in ups)})")  # fmt: skip
 
     if args.compare_hf:
         from jaxpaged import SamplingParams

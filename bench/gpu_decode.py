@@ -1,6 +1,9 @@
 """End-to-end decode throughput of a 1B-class Llama (random bf16 weights, no download) at
-several concurrencies, against the HBM roofline measured in the same run. Run by
-bench/gpu_bench.sh; ``--dry-run`` uses a tiny config on whatever JAX device there is.
+several concurrencies, against the HBM roofline measured in the same run: the throughput
+figure that bench/accelerator_check.sh (kernels, correctness, a short engine run) leaves out.
+
+    python bench/gpu_decode.py [--json-out FILE] [--attention-backend xla]
+    JAX_PLATFORMS=cpu python bench/gpu_decode.py --dry-run   # tiny config: checks the script
 
 Per concurrency S: S requests of --prompt-len random tokens are prefilled, a few decode steps
 run untimed (they compile the decode bucket: the engine runs with enforce_eager so only the

@@ -152,6 +152,11 @@ class CliForm:
     metavar: str | None = None
 
 
+# Prefill tokens a step with decodes may carry. Measured under `vllm bench serve` (16 in
+# flight, 256-token prompts, bench/serving.py --vllm-client): see bench/RESULTS.md.
+DEFAULT_PREFILL_WITH_DECODES = 64
+
+
 def _setting(default: Any, help: str, *flags: str, **cli: Any) -> Any:
     """A dataclass field with its help text and command-line form in the metadata."""
     return dataclasses.field(
@@ -216,6 +221,14 @@ class EngineArgs:
         "token budget of one step, prefill chunks plus decodes (default: "
         "max(512, min(2048, max_num_seqs)))",
         "--max-num-batched-tokens",
+        parse=positive_int,
+    )
+    max_prefill_tokens_with_decodes: int | None = _setting(
+        None,
+        "most prefill tokens in a step that also carries decodes, so a new prompt does not "
+        f"stall the running requests (default: {DEFAULT_PREFILL_WITH_DECODES}; "
+        "max_num_batched_tokens turns the cap off)",
+        "--max-prefill-tokens-with-decodes",
         parse=positive_int,
     )
     block_size: int = _setting(16, "tokens per KV cache block", "--block-size", parse=positive_int)
@@ -386,11 +399,15 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None and _is_int(self.max_num_seqs):
             max_num_batched_tokens = max(512, min(2048, self.max_num_seqs))
+        prefill_cap = self.max_prefill_tokens_with_decodes
+        if prefill_cap is None:
+            prefill_cap = DEFAULT_PREFILL_WITH_DECODES
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
+            max_prefill_tokens_with_decodes=prefill_cap,
         )
 
     def parallel_config(self) -> ParallelConfig:

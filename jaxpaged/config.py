@@ -109,18 +109,25 @@ class CacheConfig:
 class SchedulerConfig:
     """Per-step limits. ``max_num_batched_tokens`` is the step's token budget (prefill chunks
     plus one token per decode); ``max_num_seqs`` bounds the running requests, hence the
-    sequences in one step; ``max_model_len`` bounds prompt + output of one request."""
+    sequences in one step; ``max_model_len`` bounds prompt + output of one request.
+    ``max_prefill_tokens_with_decodes``: in a step that also carries decodes, the most
+    tokens its prefill chunks take together (None: the whole budget), so that a prompt
+    arriving does not hold every running decode up for the length of its prefill."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = "recompute"
+    max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and (not _is_int(cap) or cap < 1):
+            raise ValueError(f"max_prefill_tokens_with_decodes must be an int >= 1, got {cap!r}")
         if self.max_model_len < 2:
             raise ValueError(
                 f"max_model_len must be >= 2 (one prompt token and one output token), "

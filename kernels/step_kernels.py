@@ -31,10 +31,27 @@ class StepKernels:
     residual=None)`` does every matmul, over weights in the layout its backend packed them
     into (rows of x from ``num_rows`` on may come out as zeros); None leaves the matmuls to the
     model's XLA dots. ``argmax`` is greedy sampling's ``[R, V] float32 -> [R] int32``.
+    ``activation_dtype``: the dtype of the activations between the model's layers where the
+    kernels compute in another dtype than the params' (bfloat16 weights under a float32
+    matmul: the hidden states stay float32, never rounded to bfloat16 and widened again by
+    every norm, rotary and residual op); None: the params' dtype.
     """
 
     linear: Callable[..., jax.Array] | None = None
     argmax: Callable[[jax.Array], jax.Array] = argmax_xla
+    activation_dtype: str | None = None
+
+    def model_kwargs(self, num_rows: jax.Array | int) -> dict[str, object]:
+        """The keyword arguments of the model's forward for a step whose first ``num_rows``
+        rows are real: its ``linear_fn`` and ``activation_dtype`` where these kernels set
+        them (a model without a native matmul takes neither)."""
+        linear_fn = self.linear_fn(num_rows)
+        if linear_fn is None:
+            return {}
+        kw: dict[str, object] = {"linear_fn": linear_fn}
+        if self.activation_dtype is not None:
+            kw["activation_dtype"] = jnp.dtype(self.activation_dtype)
+        return kw
 
     def linear_fn(self, num_rows: jax.Array | int) -> Callable[..., jax.Array] | None:
         """The model's ``linear_fn`` for a step whose first ``num_rows`` rows are real (a

@@ -218,8 +218,9 @@ def _layer(
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
     x = linear_fn(attn, w["wo"], layer, residual=x)
 
-    if c.num_experts:
-        return x + _moe_mlp(rms_norm(x, layers["mlp_norm"][layer], eps), layers, layer, c), cache
+    if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype
+        h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
+        return x + _moe_mlp(h, layers, layer, c).astype(x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
@@ -298,12 +299,17 @@ class LlamaForCausalLM(nnx.Module):
         cache: Any = None,
         *,
         linear_fn: LinearFn | None = None,
+        activation_dtype: Any = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache as threaded through every layer's
-        ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`)."""
+        ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`).
+        ``activation_dtype``: the hidden states' dtype between layers (None: the params'),
+        e.g. float32 where a ``linear_fn`` computes bfloat16 weights in float32."""
         config = self.config
         linear_fn = linear_fn or linear_xla
         x = jnp.take(self.embed[...], tokens, axis=0)  # [T, D]
+        if activation_dtype is not None:
+            x = x.astype(activation_dtype)
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
         # host arrays can't take a traced index
         layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_param(v)}
@@ -367,11 +373,15 @@ def forward(
     attention_fn: AttentionFn = dense_causal_attention,
     cache: Any = None,
     linear_fn: LinearFn | None = None,
+    activation_dtype: Any = None,
 ) -> tuple[jax.Array, Any]:
     """`LlamaForCausalLM.__call__` over a params tree: the final-normed hidden states [T, D]
     and the cache."""
     model = LlamaForCausalLM.from_params(config, params)
-    return model(tokens, positions, attention_fn, cache, linear_fn=linear_fn)
+    return model(
+        tokens, positions, attention_fn, cache, linear_fn=linear_fn,
+        activation_dtype=activation_dtype,
+    )  # fmt: skip
 
 
 def compute_logits(

@@ -242,6 +242,9 @@ class Scheduler:
         runs."""
         self.pool.release_host_slots()
         budget = self.config.max_num_batched_tokens
+        prefill_cap = self.config.max_prefill_tokens_with_decodes
+        prefilled = 0  # tokens of this step's chunks of more than one token
+        decodes = 0  # sequences that feed one token in this step
         seqs: list[ScheduledSeq] = []
         scheduled: list[Request] = []
         fed: dict[str, int] = {}  # request id -> tokens it feeds in this step
@@ -251,8 +254,20 @@ class Scheduler:
         preempted: list[str] = []
         row_inits: list[StateRowInit] = []
 
+        def room() -> int:
+            """Tokens the next prefill chunk may take: the budget, and once the step
+            carries decodes no more than ``prefill_cap`` prefill tokens in all (one long
+            chunk would hold up every running decode for its whole length)."""
+            if prefill_cap is None or not decodes:
+                return budget
+            return min(budget, prefill_cap - prefilled)
+
         def emit(req: Request, start: int, n: int) -> None:
-            nonlocal budget
+            nonlocal budget, prefilled, decodes
+            if n == 1:
+                decodes += 1
+            else:
+                prefilled += n
             seqs.append(self._scheduled_seq(req, start, n))
             scheduled.append(req)
             fed[req.request_id] = n
@@ -283,13 +298,13 @@ class Scheduler:
         order = [r for r in self.running if not r.is_prefill]
         order += [r for r in self.running if r.is_prefill]
         for req in order:
-            if budget <= 0:
+            if room() <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or self._length_reached(req):
                 continue  # preempted earlier in this loop, or its last token is in flight
             if req.num_inflight and req.sampling_params.structured_output is not None:
                 continue  # its grammar's next mask needs the token in flight
-            n = min(req.num_total_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_total_tokens - req.num_computed_tokens, room())
             new_copies = self._allocate(req, n)
             while new_copies is None:
                 victim = next(r for r in reversed(self.running) if r not in scheduled)
@@ -305,9 +320,9 @@ class Scheduler:
 
         # 2. swapped, oldest first (once their in-flight token is known).
         if not preempted:
-            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.swapped and room() > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = min(req.num_tokens - req.num_computed_tokens, room())
                 if req.num_inflight or not self.pool.can_swap_in(
                     req.request_id, req.num_computed_tokens, n
                 ):
@@ -323,9 +338,9 @@ class Scheduler:
         # 3. waiting, first come first served (held n>1 samples are passed over).
         if not preempted and not self.swapped:
             held: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and room() > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.popleft()
-                admitted = None if req.num_inflight else self._admit(req, budget, held, fed)
+                admitted = None if req.num_inflight else self._admit(req, room(), held, fed)
                 if admitted is None:
                     self.waiting.appendleft(req)
                     break

@@ -195,9 +195,8 @@ def step(
 
     # The platform's matmul (a model the backend packed weights for takes it); none on
     # platforms that leave the matmuls to XLA's dots
-    linear_fn = kernels.linear_fn(batch.cu_q_lens[-1])
+    model_kw = kernels.model_kwargs(batch.cu_q_lens[-1])
     logits_fn = kernels.logits_fn(batch.num_seqs[0])
-    model_kw = {} if linear_fn is None else {"linear_fn": linear_fn}
     logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)

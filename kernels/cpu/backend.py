@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from .. import cpu
 from ..attention import default_backend
 from ..step_kernels import StepKernels, argmax_xla
-from . import host_malloc, huge_pages
+from . import features, host_malloc, huge_pages
 
 __all__ = ["CpuBackend", "WeightMap"]
 
@@ -40,6 +40,16 @@ class CpuBackend:
     native_attention: bool = False  # the "cpu" paged-attention backend
     native_linear: bool = False  # every matmul in cpu.linear, over weights in panel layout
     native_argmax: bool = False  # greedy sampling in cpu.argmax
+    # The hidden states' dtype between layers where it is not the params' (None: theirs).
+    # cpu.linear computes in float32 on every CPU (it widens bfloat16 weights as it reads
+    # them), so bfloat16 params under it keep float32 activations: bfloat16 storage, float32
+    # compute, and no bfloat16 rounding and widening around every norm, rotary and residual
+    # op (XLA:CPU runs each such op as convert, float32 op, convert).
+    activation_dtype: str | None = None
+    # Whether the CPU has bfloat16 dot products (AVX512-BF16 / AMX; features.has_bf16_dot).
+    # No kernel here uses them yet: the development machine lacks both, so such a kernel
+    # could not be tested. Recorded so that the choice can be made at run time.
+    bf16_dot: bool = False
 
     @classmethod
     def select(
@@ -55,10 +65,14 @@ class CpuBackend:
         (sharded weights take XLA's SPMD dots). The native matmul also needs float32 or
         bfloat16 weights with every output size a multiple of its panel width."""
         native = not sharded and (attention_backend or default_backend("cpu")) == "cpu"
+        linear = native and _linear_applies(params, map_matmul_weights)
+        narrow = linear and _matmul_dtypes(params, map_matmul_weights) != {jnp.dtype(jnp.float32)}
         return cls(
             native_attention=native,
-            native_linear=native and _linear_applies(params, map_matmul_weights),
+            native_linear=linear,
             native_argmax=native,
+            activation_dtype="float32" if narrow else None,
+            bf16_dot=features.has_bf16_dot(),
         )
 
     @property
@@ -67,6 +81,7 @@ class CpuBackend:
         return StepKernels(
             linear=cpu.linear if self.native_linear else None,
             argmax=cpu.argmax if self.native_argmax else argmax_xla,
+            activation_dtype=self.activation_dtype,
         )
 
     def pack_weights(self, params: Any, map_matmul_weights: WeightMap) -> Any:
@@ -88,17 +103,27 @@ class CpuBackend:
         return host_malloc.keep_step_buffers()
 
 
-def _linear_applies(params: Any, map_matmul_weights: WeightMap) -> bool:
-    """Whether cpu.linear can run every matmul of these params (shapes and dtypes only)."""
-    if not cpu.available():
-        return False
+def _matmul_views(params: Any, map_matmul_weights: WeightMap) -> list[tuple[int, jnp.dtype]]:
+    """(output size, dtype) of every matmul weight view pack_weights would pack."""
     views: list[tuple[int, jnp.dtype]] = []
 
-    def record(w: jax.Array) -> jax.Array:  # [L', N, K]: a view pack_weights would pack
+    def record(w: jax.Array) -> jax.Array:  # [L', N, K]
         views.append((w.shape[-2], jnp.dtype(w.dtype)))
         return w
 
     jax.eval_shape(lambda p: map_matmul_weights(p, record), params)
+    return views
+
+
+def _matmul_dtypes(params: Any, map_matmul_weights: WeightMap) -> set[jnp.dtype]:
+    return {dtype for _, dtype in _matmul_views(params, map_matmul_weights)}
+
+
+def _linear_applies(params: Any, map_matmul_weights: WeightMap) -> bool:
+    """Whether cpu.linear can run every matmul of these params (shapes and dtypes only)."""
+    if not cpu.available():
+        return False
+    views = _matmul_views(params, map_matmul_weights)
     # no views: the model leaves its matmuls to XLA
     return bool(views) and all(
         n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views

@@ -245,15 +245,15 @@ def test_serving_grpc_launch(tmp_path, tiny_model):
     assert row["tpot_mean_ms"] > 0 and row["itl_p50_ms"] > 0
 
 
-def test_gpu_bench_dry_run(tmp_path):
+def test_gpu_decode_dry_run(tmp_path):
     proc = subprocess.run(
-        ["bash", "bench/gpu_bench.sh", "--dry-run", "--concurrency", "1,2", "--decode-steps", "2",
-         "--warm-steps", "1"],
+        [sys.executable, "bench/gpu_decode.py", "--dry-run", "--concurrency", "1,2",
+         "--decode-steps", "2", "--warm-steps", "1", "--json-out", str(tmp_path / "gpu.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    result = json.loads((tmp_path / "gpu.json").read_text())
     assert [r["concurrency"] for r in result["rows"]] == [1, 2]
     assert all(r["running"] == r["concurrency"] and r["tok_s"] > 0 for r in result["rows"])
 
@@ -266,8 +266,9 @@ def test_linear_dtypes_smoke():
 def test_dtype_ab_smoke(tmp_path, tiny_model):
     out = tmp_path / "ab.json"
     proc = _run(["bench/dtype_ab.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
-                 "--rounds", "1", "--max-model-len", "256", "--enforce-eager",
+                 "--rounds", "1", "--max-model-len", "256", "--enforce-eager", "--bf16-activations",
                  "--compare-hf", "2", "--compare-tokens", "4", "--json-out", str(out)])  # fmt: skip
     assert "bfloat16 speed-up at batch 2" in proc.stdout
+    assert "bfloat16-act speed-up at batch 2" in proc.stdout
     cmp = json.loads(out.read_text())["greedy_vs_hf"]
     assert cmp["requests"] == 2 and cmp["tokens"] == 8

@@ -12,6 +12,7 @@ import pytest
 
 from jaxpaged.kernels import cpu
 from jaxpaged.kernels.cpu.backend import CpuBackend
+from jaxpaged.kernels.cpu.features import has_bf16_dot
 from jaxpaged.kernels.platform import XlaBackend, select_backend
 from jaxpaged.kernels.step_kernels import StepKernels
 from jaxpaged.models.llama import compute_logits, forward, linear_xla, map_matmul_weights
@@ -39,18 +40,25 @@ def _backend(params, cfg, attention_backend=None, *, sharded=False, platform="cp
 
 def _pack(params, cfg):
     backend = _backend(params, cfg)
-    assert backend.kernels == NATIVE
+    assert backend.kernels.linear is cpu.linear and backend.kernels.argmax is cpu.argmax
     return backend.pack_weights(params, _weight_map(cfg))
 
 
 def test_float32_or_bfloat16_single_cpu_device_uses_the_native_kernels():
+    """Both dtypes take the native kernels; bfloat16 params keep float32 activations, since
+    the native matmul computes in float32 on every CPU."""
     cfg = tiny_config()
     f32 = random_params(cfg)
     bf16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), f32)
-    for params, attention_backend in ((f32, None), (f32, "cpu"), (bf16, None)):
+    native = dict(native_attention=True, native_linear=True, native_argmax=True)
+    for params, attention_backend, act in (
+        (f32, None, None), (f32, "cpu", None), (bf16, None, "float32"),
+    ):  # fmt: skip
         backend = _backend(params, cfg, attention_backend)
-        assert backend == CpuBackend(native_attention=True, native_linear=True, native_argmax=True)
-        assert backend.kernels == NATIVE
+        assert backend == CpuBackend(**native, activation_dtype=act, bf16_dot=has_bf16_dot())
+        assert backend.kernels == StepKernels(
+            linear=cpu.linear, argmax=cpu.argmax, activation_dtype=act
+        )
 
 
 def test_other_setups_use_xla():
@@ -156,3 +164,34 @@ def test_bfloat16_model_with_the_native_matmul_tracks_float32(num_tokens):
     err_native, err_xla = rms_err(native), rms_err(xla_bf16)
     assert err_native < 0.02, err_native
     assert err_native <= 2.5 * err_xla, (err_native, err_xla)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 130])
+def test_bfloat16_weights_with_float32_activations_compute_exactly_in_float32(num_tokens):
+    """bfloat16 storage, float32 compute: the bf16 params through the native matmul with
+    float32 activations (what the CPU backend picks) give the logits of the same weights
+    widened to float32 through XLA's float32 dots, up to summation order; the embedding
+    lookup, norms and rotary never round to bfloat16 in between."""
+    cfg = tiny_config()
+    bf16 = jax.tree.map(
+        lambda a: jnp.asarray(a, jnp.bfloat16), random_params(cfg, seed=7 + num_tokens, scale=0.2)
+    )
+    widened = jax.tree.map(lambda a: a.astype(jnp.float32), bf16)
+    tokens = jax.random.randint(jax.random.key(3), (num_tokens,), 0, cfg.vocab_size)
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)
+    backend = _backend(bf16, cfg)
+    kernels = backend.kernels
+    assert kernels.activation_dtype == "float32"
+
+    def native(p):
+        hidden, _ = forward(p, tokens, positions, config=cfg, **kernels.model_kwargs(num_tokens))
+        assert hidden.dtype == jnp.float32
+        return compute_logits(p, hidden, config=cfg, linear_fn=kernels.logits_fn(num_tokens))
+
+    def exact(p):
+        hidden, _ = forward(p, tokens, positions, config=cfg, linear_fn=linear_xla)
+        return compute_logits(p, hidden, config=cfg)
+
+    want = np.asarray(jax.jit(exact)(widened))
+    got = np.asarray(jax.jit(native)(backend.pack_weights(bf16, _weight_map(cfg))))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)

@@ -1,0 +1,178 @@
+"""Prefill stalls under `vllm bench serve`: jaxpaged's server in two or more configurations
+(by default the prefill cap of steps with decodes off, and the default cap), each driven in
+turn by vLLM's own client at the same load, in alternating rounds, side by side.
+
+    python bench/prefill_ab.py --vllm-python VENV/bin/python [--rounds 2] [--num-prompts 64]
+        [--variant NAME="--flag value ..."] ... [--prefill-peak]
+
+Every variant's server is launched once and stays up (idle between its turns); the rounds
+alternate A, B, A, B so that both see the same minutes of this shared machine. Printed per
+run: output tok/s, TTFT p50/p99, ITL p50/p99 and the ITL p99 / p50 ratio, and the machine's
+load average; at the end the medians over rounds and each variant against the first.
+``--prefill-peak`` first times prefill steps of a 256-token prompt in one process and prints
+their FLOP rate against the machine's matmul peak (bench/roofline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from vllm_peer import check_vllm_python, run_vllm_bench_serve
+
+from serving import launched_server
+
+KEYS = (("output tok/s", "output_throughput"), ("TTFT p50", "median_ttft_ms"),
+        ("TTFT p99", "p99_ttft_ms"), ("ITL p50", "median_itl_ms"), ("ITL p99", "p99_itl_ms"))  # fmt: skip
+DEFAULT_VARIANTS = ("uncapped=--max-prefill-tokens-with-decodes 512", "default=")
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--variant wants NAME=FLAGS, got {text!r}")
+    return name, flags.split()
+
+
+def prefill_peak(model: str | None, prompt_len: int, repeats: int) -> dict[str, float]:
+    """Median time of one step that prefills a ``prompt_len``-token prompt alone, its
+    FLOP rate (matmuls and attention), and the machine's matmul peak measured right after."""
+    import numpy as np
+    from roofline import measure_peaks, param_count
+
+    from jaxpaged import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=1024, max_num_seqs=16, show_progress=False)
+    cfg = llm.engine.model_config
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(repeats):
+        prompt = rng.integers(100, cfg.vocab_size - 100, prompt_len).tolist()
+        llm.engine.add_request(f"p{len(times)}", prompt, params)
+        t0 = time.perf_counter()
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        times.append(time.perf_counter() - t0)
+    n = param_count(cfg)
+    flops = 2.0 * prompt_len * (cfg.num_layers * n["layer_matmul"] + n["lm_head"] / prompt_len)
+    flops += 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len * prompt_len
+    llm.engine.close()
+    del llm
+    peak = measure_peaks(repeats=3).matmul_flops
+    t = statistics.median(times)
+    return {"step_s": t, "tok_s": prompt_len / t, "gflop_s": flops / t / 1e9,
+            "peak_gflop_s": peak / 1e9, "share": flops / t / peak}  # fmt: skip
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str) -> None:
+    """Bars of each variant's TTFT and ITL p50 / p99 (medians over rounds), one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, (what, p50, p99) in zip(
+        axes,
+        (("TTFT", "median_ttft_ms", "p99_ttft_ms"), ("ITL", "median_itl_ms", "p99_itl_ms")),
+        strict=True,
+    ):
+        xs = range(len(names))
+        for off, key, label in ((-0.2, p50, "p50"), (0.2, p99, "p99")):
+            vals = [statistics.median(r[key] for r in results[n]) for n in names]
+            bars = ax.bar([x + off for x in xs], vals, width=0.4, label=label)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel(f"{what} ms")
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--vllm-python", required=True, metavar="PATH")
+    p.add_argument("--model", default=None)
+    p.add_argument("--variant", type=_variant, action="append", default=None,
+                   help=f"NAME=FLAGS for jaxpaged.serve (default: {DEFAULT_VARIANTS})")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefill-peak", action="store_true")
+    p.add_argument("--plot", default=None, metavar="PNG", help="TTFT and ITL bars per variant")
+    args = p.parse_args(argv)
+    variants = args.variant or [_variant(v) for v in DEFAULT_VARIANTS]
+    print(f"vLLM {check_vllm_python(args.vllm_python)} client from {args.vllm_python}")
+
+    from jaxpaged.models.resolve import resolve_model_folder
+
+    folder = str(resolve_model_folder(args.model))
+    if args.prefill_peak:
+        r = prefill_peak(args.model, args.input_len, repeats=5)
+        print(f"prefill of {args.input_len} tokens alone: {r['step_s'] * 1e3:.0f} ms, "
+              f"{r['tok_s']:.0f} tok/s, {r['gflop_s']:.1f} GFLOP/s = {r['share']:.0%} of the "
+              f"matmul peak ({r['peak_gflop_s']:.1f} GFLOP/s)", flush=True)  # fmt: skip
+
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+    with contextlib.ExitStack() as stack:
+        targets = {}
+        for name, flags in variants:
+            ns = argparse.Namespace(
+                model=args.model, host="127.0.0.1", server_log=None, launch_timeout=900.0,
+                served_model_name="m", dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, server_args=flags,
+            )  # fmt: skip
+            stack.enter_context(launched_server(ns))
+            targets[name] = copy.copy(ns)
+        for rnd in range(args.rounds):
+            for name, ns in targets.items():
+                load = os.getloadavg()[0]
+                r = run_vllm_bench_serve(
+                    args.vllm_python, base_url=f"http://{ns.host}:{ns.port}", model="m",
+                    tokenizer=folder, num_prompts=args.num_prompts, input_len=args.input_len,
+                    output_len=args.output_len, concurrency=args.concurrency, seed=rnd,
+                )  # fmt: skip
+                r["load_avg"] = (load + os.getloadavg()[0]) / 2
+                results[name].append(r)
+                figs = ", ".join(f"{label} {r[k]:.1f}" for label, k in KEYS)
+                print(f"round {rnd + 1} {name}: {figs}, ITL p99/p50 "
+                      f"{r['p99_itl_ms'] / r['median_itl_ms']:.1f}x, load {r['load_avg']:.1f}",
+                      flush=True)  # fmt: skip
+    if args.plot:
+        plot(results, args.plot, f"vllm bench serve: {args.num_prompts} requests, "
+             f"{args.input_len} in / {args.output_len} out, {args.concurrency} in flight "
+             f"({args.rounds} rounds, medians)")  # fmt: skip
+        print(f"wrote {args.plot}")
+    base = variants[0][0]
+    for name, runs in results.items():
+        med = {k: statistics.median(r[k] for r in runs) for _, k in KEYS}
+        ratio = statistics.median(r["p99_itl_ms"] / r["median_itl_ms"] for r in runs)
+        line = ", ".join(f"{label} {med[k]:.1f}" for label, k in KEYS)
+        print(f"median {name}: {line}, ITL p99/p50 {ratio:.1f}x")
+        if name != base:
+            pairs = list(zip(runs, results[base], strict=True))
+            vs = ", ".join(
+                f"{label} {statistics.median(a[k] / b[k] for a, b in pairs):.2f}x"
+                for label, k in KEYS
+            )
+            print(f"{name} / {base} (median of paired rounds): {vs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The prefill cap of steps that carry decodes (max_prefill_tokens_with_decodes): a new
+prompt is prefilled in chunks riding along with the running decodes instead of one step as
+long as the budget allows, against the hand-computable FakeRunner."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fake_runner import FakeRunner, check_invariants, make_request, reference_output, run
+
+from jaxpaged.args import DEFAULT_PREFILL_WITH_DECODES, EngineArgs
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.models.testing import tiny_config
+from jaxpaged.sched.scheduler import Scheduler
+
+
+def make(cap, *, budget=64, max_num_seqs=8):
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=256,
+            max_prefill_tokens_with_decodes=cap,
+        ),
+        CacheConfig(block_size=4),
+        num_blocks=64,
+    )
+    return sched, FakeRunner(64, 4, scheduler=sched)
+
+
+def step(sched, runner):
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    check_invariants(sched)
+    return {s.request_id: len(s.token_ids) for s in out.seqs}
+
+
+def test_a_prompt_arriving_among_decodes_is_fed_in_capped_chunks():
+    sched, runner = make(cap=8)
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
+    assert step(sched, runner) == {"a": 3}
+    prompt = list(range(1, 31))  # 30 tokens: chunks of 8, 8, 8, 6 beside a's decodes
+    sched.add_request(make_request("b", prompt, max_tokens=3))
+    fed = [step(sched, runner) for _ in range(5)]
+    assert fed == [{"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 6},
+                   {"a": 1, "b": 1}]  # fmt: skip
+    outputs = run(sched, runner)
+    assert outputs["b"] == reference_output(prompt, 3)
+    assert sched.requests == {} and sched.pool.num_free_blocks == sched.pool.num_blocks
+
+
+def test_without_decodes_a_prefill_takes_the_whole_budget():
+    sched, runner = make(cap=8, budget=64)
+    sched.add_request(make_request("a", list(range(1, 41)), max_tokens=2))
+    sched.add_request(make_request("b", list(range(2, 42)), max_tokens=2))
+    # no request decodes yet: a whole 40-token prompt and 24 of the next
+    assert step(sched, runner) == {"a": 40, "b": 24}
+    # a decodes now: b's last 16 prompt tokens in two capped chunks
+    assert step(sched, runner) == {"a": 1, "b": 8}
+    assert step(sched, runner) == {"b": 8}  # a finished (2 tokens): b alone, uncapped
+    assert run(sched, runner)["b"] == reference_output(list(range(2, 42)), 2)
+
+
+def test_waiting_prompts_share_the_cap():
+    sched, runner = make(cap=8)
+    sched.add_request(make_request("a", [1, 2], max_tokens=10))
+    step(sched, runner)
+    for k, rid in enumerate("bcd"):  # distinct prompts: no prefix-cache hits
+        sched.add_request(make_request(rid, [10 * k + t for t in range(4, 10)], max_tokens=1))
+    assert step(sched, runner) == {"a": 1, "b": 6, "c": 2}  # d waits: the cap is spent
+    assert step(sched, runner) == {"a": 1, "c": 4, "d": 4}
+
+
+def test_no_cap_keeps_the_budget():
+    sched, runner = make(cap=None, budget=64)
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
+    step(sched, runner)
+    sched.add_request(make_request("b", list(range(1, 51)), max_tokens=1))
+    assert step(sched, runner) == {"a": 1, "b": 50}
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "64"])
+def test_a_bad_cap_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=bad)
+
+
+def test_engine_args_default_and_flag():
+    cfg = tiny_config()
+    assert (
+        EngineArgs().scheduler_config(cfg).max_prefill_tokens_with_decodes
+        == DEFAULT_PREFILL_WITH_DECODES
+    )
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--max-prefill-tokens-with-decodes", "512"]))
+    assert args.scheduler_config(cfg).max_prefill_tokens_with_decodes == 512
+    with pytest.raises(SystemExit):  # argparse: not a positive int
+        parser.parse_args(["--max-prefill-tokens-with-decodes", "0"])
