@@ -38,6 +38,7 @@ from jaxpaged.models.config import ModelConfig
 __all__ = [
     "ATTENTION_BACKENDS",
     "DTYPES",
+    "QUANTIZATIONS",
     "CliForm",
     "EngineArgs",
     "fraction",
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# jaxpaged.models.quant.QUANTIZATIONS (not imported here: this module stays free of JAX)
+QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -197,6 +200,14 @@ class EngineArgs:
         "--dtype",
         choices=DTYPES,
     )
+    quantization: str | None = _setting(
+        None,
+        "weight-only quantization applied at load: int8 or fp8 (e4m3) values with one "
+        "float32 scale per output channel, dequantized inside each matmul (unset: none)",
+        "-q",
+        "--quantization",
+        choices=QUANTIZATIONS,
+    )
     tensor_parallel_size: int = _setting(
         1,
         "devices the weights and KV pool are split over (all hosts together)",
@@ -309,6 +320,10 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
         object.__setattr__(
             self, "swap_space", _normalise_size("swap_space", self.swap_space, parse_gib)

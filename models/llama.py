@@ -38,6 +38,8 @@ from flax import nnx
 
 from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
+from .quant.matmul import quantized_matmul
+from .quant.weights import QuantizedWeight
 from .rope import rope_attention_factor, rope_inv_freq
 
 
@@ -135,7 +137,10 @@ def linear_xla(
         x = jax.nn.silu(silu_gate) * x
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
-    y = jnp.einsum("ti,oi->to", x, w[index])
+    if isinstance(w, QuantizedWeight):  # dequantized in the dot, scaled per output after
+        y = quantized_matmul(x, w[index])
+    else:
+        y = jnp.einsum("ti,oi->to", x, w[index])
     return y if residual is None else residual + y
 
 
@@ -171,7 +176,7 @@ def streamed_weights(params: Params) -> list[jax.Array]:
     """The arrays every decode step reads in full: each layer's weights and norms and the
     vocabulary projection (not the embedding table, of which a step reads a few rows, unless
     it doubles as the projection)."""
-    return [*jax.tree.leaves(params["layers"]), _vocab_projection(params)]
+    return [*jax.tree.leaves(params["layers"]), *jax.tree.leaves(_vocab_projection(params))]
 
 
 def _vocab_projection(params: Params) -> jax.Array:  # [V, D]
@@ -312,7 +317,11 @@ class LlamaForCausalLM(nnx.Module):
             x = x.astype(activation_dtype)
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
         # host arrays can't take a traced index
-        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_param(v)}
+        layers = {
+            k: jax.tree.map(jnp.asarray, v.value)
+            for k, v in vars(self.layers).items()
+            if _is_param(v)
+        }
 
         def body(carry, layer):
             x, cache = carry
@@ -332,9 +341,11 @@ class LlamaForCausalLM(nnx.Module):
         linear_fn: LinearFn | None = None,
     ) -> jax.Array:
         """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``)."""
-        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]  # [V, D]
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed).value  # [V, D]
         if linear_fn is not None:
             return linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        if isinstance(w, QuantizedWeight):
+            return quantized_matmul(hidden, w).astype(jnp.float32)
         return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
 
     # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.

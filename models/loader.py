@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from .config import GPT_MODEL_TYPES, ModelConfig
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
+from .quant import QuantizedWeight, check_quantization, quantize_params
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -302,9 +303,59 @@ def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -
                 for k, v in node.items()
             }
         sharding = _leaf_sharding(shardings, prefix, node.shape, shard_node)
+        if isinstance(node, QuantizedWeight):  # the scales split where the values do
+            if sharding is None:
+                return jax.tree.map(jnp.asarray, node)
+            return QuantizedWeight(
+                jax.device_put(node.values, sharding),
+                jax.device_put(node.scales, scales_sharding(sharding, node)),
+            )
         return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
 
     return put(host, None if callable(shardings) else shardings, "")
+
+
+def scales_sharding(sharding: Any, weight: QuantizedWeight) -> Any:
+    """The sharding of a quantized weight's scales given its values': the same split, except
+    over the contracted axes, which the scales hold once (size 1), replicated."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
+    kept = [
+        None if s == 1 and v != 1 else axis
+        for axis, s, v in zip(spec, weight.scales.shape, weight.values.shape, strict=True)
+    ]
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
+
+
+# quant_method of a checkpoint's quantization_config that jaxpaged does not read yet
+_PREQUANTIZED_FORMATS = {
+    "compressed-tensors": "compressed-tensors",
+    "awq": "AWQ",
+    "gptq": "GPTQ",
+    "fp8": "FP8 (block-scaled)",
+    "bitsandbytes": "bitsandbytes",
+    "marlin": "Marlin",
+}
+
+
+def check_checkpoint_quantization(folder: str) -> None:
+    """ValueError naming the format of a pre-quantized checkpoint (a ``quantization_config``
+    in its config.json): reading its packed tensors as floats would load garbage."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        qc = json.load(f).get("quantization_config")
+    if not qc:
+        return
+    method = str(qc.get("quant_method", "unknown")).lower()
+    name = _PREQUANTIZED_FORMATS.get(method, method)
+    raise ValueError(
+        f"checkpoint {folder!r} is pre-quantized ({name}, quantization_config.quant_method="
+        f"{method!r}); jaxpaged does not load {name} checkpoints yet: load its float "
+        "checkpoint with quantization='int8' or 'fp8' instead"
+    )
 
 
 def load_model(
@@ -314,19 +365,27 @@ def load_model(
     shardings: Shardings | None = None,
     progress: bool = True,
     host_transform: HostTransform | None = None,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, Params]:
     """Load a Llama-family model from a local folder or a hub id: (config, params on device).
 
     `dtype` is "float32", "bfloat16", "float16" or None (see the module docstring).
     `host_transform(config, host_params) -> (config, host_params)` rewrites the host arrays
     before they go to the device (tensor parallelism uses it to replicate KV heads).
+    `quantization` ("int8", "fp8" or None) quantizes the matmul weights on the host after
+    that (`quant.quantize_params`), so only the quantized bytes reach the device.
     """
     folder = resolve_model_path(model)
+    check_checkpoint_quantization(folder)
     config = ModelConfig.from_pretrained(folder)
     np_dtype = _choose_dtype(dtype, config)
+    if quantization is not None:  # refuse before reading any weight
+        check_quantization(config, quantization)
     host = load_host_params(folder, config, np_dtype, progress=progress)
     if host_transform is not None:
         config, host = host_transform(config, host)
+    if quantization is not None:
+        host = quantize_params(host, config, quantization)
     return config, put_on_device(host, shardings)
 
 

@@ -25,6 +25,7 @@ def load_params(
     mesh: Mesh | None = None,
     dtype: str | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, Params]:
     """(config, params) from a Hugging Face folder or an Orbax folder written by
     ``python -m jaxpaged.convert``, each weight sent straight to its shards on ``mesh``
@@ -33,9 +34,14 @@ def load_params(
 
     folder = os.fspath(folder)
     if orbax.is_orbax_model(folder):
+        if quantization is not None:
+            raise ValueError(
+                f"quantization={quantization!r} is not supported for Orbax folders yet "
+                "(load the Hugging Face checkpoint instead)"
+            )
         return orbax.restore(folder, mesh=mesh, dtype=dtype)
     if mesh is None:
-        return load_model(folder, dtype=dtype, progress=progress)
+        return load_model(folder, dtype=dtype, progress=progress, quantization=quantization)
     n = mesh_size(mesh)
     config = ModelConfig.from_pretrained(folder)
     kv_replication(config, n)  # fail before reading any weight
@@ -49,4 +55,5 @@ def load_params(
         shardings=param_sharding_fn(mesh),
         progress=progress,
         host_transform=transform,
+        quantization=quantization,
     )

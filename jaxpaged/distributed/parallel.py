@@ -47,6 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.config import LLAMA_MODEL_TYPES, ModelConfig
 from jaxpaged.models.llama import Params
+from jaxpaged.models.loader import scales_sharding
+from jaxpaged.models.quant import QuantizedWeight
 
 AXIS = "tp"
 
@@ -143,6 +145,8 @@ def replicate_kv_heads(
 
     def split_qkv(w: np.ndarray, head_axis: int) -> np.ndarray:
         # [..., Hkv, G + 2, hd, ...] -> [..., Hkv * r, G / r + 2, hd, ...]
+        if isinstance(w, QuantizedWeight):  # scales [L, Hkv, G + 2, hd, 1] split alike
+            return QuantizedWeight(split_qkv(w.values, head_axis), split_qkv(w.scales, head_axis))
         w = np.asarray(w)
         w = np.moveaxis(w, (head_axis, head_axis + 1), (0, 1))  # [Hkv, G + 2, *rest]
         rest = w.shape[2:]
@@ -154,7 +158,8 @@ def replicate_kv_heads(
     layers["wqkv"] = split_qkv(layers["wqkv"], 1)  # [L, Hkv, G + 2, hd, D]
     if "bqkv" in layers:
         layers["bqkv"] = split_qkv(layers["bqkv"], 1)  # [L, Hkv, G + 2, hd]
-    wo = np.asarray(layers["wo"])  # [L, D, Hkv, G, hd]; query-head order is unchanged
+    wo = layers["wo"]  # [L, D, Hkv, G, hd]; query-head order is unchanged
+    wo = wo if isinstance(wo, QuantizedWeight) else np.asarray(wo)
     layers["wo"] = wo.reshape(*wo.shape[:2], hkv * r, gr, wo.shape[4])
     params["layers"] = layers
     return tp_config(config, tensor_parallel_size), params
@@ -193,6 +198,9 @@ def param_shardings(params_or_shapes: Mapping[str, Any], mesh: Mesh) -> dict[str
         if isinstance(node, Mapping):
             return {k: walk(v, f"{prefix}/{k}" if prefix else k) for k, v in node.items()}
         shape = node if isinstance(node, tuple) else tuple(node.shape)
+        if isinstance(node, QuantizedWeight):  # values split as the float leaf, scales alike
+            values = fn(prefix, shape)
+            return QuantizedWeight(values, scales_sharding(values, node))
         return fn(prefix, shape)
 
     return walk(params_or_shapes, "")

@@ -281,6 +281,10 @@ class LLMEngine:
             loaded = True
         else:
             cls._check_in_memory(args, model_config, params)
+            if args.quantization is not None:  # quantized on the host, then placed as loaded
+                from jaxpaged.models.quant import quantize_params
+
+                params = quantize_params(jax.device_get(params), model_config, args.quantization)
             loaded = False
         engine = cls(
             model_config=model_config,
@@ -329,7 +333,11 @@ class LLMEngine:
         )
         # Orbax folders (jaxpaged.convert) are detected
         model_config, params = load_params(
-            folder, mesh=mesh, dtype=args.load_dtype, progress=args.show_progress
+            folder,
+            mesh=mesh,
+            dtype=args.load_dtype,
+            progress=args.show_progress,
+            quantization=args.quantization,
         )
         eos = load_eos_token_ids(folder, model_config)
         return model_config, params, load_tokenizer(folder), eos

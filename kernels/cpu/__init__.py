@@ -28,11 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_native.cc", _HERE / "cpu_linear.cc", _HERE / "cpu_argmax.cc")
+_SOURCES = (
+    _HERE / "cpu_native.cc",
+    _HERE / "cpu_linear.cc",
+    _HERE / "cpu_linear_q8.cc",
+    _HERE / "cpu_argmax.cc",
+)
 _HEADERS = (_HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
 _TARGET = "jaxpaged_paged_attention"
 _QUANT_TARGET = "jaxpaged_paged_attention_quant"  # 8-bit pools with per-(token, head) scales
 _LINEAR_TARGET = "jaxpaged_linear"
+_LINEAR_Q8_TARGET = "jaxpaged_linear_q8"
 _WRITE_KV_TARGET = "jaxpaged_write_kv"
 _ARGMAX_TARGET = "jaxpaged_argmax"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")
@@ -101,6 +107,7 @@ def _register() -> str | None:
                 (_TARGET, lib.JaxpagedPagedAttention),
                 (_QUANT_TARGET, lib.JaxpagedPagedAttentionQuant),
                 (_LINEAR_TARGET, lib.JaxpagedLinear),
+                (_LINEAR_Q8_TARGET, lib.JaxpagedLinearQ8),
                 (_WRITE_KV_TARGET, lib.JaxpagedWriteKV),
                 (_ARGMAX_TARGET, lib.JaxpagedArgmax),
             ):

@@ -26,6 +26,7 @@ from .. import cpu
 from ..attention import default_backend
 from ..step_kernels import StepKernels, argmax_xla
 from . import features, host_malloc, huge_pages
+from .linear_q8 import is_int8_weight, linear_q8, pack_panels_q8
 
 __all__ = ["CpuBackend", "WeightMap"]
 
@@ -39,6 +40,9 @@ class CpuBackend:
 
     native_attention: bool = False  # the "cpu" paged-attention backend
     native_linear: bool = False  # every matmul in cpu.linear, over weights in panel layout
+    # with native_linear: every matmul weight is int8 with per-output scales (models/quant),
+    # run by linear_q8 over q8 panels
+    int8_weights: bool = False
     native_argmax: bool = False  # greedy sampling in cpu.argmax
     # The hidden states' dtype between layers where it is not the params' (None: theirs).
     # cpu.linear computes in float32 on every CPU (it widens bfloat16 weights as it reads
@@ -65,11 +69,14 @@ class CpuBackend:
         (sharded weights take XLA's SPMD dots). The native matmul also needs float32 or
         bfloat16 weights with every output size a multiple of its panel width."""
         native = not sharded and (attention_backend or default_backend("cpu")) == "cpu"
-        linear = native and _linear_applies(params, map_matmul_weights)
-        narrow = linear and _matmul_dtypes(params, map_matmul_weights) != {jnp.dtype(jnp.float32)}
+        kind = _linear_kind(params, map_matmul_weights) if native else None
+        narrow = kind == "float" and {
+            dtype for _, _, dtype, _ in _matmul_views(params, map_matmul_weights)
+        } != {jnp.dtype(jnp.float32)}
         return cls(
             native_attention=native,
-            native_linear=linear,
+            native_linear=kind is not None,
+            int8_weights=kind == "int8",
             native_argmax=native,
             activation_dtype="float32" if narrow else None,
             bf16_dot=features.has_bf16_dot(),
@@ -78,8 +85,9 @@ class CpuBackend:
     @property
     def kernels(self) -> StepKernels:
         """What the jitted step calls."""
+        native = linear_q8 if self.int8_weights else cpu.linear
         return StepKernels(
-            linear=cpu.linear if self.native_linear else None,
+            linear=native if self.native_linear else None,
             argmax=cpu.argmax if self.native_argmax else argmax_xla,
             activation_dtype=self.activation_dtype,
         )
@@ -89,7 +97,7 @@ class CpuBackend:
         layout (one copy) under the native matmul, else the params as they are."""
         if not self.native_linear:
             return params
-        return map_matmul_weights(params, cpu.pack_panels)
+        return map_matmul_weights(params, pack_panels_q8 if self.int8_weights else cpu.pack_panels)
 
     def back_with_huge_pages(self, arrays: Iterable[jax.Array]) -> int:
         """Moves the weights a step streams onto 2 MiB pages; the bytes moved."""
@@ -103,28 +111,31 @@ class CpuBackend:
         return host_malloc.keep_step_buffers()
 
 
-def _matmul_views(params: Any, map_matmul_weights: WeightMap) -> list[tuple[int, jnp.dtype]]:
-    """(output size, dtype) of every matmul weight view pack_weights would pack."""
-    views: list[tuple[int, jnp.dtype]] = []
+def _matmul_views(
+    params: Any, map_matmul_weights: WeightMap
+) -> list[tuple[int, int, jnp.dtype, bool]]:
+    """(output size, input size, dtype, int8-quantized) of every matmul weight view
+    pack_weights would pack."""
+    views: list[tuple[int, int, jnp.dtype, bool]] = []
 
-    def record(w: jax.Array) -> jax.Array:  # [L', N, K]
-        views.append((w.shape[-2], jnp.dtype(w.dtype)))
+    def record(w: Any) -> Any:  # [L', N, K]
+        views.append((w.shape[-2], w.shape[-1], jnp.dtype(w.dtype), is_int8_weight(w)))
         return w
 
     jax.eval_shape(lambda p: map_matmul_weights(p, record), params)
     return views
 
 
-def _matmul_dtypes(params: Any, map_matmul_weights: WeightMap) -> set[jnp.dtype]:
-    return {dtype for _, dtype in _matmul_views(params, map_matmul_weights)}
-
-
-def _linear_applies(params: Any, map_matmul_weights: WeightMap) -> bool:
-    """Whether cpu.linear can run every matmul of these params (shapes and dtypes only)."""
+def _linear_kind(params: Any, map_matmul_weights: WeightMap) -> str | None:
+    """Which native matmul runs every matmul of these params (shapes and dtypes only):
+    "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized) or None (XLA's)."""
     if not cpu.available():
-        return False
+        return None
     views = _matmul_views(params, map_matmul_weights)
-    # no views: the model leaves its matmuls to XLA
-    return bool(views) and all(
-        n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES for n, dtype in views
-    )
+    if not views or any(n % cpu.PANEL for n, _, _, _ in views):
+        return None  # no views: the model leaves its matmuls to XLA
+    if all(dtype in cpu.LINEAR_DTYPES and not q for _, _, dtype, q in views):
+        return "float"
+    if all(q and k % 2 == 0 for _, k, _, q in views):
+        return "int8"
+    return None

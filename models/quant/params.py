@@ -1,0 +1,68 @@
+"""Quantize a Llama-family params tree at load: every matmul weight that ``linear_fn``
+receives becomes a `QuantizedWeight`; norms, biases, the embedding table, the MoE router
+and experts (XLA einsums of their own) stay float."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..config import GPT_MODEL_TYPES, ModelConfig
+from .weights import METHODS, QuantizedWeight, quantize_array
+
+__all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_params", "weight_bytes"]
+
+QUANTIZATIONS = tuple(METHODS)  # the methods `quantize_params` applies to a float checkpoint
+
+# leaf under "layers" -> how many trailing axes its matmul contracts (models/llama.py layout)
+_LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
+
+
+def is_quantized(params: Any) -> bool:
+    """Whether any leaf of ``params`` is a `QuantizedWeight`."""
+    if isinstance(params, QuantizedWeight):
+        return True
+    if isinstance(params, Mapping):
+        return any(is_quantized(v) for v in params.values())
+    return False
+
+
+def check_quantization(config: ModelConfig, method: str) -> None:
+    """ValueError unless ``method`` is a known quantization that applies to ``config``'s
+    family (checked before any weight is read)."""
+    if method not in METHODS:
+        raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
+    if config.model_type in GPT_MODEL_TYPES:
+        raise ValueError(
+            f"quantization={method!r} is not supported for model_type {config.model_type!r} "
+            "(the Llama family only)"
+        )
+
+
+def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str) -> dict:
+    """Host params (numpy, the `llama.param_shapes` tree) with their matmul weights
+    quantized by ``method`` ("int8" or "fp8", per output channel). Tied embeddings keep the
+    float table for the lookup and get a quantized "lm_head" of their own, since the
+    vocabulary projection is a fifth of a small model's streamed bytes."""
+    check_quantization(config, method)
+    if is_quantized(params):
+        raise ValueError(f"quantization={method!r}: the params are already quantized")
+    layers = dict(params["layers"])
+    for name, in_axes in _LAYER_IN_AXES.items():
+        if name in layers:
+            layers[name] = quantize_array(layers[name], in_axes, method)
+    out = {**params, "layers": layers}
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
+    out["lm_head"] = quantize_array(head, 1, method)
+    return out
+
+
+def weight_bytes(params: Any) -> int:
+    """Bytes of every array in ``params`` (values and scales of quantized weights)."""
+    if isinstance(params, Mapping):
+        return sum(weight_bytes(v) for v in params.values())
+    if isinstance(params, QuantizedWeight):
+        return params.nbytes
+    return int(np.asarray(params).nbytes) if not hasattr(params, "nbytes") else int(params.nbytes)
