@@ -208,9 +208,7 @@ def lora_delta(
         xa = jnp.einsum("ti,sri->tsr", x, a, preferred_element_type=jnp.float32)
         mine = lora.slots[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None]  # [T, S]
         xa = jnp.where(mine[:, :, None], xa, 0.0).astype(x.dtype)
-        return jnp.einsum("tsr,sor->to", xa, b, preferred_element_type=jnp.float32).astype(
-            x.dtype
-        )
+        return jnp.einsum("tsr,sor->to", xa, b, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def none(_):
         return jnp.zeros((x.shape[0], b.shape[1]), x.dtype)

@@ -11,7 +11,6 @@ input, so loading and unloading adapters while serving compiles nothing after th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -21,24 +20,7 @@ import numpy as np
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.lora import LoraWeights, load_peft_adapter, site_shapes
 
-__all__ = ["LoRARequest", "LoraAdapters"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRARequest:
-    """An adapter a request runs with (vLLM's ``LoRARequest(lora_name, lora_int_id,
-    lora_path)``): registered under ``lora_name`` on first use, loaded from ``lora_path``
-    (a PEFT folder: adapter_config.json + adapter_model.safetensors)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.lora_name:
-            raise ValueError("LoRARequest: lora_name must not be empty")
-        if self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest: lora_int_id must be >= 1, got {self.lora_int_id}")
+__all__ = ["LoraAdapters"]
 
 
 SlotArrays = dict[str, tuple[jax.Array, jax.Array]]  # site -> (A [L, S, r', in], B [L, S, out, r'])
