@@ -129,6 +129,9 @@ class ServingConfig:
     chat_template: str | None = None  # template text (a file is read by the CLI)
     enable_weight_updates: bool = False  # serve jaxpaged.v1.Admin (UpdateWeights) over gRPC
     reasoning_parser: str | None = None  # splits <think>...</think> into reasoning_content
+    # serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also with the environment
+    # variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.served_model_aliases):
@@ -431,8 +434,10 @@ class Frontend:
         params: SamplingParams,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> RequestHandle:
-        """Admits one request to the engine; its handle yields outputs of `output_kind`
+        """Admits one request to the engine (with the LoRA adapter `lora_name`, if given);
+        its handle yields outputs of `output_kind`
         (DELTA to stream, FINAL_ONLY for one complete output). Raises InvalidRequest (bad
         prompt or params), Overloaded (queue full), Unavailable (loading, draining or engine
         dead)."""
@@ -452,7 +457,10 @@ class Frontend:
         self._admitting += 1
         try:
             # the engine tokenizes and validates off the loop; a cancel meanwhile queues nothing
-            stream = await engine.add_request(request_id, prompt, params, output_kind=output_kind)
+            lora = {} if lora_name is None else {"lora_name": lora_name}
+            stream = await engine.add_request(
+                request_id, prompt, params, output_kind=output_kind, **lora
+            )
         except EngineDeadError as e:
             self.mark_failed(e)
             raise Unavailable(f"server not ready: the engine failed ({e!r})") from e

@@ -227,8 +227,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     [{"role": m.role, "content": m.content} for m in request.chat.messages]
                 )
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            lora = {"lora_name": request.lora_name} if request.lora_name else {}
             handle = await frontend.open(
-                rid, prompt, params, output_kind=output_kind_for(stream=request.stream)
+                rid, prompt, params, output_kind=output_kind_for(stream=request.stream), **lora
             )
         except ServingError as e:
             await self._fail(context, e)
