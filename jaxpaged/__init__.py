@@ -14,6 +14,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "jaxpaged.llm",
+    "LoRARequest": "jaxpaged.lora_request",
     "generate": "jaxpaged.generate",
     "Generator": "jaxpaged.generate",
     "CompletionOutput": "jaxpaged.outputs",

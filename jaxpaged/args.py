@@ -29,6 +29,7 @@ from jaxpaged.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     CacheConfig,
+    LoraConfig,
     ParallelConfig,
     ProcessConfig,
     SchedulerConfig,
@@ -153,6 +154,7 @@ class CliForm:
     parse: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    nargs: str | None = None
 
 
 # Prefill tokens a step with decodes may carry. Measured under `vllm bench serve` (16 in
@@ -313,6 +315,28 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
+    enable_lora: bool = _setting(
+        False,
+        "serve LoRA adapters over the base model (Llama family): requests choose one by name",
+        "--enable-lora",
+    )
+    max_loras: int = _setting(
+        1,
+        "LoRA adapters on the device at once; requests of further adapters wait for a slot",
+        "--max-loras",
+        parse=positive_int,
+    )
+    max_lora_rank: int = _setting(
+        16, "the largest LoRA rank an adapter may have", "--max-lora-rank", parse=positive_int
+    )
+    lora_modules: tuple[str, ...] | dict[str, str] = _setting(
+        (),
+        "LoRA adapters registered at start-up, as name=path (a PEFT folder: "
+        "adapter_config.json + adapter_model.safetensors); Python: also a dict name -> path",
+        "--lora-modules",
+        metavar="NAME=PATH",
+        nargs="+",
+    )
     logits_processors: tuple[Any, ...] = _setting(
         (),
         "jittable logits processors (jaxpaged.worker.logits_processors.LogitsProcessor) that "
@@ -425,6 +449,14 @@ class EngineArgs:
             max_prefill_tokens_with_decodes=prefill_cap,
         )
 
+    def lora_config(self) -> LoraConfig:
+        return LoraConfig(
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            modules=LoraConfig.parse_modules(self.lora_modules),
+        )
+
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
 
@@ -472,6 +504,8 @@ def _argparse_kwargs(f: dataclasses.Field[Any], default: Any) -> dict[str, Any]:
         kwargs["choices"] = cli.choices
     if cli.metavar is not None:
         kwargs["metavar"] = cli.metavar
+    if cli.nargs is not None:
+        kwargs["nargs"] = cli.nargs
     return kwargs
 
 

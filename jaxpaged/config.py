@@ -7,6 +7,7 @@
   on: a prompt longer than the step's token budget is split over several steps.
 * :class:`ParallelConfig`: tensor parallelism over a device mesh.
 * :class:`ProcessConfig`: the process-wide settings an engine applies only when asked.
+* :class:`LoraConfig`: multi-LoRA serving (adapter slots, their rank, adapters at start-up).
 
 Every bad value raises ``ValueError`` naming the field, so a typo in a flag fails at start-up
 and not in the middle of serving.
@@ -23,6 +24,7 @@ from jaxpaged.models.config import ModelConfig
 __all__ = [
     "GiB",
     "CacheConfig",
+    "LoraConfig",
     "ModelConfig",
     "ParallelConfig",
     "PreemptionMode",
@@ -179,3 +181,42 @@ class ProcessConfig:
                 "compile_cache_dir must be a folder (a non-empty str) or None, got "
                 f"{self.compile_cache_dir!r}"
             )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Multi-LoRA serving: ``max_loras`` adapters on the device at once (each of rank up to
+    ``max_lora_rank``), ``modules`` the (name, PEFT folder) pairs registered at start-up.
+    Off (``enable_lora`` False), nothing LoRA is compiled or allocated."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True (--enable-lora)")
+        names = [n for n, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: adapter names must be unique, got {names}")
+
+    @staticmethod
+    def parse_modules(modules: object) -> tuple[tuple[str, str], ...]:
+        """(name, path) pairs from ``["name=path", ...]`` (the command line's form) or a
+        mapping name -> path; ValueError naming a malformed entry."""
+        items = modules.items() if isinstance(modules, dict) else None
+        if items is None:
+            if isinstance(modules, str):
+                modules = [modules]
+            items = []
+            for entry in modules:
+                name, sep, path = str(entry).partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora_modules: expected name=path, got {entry!r}")
+                items.append((name, path))
+        return tuple((str(n), str(p)) for n, p in items)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
@@ -100,9 +101,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; outputs in prompt order.
-        A bad prompt or parameter raises ValueError before anything runs."""
+        A bad prompt or parameter raises ValueError before anything runs. ``lora_request``:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -112,12 +115,24 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: {len(params_list)} given for {len(prompt_list)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(
+                    f"lora_request: {len(lora_list)} given for {len(prompt_list)} prompts"
+                )
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         engine = self.engine
         added: list[str] = []
         try:
-            for rid, prompt, params in zip(ids, prompt_list, params_list, strict=True):
-                engine.add_request(rid, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
+            for rid, prompt, params, lora in zip(
+                ids, prompt_list, params_list, lora_list, strict=True
+            ):
+                engine.add_request(
+                    rid, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora
+                )
                 added.append(rid)
         except Exception:
             for rid in added:

@@ -40,6 +40,7 @@ from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
 from .quant.matmul import quantized_matmul
 from .quant.weights import QuantizedWeight
+from .lora import LoraInputs, lora_delta
 from .rope import rope_attention_factor, rope_inv_freq
 
 
@@ -194,6 +195,7 @@ def _layer(
     config: ModelConfig,
     attention_fn: AttentionFn,
     linear_fn: LinearFn,
+    lora: LoraInputs | None = None,
 ) -> tuple[jax.Array, Any]:
     c = config
     t = x.shape[0]
@@ -204,9 +206,10 @@ def _layer(
     w = _matmul_views(layers, c)
 
     attn_norm = RMSNorm(layers["attn_norm"][layer], eps)
-    qkv = linear_fn(x, w["wqkv"], layer, norm=attn_norm).reshape(
-        t, c.num_kv_heads, g + 2, c.head_dim
-    )
+    qkv = linear_fn(x, w["wqkv"], layer, norm=attn_norm)
+    if lora is not None:  # after the base call, on its input (the norm recomputed)
+        qkv = qkv + lora_delta(rms_norm(x, attn_norm.weight, eps), lora, "qkv", layer)
+    qkv = qkv.reshape(t, c.num_kv_heads, g + 2, c.head_dim)
     if c.qkv_bias:
         qkv = qkv + layers["bqkv"][layer][None]
     q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)
@@ -222,15 +225,24 @@ def _layer(
     attn, cache = attention_fn(q, k, v, layer, cache, **window)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
     x = linear_fn(attn, w["wo"], layer, residual=x)
+    if lora is not None:
+        x = x + lora_delta(attn, lora, "o", layer)
 
-    if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype
+    if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype;
+    # the engine refuses LoRA for MoE models
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
         return x + _moe_mlp(h, layers, layer, c).astype(x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
     up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
+    if lora is not None:
+        h = rms_norm(x, mlp_norm.weight, eps)
+        gate = gate + lora_delta(h, lora, "gate", layer)
+        up = up + lora_delta(h, lora, "up", layer)
     x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
+    if lora is not None:
+        x = x + lora_delta(jax.nn.silu(gate) * up, lora, "down", layer)
     return x, cache
 
 
@@ -305,11 +317,13 @@ class LlamaForCausalLM(nnx.Module):
         *,
         linear_fn: LinearFn | None = None,
         activation_dtype: Any = None,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache as threaded through every layer's
         ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`).
         ``activation_dtype``: the hidden states' dtype between layers (None: the params'),
-        e.g. float32 where a ``linear_fn`` computes bfloat16 weights in float32."""
+        e.g. float32 where a ``linear_fn`` computes bfloat16 weights in float32; ``lora``
+        adds each token's adapter term after the matmuls it targets."""
         config = self.config
         linear_fn = linear_fn or linear_xla
         x = jnp.take(self.embed[...], tokens, axis=0)  # [T, D]
@@ -327,7 +341,7 @@ class LlamaForCausalLM(nnx.Module):
             x, cache = carry
             x, cache = _layer(
                 x, layers, layer, positions, cache,
-                config=config, attention_fn=attention_fn, linear_fn=linear_fn,
+                config=config, attention_fn=attention_fn, linear_fn=linear_fn, lora=lora,
             )  # fmt: skip
             return (x, cache), None
 

@@ -133,6 +133,9 @@ class ServingConfig:
     reasoning_parser: str | None = None  # splits <think>...</think> into reasoning_content
     tool_call_parser: str | None = None  # the model's tool-call format (serving/tool_parsers.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides to call
+    # serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also with the environment
+    # variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.served_model_aliases):
@@ -464,8 +467,10 @@ class Frontend:
         params: SamplingParams,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> RequestHandle:
-        """Admits one request to the engine; its handle yields outputs of `output_kind`
+        """Admits one request to the engine (with the LoRA adapter `lora_name`, if given);
+        its handle yields outputs of `output_kind`
         (DELTA to stream, FINAL_ONLY for one complete output). Raises InvalidRequest (bad
         prompt or params), Overloaded (queue full), Unavailable (loading, draining or engine
         dead)."""
@@ -485,7 +490,10 @@ class Frontend:
         self._admitting += 1
         try:
             # the engine tokenizes and validates off the loop; a cancel meanwhile queues nothing
-            stream = await engine.add_request(request_id, prompt, params, output_kind=output_kind)
+            lora = {} if lora_name is None else {"lora_name": lora_name}
+            stream = await engine.add_request(
+                request_id, prompt, params, output_kind=output_kind, **lora
+            )
         except EngineDeadError as e:
             self.mark_failed(e)
             raise Unavailable(f"server not ready: the engine failed ({e!r})") from e

@@ -208,19 +208,29 @@ class StructuredOutput(_message.Message):
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "stream")
+    __slots__ = (
+        "request_id",
+        "text",
+        "token_ids",
+        "chat",
+        "sampling_params",
+        "stream",
+        "lora_name",
+    )
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     chat: Chat
     sampling_params: SamplingParams
     stream: bool
+    lora_name: str
     def __init__(
         self,
         request_id: str | None = ...,
@@ -229,6 +239,7 @@ class GenerateRequest(_message.Message):
         chat: Chat | _Mapping | None = ...,
         sampling_params: SamplingParams | _Mapping | None = ...,
         stream: bool | None = ...,
+        lora_name: str | None = ...,
     ) -> None: ...
 
 class TopLogprob(_message.Message):

@@ -218,8 +218,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prompt, params, plan = chat_prompt(frontend, request.chat, params)
                 tools = ChatTools(plan)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            lora = {"lora_name": request.lora_name} if request.lora_name else {}
             handle = await frontend.open(
-                rid, prompt, params, output_kind=output_kind_for(stream=request.stream)
+                rid, prompt, params, output_kind=output_kind_for(stream=request.stream), **lora
             )
         except ServingError as e:
             await self._fail(context, e)

@@ -31,6 +31,7 @@ from jaxpaged.serving.frontend import (
     close_all,
     output_kind_for,
 )
+from jaxpaged.serving.lora_routes import add_lora_routes, lora_model_cards, lora_of
 from jaxpaged.serving.metrics import CONTENT_TYPE, RequestTotals
 from jaxpaged.serving.protocol import (
     ChatCompletionRequest,
@@ -226,7 +227,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     def check_model(name: str | None) -> None:
         names = (cfg.served_model_name, *cfg.served_model_aliases, cfg.model_path)
-        if name is not None and name not in names:
+        if name is not None and name not in names and lora_of(frontend, name) is None:
             raise InvalidRequest(
                 f"model {name!r} does not exist; this server serves {cfg.served_model_name!r}",
                 param="model",
@@ -239,13 +240,21 @@ def create_app(frontend: Frontend) -> FastAPI:
         return body
 
     async def open_all(
-        prompts: list[Any], params: Any, prefix: str, output_kind: RequestOutputKind
+        prompts: list[Any],
+        params: Any,
+        prefix: str,
+        output_kind: RequestOutputKind,
+        model: str | None = None,
     ) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
+        lora = lora_of(frontend, model)  # a LoRA adapter's name, or None: the base model
+        kw = {} if lora is None else {"lora_name": lora}
         try:
             for i, prompt in enumerate(prompts):
                 rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
-                handles.append(await frontend.open(rid, prompt, params, output_kind=output_kind))
+                handles.append(
+                    await frontend.open(rid, prompt, params, output_kind=output_kind, **kw)
+                )
         except BaseException:
             await close_all(handles)
             raise
@@ -319,8 +328,11 @@ def create_app(frontend: Frontend) -> FastAPI:
                     "max_model_len": max_len,
                 }
                 for name in (cfg.served_model_name, *cfg.served_model_aliases)
-            ],
+            ]
+            + lora_model_cards(frontend),
         }
+
+    add_lora_routes(app, frontend)
 
     @app.get("/version")
     async def version() -> dict:
@@ -376,7 +388,8 @@ def create_app(frontend: Frontend) -> FastAPI:
         created = int(time.time())
         fmt = _Formatter(frontend.engine.tokenizer)
         n = params.n
-        handles = await open_all(prompts, params, cid, output_kind_for(stream=body.stream))
+        kind = output_kind_for(stream=body.stream)
+        handles = await open_all(prompts, params, cid, kind, body.model)
         text_len: dict[int, int] = {}  # choice index -> length of its text sent so far
         # echo: each choice's text starts with its prompt's
         echoed = [p if isinstance(p, str) else fmt.text(p) for p in prompts] if body.echo else []
@@ -448,7 +461,8 @@ def create_app(frontend: Frontend) -> FastAPI:
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         fmt = _Formatter(frontend.engine.tokenizer)
-        handles = await open_all([prompt], params, cid, output_kind_for(stream=body.stream))
+        kind = output_kind_for(stream=body.stream)
+        handles = await open_all([prompt], params, cid, kind, body.model)
 
         def usage() -> dict:
             return _usage([h.totals for h in handles])

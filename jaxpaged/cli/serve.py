@@ -119,6 +119,13 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         help="serve the gRPC admin call jaxpaged.v1.Admin/UpdateWeights (weights from a "
         "checkpoint path swapped in while serving; off by default)",
     )
+    s.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
+        "default: on when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true, as vLLM)",
+    )
     from jaxpaged.engine.process import process_owner_args
 
     # the server owns its process: it configures it and keeps compiled programs on disk
@@ -243,6 +250,7 @@ def main(
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
         enable_weight_updates=args.enable_weight_updates,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

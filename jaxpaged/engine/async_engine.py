@@ -12,6 +12,7 @@ stream ends (an error output, then EngineDeadError), new requests are refused, a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -20,7 +21,9 @@ from typing import Any
 
 from jaxpaged.engine.core import EngineStepError
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.lora import read_adapter
 from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -137,9 +140,13 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Validates (ValueError naming the problem; tokenizing runs in a worker thread, off
-        the event loop) and queues the request for the engine thread."""
+        the event loop) and queues the request for the engine thread. ``lora_name``: a
+        registered LoRA adapter it runs with."""
+        if lora_name is not None and lora_name not in self.engine.list_loras():
+            raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead_error}")
         if self._loop is None:
@@ -155,6 +162,8 @@ class AsyncEngine:
         except BaseException:  # invalid, or the caller went away while it was checked
             self._streams.pop(request_id, None)
             raise
+        if lora_name is not None:
+            request = dataclasses.replace(request, lora_name=lora_name)
         self._core.add_request(request)
         return stream
 
@@ -203,6 +212,25 @@ class AsyncEngine:
         loaded = time.perf_counter() - start
         await self.update_weights(params)
         return loaded
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Registers a LoRA adapter (its folder read in a worker thread); False if it was
+        registered already (see ``LLMEngine.add_lora``)."""
+        known = self.engine.list_loras().get(lora_request.lora_name)
+        if known is not None and lora_request.lora_path in ("", known):
+            return False
+        weights = await asyncio.to_thread(read_adapter, self.engine.lora, lora_request)
+        name, path, core = lora_request.lora_name, lora_request.lora_path, self._core
+        return await asyncio.wrap_future(core.call(lambda: core.add_lora(name, weights, path)))
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregisters a LoRA adapter (ValueError if unknown or in use)."""
+        core = self._core
+        await asyncio.wrap_future(core.call(lambda: core.remove_lora(name)))
+
+    def list_loras(self) -> dict[str, str]:
+        """Registered LoRA adapter name -> its folder."""
+        return self.engine.list_loras()
 
     # ----------------------------------------------------------- engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -36,6 +36,7 @@ from jaxpaged.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
 from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.grammar import GrammarMatchers
+from jaxpaged.worker.lora import LoraAdapters
 
 __all__ = ["DeviceRunner", "EngineCore", "EngineRequest", "EngineStepError"]
 
@@ -52,6 +53,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    lora_name: str | None = None  # the registered LoRA adapter it runs with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +92,10 @@ class EngineCore:
         compilations: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.time,
         grammars: GrammarMatchers | None = None,
+        lora: LoraAdapters | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.lora = lora  # the registered LoRA adapters and their device slots (LoRA on)
         self.grammars = grammars  # structured output: a matcher per grammar request
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -241,6 +245,30 @@ class EngineCore:
         self.runner.restore_kv()
         self.sleep_level = 0
 
+    def add_lora(self, name: str, weights: Any, path: str) -> bool:  # noqa: ANN401
+        """Registers adapter ``name`` (LoraWeights read by the caller); False when that name
+        is registered already with the same path (ValueError with another)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        if name in self.lora.registered:
+            if self.lora.registered[name][1] == path:
+                return False
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first)")
+        self.lora.register(name, weights, path)
+        return True
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter ``name`` (ValueError if unknown or in use by a request).
+        Its cached prefixes go too: a later adapter may take the name."""
+        if self.lora is None or name not in self.lora.registered:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        users = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
+        self.scheduler.lora_slots.forget(name)
+        self.lora.unregister(name)
+        self.scheduler.pool.reset_prefix_cache()
+
     # ------------------------------------------------------------------ private
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -294,6 +322,9 @@ class EngineCore:
             return [] if out is None else [out]
         n = len(ids)
         try:
+            lora = item.lora_name
+            if lora is not None and (self.lora is None or lora not in self.lora.registered):
+                raise ValueError(f"LoRA adapter {lora!r} is not loaded")
             for i, sid in enumerate(ids):
                 self.scheduler.add_request(
                     Request(
@@ -305,6 +336,7 @@ class EngineCore:
                         parent_id=None if n == 1 else item.request_id,
                         sample_index=i,
                         arrival_time=item.arrival_time,
+                        lora_name=lora,
                     )
                 )
             spec = item.params.structured_output

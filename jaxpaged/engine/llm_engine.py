@@ -19,9 +19,16 @@ from typing import Any
 import jax
 
 from jaxpaged.args import EngineArgs
-from jaxpaged.config import CacheConfig, ParallelConfig, ProcessConfig, SchedulerConfig
+from jaxpaged.config import (
+    CacheConfig,
+    LoraConfig,
+    ParallelConfig,
+    ProcessConfig,
+    SchedulerConfig,
+)
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.kernels.kv_quant import is_quantized
@@ -70,6 +77,7 @@ class LLMEngine:
         process_config: ProcessConfig | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
         graphdef: Any = None,
+        lora_config: LoraConfig | None = None,
     ) -> None:
         """``params`` is the model's state; ``graphdef`` the NNX graph definition of a model
         of the paged-model protocol (docs/models.md; None: the Llama family of
@@ -105,6 +113,14 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
         self._compiles = CompileCounter().open()
+        self.lora = build_adapters(
+            lora_config or LoraConfig(),
+            model_config,
+            _params_dtype(params),
+            own_model=graphdef is not None,
+            tensor_parallel_size=parallel_config.tensor_parallel_size,
+            num_hosts=jax.process_count(),
+        )
 
         kv_dtype = kv_storage_dtype(
             cache_config.kv_cache_dtype, dtype or str(_params_dtype(params))
@@ -152,6 +168,7 @@ class LLMEngine:
                 mesh=self.mesh,
                 logits_processors=logits_processors,
                 graphdef=graphdef,
+                lora=self.lora,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -201,6 +218,7 @@ class LLMEngine:
             cache_config,
             num_blocks=num_blocks,
             bytes_per_block=self.layout.bytes_per_block,
+            max_loras=0 if self.lora is None else self.lora.max_loras,
         )
         self.eos_token_ids = eos
         # structured output needs the tokenizer's token strings
@@ -227,6 +245,7 @@ class LLMEngine:
             num_kv_blocks=num_blocks,
             compilations=lambda: self._compiles.count,
             grammars=None if grammars is None else GrammarMatchers(grammars),
+            lora=self.lora,
         )
         self._live: set[str] = set()  # user request ids added and not yet finished
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -265,6 +284,7 @@ class LLMEngine:
         over ``args.model`` loaded. The settings the model does not decide are checked before
         any weight is read."""
         cache_config, parallel_config = args.cache_config(), args.parallel_config()
+        lora_config = args.lora_config()
         process_config = args.process_config()
         if params is None:
             if (
@@ -301,6 +321,7 @@ class LLMEngine:
             process_config=process_config,
             logits_processors=args.logits_processors,
             graphdef=graphdef,
+            lora_config=lora_config,
         )
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again
@@ -401,9 +422,11 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates (ValueError naming the problem) and queues one request of params.n
-        samples; its outputs come from :meth:`step`, as deltas or as one final output."""
+        samples; its outputs come from :meth:`step`, as deltas or as one final output.
+        ``lora_request``: the LoRA adapter it runs with (registered first if new)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}")
         if self.core.sleep_level:
@@ -413,6 +436,9 @@ class LLMEngine:
         request = self.inputs.process(
             request_id, prompt, params, arrival_time=arrival_time, output_kind=output_kind
         )
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            request = dataclasses.replace(request, lora_name=lora_request.lora_name)
         self._live.add(request_id)
         self.core.add_request(request)
 
@@ -430,6 +456,26 @@ class LLMEngine:
                 self._ready.append(out)
         self._live.discard(request_id)
         return mine
+
+    # ----------------------------------------------------------------- LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Registers an adapter (read from ``lora_request.lora_path``; ValueError if LoRA is
+        off, the name is taken by another path, or the adapter does not fit); False if it
+        was registered already."""
+        known = self.list_loras().get(getattr(lora_request, "lora_name", None))
+        if known is not None and lora_request.lora_path in ("", known):
+            return False
+        weights = read_adapter(self.lora, lora_request)
+        name, path = lora_request.lora_name, lora_request.lora_path
+        return self._admin(lambda: self.core.add_lora(name, weights, path))
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters an adapter (ValueError if unknown or a request still uses it)."""
+        self._admin(lambda: self.core.remove_lora(name))
+
+    def list_loras(self) -> dict[str, str]:
+        """Registered adapter name -> its folder."""
+        return {} if self.lora is None else {n: p for n, (_, p) in self.lora.registered.items()}
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix, so the next prompts are computed in full (benchmark

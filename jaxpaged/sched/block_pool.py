@@ -18,7 +18,8 @@ copy / swap lists this module returns.
   ``hash_i = sha256(hash_{i-1} || token ids of block i)``: the key of block i covers tokens
   of blocks 0..i, so equal keys mean equal K/V. A new request takes over the longest run of
   registered blocks of its first ``num_tokens - 1`` tokens (the last token is always
-  computed, so its logits exist). A freed cached block is reusable until it is evicted
+  computed, so its logits exist). A request with a LoRA adapter chains from a root key of
+  its adapter's name (``salt``), so only requests with the same adapter share. A freed cached block is reusable until it is evicted
   (taken for other content, which drops its key).
 * **Copy-on-write.** Before a request writes into a block it shares (ref > 1) it gets a
   fresh block, and ``allocate_slots`` returns the ``(src, dst)`` pair the runner must copy
@@ -41,7 +42,7 @@ from __future__ import annotations
 import array
 import collections
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["BlockPool", "CopyPair", "TokenSlice", "hash_block_tokens"]
 
@@ -118,6 +119,21 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of device blocks held by requests."""
         return self.num_used_blocks / self.num_blocks
+
+    def waste(self, computed: Iterable[tuple[str, int]]) -> float:
+        """1 - tokens stored / slots of held blocks, given (request id, tokens computed) of
+        every running request. Shared blocks count once."""
+        used = self.num_used_blocks
+        if used == 0:
+            return 0.0
+        bs = self.block_size
+        empty: dict[int, int] = {}
+        for request_id, n in computed:
+            table = self.block_table(request_id)
+            for i in range(n // bs, len(table)):
+                b = table[i]
+                empty[b] = min(empty.get(b, bs), bs - min(bs, max(0, n - i * bs)))
+        return sum(empty.values()) / (used * bs)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -198,26 +214,35 @@ class BlockPool:
 
     # --------------------------------------------------------- prefix caching
     def block_hashes(
-        self, request_id: str, num_full_blocks: int, token_slice: TokenSlice
+        self,
+        request_id: str,
+        num_full_blocks: int,
+        token_slice: TokenSlice,
+        salt: str | None = None,
     ) -> Sequence[bytes]:
         """The request's chained keys of (at least) its first ``num_full_blocks`` blocks,
-        memoised under its id until it is freed: tokens never change once appended."""
+        memoised under its id until it is freed: tokens never change once appended.
+        ``salt`` (the LoRA adapter's name) keys the chain's root."""
         hashes = self._req_hashes.setdefault(request_id, [])
         bs = self.block_size
+        root = None if salt is None else hashlib.sha256(b"lora:" + salt.encode()).digest()
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block_tokens(parent, token_slice(i * bs, (i + 1) * bs)))
         return hashes
 
-    def find_prefix(self, request_id: str, num_tokens: int, token_slice: TokenSlice) -> list[int]:
+    def find_prefix(
+        self, request_id: str, num_tokens: int, token_slice: TokenSlice, salt: str | None = None
+    ) -> list[int]:
         """Registered blocks holding the longest cached prefix of the request's first
-        ``num_tokens - 1`` tokens. Only memoises keys: pass the result to allocate_slots."""
+        ``num_tokens - 1`` tokens (keys salted as in :meth:`block_hashes`). Only memoises
+        keys: pass the result to allocate_slots."""
         if not self.enable_prefix_caching:
             return []
         limit = (num_tokens - 1) // self.block_size
         blocks = []
-        for h in self.block_hashes(request_id, limit, token_slice)[:limit]:
+        for h in self.block_hashes(request_id, limit, token_slice, salt)[:limit]:
             b = self._cached.get(h)
             if b is None:
                 break
@@ -225,7 +250,12 @@ class BlockPool:
         return blocks
 
     def register_computed(
-        self, request_id: str, num_computed_tokens: int, num_tokens: int, token_slice: TokenSlice
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        token_slice: TokenSlice,
+        salt: str | None = None,
     ) -> None:
         """Offers the request's full, computed blocks whose tokens the host knows (the first
         ``min(num_computed_tokens, num_tokens)``) to the prefix cache. A key already held by
@@ -238,7 +268,7 @@ class BlockPool:
         done = self._num_registered.get(request_id, 0)
         if n_full <= done:
             return
-        hashes = self.block_hashes(request_id, n_full, token_slice)
+        hashes = self.block_hashes(request_id, n_full, token_slice, salt)
         for i in range(done, n_full):
             b, h = table[i], hashes[i]
             if self._hash[b] is None and h not in self._cached:

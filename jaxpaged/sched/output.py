@@ -51,6 +51,7 @@ class ScheduledSeq:
     # prompt_logprobs: the prompt token after each of the first len() fed positions
     prompt_targets: tuple[int, ...] = ()
     prompt_top_k: int = 0  # top logprobs wanted with each
+    lora_slot: int = 0  # the device slot of its LoRA adapter (0 = none)
 
     @property
     def do_sample(self) -> bool:
@@ -106,6 +107,8 @@ class SchedulerOutput:
     blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
     blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
     state_rows_to_init: tuple[StateRowInit, ...] = ()
+    # LoRA adapters to write into device slots before the step: (slot, adapter name)
+    lora_loads: tuple[tuple[int, str], ...] = ()
     # requests that ended (finished, aborted, errored) since the last schedule(): drop state
     finished_request_ids: tuple[str, ...] = ()
     # requests preempted in this step (recompute: blocks gone; swap: blocks on the host)

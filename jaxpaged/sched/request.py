@@ -70,6 +70,7 @@ class Request:
     parent_id: str | None = None  # the user's request id when n > 1 (shared by siblings)
     sample_index: int = 0  # index among the n samples of one prompt (0..n-1)
     arrival_time: float = dataclasses.field(default_factory=time.time)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     # --- scheduler-owned state ---
     status: RequestStatus = RequestStatus.WAITING
@@ -82,6 +83,7 @@ class Request:
     rng_stream: int = 0  # engine-unique stream for unseeded sampling, set by add_request
     max_tokens: int = 0  # effective max output tokens, set by Scheduler.add_request
     state_row: int = -1  # row of the on-device sampler state while running, -1 = none
+    lora_slot: int = 0  # the device slot of its adapter while it holds one (0 = none)
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -175,6 +177,22 @@ class Request:
         for i, lp in enumerate(logprobs, start):
             if i == len(self.prompt_logprobs):
                 self.prompt_logprobs.append(lp)
+
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """The finished status that appending ``token`` (just done) ends it with, if any
+        token-based stop condition holds (setting ``stop_reason``); None to go on."""
+        sp = self.sampling_params
+        n_out = self.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     @property
     def needs_state_row(self) -> bool:

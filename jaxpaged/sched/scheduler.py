@@ -30,6 +30,8 @@ Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_t
    recomputing only the last prompt token), and waits while a sibling is still prefilling.
    A request with ``prompt_logprobs`` computes its whole prompt (no prefix-cache hit).
    A preempted request comes back only once its in-flight token is known.
+   A request with a LoRA adapter is passed over while no device slot can take its adapter
+   (:mod:`jaxpaged.sched.lora_slots`); the plan's ``lora_loads`` say which slots to write.
 
 Every scheduled sequence feeds ``token_ids`` at positions ``start_pos ..``; it samples
 (``sampling`` is set) only when that reaches the end of its tokens. :meth:`update` appends
@@ -57,6 +59,7 @@ from collections.abc import Callable, Sequence
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
+from jaxpaged.sched.lora_slots import LoraSlots
 from jaxpaged.sched.output import (
     RequestUpdate,
     RunnerOutput,
@@ -97,8 +100,10 @@ class Scheduler:
         bytes_per_block: int | None = None,
         num_host_blocks: int | None = None,
         clock: Callable[[], float] = time.time,
+        max_loras: int = 0,
     ) -> None:
-        """``num_blocks``: device KV blocks (the runner's sizing). Host swap slots:
+        """``num_blocks``: device KV blocks (the runner's sizing); ``max_loras``: device
+        LoRA slots (0: LoRA off). Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
         mode (required there), else none."""
         self.config = scheduler_config
@@ -129,6 +134,7 @@ class Scheduler:
         self._free_state_rows = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         # rows of the last planned step's sampled tokens: request id -> row
         self._prev_rows: dict[str, int] = {}
+        self.lora_slots = LoraSlots(max_loras) if max_loras else None
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -139,6 +145,8 @@ class Scheduler:
             raise ValueError(f"request_id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} is not a fresh request")
+        if request.lora_name is not None and self.lora_slots is None:
+            raise ValueError("a LoRA adapter was asked for, but LoRA is not enabled")
         max_len = self.config.max_model_len
         n_prompt = request.num_prompt_tokens
         if n_prompt == 0:
@@ -225,6 +233,9 @@ class Scheduler:
         elif old is RequestStatus.WAITING:
             self.waiting.remove(request)
             self.pool.free(request.request_id)  # no blocks, maybe memoised prefix keys
+        if request.lora_slot:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = 0
         request.status = status
         request.finish_time = self.clock()
         del self.requests[request.request_id]
@@ -253,6 +264,7 @@ class Scheduler:
         swap_in: list[CopyPair] = []
         preempted: list[str] = []
         row_inits: list[StateRowInit] = []
+        lora_loads: list[tuple[int, str]] = []
 
         def room() -> int:
             """Tokens the next prefill chunk may take: the budget, and once the step
@@ -340,6 +352,10 @@ class Scheduler:
             held: list[Request] = []
             while self.waiting and room() > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.popleft()
+                if req.lora_name and not req.lora_slot:  # every slot held by other adapters
+                    if not self.lora_slots.can_acquire(req.lora_name):
+                        held.append(req)
+                        continue
                 admitted = None if req.num_inflight else self._admit(req, room(), held, fed)
                 if admitted is None:
                     self.waiting.appendleft(req)
@@ -347,6 +363,10 @@ class Scheduler:
                 if admitted is False:
                     continue
                 start, n, new_copies = admitted
+                if req.lora_name and not req.lora_slot:
+                    req.lora_slot, load = self.lora_slots.acquire(req.lora_name)
+                    if load:
+                        lora_loads.append((req.lora_slot, req.lora_name))
                 copies.extend(new_copies)
                 start_running(req)
                 emit(req, start, n)
@@ -356,7 +376,11 @@ class Scheduler:
         # finds them is dispatched after this one, which writes them.
         for req in scheduled:
             self.pool.register_computed(
-                req.request_id, req.num_computed_tokens, req.num_tokens, req.token_ids_slice
+                req.request_id,
+                req.num_computed_tokens,
+                req.num_tokens,
+                req.token_ids_slice,
+                req.lora_name,
             )
         self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -367,6 +391,7 @@ class Scheduler:
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(copies),
             state_rows_to_init=tuple(row_inits),
+            lora_loads=tuple(lora_loads),
             finished_request_ids=finished,
             preempted_request_ids=tuple(preempted),
         )
@@ -410,6 +435,7 @@ class Scheduler:
             sampling=sampling,
             prompt_targets=req.prompt_logprob_targets(start, end),
             prompt_top_k=req.sampling_params.prompt_logprobs or 0,
+            lora_slot=req.lora_slot,
         )
 
     def _admit(
@@ -455,7 +481,9 @@ class Scheduler:
         prefix = (  # prompt logprobs need every prompt position computed
             []
             if req.wants_prompt_logprobs
-            else self.pool.find_prefix(req.request_id, req.num_tokens, req.token_ids_slice)
+            else self.pool.find_prefix(
+                req.request_id, req.num_tokens, req.token_ids_slice, req.lora_name
+            )
         )
         start = len(prefix) * self.block_size
         n = min(req.num_tokens - start, budget)
@@ -556,7 +584,7 @@ class Scheduler:
             lp = logprobs[i] if logprobs is not None else None
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token)
+            status = req.stop_status(token, self.config.max_model_len)
             if status is not None:
                 self._finish(req, status)
             first = req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None
@@ -572,20 +600,6 @@ class Scheduler:
             )
         return updates
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        n_out = req.num_output_tokens
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     # ----------------------------------------------------------------- metrics
     def kv_cache_usage(self) -> float:
         """Fraction of device blocks held by requests."""
@@ -594,16 +608,4 @@ class Scheduler:
     def kv_cache_waste(self) -> float:
         """1 - tokens stored / slots of held blocks, now. Shared blocks count once; only
         the unfilled tails of block tables waste slots."""
-        used = self.pool.num_used_blocks
-        if used == 0:
-            return 0.0
-        bs = self.block_size
-        empty: dict[int, int] = {}
-        for req in self.running:
-            n = req.num_computed_tokens
-            table = self.pool.block_table(req.request_id)
-            for i in range(n // bs, len(table)):
-                e = bs - min(bs, max(0, n - i * bs))
-                b = table[i]
-                empty[b] = min(empty.get(b, bs), e)
-        return sum(empty.values()) / (used * bs)
+        return self.pool.waste((r.request_id, r.num_computed_tokens) for r in self.running)

@@ -41,6 +41,7 @@ from jaxpaged.worker.kv_cache import (
     scatter_blocks,
 )
 from jaxpaged.worker.logits_processors import LogitsProcessor
+from jaxpaged.worker.lora import LoraAdapters
 from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput, step
 from jaxpaged.worker.weights import ParamsSpec
 
@@ -76,9 +77,12 @@ class Runner:
         mesh: jax.sharding.Mesh | None = None,
         logits_processors: tuple[LogitsProcessor, ...] = (),
         graphdef: nnx.GraphDef | None = None,
+        lora: LoraAdapters | None = None,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
-        definition (None: the Llama family over ``model_config``)."""
+        definition (None: the Llama family over ``model_config``); ``lora``: the LoRA
+        adapters and their device slots (None: LoRA off)."""
+        self.lora = lora
         self.model_config = model_config
         # traced into the step (static); their names index them in SamplingTensors.processor
         self.logits_processors = tuple(logits_processors)
@@ -227,8 +231,9 @@ class Runner:
         bucket = max(self.buckets.all(), key=lambda b: (b.num_tokens, b.max_blocks))
         batch, _ = self.build_batch([], bucket)
         lowered = step.lower(
-            self.params, self.pool, self.seq_state, self.sampled, batch, **self._step_kwargs()
-        )
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
+            **self._step_kwargs(),
+        )  # fmt: skip
         analysis = lowered.compile().memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
@@ -253,6 +258,7 @@ class Runner:
         cu = np.zeros(s + 1, np.int32)
         sample_rows = np.zeros(s, np.int32)
         prompt_targets = np.full(t, -1, np.int32)
+        lora_slots = None if self.lora is None else np.zeros(t, np.int32)
         row = 0
         for i, seq in enumerate(seqs):
             n = seq.num_tokens
@@ -260,6 +266,8 @@ class Runner:
             pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
             table = np.asarray(seq.block_table, np.int32)
             tokens[row : row + n] = seq.token_ids
+            if lora_slots is not None:
+                lora_slots[row : row + n] = seq.lora_slot
             prev_rows[row] = seq.prev_row  # only a one-token decode is ever fed this way
             positions[row : row + n] = pos
             slots[row : row + n] = table[pos // bs] * bs + pos % bs
@@ -290,8 +298,12 @@ class Runner:
             sample_rows=sample_rows,
             sampling=sampling,
             prompt_targets=prompt_targets,
+            lora_slots=lora_slots,
         )
         return batch, failed
+
+    def _lora_kwargs(self) -> dict[str, object]:
+        return {} if self.lora is None else {"lora_weights": self.lora.slots}
 
     def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
         kwargs = self._step_kwargs()
@@ -300,8 +312,9 @@ class Runner:
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool, self.seq_state = step(
-            self.params, self.pool, self.seq_state, self.sampled, batch, **kwargs
-        )
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
+            **kwargs,
+        )  # fmt: skip
         self.sampled = out.token_ids
         return out
 
@@ -316,6 +329,8 @@ class Runner:
         self._copy(plan.blocks_to_copy)
         for init in plan.state_rows_to_init:
             self._init_state_row(init)
+        for slot, name in plan.lora_loads:
+            self.lora.write_slot(slot, name)
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
@@ -524,6 +539,8 @@ class Runner:
                 raise
             bar.reset()
             self._compile_buckets(buckets, bar)
+        if self.lora is not None:
+            self.lora.warm_up()
         # row 0 is free while nothing runs: filling it with nothing leaves it as it was
         self._init_state_row(StateRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
         bar.update()

@@ -16,6 +16,7 @@ from jaxpaged.distributed.parallel import replicate_on, shard_attention
 from jaxpaged.kernels.pool_format import SPLIT, PoolFormat
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
 from jaxpaged.models.llama import Params
+from jaxpaged.models.lora import LoraInputs
 from jaxpaged.worker import sampler
 from jaxpaged.worker.kv_cache import KVPool
 from jaxpaged.worker.logits_processors import LogitsProcessor
@@ -53,6 +54,7 @@ class StepBatch(NamedTuple):
     # int32 [T]; the prompt token that follows the row, for rows whose prompt logprob is
     # wanted (SamplingParams.prompt_logprobs), -1 = none
     prompt_targets: jax.Array
+    lora_slots: jax.Array | None = None  # int32 [T]; each row's LoRA slot, 0 = none (LoRA on)
 
 
 class StepOutput(NamedTuple):
@@ -146,6 +148,7 @@ def step(
     mesh: jax.sharding.Mesh | None = None,
     kernels: StepKernels = XLA_KERNELS,
     logits_processors: tuple[LogitsProcessor, ...] = (),
+    lora_weights: dict[str, tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[StepOutput, KVPool, sampler.SeqState]:
     """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
     docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
@@ -154,7 +157,9 @@ def step(
     dispatching the next. ``max_q_len`` / ``max_kv_len`` are the bucket's static
     bounds, passed to the attention kernel so it reads only blocks that can be live. With a
     ``mesh`` (tensor parallelism) the attention runs per device on its heads under shard_map,
-    and logits and outputs are gathered whole onto every device."""
+    and logits and outputs are gathered whole onto every device. ``lora_weights`` (LoRA on:
+    site -> A [L, S, r', in], B [L, S, out, r'], see jaxpaged.models.lora) add each row's
+    adapter (``batch.lora_slots``) to the projections it targets."""
     model = nnx.merge(graphdef.graphdef, params)
     default_scale = model.config.head_dim**-0.5
     layer_slots = num_blocks * block_size
@@ -197,6 +202,9 @@ def step(
     # platforms that leave the matmuls to XLA's dots
     model_kw = kernels.model_kwargs(batch.cu_q_lens[-1])
     logits_fn = kernels.logits_fn(batch.num_seqs[0])
+    if lora_weights is not None:
+        slots = batch.lora_slots
+        model_kw["lora"] = LoraInputs(lora_weights, slots, jnp.any(slots > 0))
     logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
