@@ -10,7 +10,9 @@ from collections.abc import Mapping
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral")
 # decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
 GPT_MODEL_TYPES = ("gpt2", "opt")
-SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES)
+# (1 + w) RMSNorms, post norms, soft caps, local and global layers (models/gemma.py)
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES, *GEMMA_MODEL_TYPES)
 # the model_type of a model of your own (docs/models.md): never read from a checkpoint
 CUSTOM_MODEL_TYPE = "custom"
 
@@ -101,6 +103,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # the top-k experts each token is routed to
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
+    # Gemma: each layer's "sliding_attention" (window sliding_window) or "full_attention"
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the rope base of the sliding layers
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its ** -0.5
+    attn_soft_cap: float | None = None  # Gemma 2: cap * tanh(logit / cap) on attention logits
+    final_soft_cap: float | None = None  # Gemma 2: the same on the vocabulary logits
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -125,6 +133,11 @@ class ModelConfig:
     def from_hf_dict(cls, d: Mapping) -> ModelConfig:
         """Accepts both transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`)."""
         model_type = d.get("model_type")
+        if model_type == "gemma3":
+            raise ValueError(
+                "unsupported model_type 'gemma3' (Gemma3ForConditionalGeneration, with a vision "
+                "tower); jaxpaged runs the text-only gemma3_text (Gemma3ForCausalLM)"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: "
@@ -134,6 +147,10 @@ class ModelConfig:
             from .gpt import gpt_config_fields
 
             return cls(**gpt_config_fields(d))
+        if model_type in GEMMA_MODEL_TYPES:
+            from .gemma import gemma_config_fields
+
+            return cls(**gemma_config_fields(d))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

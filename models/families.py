@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import GPT_MODEL_TYPES, ModelConfig
+from .config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 
 
 def family_class(config: ModelConfig) -> type:
@@ -11,6 +11,10 @@ def family_class(config: ModelConfig) -> type:
         from .gpt import GPTForCausalLM
 
         return GPTForCausalLM
+    if config.model_type in GEMMA_MODEL_TYPES:
+        from .gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM
     if config.model_type == "custom":
         raise ValueError("a model_type 'custom' config comes with its own module (LLM.from_model)")
     from .llama import LlamaForCausalLM
@@ -24,6 +28,10 @@ def family_param_shapes(config: ModelConfig) -> dict:
         from .gpt import param_shapes
 
         return param_shapes(config)
+    if config.model_type in GEMMA_MODEL_TYPES:
+        from .gemma import param_shapes as gemma_shapes
+
+        return gemma_shapes(config)
     from .llama import param_shapes
 
     return param_shapes(config)

@@ -1,0 +1,362 @@
+"""Gemma 2 and Gemma 3 (text) as one NNX module.
+
+What sets them apart from the Llama family, all as transformers computes it: embeddings
+scaled by sqrt(hidden) (rounded to the weights' dtype), RMSNorms that scale by (1 + weight),
+norms after attention and after the MLP as well as before, a GELU-tanh gated MLP, attention
+scaled by ``query_pre_attn_scalar ** -0.5``, soft caps on the attention logits (Gemma 2) and
+the final logits, and local (sliding-window) layers interleaved with global ones; Gemma 3
+adds q/k norms and gives the local layers their own rotary base.
+
+The state is a params tree with the layers stacked on a leading L axis, matmul weights
+[out, in] as HF stores them (norm weights as HF stores them too: the +1 is applied here):
+
+    {"embed": [V, D],
+     "layers": {"attn_norm": [L, D],
+                "wqkv": [L, Hkv, G + 2, hd, D],   # per KV head: its G query heads, k, v
+                "q_norm", "k_norm": [L, hd],      # Gemma 3 only
+                "wo": [L, D, Hkv, G, hd],
+                "post_attn_norm", "pre_mlp_norm": [L, D],
+                "w_gate_up": [L, 2, F, D], "w_down": [L, D, F],
+                "post_mlp_norm": [L, D]},
+     "final_norm": [D]}                           # the vocabulary projection is "embed"
+
+The kernels take the sliding window as a static argument, so the decoder scans over periods
+of the layer pattern (Gemma 2: local, global; Gemma 3: five local, one global) with the
+layers of one period unrolled, and runs any remainder after: compile time stays that of one
+period however deep the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import GEMMA_MODEL_TYPES, ModelConfig, RopeScaling
+from .layers import apply_rope, dense_causal_attention
+from .llama import AttentionFn, Params
+from .rope import rope_attention_factor, rope_inv_freq
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+# ------------------------------------------------------------------- config
+
+
+def gemma_config_fields(d: Mapping) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 2 / Gemma 3 text config.json; ValueError naming an
+    option jaxpaged does not run."""
+    try:
+        return _gemma_config_fields(d)
+    except KeyError as e:
+        raise ValueError(f"{d['model_type']} config.json lacks the field {e.args[0]!r}") from None
+
+
+def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
+    model_type = d["model_type"]
+    if d.get("attention_bias"):
+        raise ValueError(f"unsupported {model_type} option attention_bias=True")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError(f"unsupported {model_type} option use_bidirectional_attention=True")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _ACTIVATIONS:
+        raise ValueError(
+            f"unsupported {model_type} hidden_activation {act!r}; supported: "
+            f"{', '.join(_ACTIVATIONS)}"
+        )
+    n = d["num_hidden_layers"]
+    layer_types = d.get("layer_types")
+    if layer_types is None:  # as transformers derives them
+        period = 2 if model_type == "gemma2" else _gemma3_pattern(d)
+        layer_types = [
+            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)
+        ]
+    bad = sorted(set(layer_types) - set(LAYER_TYPES))
+    if bad or len(layer_types) != n:
+        raise ValueError(
+            f"unsupported {model_type} layer_types {bad or layer_types!r}: jaxpaged runs "
+            f"{n} layers each one of {', '.join(LAYER_TYPES)}"
+        )
+    max_pos = d.get("max_position_embeddings", 8192)
+    theta, scaling, local_theta = _rope(d, max_pos)
+    heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    eos = d.get("eos_token_id")
+    window = d.get("sliding_window")
+    soft_cap = d.get("attn_logit_softcapping")
+    final_cap = d.get("final_logit_softcapping")
+    return dict(
+        model_type=model_type,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        qk_norm=model_type == "gemma3_text",
+        sliding_window=int(window) if window else None,
+        layer_types=tuple(layer_types),
+        hidden_act=act,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or head_dim),
+        attn_soft_cap=float(soft_cap) if soft_cap else None,
+        final_soft_cap=float(final_cap) if final_cap else None,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+    )
+
+
+def _gemma3_pattern(d: Mapping) -> int:
+    return int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+
+
+def _rope(d: Mapping, max_pos: int) -> tuple[float, RopeScaling | None, float | None]:
+    """(global rope base, global scaling, local rope base or None) from either config format:
+    transformers 5's ``rope_parameters`` (Gemma 3: one entry per layer type) or 4's
+    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
+    rope = d.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        full = rope.get("full_attention") or {}
+        local = rope.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise ValueError(
+                f"unsupported {d['model_type']} rope scaling {local.get('rope_type')!r} on the "
+                "sliding_attention layers"
+            )
+        theta = float(full.get("rope_theta", d.get("rope_theta", 10000.0)))
+        local_theta = local.get("rope_theta", d.get("rope_local_base_freq"))
+        return theta, RopeScaling.from_hf_dict(full, max_pos), _opt_float(local_theta)
+    rope = rope or d.get("rope_scaling") or {}
+    theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    local_theta = d.get("rope_local_base_freq") if d["model_type"] == "gemma3_text" else None
+    return theta, RopeScaling.from_hf_dict(rope, max_pos), _opt_float(local_theta)
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    c = config
+    g = c.queries_per_kv
+    n, d, hd, f = c.num_layers, c.hidden_size, c.head_dim, c.intermediate_size
+    layers: dict[str, tuple[int, ...]] = {
+        "attn_norm": (n, d),
+        "wqkv": (n, c.num_kv_heads, g + 2, hd, d),
+        "wo": (n, d, c.num_kv_heads, g, hd),
+        "post_attn_norm": (n, d),
+        "pre_mlp_norm": (n, d),
+        "w_gate_up": (n, 2, f, d),
+        "w_down": (n, d, f),
+        "post_mlp_norm": (n, d),
+    }
+    if c.qk_norm:
+        layers["q_norm"] = (n, hd)
+        layers["k_norm"] = (n, hd)
+    return {"embed": (c.vocab_size, d), "layers": layers, "final_norm": (d,)}
+
+
+# ------------------------------------------------------------------- forward
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm scaling by (1 + weight), all in float32, cast back once (as transformers)."""
+    # x: [..., N], weight: [N]
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global attention)."""
+    return tuple(
+        config.sliding_window if t == "sliding_attention" else None for t in config.layer_types
+    )
+
+
+def _period(windows: tuple[int | None, ...]) -> int:
+    """The shortest p with windows[i] == windows[i % p] for every layer i."""
+    n = len(windows)
+    return next(p for p in range(1, n + 1) if all(windows[i] == windows[i % p] for i in range(n)))
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    # x [T, K], w [N, K] -> [T, N]
+    return jnp.einsum("ti,oi->to", x, w)
+
+
+def _layer(
+    x: jax.Array,  # [T, D]
+    layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
+    layer: jax.Array | int,  # int32 []
+    positions: jax.Array,  # int32 [T]
+    cache: Any,
+    *,
+    config: ModelConfig,
+    window: int | None,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, Any]:
+    c = config
+    t, g, hd, eps = x.shape[0], c.queries_per_kv, c.head_dim, c.rms_norm_eps
+    w = {k: v[layer] for k, v in layers.items()}
+    h = gemma_rms_norm(x, w["attn_norm"], eps)
+    qkv = _dot(h, w["wqkv"].reshape(-1, c.hidden_size)).reshape(t, c.num_kv_heads, g + 2, hd)
+    q = qkv[:, :, :g].reshape(t, c.num_heads, hd)
+    k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, hd]
+    if c.qk_norm:
+        q = gemma_rms_norm(q, w["q_norm"], eps)
+        k = gemma_rms_norm(k, w["k_norm"], eps)
+    rope = c
+    if window is not None and c.rope_local_theta is not None:  # Gemma 3's local layers
+        rope = dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_scaling=None)
+    inv_freq, factor = rope_inv_freq(rope), rope_attention_factor(rope)
+    q, k = apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
+    attn, cache = attention_fn(
+        q, k, v, layer, cache,
+        sm_scale=c.query_pre_attn_scalar**-0.5, sliding_window=window, soft_cap=c.attn_soft_cap,
+    )  # fmt: skip
+    attn = attn.astype(x.dtype).reshape(t, c.num_heads * hd)  # heads grouped by KV head
+    x = x + gemma_rms_norm(_dot(attn, w["wo"].reshape(c.hidden_size, -1)), w["post_attn_norm"], eps)
+    h = gemma_rms_norm(x, w["pre_mlp_norm"], eps)
+    gate, up = _dot(h, w["w_gate_up"][0]), _dot(h, w["w_gate_up"][1])
+    mlp = _dot(_ACTIVATIONS[c.hidden_act](gate) * up, w["w_down"])
+    return x + gemma_rms_norm(mlp, w["post_mlp_norm"], eps), cache
+
+
+class GemmaForCausalLM(nnx.Module):
+    """Gemma 2 and Gemma 3 (text); the state is the params tree of the module docstring."""
+
+    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
+        if config.model_type not in GEMMA_MODEL_TYPES or len(config.layer_types) != (
+            config.num_layers
+        ):
+            raise ValueError("GemmaForCausalLM needs a gemma2 / gemma3_text config")
+        self.config = config
+        shapes = param_shapes(config)
+        self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
+        self.layers = _Stacked(shapes["layers"], dtype)
+        self.final_norm = nnx.Param(jnp.zeros(shapes["final_norm"], dtype))
+
+    @classmethod
+    def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [T]
+        positions: jax.Array,  # int32 [T]
+        attention_fn: AttentionFn = dense_causal_attention,
+        cache: Any = None,
+    ) -> tuple[jax.Array, Any]:
+        """Final-normed hidden states [T, D] and the cache threaded through every layer."""
+        c = self.config
+        embed = self.embed[...]
+        x = jnp.take(embed, tokens, axis=0) * jnp.asarray(math.sqrt(c.hidden_size), embed.dtype)
+        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
+        windows = layer_windows(c)
+        p = _period(windows)
+        run = dict(config=c, attention_fn=attention_fn)
+
+        def period(carry, first):  # layers first .. first + p - 1, unrolled
+            x, cache = carry
+            for j in range(p):
+                x, cache = _layer(x, layers, first + j, positions, cache, window=windows[j], **run)
+            return (x, cache), None
+
+        whole = c.num_layers // p
+        firsts = jnp.arange(whole, dtype=jnp.int32) * p
+        (x, cache), _ = jax.lax.scan(period, (x, cache), firsts)
+        for i in range(whole * p, c.num_layers):
+            x, cache = _layer(x, layers, i, positions, cache, window=windows[i], **run)
+        return gemma_rms_norm(x, self.final_norm[...], c.rms_norm_eps), cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
+        """Vocabulary logits over the tied embedding, soft-capped if the config says so."""
+        logits = jnp.einsum(
+            "td,vd->tv", hidden, self.embed[...], preferred_element_type=jnp.float32
+        )
+        cap = self.config.final_soft_cap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+class _Stacked(nnx.Module):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+# ------------------------------------------------------------------- loading
+
+_NORMS = {
+    "attn_norm": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+    "pre_mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
+
+
+def load_host_params(
+    read: Callable[[str, tuple[int, ...]], np.ndarray],
+    config: ModelConfig,
+    dtype: np.dtype,
+) -> dict[str, Any]:
+    """The params tree from HF tensors; ``read(name, shape)`` checks presence and shape."""
+    c = config
+    if not c.tie_word_embeddings:
+        raise ValueError(f"unsupported {c.model_type} option tie_word_embeddings=False")
+    g, hkv, hd, d, f = (
+        c.queries_per_kv,
+        c.num_kv_heads,
+        c.head_dim,
+        c.hidden_size,
+        c.intermediate_size,
+    )
+    shapes = param_shapes(c)
+    layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        L = {k: v[i] for k, v in layers.items()}  # views into layer i
+        for ours, theirs in _NORMS.items():
+            L[ours][:] = read(p + theirs + ".weight", (d,))
+        wqkv = L["wqkv"]  # [Hkv, G + 2, hd, D]
+        wqkv[:, :g] = read(p + "self_attn.q_proj.weight", (c.num_heads * hd, d)).reshape(
+            hkv, g, hd, d
+        )
+        wqkv[:, g] = read(p + "self_attn.k_proj.weight", (hkv * hd, d)).reshape(hkv, hd, d)
+        wqkv[:, g + 1] = read(p + "self_attn.v_proj.weight", (hkv * hd, d)).reshape(hkv, hd, d)
+        if c.qk_norm:
+            L["q_norm"][:] = read(p + "self_attn.q_norm.weight", (hd,))
+            L["k_norm"][:] = read(p + "self_attn.k_norm.weight", (hd,))
+        L["wo"][:] = read(p + "self_attn.o_proj.weight", (d, c.num_heads * hd)).reshape(
+            d, hkv, g, hd
+        )
+        L["w_gate_up"][0] = read(p + "mlp.gate_proj.weight", (f, d))
+        L["w_gate_up"][1] = read(p + "mlp.up_proj.weight", (f, d))
+        L["w_down"][:] = read(p + "mlp.down_proj.weight", (d, f))
+    return {
+        "embed": read("model.embed_tokens.weight", shapes["embed"]),
+        "layers": layers,
+        "final_norm": read("model.norm.weight", (d,)),
+    }
