@@ -38,9 +38,9 @@ from flax import nnx
 
 from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
+from .lora import LoraInputs, lora_delta
 from .quant.matmul import quantized_matmul
 from .quant.weights import QuantizedWeight
-from .lora import LoraInputs, lora_delta
 from .rope import rope_attention_factor, rope_inv_freq
 
 
@@ -229,7 +229,7 @@ def _layer(
         x = x + lora_delta(attn, lora, "o", layer)
 
     if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype;
-    # the engine refuses LoRA for MoE models
+        # the engine refuses LoRA for MoE models
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
         return x + _moe_mlp(h, layers, layer, c).astype(x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
