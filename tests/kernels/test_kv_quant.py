@@ -94,11 +94,11 @@ SHAPES = [  # head_dim, block_size, Hq, Hkv, sliding_window, soft_cap
 ]
 
 
-def check_backend(rng, backend, kind, shape, *, interpret=None, tol=1e-5):
+def check_backend(rng, backend, kind, shape, *, interpret=None, tol=1e-5, seqs=None):
     d, bs, hq, hkv, window, cap = shape
-    seqs = mixed_seqs(rng, bs, n=6)
+    seqs = seqs or mixed_seqs(rng, bs, n=6)
     case, quant, scales, floats = quantized_case(rng, seqs, kind, hq=hq, hkv=hkv, d=d, bs=bs,
-                                                 max_seqs=8)  # fmt: skip
+                                                 max_seqs=len(seqs) + 1)  # fmt: skip
     opts = dict(sm_scale=case.sm_scale, sliding_window=window, soft_cap=cap)
     ref = ragged_paged_attention(*floats, **opts, backend="reference")
     extra = {} if interpret is None else {"interpret": interpret}
@@ -114,18 +114,17 @@ def shape_id(s):
     return "d{}_bs{}_hq{}_hkv{}".format(*s[:4])
 
 
-# each XLA compile here costs seconds: two shapes, one per 8-bit dtype
-@pytest.mark.parametrize("kind,shape", [("int8", SHAPES[0]), ("fp8", SHAPES[1])], ids=str)
-def test_reference_and_xla_read_quantized_pool(rng, kind, shape):
-    check_backend(rng, "reference", kind, shape)
-    check_backend(rng, "xla", kind, shape)
+def test_reference_and_xla_read_quantized_pool(rng):
+    """One shape (each XLA compile of these costs seconds here); the dequantization is the
+    same code for both 8-bit dtypes."""
+    check_backend(rng, "reference", "int8", SHAPES[1])
+    check_backend(rng, "xla", "fp8", SHAPES[0])
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the native kernel")
 @pytest.mark.parametrize(
-    "kind,shape", [("int8", SHAPES[0]), ("fp8", SHAPES[1]), ("int8", SHAPES[2]),
-                   ("fp8", SHAPES[3]), ("fp8", SHAPES[0])], ids=str,
-)  # fmt: skip
+    "kind,shape", [("int8", SHAPES[0]), ("fp8", SHAPES[1]), ("int8", SHAPES[3])], ids=str
+)
 def test_cpu_reads_quantized_pool(rng, kind, shape):
     """The native kernel's vector path (groups <= 8, head_dim % 8 == 0) over 8-bit pools."""
     check_backend(rng, "cpu", kind, shape)
@@ -134,14 +133,14 @@ def test_cpu_reads_quantized_pool(rng, kind, shape):
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the native kernel")
 def test_cpu_scalar_path_reads_quantized_pool(rng):
     """A GQA group of 16 and head_dim 36: the scalar loops, prefill tiles included."""
-    check_backend(rng, "cpu", "int8", (36, 8, 16, 1, 11, None))
-    check_backend(rng, "cpu", "fp8", (36, 8, 16, 1, None, None))
+    check_backend(rng, "cpu", "fp8", (36, 8, 16, 1, 11, 5.0))
 
 
 def test_pallas_interpret_reads_quantized_pool(rng):
     """The Pallas kernels (interpret mode: NaN-poisoned outputs) dequantize after each K/V
     tile load (one case: interpret mode is slow on CPU)."""
-    check_backend(rng, "pallas", "fp8", (64, 16, 4, 2, 29, None), interpret=True)
+    seqs = [(1, 40), (11, 11), (5, 30)]  # decode, prefill, chunked prefill: a small grid
+    check_backend(rng, "pallas", "fp8", (64, 16, 4, 2, 29, None), interpret=True, seqs=seqs)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
