@@ -76,9 +76,7 @@ def test_tpu_backend_refuses_8bit_cache():
     "kind,dtypes",
     [
         ("int8", (jnp.int8,) * 2 + (jnp.float32,) * 2),
-        ("fp8", (jnp.float8_e4m3fn,) * 2 + (jnp.float32,) * 2),
         ("bfloat16", (jnp.bfloat16,) * 2),  # of a float32 model
-        ("auto", (jnp.float32,) * 2),
     ],
 )
 def test_swap_out_and_in_moves_values_and_scales(kind, dtypes):
