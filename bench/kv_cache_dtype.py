@@ -36,7 +36,7 @@ def _engine(args: argparse.Namespace, kv: str) -> Any:
 
     return LLM(args.model, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
                max_model_len=args.max_model_len, max_num_seqs=args.batch,
-               enforce_eager=True, show_progress=False)  # fmt: skip
+               enforce_eager=args.enforce_eager, show_progress=False)  # fmt: skip
 
 
 def _perplexity(llm: Any, ids: list[int]) -> float:
@@ -47,32 +47,9 @@ def _perplexity(llm: Any, ids: list[int]) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8, help="decode steps per round")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per dtype, alternated")
-    p.add_argument("--prompts", type=int, default=8, help="greedy prompts compared")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per compared prompt")
-    p.add_argument("--ppl-tokens", type=int, default=500)
-    p.add_argument("--kv-cache-memory", default="512MiB")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    args = p.parse_args()
-
+def _quality(args: argparse.Namespace, engines: dict[str, Any], tokenizer: Any) -> None:
+    """Perplexity of the fixed text, and greedy agreement with the auto engine."""
     from jaxpaged import SamplingParams
-    from jaxpaged.models import load_tokenizer
-    from jaxpaged.models.resolve import resolve_model_folder
-
-    folder = str(resolve_model_folder(args.model))
-    tokenizer = load_tokenizer(folder)
-    engines = {kv: _engine(args, kv) for kv in KV_DTYPES}
-    for kv, llm in engines.items():
-        layout = llm.engine.layout
-        print(f"{kv}: pool {layout.dtype}, {layout.bytes_per_block} bytes per block, "
-              f"{layout.num_blocks} blocks = {layout.num_blocks * layout.block_size} tokens in "
-              f"{args.kv_cache_memory}", flush=True)  # fmt: skip
 
     ids = tokenizer.encode(TEXT.read_text(encoding="utf-8"))[: args.ppl_tokens]
     ppl = {kv: _perplexity(llm, list(ids)) for kv, llm in engines.items()}
@@ -91,10 +68,43 @@ def main() -> int:
         cmp = compare_greedy(greedy[kv], greedy["auto"])
         print(describe_agreement(cmp, (f"kv {kv}", "kv auto")), flush=True)
 
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per dtype, alternated")
+    p.add_argument("--prompts", type=int, default=8, help="greedy prompts compared")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per compared prompt")
+    p.add_argument("--ppl-tokens", type=int, default=500)
+    p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no warm-up: decode steps then compile as contexts grow (smoke tests)",
+    )
+    p.add_argument("--no-quality", action="store_true", help="sizes and speed only")
+    args = p.parse_args()
+
+    from jaxpaged.models import load_tokenizer
+    from jaxpaged.models.resolve import resolve_model_folder
+
+    folder = str(resolve_model_folder(args.model))
+    tokenizer = load_tokenizer(folder)
+    engines = {kv: _engine(args, kv) for kv in KV_DTYPES}
+    for kv, llm in engines.items():
+        layout = llm.engine.layout
+        print(f"{kv}: pool {layout.dtype}, {layout.bytes_per_block} bytes per block, "
+              f"{layout.num_blocks} blocks = {layout.num_blocks * layout.block_size} tokens in "
+              f"{args.kv_cache_memory}", flush=True)  # fmt: skip
+    if not args.no_quality:
+        _quality(args, engines, tokenizer)
+
     work = make_workload(tokenizer, num_prompts=args.batch, seed=0, max_prompt_words=200)
     prompts = [r.prompt_token_ids for r in work]
-    for llm in engines.values():  # compiles the decode program outside the timed rounds
-        time_decode_steps(llm, prompts, batch=args.batch, steps=2)
     medians: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
     for rnd in range(args.rounds):
         for kv, llm in engines.items():

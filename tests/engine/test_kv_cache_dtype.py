@@ -72,11 +72,17 @@ def test_tpu_backend_refuses_8bit_cache():
         _engine("int8", attention_backend="tpu")
 
 
-@pytest.mark.parametrize("kind,dtype", [("int8", jnp.int8), ("fp8", jnp.float8_e4m3fn)])
-def test_swap_out_and_in_moves_values_and_scales(kind, dtype):
+@pytest.mark.parametrize(
+    "kind,dtypes",
+    [
+        ("int8", (jnp.int8,) * 2 + (jnp.float32,) * 2),
+        ("bfloat16", (jnp.bfloat16,) * 2),  # of a float32 model
+    ],
+)
+def test_swap_out_and_in_moves_values_and_scales(kind, dtypes):
     engine = _engine(kind)
     runner = engine.runner
-    assert [p.dtype for p in runner.pool] == [jnp.dtype(dtype)] * 2 + [jnp.dtype("float32")] * 2
+    assert [p.dtype for p in runner.pool] == [jnp.dtype(d) for d in dtypes]
     rng = np.random.default_rng(0)
     runner.pool = tuple(
         jnp.asarray(rng.standard_normal(p.shape) * 50, jnp.float32).astype(p.dtype)
