@@ -13,7 +13,6 @@ the offline reference runs on it first, then the server takes it over.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
@@ -26,7 +25,15 @@ import openai
 import pytest
 from fakes import wait_until
 from harness import ServerThread
-from tool_cases import TOOLS, WEATHER_ASK, WEATHER_TIME_SCHEMAS, streamed_calls
+from hf_reference import hf_prompt_logprobs
+from tool_cases import (
+    TOOLS,
+    WEATHER,
+    WEATHER_ASK,
+    WEATHER_TIME_SCHEMAS,
+    reflected_generate,
+    streamed_calls,
+)
 
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
@@ -156,22 +163,6 @@ def test_openai_greedy_equals_offline(real):
     assert content == ref["chat"][1].outputs[0].text
 
 
-@functools.cache
-def _hf_model(model_path: str):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    return transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
-def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> np.ndarray:
-    """transformers' float32 log-probability of each prompt token after the first."""
-    torch = pytest.importorskip("torch")
-    hf = _hf_model(model_path)
-    with torch.no_grad():
-        logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1).numpy()
-    return logp[np.arange(len(ids) - 1), ids[1:]]
-
-
 def test_echo_logprobs_and_prompt_logprobs_equal_transformers(real, bundled_model_path):
     """A prompt longer than the step budget (several prefill chunks): echo + logprobs and
     prompt_logprobs over HTTP and gRPC give transformers' log-probabilities within 1e-3, the
@@ -183,7 +174,7 @@ def test_echo_logprobs_and_prompt_logprobs_equal_transformers(real, bundled_mode
     assert httpx.post(real.http + "/detokenize", json={"tokens": ids}, timeout=30).json() == {
         "prompt": text
     }
-    want = _hf_prompt_logprobs(bundled_model_path, ids)
+    want = hf_prompt_logprobs(bundled_model_path, ids)
     client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
     for _ in range(2):
         r = client.completions.create(
@@ -428,7 +419,37 @@ def test_tool_results_flow_into_the_next_turn(real, bundled_model_path):
     ids = list(real.ref["chat"][1].prompt_token_ids)
     assert plp[0] is None and len(plp) == len(ids)
     got = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-    np.testing.assert_allclose(got, _hf_prompt_logprobs(bundled_model_path, ids), atol=1e-3)
+    np.testing.assert_allclose(got, hf_prompt_logprobs(bundled_model_path, ids), atol=1e-3)
+
+
+def test_grpc_tool_call_and_structured_output_through_reflection(real):
+    """A client built from reflection alone: a named tool choice (streamed) ends with the
+    call HTTP returns for the same greedy request; a JSON schema's output validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [
+        {"name": t["function"]["name"], "parameters": json.dumps(t["function"]["parameters"])}
+        for t in TOOLS
+    ]
+    chat = {"messages": WEATHER_ASK, "tools": tools, "tool_choice": {"function": "get_weather"}}
+    greedy = {"temperature": 0, "max_tokens": 80}
+    msgs = reflected_generate(
+        real.grpc_target, {"chat": chat, "sampling_params": greedy, "stream": True}
+    )
+    last = msgs[-1]["outputs"][0]
+    assert last["finishReason"] == "tool_calls" and len(msgs) > 2
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    http = client.chat.completions.create(
+        model="smollm2", messages=WEATHER_ASK, tools=TOOLS, tool_choice=named, **greedy
+    ).choices[0].message.tool_calls[0].function  # fmt: skip
+    assert [(c["name"], c["arguments"]) for c in last["toolCalls"]] == [(http.name, http.arguments)]
+    params = {
+        "max_tokens": 80,
+        "temperature": 0.8,
+        "structured_output": {"json": json.dumps(WEATHER)},
+    }
+    msgs = reflected_generate(real.grpc_target, {"text": "Data:", "sampling_params": params})
+    jsonschema.validate(json.loads(msgs[-1]["outputs"][0]["text"]), WEATHER)
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):

@@ -42,3 +42,26 @@ def streamed_calls(stream) -> tuple[list[dict], str | None]:
 
 
 WEATHER_TIME_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+def reflected_generate(target: str, request: dict) -> list[dict]:
+    """Calls jaxpaged.v1.Generation/Generate with message classes built from the server's
+    reflection (no generated stubs), the request and responses as JSON-shaped dicts."""
+    import grpc
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(target) as channel:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        method = pool.FindServiceByName("jaxpaged.v1.Generation").methods_by_name["Generate"]
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        generate = channel.unary_stream(
+            "/jaxpaged.v1.Generation/Generate",
+            request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString,
+        )
+        message = json_format.ParseDict(request, request_cls())
+        return [json_format.MessageToDict(m) for m in generate(message, timeout=120)]
