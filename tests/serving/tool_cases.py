@@ -23,6 +23,31 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a reply in Hermes' tool-call format, as a regex (guided_regex)
+HERMES_GET_TIME = (
+    r'<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
+)
+# a tool call and its result, the call as the openai client sends a reply back (nulls too)
+TOOL_TURNS = [
+    *WEATHER_ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "audio": None,
+        "tool_calls": [
+            {
+                "id": "call_7",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris", "unit": "celsius"}',
+                },
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_7", "content": "sunny, 21 C"},
+]
 
 
 def streamed_calls(stream) -> tuple[list[dict], str | None]:
