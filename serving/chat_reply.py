@@ -45,8 +45,10 @@ class ReplyBuilder:
         return self._num_calls > 0
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's finish reason: a reply that stopped after calling tools says so."""
-        return "tool_calls" if reason == "stop" and self.called_tools else reason
+        """OpenAI's finish reason: a reply that stopped after calling tools the model chose
+        to call says so; a call forced by name keeps "stop" (as OpenAI and vLLM answer)."""
+        chose = self.called_tools and self._tools.parser != "named"
+        return "tool_calls" if reason == "stop" and chose else reason
 
     def _keep(self, segments: list[Segment]) -> list[tuple[Segment, int]]:
         """(segment, index of the latest call) pairs; with parallel calls off, the calls

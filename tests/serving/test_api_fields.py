@@ -4,6 +4,7 @@ are documented, logit_bias and echo reach the engine, and vLLM's /tokenize, /det
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import grpc
@@ -29,7 +30,7 @@ def _ids(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(request):
-    s = ServerThread(FakeAsyncEngine(max_model_len=64))
+    s = ServerThread(FakeAsyncEngine(max_model_len=256))
     request.addfinalizer(s.stop)
     return s
 
@@ -243,7 +244,7 @@ def test_echo_puts_the_prompt_before_each_choice(server):
 
 def test_tokenize_detokenize_version(server):
     r = _post(server, "/tokenize", {"prompt": "hey", "return_token_strs": True}).json()
-    assert r == {"count": 3, "max_model_len": 64, "tokens": _ids("hey"), "token_strs": list("hey")}
+    assert r == {"count": 3, "max_model_len": 256, "tokens": _ids("hey"), "token_strs": list("hey")}
     r = _post(server, "/tokenize", {"messages": MSGS}).json()
     want = FakeTokenizer().apply_chat_template(MSGS, tokenize=True)["input_ids"]
     assert r["tokens"] == want and r["count"] == len(want) and r["token_strs"] is None
@@ -272,6 +273,49 @@ def test_grpc_refuses_fields_it_does_not_know(server):
             assert where in e.value.details() and str(number) in e.value.details()
         ok = list(stub.Generate(pb.GenerateRequest.FromString(known), timeout=30))
         assert ok[-1].finished
+
+
+def test_forced_tool_choices_reach_the_engine_as_grammars(server):
+    """A named function asks the engine for its parameters' schema, "required" for an array
+    of calls; over gRPC the same, and the same refusals as INVALID_ARGUMENT."""
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    named = {"type": "function", "function": {"name": "f"}}
+    body = {"messages": MSGS, "max_tokens": 2, "tools": [tool], "tool_choice": named}
+    assert _post(server, "/v1/chat/completions", body).status_code == 200
+    assert json.loads(server.engine.added[-1][2].structured_output.json) == params
+    body["tool_choice"], body["parallel_tool_calls"] = "required", False
+    assert _post(server, "/v1/chat/completions", body).status_code == 200
+    array = json.loads(server.engine.added[-1][2].structured_output.json)
+    assert (
+        array["maxItems"] == 1 and array["items"]["anyOf"][0]["properties"]["parameters"] == params
+    )
+    chat = pb.Chat(
+        messages=[pb.ChatMessage(role="user", content="hi")],
+        tools=[pb.Tool(name="f", parameters=json.dumps(params))],
+        tool_choice=pb.ToolChoice(function="f"),
+    )
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        req = pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(max_tokens=2))
+        assert list(stub.Generate(req, timeout=30))[-1].finished
+        assert json.loads(server.engine.added[-1][2].structured_output.json) == params
+        bad = [
+            (pb.ToolChoice(mode="auto"), None, "--enable-auto-tool-choice"),
+            (pb.ToolChoice(function="g"), None, "not among the tools"),
+            (pb.ToolChoice(mode="required"), pb.StructuredOutput(regex="a"), "structured_output"),
+        ]
+        for choice, so, why in bad:
+            req.chat.tool_choice.CopyFrom(choice)
+            if so is not None:
+                req.sampling_params.structured_output.CopyFrom(so)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in e.value.details()
+        req.chat.tools[0].parameters = "{"
+        with pytest.raises(grpc.RpcError, match="parameters is not valid JSON"):
+            list(stub.Generate(req, timeout=30))
 
 
 def test_structured_output_fields_reach_the_engine(server):

@@ -13,7 +13,6 @@ the offline reference runs on it first, then the server takes it over.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
@@ -26,7 +25,17 @@ import openai
 import pytest
 from fakes import wait_until
 from harness import ServerThread
-from tool_cases import TOOLS, WEATHER_ASK, WEATHER_TIME_SCHEMAS, streamed_calls
+from hf_reference import hf_prompt_logprobs
+from tool_cases import (
+    HERMES_GET_TIME,
+    TOOL_TURNS,
+    TOOLS,
+    WEATHER,
+    WEATHER_ASK,
+    WEATHER_TIME_SCHEMAS,
+    reflected_generate,
+    streamed_calls,
+)
 
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
@@ -156,22 +165,6 @@ def test_openai_greedy_equals_offline(real):
     assert content == ref["chat"][1].outputs[0].text
 
 
-@functools.cache
-def _hf_model(model_path: str):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    return transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
-def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> np.ndarray:
-    """transformers' float32 log-probability of each prompt token after the first."""
-    torch = pytest.importorskip("torch")
-    hf = _hf_model(model_path)
-    with torch.no_grad():
-        logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1).numpy()
-    return logp[np.arange(len(ids) - 1), ids[1:]]
-
-
 def test_echo_logprobs_and_prompt_logprobs_equal_transformers(real, bundled_model_path):
     """A prompt longer than the step budget (several prefill chunks): echo + logprobs and
     prompt_logprobs over HTTP and gRPC give transformers' log-probabilities within 1e-3, the
@@ -183,7 +176,7 @@ def test_echo_logprobs_and_prompt_logprobs_equal_transformers(real, bundled_mode
     assert httpx.post(real.http + "/detokenize", json={"tokens": ids}, timeout=30).json() == {
         "prompt": text
     }
-    want = _hf_prompt_logprobs(bundled_model_path, ids)
+    want = hf_prompt_logprobs(bundled_model_path, ids)
     client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
     for _ in range(2):
         r = client.completions.create(
@@ -357,78 +350,101 @@ def test_reasoning_parser_splits_think_blocks(real):
 
 
 def test_forced_tool_calls_parse_validate_and_stream(real):
-    """A named function and "required" (greedy and at temperature 0.8) return tool_calls
-    whose arguments parse and validate against the tool's schema; streamed deltas reassemble
-    to the same calls as the whole reply; a reply in Hermes' format (made so by a regex, tool
-    choice "auto") is parsed into tool_calls too."""
+    """A named function (greedy) and "required" (temperature 0.8) return tool_calls whose
+    arguments parse and validate against the tool's schema; streamed deltas reassemble to
+    the same call as the whole reply; a reply in Hermes' format (made so by a regex, tool
+    choice "auto") is parsed into tool_calls, whole and streamed."""
     jsonschema = pytest.importorskip("jsonschema")
     client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for choice, temperature in ((named, 0), ("required", 0), ("required", 0.8)):
-        ask = dict(
-            model="smollm2", messages=WEATHER_ASK, tools=TOOLS, tool_choice=choice,
-            temperature=temperature, seed=5, max_tokens=80, parallel_tool_calls=False,
-        )  # fmt: skip
-        c = client.chat.completions.create(**ask).choices[0]
-        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
-        call = c.message.tool_calls[0]
-        assert call.id and call.type == "function"
-        assert choice == "required" or call.function.name == "get_weather"
-        jsonschema.validate(
-            json.loads(call.function.arguments), WEATHER_TIME_SCHEMAS[call.function.name]
-        )
-        if temperature == 0:
-            calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
-            assert finish == "tool_calls"
-            assert calls == [{"name": call.function.name, "arguments": call.function.arguments}]
-    hermes = (
-        r'<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
-    )
-    ask = dict(
-        model="smollm2", messages=WEATHER_ASK, tools=TOOLS, temperature=0.9, seed=2,
-        max_tokens=60, extra_body={"guided_regex": hermes},
-    )  # fmt: skip
-    m = client.chat.completions.create(**ask).choices[0].message
+    ask = dict(model="smollm2", messages=WEATHER_ASK, tools=TOOLS, max_tokens=80)
+    by_regex = dict(ask, temperature=0.9, seed=2, extra_body={"guided_regex": HERMES_GET_TIME})
+    jobs = [
+        lambda: client.chat.completions.create(**ask, tool_choice=named, temperature=0),
+        lambda: streamed_calls(
+            client.chat.completions.create(**ask, tool_choice=named, temperature=0, stream=True)
+        ),
+        lambda: client.chat.completions.create(
+            **ask, tool_choice="required", temperature=0.8, seed=5, parallel_tool_calls=False
+        ),
+        lambda: client.chat.completions.create(**by_regex),
+        lambda: streamed_calls(client.chat.completions.create(**by_regex, stream=True)),
+    ]
+    whole, (calls, finish), required, parsed, (parsed_calls, parsed_finish) = _threads(jobs)
+    c = whole.choices[0]
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "stop" == finish and call.id and call.type == "function"
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert calls == [{"name": "get_weather", "arguments": call.function.arguments}]
+    c = required.choices[0]
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "tool_calls"
+    schema = WEATHER_TIME_SCHEMAS[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    m = parsed.choices[0].message
     assert m.content is None and m.tool_calls[0].function.name == "get_time"
     assert json.loads(m.tool_calls[0].function.arguments)["tz"] in ("UTC", "CET")
-    calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
-    assert finish == "tool_calls" and [c["name"] for c in calls] == ["get_time"]
+    assert parsed_finish == "tool_calls" and [c["name"] for c in parsed_calls] == ["get_time"]
 
 
 def test_tool_results_flow_into_the_next_turn(real, bundled_model_path):
-    """An assistant turn with tool_calls and a tool result are rendered into the prompt
-    (SmolLM2's template ignores tools: they are written into the messages) and the chat
-    answers; a chat's prompt_logprobs equal transformers' within 1e-3."""
+    """An assistant turn with tool_calls (as the openai client sends one back, nulls
+    included) and a tool result are rendered into the prompt (SmolLM2's template ignores
+    tools: they are written into the messages) and the chat answers; a chat's
+    prompt_logprobs equal transformers' within 1e-3."""
     client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
-    first = client.chat.completions.create(
-        model="smollm2", messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
-        temperature=0, max_tokens=80, parallel_tool_calls=False,
-    ).choices[0].message  # fmt: skip
-    turns = [
-        *WEATHER_ASK,
-        first.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny, 21 C"},
-    ]
-    tok = httpx.post(
-        real.http + "/tokenize", json={"messages": turns, "tools": TOOLS}, timeout=30
-    ).json()
+    turns = TOOL_TURNS
+    body = {"messages": turns, "tools": TOOLS}
+    tok = httpx.post(real.http + "/tokenize", json=body, timeout=30).json()
     rendered = httpx.post(real.http + "/detokenize", json={"tokens": tok["tokens"]}, timeout=30)
     prompt = rendered.json()["prompt"]
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
-    assert first.tool_calls[0].function.name in prompt and '"get_time"' in prompt
-    r = client.chat.completions.create(
-        model="smollm2", messages=turns, tools=TOOLS, tool_choice="none", temperature=0,
-        max_tokens=8,
-    )  # fmt: skip
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in prompt
+    assert '"get_time"' in prompt  # the tools' system block
+    create = client.chat.completions.create
+    r, with_plp = _threads([
+        lambda: create(model="smollm2", messages=turns, tools=TOOLS, tool_choice="none",
+                       temperature=0, max_tokens=8),
+        lambda: create(model="smollm2", messages=CHATS[1], max_tokens=1,
+                       extra_body={"prompt_logprobs": 0}),
+    ])  # fmt: skip
     assert r.usage.prompt_tokens == tok["count"] and r.choices[0].message.content
-    r = client.chat.completions.create(
-        model="smollm2", messages=CHATS[1], max_tokens=1, extra_body={"prompt_logprobs": 0}
-    )
-    plp = r.model_extra["prompt_logprobs"]
+    plp = with_plp.model_extra["prompt_logprobs"]
     ids = list(real.ref["chat"][1].prompt_token_ids)
     assert plp[0] is None and len(plp) == len(ids)
     got = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-    np.testing.assert_allclose(got, _hf_prompt_logprobs(bundled_model_path, ids), atol=1e-3)
+    np.testing.assert_allclose(got, hf_prompt_logprobs(bundled_model_path, ids), atol=1e-3)
+
+
+def test_grpc_tool_call_and_structured_output_through_reflection(real):
+    """A client built from reflection alone: a named tool choice (streamed) ends with the
+    call HTTP returns for the same greedy request; a JSON schema's output validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [
+        {"name": t["function"]["name"], "parameters": json.dumps(t["function"]["parameters"])}
+        for t in TOOLS
+    ]
+    chat = {"messages": WEATHER_ASK, "tools": tools, "tool_choice": {"function": "get_weather"}}
+    greedy = {"temperature": 0, "max_tokens": 80}
+    msgs = reflected_generate(
+        real.grpc_target, {"chat": chat, "sampling_params": greedy, "stream": True}
+    )
+    last = msgs[-1]["outputs"][0]
+    assert last["finishReason"] == "stop" and len(msgs) > 2
+    client = openai.OpenAI(base_url=real.http + "/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    http = client.chat.completions.create(
+        model="smollm2", messages=WEATHER_ASK, tools=TOOLS, tool_choice=named, **greedy
+    ).choices[0].message.tool_calls[0].function  # fmt: skip
+    assert [(c["name"], c["arguments"]) for c in last["toolCalls"]] == [(http.name, http.arguments)]
+    params = {
+        "max_tokens": 80,
+        "temperature": 0.8,
+        "structured_output": {"json": json.dumps(WEATHER)},
+    }
+    msgs = reflected_generate(real.grpc_target, {"text": "Data:", "sampling_params": params})
+    jsonschema.validate(json.loads(msgs[-1]["outputs"][0]["text"]), WEATHER)
 
 
 def test_32_concurrent_streams_complete_and_free_their_blocks(real):
