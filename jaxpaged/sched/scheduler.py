@@ -13,7 +13,8 @@ Length limits cost nothing: a request whose last allowed token is in flight is n
 A request with ``structured_output`` is not scheduled while its token is in flight either (its
 grammar's next mask needs that token): it decodes every other step, the others overlap.
 
-Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``):
+Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``; in a
+step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most):
 
 1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
    of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
@@ -253,9 +254,8 @@ class Scheduler:
         runs."""
         self.pool.release_host_slots()
         budget = self.config.max_num_batched_tokens
-        prefill_cap = self.config.max_prefill_tokens_with_decodes
-        prefilled = 0  # tokens of this step's chunks of more than one token
-        decodes = 0  # sequences that feed one token in this step
+        cap = self.config.max_prefill_tokens_with_decodes or budget  # a long chunk stalls decodes
+        prefilled = decodes = 0  # tokens in chunks of > 1 token; sequences fed 1 token
         seqs: list[ScheduledSeq] = []
         scheduled: list[Request] = []
         fed: dict[str, int] = {}  # request id -> tokens it feeds in this step
@@ -266,32 +266,24 @@ class Scheduler:
         row_inits: list[StateRowInit] = []
         lora_loads: list[tuple[int, str]] = []
 
-        def room() -> int:
-            """Tokens the next prefill chunk may take: the budget, and once the step
-            carries decodes no more than ``prefill_cap`` prefill tokens in all (one long
-            chunk would hold up every running decode for its whole length)."""
-            if prefill_cap is None or not decodes:
-                return budget
-            return min(budget, prefill_cap - prefilled)
+        def room() -> int:  # tokens the next chunk may take
+            return min(budget, cap - prefilled) if decodes else budget
 
         def emit(req: Request, start: int, n: int) -> None:
             nonlocal budget, prefilled, decodes
-            if n == 1:
-                decodes += 1
-            else:
-                prefilled += n
+            decodes, prefilled = (decodes + 1, prefilled) if n == 1 else (decodes, prefilled + n)
             seqs.append(self._scheduled_seq(req, start, n))
             scheduled.append(req)
             fed[req.request_id] = n
             req.num_computed_tokens = start + n
-            if seqs[-1].do_sample:
-                req.num_inflight += 1
+            req.num_inflight += int(seqs[-1].do_sample)
             budget -= n
 
         def start_running(req: Request) -> None:
             self._set_running(req)
             if req.needs_state_row:
                 sp = req.sampling_params
+                banned = banned_ids_for_min_tokens(sp, req.eos_token_ids) if sp.min_tokens else ()
                 req.state_row = self._free_state_rows.pop()
                 row_inits.append(
                     StateRowInit(
@@ -299,9 +291,7 @@ class Scheduler:
                         prompt_token_ids=tuple(req.prompt_token_ids),
                         output_token_ids=tuple(req.output_token_ids),
                         min_tokens=sp.min_tokens,
-                        banned_ids=banned_ids_for_min_tokens(sp, req.eos_token_ids)
-                        if sp.min_tokens
-                        else (),
+                        banned_ids=banned,
                         logit_bias=sp.logit_bias,
                     )
                 )
