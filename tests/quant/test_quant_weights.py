@@ -148,3 +148,32 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
     assert int8 == ref
     with pytest.raises(ValueError, match="quantization"):
         LLMEngine.from_params(cfg, params, quantization="int4")
+
+
+@pytest.mark.parametrize(
+    "method,name", [("awq", "AWQ"), ("gptq", "GPTQ"), ("compressed-tensors", "compressed-tensors")]
+)
+def test_prequantized_checkpoints_are_refused_by_format(tmp_path, method, name):
+    """A checkpoint whose config.json carries a quantization_config is refused before any
+    tensor is read (its packed tensors read as floats would be garbage)."""
+    import json
+
+    from jaxpaged.models.loader import load_model
+
+    config = {"model_type": "llama", "quantization_config": {"quant_method": method, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"pre-quantized \\({name}"):
+        load_model(str(tmp_path), progress=False)
+
+
+def test_quantization_setting_is_checked():
+    from jaxpaged.args import QUANTIZATIONS, EngineArgs
+    from jaxpaged.models.quant import QUANTIZATIONS as METHODS_APPLIED
+
+    assert QUANTIZATIONS == METHODS_APPLIED
+    assert EngineArgs(quantization="fp8").quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization: 'int4' is not one of int8, fp8"):
+        EngineArgs(quantization="int4")
+    cfg = tiny_config(model_type="gpt2")
+    with pytest.raises(ValueError, match="not supported for model_type 'gpt2'"):
+        quantize_params(random_params(tiny_config()), cfg, "int8")
