@@ -332,7 +332,7 @@ class LlamaForCausalLM(nnx.Module):
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
         # host arrays can't take a traced index
         layers = {
-            k: jax.tree.map(jnp.asarray, v.value)
+            k: jax.tree.map(jnp.asarray, v.get_value())
             for k, v in vars(self.layers).items()
             if _is_param(v)
         }
@@ -355,7 +355,7 @@ class LlamaForCausalLM(nnx.Module):
         linear_fn: LinearFn | None = None,
     ) -> jax.Array:
         """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``)."""
-        w = (self.lm_head if hasattr(self, "lm_head") else self.embed).value  # [V, D]
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
         if linear_fn is not None:
             return linear_fn(hidden, w[None], 0).astype(jnp.float32)
         if isinstance(w, QuantizedWeight):

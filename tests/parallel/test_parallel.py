@@ -26,6 +26,7 @@ CHECKS = [
     "orbax",
     "warmup_no_recompile",
     "update_weights",
+    "quantized_int8",
 ]
 
 

@@ -388,6 +388,33 @@ def check_update_weights(ctx: Ctx) -> None:
     llm.engine.close()
 
 
+def check_quantized_int8(ctx: Ctx) -> None:
+    """quantization="int8" at TP 4 (KV heads replicated) decodes as TP=1 does
+    (XLA's dequant dots everywhere), and each quantized weight's scales are split on the
+    values' output axis and replicated over their contracted one."""
+    from jaxpaged.models.quant import QuantizedWeight
+
+    path = ctx.model("llama")
+    kw = dict(quantization="int8", attention_backend="xla")
+    ref, _ = greedy(path, 1, **kw)
+    assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
+    for tp in (4,):
+        got, llm = greedy(path, tp, **kw)
+        assert got == ref, f"int8 TP={tp}: {got} != TP=1 {ref}"
+        layers = llm.engine.runner.params["layers"]
+        for name, in_axis in (("wqkv", 4), ("wo", 2), ("w_down", 2)):  # an axis K spans
+            w = layers[name]
+            assert isinstance(w, QuantizedWeight), name
+            split = SPLIT_AXIS[f"layers/{name}"]
+            for values, scales in zip(
+                w.values.addressable_shards, w.scales.addressable_shards, strict=True
+            ):
+                assert values.data.shape[split] == w.shape[split] // tp, name
+                assert scales.data.shape[in_axis] == 1, name
+                want = w.scales.shape[split] // (tp if split != in_axis else 1)
+                assert scales.data.shape[split] == want, (name, scales.data.shape)
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     "errors": check_errors,
     "family_llama": lambda c: check_family(c, "llama"),
@@ -399,6 +426,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "warmup_no_recompile": check_warmup_no_recompile,
     "smollm2_tp3": check_smollm2_tp3,
     "update_weights": check_update_weights,
+    "quantized_int8": check_quantized_int8,
 }
 
 

@@ -1,0 +1,83 @@
+"""Quality of weight quantization on one model against its float32 self, in one process.
+
+    python bench/quant_quality.py [--text FILE] [--text-tokens 1024] [--greedy-tokens 32]
+
+For int8 (the native CPU kernel, as served) and fp8 (XLA's dequant dots): the first position
+where greedy decoding parts from float32's on fixed chat prompts (teacher-forced on
+float32's greedy tokens, models/quant/quality.py) and the perplexity on the first
+``--text-tokens`` tokens of ``--text`` against float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a hash table is.",
+    "List three prime numbers greater than 10.",
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    p.add_argument("--text", default=str(Path(__file__).parents[1] / "docs" / "architecture.md"))
+    p.add_argument("--text-tokens", type=int, default=1024)
+    p.add_argument("--greedy-tokens", type=int, default=32)
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.kernels.cpu.linear_q8 import linear_q8, pack_panels_q8
+    from jaxpaged.models import load_tokenizer
+    from jaxpaged.models.config import ModelConfig
+    from jaxpaged.models.llama import map_matmul_weights
+    from jaxpaged.models.loader import load_host_params
+    from jaxpaged.models.quant import quantize_params
+    from jaxpaged.models.quant.quality import first_divergence, perplexity
+    from jaxpaged.models.resolve import resolve_model_folder
+
+    folder = str(resolve_model_folder(args.model))
+    config = ModelConfig.from_pretrained(folder)
+    tok = load_tokenizer(folder)
+    host = load_host_params(folder, config, np.float32, progress=False)
+    f32 = jax.tree.map(jnp.asarray, host)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                tokenize=True)["input_ids"]
+        for q in PROMPTS
+    ]  # fmt: skip
+    engine = LLMEngine.from_params(config, f32, tok, max_model_len=512, max_num_seqs=4,
+                                   num_kv_blocks=128, enforce_eager=True, show_progress=False)  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True)
+    outs = LLM.from_engine(engine).generate(prompts, sp, use_tqdm=False)
+    engine.close()
+    greedy = [list(o.outputs[0].token_ids) for o in outs]
+    ids = tok(Path(args.text).read_text())["input_ids"][: args.text_tokens]
+    base = perplexity(f32, config, ids)
+    print(f"text: {args.text}, {len(ids)} tokens; float32 perplexity {base:.4f}", flush=True)
+    for method in ("int8", "fp8"):
+        params = jax.tree.map(jnp.asarray, quantize_params(host, config, method))
+        linear_fn = None
+        if method == "int8":
+            params, linear_fn = map_matmul_weights(params, config, pack_panels_q8), linear_q8
+        parted = [
+            first_divergence(params, config, q, g, linear_fn=linear_fn)
+            for q, g in zip(prompts, greedy, strict=True)
+        ]
+        ppl = perplexity(params, config, ids, linear_fn=linear_fn)
+        print(f"{method}: greedy first divergence per prompt (of {args.greedy_tokens}; None = "
+              f"never) {parted}; perplexity {ppl:.4f} ({ppl / base - 1:+.2%})", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
