@@ -502,6 +502,11 @@ class LLMEngine:
         self._admin(self.core.wake_up)
 
     @property
+    def reload_weights(self) -> Callable[[], Params] | None:
+        """How the engine loads its weights again (None for an engine built on params)."""
+        return self._reload
+
+    @property
     def is_sleeping(self) -> bool:
         return self.core.sleep_level > 0
 
