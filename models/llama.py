@@ -207,8 +207,8 @@ def _layer(
 
     attn_norm = RMSNorm(layers["attn_norm"][layer], eps)
     qkv = linear_fn(x, w["wqkv"], layer, norm=attn_norm)
-    if lora is not None:  # after the base call, on its input (the norm recomputed)
-        qkv = qkv + lora_delta(rms_norm(x, attn_norm.weight, eps), lora, "qkv", layer)
+    if lora is not None:  # after the base call, on the same input
+        qkv = qkv + lora_delta(x, lora, "qkv", layer, norm=attn_norm)
     qkv = qkv.reshape(t, c.num_kv_heads, g + 2, c.head_dim)
     if c.qkv_bias:
         qkv = qkv + layers["bqkv"][layer][None]
@@ -237,12 +237,11 @@ def _layer(
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
     up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
     if lora is not None:
-        h = rms_norm(x, mlp_norm.weight, eps)
-        gate = gate + lora_delta(h, lora, "gate", layer)
-        up = up + lora_delta(h, lora, "up", layer)
+        gate = gate + lora_delta(x, lora, "gate", layer, norm=mlp_norm)
+        up = up + lora_delta(x, lora, "up", layer, norm=mlp_norm)
     x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
     if lora is not None:
-        x = x + lora_delta(jax.nn.silu(gate) * up, lora, "down", layer)
+        x = x + lora_delta(up, lora, "down", layer, silu_gate=gate)
     return x, cache
 
 

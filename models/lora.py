@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
+from .layers import rms_norm
 
 __all__ = [
     "LORA_MODULES",
@@ -191,21 +192,28 @@ class LoraInputs(NamedTuple):
 
 
 def lora_delta(
-    x: jax.Array,  # [T, in]: the input of the site's base matmul (normed / gated as it was)
+    x: jax.Array,  # [T, in]: as the site's base linear_fn call receives it
     lora: LoraInputs,
     site: str,
     layer: jax.Array | int,  # int32 []
+    *,
+    norm: Any = None,  # models.llama.RMSNorm (weight [in], eps), as given to linear_fn
+    silu_gate: jax.Array | None = None,  # [T, in]
 ) -> jax.Array:  # [T, out]
-    """Each token's adapter term ``B[slot] @ A[slot] @ x`` for the whole batch at once: x
-    against every slot's A, masked to the token's own slot, then one product with all B
-    (exact: the other slots contribute zeros). Skipped (zeros) when no token has an
-    adapter, so requests without one do not pay for it."""
+    """Each token's adapter term ``B[slot] @ A[slot] @ h`` with h = norm(silu(silu_gate) *
+    x), the input of the base matmul (recomputed: linear_fn may fuse it into the matmul),
+    for the whole batch at once: h against every slot's A, masked to the token's own slot,
+    then one product with all B (exact: the other slots contribute zeros). Nothing of it
+    runs (zeros) when no token has an adapter, so requests without one pay little."""
     a_all, b_all = lora.weights[site]
     a, b = a_all[layer], b_all[layer]  # [S, r', in], [S, out, r']
     num_slots = a.shape[0]
 
     def term(_):
-        xa = jnp.einsum("ti,sri->tsr", x, a, preferred_element_type=jnp.float32)
+        h = x if silu_gate is None else jax.nn.silu(silu_gate) * x
+        if norm is not None:
+            h = rms_norm(h, norm.weight, norm.eps)
+        xa = jnp.einsum("ti,sri->tsr", h, a, preferred_element_type=jnp.float32)
         mine = lora.slots[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None]  # [T, S]
         xa = jnp.where(mine[:, :, None], xa, 0.0).astype(x.dtype)
         return jnp.einsum("tsr,sor->to", xa, b, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from jaxpaged.engine.protocol import EngineClient, EngineDeadError, Prompt
+from jaxpaged.engine.protocol import EngineAsleepError, EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
@@ -497,6 +497,8 @@ class Frontend:
         except EngineDeadError as e:
             self.mark_failed(e)
             raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
+        except EngineAsleepError as e:
+            raise Unavailable(f"server not ready: {e}") from e
         except ValueError as e:
             raise InvalidRequest(str(e), param=field_of(str(e))) from e
         finally:

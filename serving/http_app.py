@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from jaxpaged.serving.chat_reply import ReplyBuilder
 from jaxpaged.serving.deltas import merge_handles
+from jaxpaged.serving.dev_routes import add_dev_routes
 from jaxpaged.serving.frontend import (
     Frontend,
     InvalidRequest,
@@ -333,6 +334,7 @@ def create_app(frontend: Frontend) -> FastAPI:
         }
 
     add_lora_routes(app, frontend)
+    add_dev_routes(app, frontend)
 
     @app.get("/version")
     async def version() -> dict:

@@ -19,10 +19,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from jaxpaged.engine.core import EngineStepError
+from jaxpaged.engine.core import EngineStepError, asleep_message
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.lora import read_adapter
-from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
+from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
@@ -145,6 +145,8 @@ class AsyncEngine:
         """Validates (ValueError naming the problem; tokenizing runs in a worker thread, off
         the event loop) and queues the request for the engine thread. ``lora_name``: a
         registered LoRA adapter it runs with."""
+        if self._core.sleep_level:
+            raise EngineAsleepError(asleep_message(self._core.sleep_level))
         if lora_name is not None and lora_name not in self.engine.list_loras():
             raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         if self._dead_error is not None:
@@ -212,6 +214,25 @@ class AsyncEngine:
         loaded = time.perf_counter() - start
         await self.update_weights(params)
         return loaded
+
+    async def sleep(self, level: int = 1) -> int:
+        """Frees the KV pool (level 2: the weights too) between two steps, as
+        ``LLMEngine.sleep``: RuntimeError while requests are unfinished. Returns the KV
+        bytes freed."""
+        core = self._core
+        return await asyncio.wrap_future(core.call(lambda: core.sleep(level)))
+
+    async def wake_up(self) -> None:
+        """Restores the KV pool; after level 2 the weights are reloaded the way they were
+        loaded (in a worker thread), or RuntimeError for an engine built on params."""
+        core, reload = self._core, self.engine.reload_weights
+        if core.sleep_level == 2 and reload is not None:
+            await self.update_weights(await asyncio.to_thread(reload))
+        await asyncio.wrap_future(core.call(core.wake_up))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._core.sleep_level > 0
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Registers a LoRA adapter (its folder read in a worker thread); False if it was

@@ -475,7 +475,9 @@ class LLMEngine:
 
     def list_loras(self) -> dict[str, str]:
         """Registered adapter name -> its folder."""
-        return {} if self.lora is None else {n: p for n, (_, p) in self.lora.registered.items()}
+        # a copy first: the engine thread may register one meanwhile (dict copies are atomic)
+        registered = {} if self.lora is None else dict(self.lora.registered)
+        return {name: path for name, (_, path) in registered.items()}
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix, so the next prompts are computed in full (benchmark
@@ -521,6 +523,11 @@ class LLMEngine:
         if params is not None:
             self.update_weights(params)
         self._admin(self.core.wake_up)
+
+    @property
+    def reload_weights(self) -> Callable[[], Params] | None:
+        """How the engine loads its weights again (None for an engine built on params)."""
+        return self._reload
 
     @property
     def is_sleeping(self) -> bool:

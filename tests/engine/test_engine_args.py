@@ -43,6 +43,10 @@ CLI_CASES = {
     "show_progress": (["--no-show-progress"], False),
     "configure_process": (["--configure-process"], True),
     "compile_cache_dir": (["--compile-cache-dir", "/tmp/xla-cache"], "/tmp/xla-cache"),
+    "enable_lora": (["--enable-lora"], True),
+    "max_loras": (["--max-loras", "3"], 3),
+    "max_lora_rank": (["--max-lora-rank", "32"], 32),
+    "lora_modules": (["--lora-modules", "a=/x", "b=/y"], ["a=/x", "b=/y"]),
 }
 NON_DEFAULT = {name: value for name, (_, value) in CLI_CASES.items()}
 PYTHON_ONLY = {"logits_processors"}  # callables: a keyword of LLM / generate, not a flag
@@ -117,6 +121,7 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
         "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
+        "allow_runtime_lora_updating",
     }  # fmt: skip
 
 

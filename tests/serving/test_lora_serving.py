@@ -3,11 +3,13 @@
 
 The adapters and PEFT's reference tokens come from tests/engine/test_lora.py's fixture. One
 engine (enforce_eager: only the shapes used are compiled) with one adapter slot: requests of
-two adapters at once take turns for it.
+two adapters at once take turns for it. The same server (VLLM_SERVER_DEV_MODE on) serves
+vLLM's sleep-mode endpoints, checked last.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +53,11 @@ def server(folders):  # noqa: F811 - the fixture imported above
         max_lora_rank=8,
         lora_modules={"r2qv": paths["r2qv"]},
     )
-    srv = ServerThread(AsyncEngine(engine), allow_runtime_lora_updating=True)
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # read when the app is made
+    try:
+        srv = ServerThread(AsyncEngine(engine), allow_runtime_lora_updating=True)
+    finally:
+        del os.environ["VLLM_SERVER_DEV_MODE"]
     yield srv, tokenizer
     srv.stop()
     engine.close()
@@ -63,7 +69,8 @@ def _complete(client: openai.OpenAI, model: str, i: int) -> str:
         prompt=PROMPTS[i],
         max_tokens=8,
         temperature=0,
-        extra_body={"ignore_eos": True},  # PEFT's reference ignores EOS too
+        # PEFT's reference ignores EOS too; its ids < 128 include the tokenizer's special ones
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
     )
     return out.choices[0].text
 
@@ -77,7 +84,7 @@ def test_http_models_completions_load_and_unload(server, folders):  # noqa: F811
     assert cards["r2qv"].parent == "test-model" and cards["r2qv"].root == paths["r2qv"]
 
     def text(name, i):
-        return tok.decode(want[name, i])
+        return tok.decode(want[name, i], skip_special_tokens=False)
 
     assert _complete(client, "r2qv", 0) == text("r2qv", 0)
     assert _complete(client, "test-model", 0) == text(None, 0)
@@ -122,3 +129,19 @@ def test_grpc_lora_name(server, folders):  # noqa: F811
             list(stub.Generate(req))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "missing" in err.value.details()
+
+
+def test_sleep_mode_over_http(server, folders):  # noqa: F811
+    srv, tok = server
+    _, _, want = folders
+    client = openai.OpenAI(base_url=srv.http + "/v1", api_key="x", max_retries=0)
+    assert httpx.get(srv.http + "/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.post(srv.http + "/sleep?level=3").status_code == 400
+    assert httpx.post(srv.http + "/sleep?level=1").status_code == 200
+    assert httpx.get(srv.http + "/is_sleeping").json() == {"is_sleeping": True}
+    with pytest.raises(openai.APIStatusError, match="asleep") as err:
+        _complete(client, "r2qv", 0)
+    assert err.value.status_code == 503
+    assert httpx.post(srv.http + "/wake_up").status_code == 200
+    assert httpx.get(srv.http + "/is_sleeping").json() == {"is_sleeping": False}
+    assert _complete(client, "r2qv", 2) == tok.decode(want["r2qv", 2], skip_special_tokens=False)
