@@ -259,6 +259,11 @@ class GemmaForCausalLM(nnx.Module):
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
         return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
 
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: Params) -> GemmaForCausalLM:
+        """The module over ``params`` as they are (arrays are not copied)."""
+        return nnx.merge(cls.graphdef_for(config, params), params)
+
     def __call__(
         self,
         tokens: jax.Array,  # int32 [T]
@@ -360,3 +365,16 @@ def load_host_params(
         "layers": layers,
         "final_norm": read("model.norm.weight", (d,)),
     }
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,  # int32 [T]
+    positions: jax.Array,  # int32 [T]
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = dense_causal_attention,
+    cache: Any = None,
+) -> tuple[jax.Array, Any]:
+    """`GemmaForCausalLM.__call__` over a params tree: final-normed hidden states [T, D]."""
+    return GemmaForCausalLM.from_params(config, params)(tokens, positions, attention_fn, cache)
