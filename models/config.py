@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
 # decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
 GPT_MODEL_TYPES = ("gpt2", "opt")
 # (1 + w) RMSNorms, post norms, soft caps, local and global layers (models/gemma.py)
@@ -78,6 +78,25 @@ class RopeScaling:
         )
 
 
+# MoE families (Qwen3-MoE's count is num_experts, saved by transformers 5 as num_local_experts)
+_MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+
+
+def _check_qwen3_moe(d: Mapping) -> None:
+    """ValueError naming a Qwen3-MoE option jaxpaged does not run: dense MLP layers among
+    the sparse ones."""
+    if d.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"unsupported qwen3_moe option decoder_sparse_step={d['decoder_sparse_step']} "
+            "(dense MLP layers between the sparse ones); jaxpaged runs 1"
+        )
+    if d.get("mlp_only_layers"):
+        raise ValueError(
+            f"unsupported qwen3_moe option mlp_only_layers={list(d['mlp_only_layers'])} "
+            "(dense MLP layers); jaxpaged runs []"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Everything the forward pass needs to know about the architecture; hashable so it can be
@@ -101,6 +120,7 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral, Phi-3: every layer sees the last W positions
     num_experts: int = 0  # Mixtral: MoE MLPs of this many experts (0: one dense MLP)
     num_experts_per_tok: int = 0  # the top-k experts each token is routed to
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
     # Gemma: each layer's "sliding_attention" (window sliding_window) or "full_attention"
@@ -160,11 +180,13 @@ class ModelConfig:
         window = d.get("sliding_window") if model_type in windowed else None
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
-        if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
             raise ValueError(
                 f"unsupported {model_type} option use_sliding_window=True (sliding window "
                 "attention on the layers from max_window_layers on)"
             )
+        if model_type == "qwen3_moe":
+            _check_qwen3_moe(d)
         scaling = RopeScaling.from_hf_dict(rope, max_pos)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -172,7 +194,9 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=d["intermediate_size"],
+            intermediate_size=d[
+                "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+            ],
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
@@ -183,10 +207,14 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(window) if window else None,
-            num_experts=int(d.get("num_local_experts") or 0) if model_type == "mixtral" else 0,
+            num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0)
+            if model_type in _MOE_MODEL_TYPES
+            else 0,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            # Mixtral always renormalizes; Qwen3-MoE as its config says (transformers: False)
+            norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
