@@ -17,7 +17,7 @@ SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES, *GEMMA_MODEL_TYPE
 CUSTOM_MODEL_TYPE = "custom"
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +36,8 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors below
+    long_factor: tuple[float, ...] | None = None  # and from original_max_position_embeddings
 
     @classmethod
     def from_hf_dict(cls, rope: Mapping, max_position_embeddings: int) -> RopeScaling | None:
@@ -61,6 +63,20 @@ class RopeScaling:
             )
         if rope_type == "linear":
             return cls(rope_type="linear", factor=factor)
+        if rope_type == "longrope":
+            for need, value in (("original_max_position_embeddings", old),
+                                ("short_factor", rope.get("short_factor")),
+                                ("long_factor", rope.get("long_factor"))):  # fmt: skip
+                if value is None:
+                    raise ValueError(f"rope type 'longrope' needs {need}")
+            return cls(
+                rope_type="longrope",
+                factor=max_position_embeddings / old if factor is None else factor,
+                original_max_position_embeddings=int(old),
+                attention_factor=rope.get("attention_factor"),
+                short_factor=tuple(float(x) for x in rope["short_factor"]),
+                long_factor=tuple(float(x) for x in rope["long_factor"]),
+            )
         if old is None:
             raise ValueError("rope type 'yarn' needs original_max_position_embeddings")
         if factor is None:  # as transformers: the ratio of the context lengths
@@ -174,6 +190,11 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "original_max_position_embeddings" in d:  # Phi-3 keeps it beside rope_scaling
+            rope = {
+                "original_max_position_embeddings": d["original_max_position_embeddings"],
+                **rope,
+            }
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         max_pos = d.get("max_position_embeddings", 2048)
         windowed = ("mistral", "phi3", "mixtral")

@@ -38,7 +38,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
-from .rope import rope_attention_factor, rope_inv_freq
+from .rope import rope_attention_factor, rope_inv_freq_at
 
 
 class AttentionFn(Protocol):
@@ -194,7 +194,7 @@ def _layer(
     t = x.shape[0]
     g = c.queries_per_kv
     eps = c.rms_norm_eps
-    inv_freq = rope_inv_freq(c)
+    inv_freq = rope_inv_freq_at(c, positions)
     # Matmul weights go to linear_fn whole, so a native kernel can read the layer in place.
     w = _matmul_views(layers, c)
 

@@ -82,6 +82,20 @@ FAMILIES = {
         transformers.Qwen3MoeForCausalLM,
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=32),
     ),
+    # short factors before position 64, long ones from it (logits run at 0.. and 100..)
+    "phi3-longrope": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            pad_token_id=0,
+            original_max_position_embeddings=64,
+            rope_scaling=dict(
+                rope_type="longrope",
+                short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[2.0 + 0.3 * i for i in range(8)],
+            ),
+        ),
+    ),
     "llama-linear-rope": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
@@ -276,7 +290,7 @@ def test_the_sliding_window_matters(build):
     "extra,named",
     [
         (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
-        (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "'longrope'"),
+        (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "longrope.*needs"),
         (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
         (dict(model_type="gpt_neox"), "'gpt_neox'"),
         (dict(model_type="qwen3_moe", decoder_sparse_step=2), "decoder_sparse_step=2"),
