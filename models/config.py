@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
 # decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
 GPT_MODEL_TYPES = ("gpt2", "opt")
 # (1 + w) RMSNorms, post norms, soft caps, local and global layers (models/gemma.py)
@@ -17,7 +17,7 @@ SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES, *GEMMA_MODEL_TYPE
 CUSTOM_MODEL_TYPE = "custom"
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +36,8 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors below
+    long_factor: tuple[float, ...] | None = None  # and from original_max_position_embeddings
 
     @classmethod
     def from_hf_dict(cls, rope: Mapping, max_position_embeddings: int) -> RopeScaling | None:
@@ -61,6 +63,20 @@ class RopeScaling:
             )
         if rope_type == "linear":
             return cls(rope_type="linear", factor=factor)
+        if rope_type == "longrope":
+            for need, value in (("original_max_position_embeddings", old),
+                                ("short_factor", rope.get("short_factor")),
+                                ("long_factor", rope.get("long_factor"))):  # fmt: skip
+                if value is None:
+                    raise ValueError(f"rope type 'longrope' needs {need}")
+            return cls(
+                rope_type="longrope",
+                factor=max_position_embeddings / old if factor is None else factor,
+                original_max_position_embeddings=int(old),
+                attention_factor=rope.get("attention_factor"),
+                short_factor=tuple(float(x) for x in rope["short_factor"]),
+                long_factor=tuple(float(x) for x in rope["long_factor"]),
+            )
         if old is None:
             raise ValueError("rope type 'yarn' needs original_max_position_embeddings")
         if factor is None:  # as transformers: the ratio of the context lengths
@@ -75,6 +91,25 @@ class RopeScaling:
             mscale=rope.get("mscale"),
             mscale_all_dim=rope.get("mscale_all_dim"),
             truncate=bool(rope.get("truncate", True)),
+        )
+
+
+# MoE families (Qwen3-MoE's count is num_experts, saved by transformers 5 as num_local_experts)
+_MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+
+
+def _check_qwen3_moe(d: Mapping) -> None:
+    """ValueError naming a Qwen3-MoE option jaxpaged does not run: dense MLP layers among
+    the sparse ones."""
+    if d.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"unsupported qwen3_moe option decoder_sparse_step={d['decoder_sparse_step']} "
+            "(dense MLP layers between the sparse ones); jaxpaged runs 1"
+        )
+    if d.get("mlp_only_layers"):
+        raise ValueError(
+            f"unsupported qwen3_moe option mlp_only_layers={list(d['mlp_only_layers'])} "
+            "(dense MLP layers); jaxpaged runs []"
         )
 
 
@@ -101,6 +136,7 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral, Phi-3: every layer sees the last W positions
     num_experts: int = 0  # Mixtral: MoE MLPs of this many experts (0: one dense MLP)
     num_experts_per_tok: int = 0  # the top-k experts each token is routed to
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
     # Gemma: each layer's "sliding_attention" (window sliding_window) or "full_attention"
@@ -154,17 +190,24 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "original_max_position_embeddings" in d:  # Phi-3 keeps it beside rope_scaling
+            rope = {
+                "original_max_position_embeddings": d["original_max_position_embeddings"],
+                **rope,
+            }
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         max_pos = d.get("max_position_embeddings", 2048)
         windowed = ("mistral", "phi3", "mixtral")
         window = d.get("sliding_window") if model_type in windowed else None
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
-        if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
             raise ValueError(
                 f"unsupported {model_type} option use_sliding_window=True (sliding window "
                 "attention on the layers from max_window_layers on)"
             )
+        if model_type == "qwen3_moe":
+            _check_qwen3_moe(d)
         scaling = RopeScaling.from_hf_dict(rope, max_pos)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -172,7 +215,9 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=d["intermediate_size"],
+            intermediate_size=d[
+                "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+            ],
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
@@ -183,10 +228,14 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(window) if window else None,
-            num_experts=int(d.get("num_local_experts") or 0) if model_type == "mixtral" else 0,
+            num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0)
+            if model_type in _MOE_MODEL_TYPES
+            else 0,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            # Mixtral always renormalizes; Qwen3-MoE as its config says (transformers: False)
+            norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),

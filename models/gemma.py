@@ -41,7 +41,7 @@ from flax import nnx
 from .config import GEMMA_MODEL_TYPES, ModelConfig, RopeScaling
 from .layers import apply_rope, dense_causal_attention
 from .llama import AttentionFn, Params
-from .rope import rope_attention_factor, rope_inv_freq
+from .rope import rope_attention_factor, rope_inv_freq_at
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -227,7 +227,7 @@ def _layer(
     rope = c
     if window is not None and c.rope_local_theta is not None:  # Gemma 3's local layers
         rope = dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_scaling=None)
-    inv_freq, factor = rope_inv_freq(rope), rope_attention_factor(rope)
+    inv_freq, factor = rope_inv_freq_at(rope, positions), rope_attention_factor(rope)
     q, k = apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
     attn, cache = attention_fn(
         q, k, v, layer, cache,
@@ -258,6 +258,11 @@ class GemmaForCausalLM(nnx.Module):
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
         return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: Params) -> GemmaForCausalLM:
+        """The module over ``params`` as they are (arrays are not copied)."""
+        return nnx.merge(cls.graphdef_for(config, params), params)
 
     def __call__(
         self,
@@ -360,3 +365,16 @@ def load_host_params(
         "layers": layers,
         "final_norm": read("model.norm.weight", (d,)),
     }
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,  # int32 [T]
+    positions: jax.Array,  # int32 [T]
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = dense_causal_attention,
+    cache: Any = None,
+) -> tuple[jax.Array, Any]:
+    """`GemmaForCausalLM.__call__` over a params tree: final-normed hidden states [T, D]."""
+    return GemmaForCausalLM.from_params(config, params)(tokens, positions, attention_fn, cache)

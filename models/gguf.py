@@ -1,4 +1,4 @@
-"""Import a Llama or Qwen2 GGUF file (llama.cpp's format) into a Hugging Face-format folder.
+"""Import a Llama, Qwen2 or Gemma 3 GGUF file (llama.cpp's format) into a Hugging Face-format folder.
 
 The bundled model ships only as a GGUF, and the rest of jaxpaged reads Hugging Face folders
 (config.json + model.safetensors + tokenizer.json), so this is the one bridge between them.
@@ -25,7 +25,10 @@ import numpy as np
 SUPPORTED_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# Gemma's norms scale by (1 + weight); llama.cpp's converter stores 1 + weight
+_PLUS_ONE_NORMS = ("gemma3",)
 
 # Tensor types we dequantize. All are implemented in numpy by the `gguf` package (maintained
 # alongside llama.cpp); the K-quants are there because most published GGUFs are Q4_K_M.
@@ -56,6 +59,15 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3 normalizes before and after attention and the MLP (ffn_norm is the pre-MLP one)
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -222,6 +234,9 @@ def _config(g: _Gguf, arch: str) -> dict[str, Any]:
         config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
         config["rope_scaling"] = _llama3_rope_scaling(g, arch, head_dim, theta)
+    if arch == "gemma3":
+        del config["hidden_act"]  # Gemma's is hidden_activation
+        config.update(_gemma3_config(g, config))
     scaling_type = _scalar(g, f"{arch}.rope.scaling.type", required=False)
     if scaling_type in ("linear", "yarn") and config["rope_scaling"] is None:
         config["rope_scaling"] = {
@@ -237,7 +252,47 @@ def _config(g: _Gguf, arch: str) -> dict[str, Any]:
     return config
 
 
-def _hf_tensor_name(name: str) -> str | None:
+def _gemma3_config(g: _Gguf, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 config.json holds beyond the Llama fields. GGUF stores neither the layer
+    pattern, the local rope base nor the attention scale: llama.cpp fixes them (one global
+    layer in six, base 10000, head_dim ** -0.5 except 27B's (hidden / heads) ** -0.5), and so
+    does transformers' Gemma3TextConfig, whose defaults this writes out."""
+    n = config["num_hidden_layers"]
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    scalar = config["hidden_size"] // heads if n == 62 else head_dim  # 27B: 62 layers
+    window = _scalar(g, "gemma3.attention.sliding_window", required=False)
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": None if window is None else int(window),
+        "layer_types": _gemma3_layer_types(g, n),
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def _gemma3_layer_types(g: _Gguf, n: int) -> list[str]:
+    """Sliding or full attention per layer: the file's sliding_window_pattern (a period, or
+    one flag per layer, True for sliding) if it has one, else one full layer in six."""
+    pattern = _scalar(g, "gemma3.attention.sliding_window_pattern", required=False, default=6)
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ValueError(
+                f"GGUF file {g.path}: sliding_window_pattern has {len(pattern)} "
+                f"entries for {n} layers"
+            )
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(n)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _layer_tensors(arch: str) -> dict[str, str]:
+    return _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+
+
+def _hf_tensor_name(name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor; None for tensors that are folded into config.json."""
     if name == "rope_freqs.weight":
         return None
@@ -245,18 +300,21 @@ def _hf_tensor_name(name: str) -> str | None:
     if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    layer_tensors = _layer_tensors(arch)
+    if m and m.group(2) in layer_tensors:
+        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in this importer")
 
 
 def _weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, tensor in g.tensors.items():
-        hf_name = _hf_tensor_name(name)
+        hf_name = _hf_tensor_name(name, arch)
         if hf_name is None:
             continue
         w = _dequantize(tensor)
+        if arch in _PLUS_ONE_NORMS and name.endswith("norm.weight"):
+            w = w - 1  # float32, as transformers' GGUF loader undoes it
         # llama.cpp permutes q/k rows only for the Llama architecture (Qwen2's converter does not).
         if arch == "llama" and ".attn_q." in name:
             w = _unpermute_rows(w, config["num_attention_heads"])
@@ -266,7 +324,7 @@ def _weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.nda
     n_layers = config["num_hidden_layers"]
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(n_layers):
-        for module in _LAYER_TENSORS.values():
+        for module in _layer_tensors(arch).values():
             required.append(f"model.layers.{i}.{module}.weight")
     missing = [n for n in required if n not in out]
     if missing:

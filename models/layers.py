@@ -27,12 +27,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def apply_rope(
     x: jax.Array,  # [T, H, hd]
     positions: jax.Array,  # int32 [T]
-    inv_freq: np.ndarray,  # [hd // 2]
+    inv_freq: np.ndarray | jax.Array,  # [hd // 2], or [T, hd // 2]: each position's own
     attention_factor: float = 1.0,
 ) -> jax.Array:
     """Rotate pairs (i, i + hd/2) of every head by position * inv_freq (HF 'rotate_half'
     layout); cos and sin are scaled by ``attention_factor`` (YaRN's), as transformers does."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, hd/2]
+    inv_freq = jnp.asarray(inv_freq)
+    per_row = inv_freq if inv_freq.ndim == 2 else inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[:, None] * per_row  # [T, hd/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
     sin = jnp.sin(angles)[:, None, :]
     if attention_factor != 1.0:

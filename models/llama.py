@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Mixtral) as an NNX module over a params tree.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE) as an NNX module over a params tree.
 
 Params are a plain nested dict with the layers stacked on a leading L axis, so the decoder runs
 as one `lax.scan` (compile time independent of depth) and the tree shards and donates cleanly.
@@ -41,7 +41,7 @@ from .layers import apply_rope, dense_causal_attention, rms_norm
 from .lora import LoraInputs, lora_delta
 from .quant.matmul import quantized_matmul
 from .quant.weights import QuantizedWeight
-from .rope import rope_attention_factor, rope_inv_freq
+from .rope import rope_attention_factor, rope_inv_freq_at
 
 
 class AttentionFn(Protocol):
@@ -201,7 +201,7 @@ def _layer(
     t = x.shape[0]
     g = c.queries_per_kv
     eps = c.rms_norm_eps
-    inv_freq = rope_inv_freq(c)
+    inv_freq = rope_inv_freq_at(c, positions)
     # Matmul weights go to linear_fn whole, so a native kernel can read the layer in place.
     w = _matmul_views(layers, c)
 
@@ -251,12 +251,14 @@ def _moe_mlp(
     layer: jax.Array,  # int32 []
     config: ModelConfig,
 ) -> jax.Array:  # [T, D]
-    """Mixtral's sparse MLP: softmax over the router's logits (float32), the top k experts
-    renormalized to sum to 1, their gated SiLU MLPs summed with those weights. Every expert
+    """Mixtral's and Qwen3-MoE's sparse MLP: softmax over the router's logits (float32), the
+    top k experts (renormalized to sum to 1 if config.norm_topk_prob), their gated SiLU MLPs summed with those weights. Every expert
     runs on every token (weights zero off the top k): exact, and cheap for few experts."""
     logits = jnp.einsum("td,ed->te", h, layers["router"][layer], preferred_element_type=jnp.float32)
     top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), config.num_experts_per_tok)
-    top_w = (top_w / top_w.sum(axis=-1, keepdims=True)).astype(h.dtype)  # [T, k]
+    if config.norm_topk_prob:
+        top_w = top_w / top_w.sum(axis=-1, keepdims=True)
+    top_w = top_w.astype(h.dtype)  # [T, k]
     weights = jnp.einsum(
         "tk,tke->te", top_w, jax.nn.one_hot(top_i, config.num_experts, dtype=h.dtype)
     )

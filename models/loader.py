@@ -148,12 +148,12 @@ def _hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]
     if c.num_experts:  # Mixtral: a router and E experts (w1 gate, w3 up, w2 down)
         del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
         del names[p + "mlp.down_proj.weight"]
-        moe = p + "block_sparse_moe."
-        names[moe + "gate.weight"] = (c.num_experts, d)
+        moe, (gate, up, down) = _moe_names(c)
+        names[p + moe + "gate.weight"] = (c.num_experts, d)
         for e in range(c.num_experts):
-            names[moe + f"experts.{e}.w1.weight"] = (f, d)
-            names[moe + f"experts.{e}.w3.weight"] = (f, d)
-            names[moe + f"experts.{e}.w2.weight"] = (d, f)
+            names[p + moe + f"experts.{e}.{gate}.weight"] = (f, d)
+            names[p + moe + f"experts.{e}.{up}.weight"] = (f, d)
+            names[p + moe + f"experts.{e}.{down}.weight"] = (d, f)
     if c.model_type == "phi3":  # q, k, v fused in one projection; gate and up in another
         for name in ("q_proj", "k_proj", "v_proj"):
             del names[p + f"self_attn.{name}.weight"]
@@ -168,6 +168,13 @@ def _hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]
         names[p + "self_attn.q_norm.weight"] = (hd,)
         names[p + "self_attn.k_norm.weight"] = (hd,)
     return names
+
+
+def _moe_names(config: ModelConfig) -> tuple[str, tuple[str, str, str]]:
+    """The sparse MLP's module prefix in a layer and its experts' gate, up and down names."""
+    if config.model_type == "mixtral":
+        return "block_sparse_moe.", ("w1", "w3", "w2")
+    return "mlp.", ("gate_proj", "up_proj", "down_proj")
 
 
 class _Reader:
@@ -222,12 +229,13 @@ def _fill_layer(out: dict[str, np.ndarray], i: int, read: _Reader, config: Model
         out["k_norm"][i] = r("self_attn.k_norm.weight")
     out["wo"][i] = r("self_attn.o_proj.weight").reshape(d, hkv, g, hd)
     if c.num_experts:
-        out["router"][i] = r("block_sparse_moe.gate.weight")
+        moe, (gate, up, down) = _moe_names(c)
+        out["router"][i] = r(moe + "gate.weight")
         for e in range(c.num_experts):
-            expert = f"block_sparse_moe.experts.{e}."
-            out["w_experts_gate_up"][i, e, 0] = r(expert + "w1.weight")
-            out["w_experts_gate_up"][i, e, 1] = r(expert + "w3.weight")
-            out["w_experts_down"][i, e] = r(expert + "w2.weight")
+            expert = f"{moe}experts.{e}."
+            out["w_experts_gate_up"][i, e, 0] = r(expert + gate + ".weight")
+            out["w_experts_gate_up"][i, e, 1] = r(expert + up + ".weight")
+            out["w_experts_down"][i, e] = r(expert + down + ".weight")
         return
     if c.model_type != "phi3":
         wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")

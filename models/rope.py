@@ -1,5 +1,5 @@
-"""Rotary position frequencies: default, and the scalings transformers implements as static
-functions of the config (llama3, linear, yarn).
+"""Rotary position frequencies: default, and the scalings transformers implements as
+functions of the config (llama3, linear, yarn) or of the position (longrope).
 
 Computed on the host in float64 and rounded once (as transformers rounds its float32
 arange-based frequencies), so they are compile-time constants of the step.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
@@ -27,12 +29,50 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         return (inv_freq / s.factor).astype(np.float32)
     if s.rope_type == "yarn":
         return _yarn_inv_freq(config, exponents)
+    if s.rope_type == "longrope":  # the short factors; rope_inv_freq_at picks per position
+        return _longrope_inv_freq(config, exponents, s.short_factor)
     return _llama3_inv_freq(config, inv_freq)
 
 
-def rope_attention_factor(config: ModelConfig) -> float:
-    """What transformers multiplies cos and sin by (yarn's attention temperature; 1 else)."""
+def rope_inv_freq_at(
+    config: ModelConfig,
+    positions: jax.Array,  # int32 [T]
+) -> np.ndarray | jax.Array:  # [hd // 2], or [T, hd // 2] where it depends on the position
+    """The frequencies each position rotates by. Only longrope depends on the position: the
+    long factors from original_max_position_embeddings on, as transformers' decode steps do
+    (its prefill takes the long ones for every prompt token once the prompt crosses that
+    length; a paged engine's rows keep each token's own)."""
     s = config.rope_scaling
+    if s is None or s.rope_type != "longrope":
+        return rope_inv_freq(config)
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+    short = rope_inv_freq(config)
+    long = _longrope_inv_freq(config, exponents, s.long_factor)
+    beyond = positions[:, None] >= s.original_max_position_embeddings
+    return jnp.where(beyond, jnp.asarray(long)[None], jnp.asarray(short)[None])
+
+
+def _longrope_inv_freq(
+    config: ModelConfig, exponents: np.ndarray, factors: tuple[float, ...] | None
+) -> np.ndarray:
+    if factors is None or len(factors) != config.head_dim // 2:
+        raise ValueError(
+            f"longrope short_factor and long_factor need head_dim // 2 = "
+            f"{config.head_dim // 2} entries each"
+        )
+    powers = (config.rope_theta**exponents).astype(np.float32).astype(np.float64)
+    return (1.0 / (np.asarray(factors, np.float32).astype(np.float64) * powers)).astype(np.float32)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What transformers multiplies cos and sin by (yarn's and longrope's attention
+    temperature; 1 else)."""
+    s = config.rope_scaling
+    if s is not None and s.rope_type == "longrope":
+        if s.attention_factor is not None:
+            return float(s.attention_factor)
+        old = s.original_max_position_embeddings
+        return 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(old))
     if s is None or s.rope_type != "yarn":
         return 1.0
     if s.attention_factor is not None:

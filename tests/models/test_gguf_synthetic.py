@@ -470,7 +470,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     src = _write_gguf(
         tmp_path / "g.gguf", "gpt2", model.config, {"token_embd.weight": np.ones((4, 4))}
     )
-    with pytest.raises(ValueError, match=r"architecture 'gpt2'.*supported: llama, qwen2"):
+    with pytest.raises(ValueError, match=r"architecture 'gpt2'.*supported: gemma3, llama, qwen2"):
         convert_gguf(src, tmp_path / "hf")
 
 

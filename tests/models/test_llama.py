@@ -76,6 +76,26 @@ FAMILIES = {
         transformers.MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     ),
+    # routing weights not renormalized (transformers' default for Qwen3-MoE, unlike Mixtral)
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=32),
+    ),
+    # short factors before position 64, long ones from it (logits run at 0.. and 100..)
+    "phi3-longrope": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            pad_token_id=0,
+            original_max_position_embeddings=64,
+            rope_scaling=dict(
+                rope_type="longrope",
+                short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[2.0 + 0.3 * i for i in range(8)],
+            ),
+        ),
+    ),
     "llama-linear-rope": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
@@ -270,9 +290,11 @@ def test_the_sliding_window_matters(build):
     "extra,named",
     [
         (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
-        (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "'longrope'"),
+        (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "longrope.*needs"),
         (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
         (dict(model_type="gpt_neox"), "'gpt_neox'"),
+        (dict(model_type="qwen3_moe", decoder_sparse_step=2), "decoder_sparse_step=2"),
+        (dict(model_type="qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(extra, named):
