@@ -186,3 +186,37 @@ def test_probe_tells_templates_apart():
 
     assert TemplateToolSupport.probe(ignores) == TemplateToolSupport(False, False)
     assert TemplateToolSupport.probe(renders) == TemplateToolSupport(True, True)
+
+
+QWEN_LIKE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def test_probe_on_the_bundled_tokenizer():
+    """SmolLM2's own template renders neither tools nor tool turns; a Qwen-like template
+    (tools and tool calls in the template) renders both, so the conversation goes to it
+    unchanged."""
+    transformers = pytest.importorskip("transformers")
+    from jaxpaged.models import default_model_path
+
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+
+    def render_with(template):
+        def render(messages, **kwargs):
+            return tok.apply_chat_template(
+                messages, tokenize=False, chat_template=template, **kwargs
+            )
+
+        return render
+
+    assert TemplateToolSupport.probe(render_with(None)) == TemplateToolSupport(False, False)
+    qwen_like = TemplateToolSupport.probe(render_with(QWEN_LIKE))
+    assert qwen_like == TemplateToolSupport(True, True)
+    msgs, tools = conversation_for_template(TURNS, TOOLS, qwen_like, "hermes")
+    text = render_with(QWEN_LIKE)(msgs, tools=tools)
+    assert '"name": "w"' in text and "sunny, 21 C" in text and "<tool_call>" in text
