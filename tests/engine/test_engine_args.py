@@ -24,6 +24,7 @@ CLI_CASES = {
     "revision": (["--revision", "v1.0"], "v1.0"),
     "download_dir": (["--download-dir", "/data/hub"], "/data/hub"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "quantization": (["-q", "int8"], "int8"),
     "tensor_parallel_size": (["-tp", "2"], 2),
     "max_model_len": (["--max-model-len", "512"], 512),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
