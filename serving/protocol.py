@@ -152,6 +152,9 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # a logits processor the server registered (EngineArgs.logits_processors), by name
+    logits_processor: str | None = None
+    logits_processor_args: list[float] | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -181,6 +184,8 @@ class _SamplingFields(_Strict):
             "seed": self.seed,
             "logit_bias": _logit_bias(self.logit_bias),
             "structured_output": self._structured_output(tool_grammar),
+            "logits_processor": self.logits_processor,
+            "logits_processor_args": tuple(self.logits_processor_args or ()),
         }
         for name in (
             "temperature",

@@ -33,6 +33,7 @@ def server(folders):  # noqa: F811 - the fixture imported above
     from jaxpaged.engine.async_engine import AsyncEngine
     from jaxpaged.models import default_model_path, load_tokenizer
     from jaxpaged.models.loader import load_model
+    from jaxpaged.worker.logits_processors import no_repeat_ngram
 
     base, paths, _ = folders
     config, params = load_model(base, progress=False)
@@ -52,6 +53,7 @@ def server(folders):  # noqa: F811 - the fixture imported above
         max_loras=1,
         max_lora_rank=8,
         lora_modules={"r2qv": paths["r2qv"]},
+        logits_processors=(no_repeat_ngram(),),
     )
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # read when the app is made
     try:
@@ -145,3 +147,34 @@ def test_sleep_mode_over_http(server, folders):  # noqa: F811
     assert httpx.post(srv.http + "/wake_up").status_code == 200
     assert httpx.get(srv.http + "/is_sleeping").json() == {"is_sleeping": False}
     assert _complete(client, "r2qv", 2) == tok.decode(want["r2qv", 2], skip_special_tokens=False)
+
+
+def test_http_logits_processor_by_name(server, folders):  # noqa: F811
+    """A registered processor chosen per request over HTTP equals transformers' own
+    ``no_repeat_ngram_size`` on the base model; an unknown name is a 400."""
+    import torch
+    import transformers
+
+    srv, tok = server
+    base = folders[0]
+    client = openai.OpenAI(base_url=srv.http + "/v1", api_key="x", max_retries=0)
+    prompt = [5, 6, 5, 7, 9]
+    hf = transformers.LlamaForCausalLM.from_pretrained(base).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+            do_sample=False, no_repeat_ngram_size=2, pad_token_id=0, eos_token_id=None,
+        )[0, len(prompt):].tolist()  # fmt: skip
+
+    def text(extra):
+        out = client.completions.create(
+            model="test-model", prompt=prompt, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True, "skip_special_tokens": False, **extra},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    got = text({"logits_processor": "no_repeat_ngram", "logits_processor_args": [2]})
+    assert got == tok.decode(ref, skip_special_tokens=False)
+    with pytest.raises(openai.BadRequestError, match="nope"):
+        text({"logits_processor": "nope"})
