@@ -69,6 +69,7 @@ _GEMMA3_LAYER_TENSORS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+_ARCH_LAYER_TENSORS = {"gemma3": _GEMMA3_LAYER_TENSORS}  # the rest: _LAYER_TENSORS
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -276,20 +277,14 @@ def _gemma3_layer_types(g: _Gguf, n: int) -> list[str]:
     """Sliding or full attention per layer: the file's sliding_window_pattern (a period, or
     one flag per layer, True for sliding) if it has one, else one full layer in six."""
     pattern = _scalar(g, "gemma3.attention.sliding_window_pattern", required=False, default=6)
-    if isinstance(pattern, list):
-        if len(pattern) != n:
-            raise ValueError(
-                f"GGUF file {g.path}: sliding_window_pattern has {len(pattern)} "
-                f"entries for {n} layers"
-            )
-        sliding = [bool(x) for x in pattern]
-    else:
-        sliding = [bool((i + 1) % int(pattern)) for i in range(n)]
+    if not isinstance(pattern, list):
+        pattern = [(i + 1) % int(pattern) for i in range(n)]
+    elif len(pattern) != n:
+        raise ValueError(
+            f"GGUF file {g.path}: sliding_window_pattern lists {len(pattern)} of {n} layers"
+        )
+    sliding = [bool(x) for x in pattern]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
-
-
-def _layer_tensors(arch: str) -> dict[str, str]:
-    return _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
 
 
 def _hf_tensor_name(name: str, arch: str = "llama") -> str | None:
@@ -300,7 +295,7 @@ def _hf_tensor_name(name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     m = _LAYER_RE.match(name)
-    layer_tensors = _layer_tensors(arch)
+    layer_tensors = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
     if m and m.group(2) in layer_tensors:
         return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in this importer")
@@ -324,7 +319,7 @@ def _weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.nda
     n_layers = config["num_hidden_layers"]
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(n_layers):
-        for module in _layer_tensors(arch).values():
+        for module in _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS).values():
             required.append(f"model.layers.{i}.{module}.weight")
     missing = [n for n in required if n not in out]
     if missing:
