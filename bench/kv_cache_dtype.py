@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no warm-up: decode steps then compile as contexts grow (smoke tests)",
+        help="no warm-up: programs compile on first use, in untimed steps (faster start)",
     )
     p.add_argument("--no-quality", action="store_true", help="sizes and speed only")
     args = p.parse_args()
