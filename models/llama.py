@@ -78,7 +78,7 @@ class LinearFn(Protocol):
     def __call__(
         self,
         x: jax.Array,  # [T, K]
-        w: jax.Array,  # [L, N, K] stacked [out, in] weights
+        w: jax.Array,  # [L, N, K] stacked [out, in] weights, or a quant.QuantizedWeight
         index: jax.Array | int,  # int32 []
         *,
         norm: RMSNorm | None = None,

@@ -1,6 +1,6 @@
 """Native CPU kernels called through XLA FFI: ragged paged attention (cpu_native.cc),
-linear layers over weights in panel layout (cpu_linear.cc) and greedy sampling's argmax
-(cpu_argmax.cc).
+linear layers over weights in panel layout (cpu_linear.cc; int8-quantized weights in
+cpu_linear_q8.cc, wrapped by linear_q8.py) and greedy sampling's argmax (cpu_argmax.cc).
 
 The C++ sources ship with the package and are compiled on first use with the system C++
 compiler into `$JAXPAGED_CACHE/native/` (keyed by source, compiler flags and CPU), so

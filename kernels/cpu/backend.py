@@ -2,7 +2,7 @@
 
 - The native kernels: paged attention (cpu_native.cc), every matmul (cpu_linear.cc) and greedy
   sampling's argmax (cpu_argmax.cc), used together when the "cpu" attention backend is in use
-  on one device.
+  on one device; int8-quantized weights take cpu_linear_q8.cc's matmul instead.
 - The matmul weights, repacked once into the native matmul's panel layout.
 - The weights every step streams, moved onto 2 MiB pages (huge_pages.py).
 - glibc malloc tuning (host_malloc.py): process-wide, so applied only when the caller asks
@@ -67,7 +67,8 @@ class CpuBackend:
         """The kernels for these params. The native ones run where the "cpu" attention
         backend is in use (asked for, or the default where the kernels build) on one device
         (sharded weights take XLA's SPMD dots). The native matmul also needs float32 or
-        bfloat16 weights with every output size a multiple of its panel width."""
+        bfloat16 weights, or int8-quantized ones with an even K, with every output size a
+        multiple of its panel width."""
         native = not sharded and (attention_backend or default_backend("cpu")) == "cpu"
         kind = _linear_kind(params, map_matmul_weights) if native else None
         narrow = kind == "float" and {

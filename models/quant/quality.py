@@ -18,12 +18,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..llama import LinearFn, compute_logits, forward
 
-__all__ = ["first_divergence", "perplexity"]
+__all__ = ["first_divergence", "perplexity", "perplexity_of", "sequence_logits"]
 
 
-def _logits(
-    params: Any, config: ModelConfig, tokens: Sequence[int], linear_fn: LinearFn | None
+def sequence_logits(
+    params: Any, config: ModelConfig, tokens: Sequence[int], linear_fn: LinearFn | None = None
 ) -> np.ndarray:  # float32 [T, V]
+    """The logits at every position of ``tokens``, one forward over the whole sequence."""
     # padded to a multiple of 64 at the end (causal: the real positions' logits are
     # unchanged), so texts of similar length share one compiled program
     padded = -(-len(tokens) // 64) * 64
@@ -45,7 +46,15 @@ def perplexity(
     linear_fn: LinearFn | None = None,
 ) -> float:
     """exp of the mean negative log-likelihood of tokens[1:] given their prefixes."""
-    logits = _logits(params, config, tokens, linear_fn)[:-1].astype(np.float64)
+    return perplexity_of(sequence_logits(params, config, tokens, linear_fn), tokens)
+
+
+def perplexity_of(
+    logits: np.ndarray,  # float32 [T, V]: `sequence_logits` of tokens
+    tokens: Sequence[int],
+) -> float:
+    """`perplexity` from logits already computed."""
+    logits = logits[:-1].astype(np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - logits[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]
     return float(np.exp(nll.mean()))
@@ -62,6 +71,6 @@ def first_divergence(
     """The first index of ``continuation`` this model would not have chosen greedily, or
     None when it agrees on all of them."""
     tokens = [*prompt, *continuation]
-    logits = _logits(params, config, tokens, linear_fn)[len(prompt) - 1 : -1]
+    logits = sequence_logits(params, config, tokens, linear_fn)[len(prompt) - 1 : -1]
     mismatch = np.flatnonzero(logits.argmax(-1) != np.asarray(continuation))
     return int(mismatch[0]) if mismatch.size else None
