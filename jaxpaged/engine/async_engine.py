@@ -147,7 +147,7 @@ class AsyncEngine:
         registered LoRA adapter it runs with."""
         if self._core.sleep_level:
             raise EngineAsleepError(asleep_message(self._core.sleep_level))
-        if lora_name is not None and lora_name not in self.engine.list_loras():
+        if lora_name is not None and lora_name not in self.list_loras():
             raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead_error}")
@@ -225,7 +225,7 @@ class AsyncEngine:
     async def wake_up(self) -> None:
         """Restores the KV pool; after level 2 the weights are reloaded the way they were
         loaded (in a worker thread), or RuntimeError for an engine built on params."""
-        core, reload = self._core, self.engine.reload_weights
+        core, reload = self._core, getattr(self.engine, "reload_weights", None)
         if core.sleep_level == 2 and reload is not None:
             await self.update_weights(await asyncio.to_thread(reload))
         await asyncio.wrap_future(core.call(core.wake_up))
@@ -251,7 +251,8 @@ class AsyncEngine:
 
     def list_loras(self) -> dict[str, str]:
         """Registered LoRA adapter name -> its folder."""
-        return self.engine.list_loras()
+        list_loras = getattr(self.engine, "list_loras", None)  # an engine without LoRA
+        return {} if list_loras is None else list_loras()
 
     # ----------------------------------------------------------- engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:
