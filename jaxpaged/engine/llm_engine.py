@@ -28,11 +28,10 @@ from jaxpaged.config import (
 )
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
-from jaxpaged.kernels.kv_quant import is_quantized
-from jaxpaged.kernels.pool_format import pool_format
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
@@ -40,12 +39,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
-from jaxpaged.worker.kv_cache import (
-    KVLayout,
-    device_kv_budget,
-    kv_storage_dtype,
-    num_blocks_for,
-)
+from jaxpaged.worker.kv_cache import KVLayout
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
 from jaxpaged.worker.weights import ParamsSpec
@@ -122,38 +116,13 @@ class LLMEngine:
             num_hosts=jax.process_count(),
         )
 
-        kv_dtype = kv_storage_dtype(
-            cache_config.kv_cache_dtype, dtype or str(_params_dtype(params))
+        kv = KVPlan.choose(
+            model_config,
+            cache_config,
+            params_dtype=dtype or str(_params_dtype(params)),
+            attention_backend=attention_backend,
+            tensor_parallel=self.mesh is not None,
         )
-        quantized_kv = is_quantized(kv_dtype)
-        if quantized_kv and self.mesh is not None:
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.kv_cache_dtype!r} does not support "
-                "tensor_parallel_size > 1 yet; use kv_cache_dtype='auto' or 'bfloat16'"
-            )
-        # the pool's layout follows the attention backend (kernels/pool_format.py); an 8-bit
-        # cache on the "tpu" backend is a ValueError there
-        combined_kv = pool_format(attention_backend, quantized=quantized_kv).combined
-        if combined_kv and self.mesh is not None:
-            # the combined pool's padded heads do not split over devices like the model's
-            if attention_backend == "tpu":
-                raise ValueError(
-                    "attention_backend='tpu' does not support tensor_parallel_size > 1 yet; "
-                    "use attention_backend='xla' (--attention-backend xla)"
-                )
-            logger.info("tensor parallelism on TPU: the XLA attention path")
-            attention_backend, combined_kv = "xla", False
-
-        def layout_of(num_blocks: int) -> KVLayout:
-            return KVLayout(
-                num_layers=model_config.num_layers,
-                num_blocks=num_blocks,
-                block_size=cache_config.block_size,
-                num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim,
-                dtype=kv_dtype,
-                combined=combined_kv,
-            )
 
         def runner_for(layout: KVLayout) -> Runner:
             return Runner(
@@ -164,7 +133,7 @@ class LLMEngine:
                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                 max_model_len=scheduler_config.max_model_len,
                 seed=seed,
-                attention_backend=attention_backend,
+                attention_backend=kv.attention_backend,
                 mesh=self.mesh,
                 logits_processors=logits_processors,
                 graphdef=graphdef,
@@ -172,46 +141,13 @@ class LLMEngine:
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
-        available = None
-        if cache_config.num_kv_blocks is None and cache_config.kv_cache_memory is None:
-            if jax.local_devices()[0].platform != "cpu":
-                # profile: the largest step's scratch memory, with a one-sequence pool
-                probe = runner_for(
-                    layout_of(-(-scheduler_config.max_model_len // cache_config.block_size))
-                )
-                activations = probe.activation_bytes()
-                del probe
-                available = device_kv_budget(
-                    gpu_memory_utilization=cache_config.gpu_memory_utilization,
-                    activation_bytes=activations,
-                )
-                if available is not None and self.mesh is not None:
-                    available *= self.mesh.size  # the pool is split over the mesh
-                if available is not None and jax.process_count() > 1:
-                    from jaxpaged.distributed.multihost import agree_min_bytes
-
-                    available = agree_min_bytes(available)  # every host: the same pool
-        num_blocks = num_blocks_for(
-            model_config,
-            block_size=cache_config.block_size,
-            dtype=kv_dtype,
-            max_model_len=scheduler_config.max_model_len,
-            num_kv_blocks=cache_config.num_kv_blocks,
-            kv_cache_memory=cache_config.kv_cache_memory,
-            available_bytes=available,
-            combined=combined_kv,
+        num_blocks = kv.num_blocks(
+            cache_config,
+            scheduler_config,
+            activation_bytes=lambda layout: runner_for(layout).activation_bytes(),
+            num_devices=1 if self.mesh is None else self.mesh.size,
         )
-        self.layout = layout_of(num_blocks)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.3f GiB), %d tokens, %.1f sequences of "
-            "max_model_len=%d",
-            num_blocks,
-            cache_config.block_size,
-            num_blocks * self.layout.bytes_per_block / 2**30,
-            num_blocks * cache_config.block_size,
-            num_blocks * cache_config.block_size / scheduler_config.max_model_len,
-            scheduler_config.max_model_len,
-        )
+        self.layout = kv.layout(num_blocks)
         self.runner = runner_for(self.layout)
         self.scheduler = Scheduler(
             scheduler_config,

@@ -84,10 +84,6 @@ __all__ = [
 ]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Scheduler:
     """Waiting / running / swapped queues over one BlockPool, which keeps every request's
     block table under its id (see the module docstring)."""
@@ -164,7 +160,7 @@ class Scheduler:
             )
         request.max_tokens = sp.effective_max_tokens(n_prompt, max_len)
         # The last output token is never fed back, so its K/V is never stored.
-        need = _cdiv(n_prompt + request.max_tokens - 1, self.block_size)
+        need = -(-(n_prompt + request.max_tokens - 1) // self.block_size)  # blocks, rounded up
         if need > self.pool.num_blocks:
             raise ValueError(
                 f"request {rid!r} needs up to {need} KV blocks (prompt {n_prompt} + "
