@@ -174,6 +174,7 @@ def test_quantization_setting_is_checked():
     assert EngineArgs(quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match="quantization: 'int4' is not one of int8, fp8"):
         EngineArgs(quantization="int4")
-    cfg = tiny_config(model_type="gpt2")
-    with pytest.raises(ValueError, match="not supported for model_type 'gpt2'"):
-        quantize_params(random_params(tiny_config()), cfg, "int8")
+    for model_type in ("gpt2", "gemma3_text"):  # families whose forward reads float weights
+        cfg = tiny_config(model_type=model_type)
+        with pytest.raises(ValueError, match=f"not supported for model_type '{model_type}'"):
+            quantize_params(random_params(tiny_config()), cfg, "int8")
