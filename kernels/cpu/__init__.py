@@ -257,29 +257,45 @@ def linear(
     if jnp.dtype(x.dtype) not in LINEAR_DTYPES or jnp.dtype(w.dtype) not in LINEAR_DTYPES:
         raise ValueError(f"linear needs float32/bfloat16 x and w, got {x.dtype} and {w.dtype}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    y = jax.ffi.ffi_call(_LINEAR_TARGET, out)(
+        x.astype(jnp.float32),
+        w,
+        *_fused_operands(x, out, layer, num_rows, residual, norm, silu_gate),
+        norm_eps=np.float32(0.0 if norm is None else norm[1]),
+    )
+    return y.astype(out_dtype or x.dtype)
+
+
+def _fused_operands(
+    x: jax.Array,  # [M, K]
+    out: jax.ShapeDtypeStruct,  # [M, N] float32
+    layer: jax.Array | int,
+    num_rows: jax.Array | int | None,
+    residual: jax.Array | None,  # [M, N]
+    norm: tuple[jax.Array, float] | None,  # (weight [K], eps)
+    silu_gate: jax.Array | None,  # [M, K]
+) -> tuple[jax.Array, ...]:
+    """The operands after x and the weight that the native linear kernels take (layer, real
+    rows, gate, norm weight, residual; an absent one as an empty float32 array), checked
+    against x and the product's shape."""
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {out.shape} like the product, got {residual.shape}")
     if silu_gate is not None and silu_gate.shape != x.shape:
         raise ValueError(f"silu_gate must be {x.shape} like x, got {silu_gate.shape}")
     if norm is not None and norm[0].shape != (x.shape[1],):
         raise ValueError(f"norm weight must be [{x.shape[1]}] like x's rows, got {norm[0].shape}")
-    none = jnp.zeros((0,), jnp.float32)  # an absent gate, norm weight or residual
+    none = jnp.zeros((0,), jnp.float32)
 
-    def scalar(v):
+    def scalar(v: jax.Array | int) -> jax.Array:  # int32 [1]
         return jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
 
-    rows = x.shape[0] if num_rows is None else num_rows
-    y = jax.ffi.ffi_call(_LINEAR_TARGET, out)(
-        x.astype(jnp.float32),
-        w,
+    return (
         scalar(layer),
-        scalar(rows),
+        scalar(x.shape[0] if num_rows is None else num_rows),
         none if silu_gate is None else silu_gate.astype(jnp.float32),
         none if norm is None else norm[0].astype(jnp.float32),
         none if residual is None else residual.astype(jnp.float32),
-        norm_eps=np.float32(0.0 if norm is None else norm[1]),
     )
-    return y.astype(out_dtype or x.dtype)
 
 
 def argmax(x: jax.Array) -> jax.Array:  # float32 [R, V] -> int32 [R]

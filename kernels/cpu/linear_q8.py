@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _LINEAR_Q8_TARGET, PANEL, _require
+from . import _LINEAR_Q8_TARGET, PANEL, _fused_operands, _require
 
 __all__ = ["is_int8_weight", "linear_q8", "pack_panels_q8", "unpack_panels_q8"]
 
@@ -67,27 +67,11 @@ def linear_q8(
     if values.shape[1] % PANEL or values.shape[2] % 2 or values.dtype != jnp.int8:
         raise ValueError(f"linear_q8 needs int8 w with N % {PANEL} == 0 and K even")
     out = jax.ShapeDtypeStruct((x.shape[0], values.shape[1]), jnp.float32)
-    if residual is not None and residual.shape != out.shape:
-        raise ValueError(f"residual must be {out.shape} like the product, got {residual.shape}")
-    if silu_gate is not None and silu_gate.shape != x.shape:
-        raise ValueError(f"silu_gate must be {x.shape} like x, got {silu_gate.shape}")
-    if norm is not None and norm[0].shape != (x.shape[1],):
-        raise ValueError(f"norm weight must be [{x.shape[1]}] like x's rows, got {norm[0].shape}")
-    none = jnp.zeros((0,), jnp.float32)
-
-    def scalar(v):
-        return jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
-
-    rows = x.shape[0] if num_rows is None else num_rows
     y = jax.ffi.ffi_call(_LINEAR_Q8_TARGET, out)(
         x.astype(jnp.float32),
         values,
         scales.astype(jnp.float32),
-        scalar(layer),
-        scalar(rows),
-        none if silu_gate is None else silu_gate.astype(jnp.float32),
-        none if norm is None else norm[0].astype(jnp.float32),
-        none if residual is None else residual.astype(jnp.float32),
+        *_fused_operands(x, out, layer, num_rows, residual, norm, silu_gate),
         norm_eps=np.float32(0.0 if norm is None else norm[1]),
     )
     return y.astype(out_dtype or x.dtype)
