@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_fused.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -168,22 +169,17 @@ ffi::Error LinearQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     return ffi::Error::InvalidArgument("scales must hold L * N values");
   const int64_t layer = layer_buf.typed_data()[0];
   if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("layer index out of range");
-  const int64_t gate_size = gate_buf.element_count();
-  const int64_t norm_size = norm_weight.element_count();
-  const int64_t residual_size = residual_buf.element_count();
-  if ((gate_size != 0 && gate_size != xd[0] * K) || (norm_size != 0 && norm_size != K) ||
-      (residual_size != 0 && residual_size != xd[0] * N))
-    return ffi::Error::InvalidArgument(
-        "gate must be [M, K], norm weight [K] and residual [M, N], or empty");
-  const float* gate = gate_size ? gate_buf.typed_data() : nullptr;
-  const float* norm_w = norm_size ? norm_weight.typed_data() : nullptr;
-  const float* residual = residual_size ? residual_buf.typed_data() : nullptr;
-  const int64_t M = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
-  if (residual != nullptr)
-    std::copy(residual + M * N, residual + xd[0] * N, yp + M * N);
-  else
-    std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  jaxpaged::FusedOperands fused;
+  if (auto err = jaxpaged::ReadFusedOperands(xd[0], K, N, num_rows, gate_buf, norm_weight,
+                                             residual_buf, yp, &fused);
+      err.failure())
+    return err;
+  const float* gate = fused.gate;
+  const float* norm_w = fused.norm_w;
+  const float* residual = fused.residual;
+  // Rows past num_rows are a step's padding: they cost nothing.
+  const int64_t M = fused.rows;
   // x's rows as int16 with their scales, in buffers the calling thread keeps across calls
   thread_local std::vector<int32_t> xq;
   thread_local std::vector<float> xs;

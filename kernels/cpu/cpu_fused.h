@@ -1,0 +1,47 @@
+// The optional operands the native linears fuse into their matmul (cpu_linear.cc,
+// cpu_linear_q8.cc): a SiLU gate [M, K], an RMSNorm weight [K] and a residual [M, N], each
+// left out by a zero-size buffer, and the rows of x a step really uses.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxpaged {
+
+struct FusedOperands {
+  const float* gate;      // nullptr: no gate
+  const float* norm_w;    // nullptr: no norm
+  const float* residual;  // nullptr: no residual
+  int64_t rows;           // rows of x that are real, in [0, M]
+};
+
+// Checks the fused operands against x [M, K] and the product y [M, N], and writes y's padding
+// rows (past num_rows: the residual's rows, or zero), which then cost no matmul.
+inline xla::ffi::Error ReadFusedOperands(int64_t m, int64_t k, int64_t n,
+                                         xla::ffi::Buffer<xla::ffi::S32> num_rows,
+                                         xla::ffi::Buffer<xla::ffi::F32> gate_buf,
+                                         xla::ffi::Buffer<xla::ffi::F32> norm_weight,
+                                         xla::ffi::Buffer<xla::ffi::F32> residual_buf, float* y,
+                                         FusedOperands* out) {
+  const int64_t gate_size = gate_buf.element_count();
+  const int64_t norm_size = norm_weight.element_count();
+  const int64_t residual_size = residual_buf.element_count();
+  if ((gate_size != 0 && gate_size != m * k) || (norm_size != 0 && norm_size != k) ||
+      (residual_size != 0 && residual_size != m * n))
+    return xla::ffi::Error::InvalidArgument(
+        "gate must be [M, K], norm weight [K] and residual [M, N], or empty");
+  out->gate = gate_size ? gate_buf.typed_data() : nullptr;
+  out->norm_w = norm_size ? norm_weight.typed_data() : nullptr;
+  out->residual = residual_size ? residual_buf.typed_data() : nullptr;
+  out->rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, m);
+  const int64_t rows = out->rows;
+  if (out->residual != nullptr)
+    std::copy(out->residual + rows * n, out->residual + m * n, y + rows * n);
+  else
+    std::fill(y + rows * n, y + m * n, 0.0f);
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jaxpaged
