@@ -70,10 +70,9 @@ class CpuBackend:
         bfloat16 weights, or int8-quantized ones with an even K, with every output size a
         multiple of its panel width."""
         native = not sharded and (attention_backend or default_backend("cpu")) == "cpu"
-        kind = _linear_kind(params, map_matmul_weights) if native else None
-        narrow = kind == "float" and {
-            dtype for _, _, dtype, _ in _matmul_views(params, map_matmul_weights)
-        } != {jnp.dtype(jnp.float32)}
+        views = _matmul_views(params, map_matmul_weights) if native and cpu.available() else []
+        kind = _linear_kind(views)
+        narrow = kind == "float" and {dtype for _, _, dtype, _ in views} != {jnp.dtype(jnp.float32)}
         return cls(
             native_attention=native,
             native_linear=kind is not None,
@@ -127,12 +126,10 @@ def _matmul_views(
     return views
 
 
-def _linear_kind(params: Any, map_matmul_weights: WeightMap) -> str | None:
-    """Which native matmul runs every matmul of these params (shapes and dtypes only):
-    "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized) or None (XLA's)."""
-    if not cpu.available():
-        return None
-    views = _matmul_views(params, map_matmul_weights)
+def _linear_kind(views: list[tuple[int, int, jnp.dtype, bool]]) -> str | None:
+    """Which native matmul runs every matmul of these `_matmul_views` (shapes and dtypes
+    only): "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized) or None
+    (XLA's)."""
     if not views or any(n % cpu.PANEL for n, _, _, _ in views):
         return None  # no views: the model leaves its matmuls to XLA
     if all(dtype in cpu.LINEAR_DTYPES and not q for _, _, dtype, q in views):
