@@ -53,6 +53,7 @@ def validate_inputs(
     soft_cap: float | None,
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
+    alibi_slopes: jax.Array | None = None,  # float32 [Hq]
 ) -> None:
     """Raise ValueError naming the argument whose shape, dtype or value is inconsistent."""
     if q.ndim != 3:
@@ -116,6 +117,13 @@ def validate_inputs(
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
+    if alibi_slopes is not None and (
+        alibi_slopes.shape != (num_q_heads,) or alibi_slopes.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"alibi_slopes must be float32 [num_q_heads={num_q_heads}], "
+            f"got {alibi_slopes.dtype} {alibi_slopes.shape}"
+        )
 
 
 @functools.partial(
@@ -148,6 +156,7 @@ def ragged_paged_attention(
     max_kv_len: int | None = None,
     k_scales: jax.Array | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    alibi_slopes: jax.Array | None = None,  # float32 [num_q_heads]
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     """Causal GQA attention of ragged query rows over a paged KV pool.
 
@@ -164,6 +173,11 @@ def ragged_paged_attention(
 
     An int8 or float8_e4m3fn pool comes with `k_scales`/`v_scales`, one float32 scale per
     (token, KV head): a row's value is its stored value times its scale (kv_quant.py).
+
+    ``alibi_slopes`` (ALiBi, as BLOOM) adds ``slopes[h] * (key_pos - query_pos)`` to head h's
+    logits after the scale and soft cap. Whether it is given is part of the compiled program
+    (None traces exactly the program without it). JAX's TPU kernel takes no bias: "tpu"
+    refuses it.
     """
     validate_inputs(
         q,
@@ -178,6 +192,7 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
+        alibi_slopes=alibi_slopes,
     )
     quantized = k_scales is not None
     if backend is None:
@@ -201,15 +216,21 @@ def ragged_paged_attention(
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    scales = dict(k_scales=k_scales, v_scales=v_scales) if quantized else {}
+    extra = dict(k_scales=k_scales, v_scales=v_scales) if quantized else {}
+    if alibi_slopes is not None:
+        if backend == "tpu":
+            from .tpu import refuse_alibi
+
+            refuse_alibi()
+        extra["alibi_slopes"] = alibi_slopes  # passed on only when given
     if backend == "reference":
-        return ragged_paged_attention_reference(*args, **opts, **scales)
+        return ragged_paged_attention_reference(*args, **opts, **extra)
     if backend == "xla":
         return ragged_paged_attention_xla(
-            *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len, **scales
+            *args, **opts, max_q_len=max_q_len, max_kv_len=max_kv_len, **extra
         )
     if backend == "cpu":
-        return cpu.ragged_paged_attention_native(*args, **opts, **scales)
+        return cpu.ragged_paged_attention_native(*args, **opts, **extra)
     if backend == "tpu":
         from .tpu import combine_kv, ragged_paged_attention_tpu, refuse_quantized
 
@@ -224,5 +245,5 @@ def ragged_paged_attention(
     from .pallas_gpu import ragged_paged_attention_pallas
 
     return ragged_paged_attention_pallas(
-        *args, **opts, interpret=bool(interpret), max_q_len=max_q_len, **scales
+        *args, **opts, interpret=bool(interpret), max_q_len=max_q_len, **extra
     )

@@ -85,9 +85,13 @@ class PoolFormat:
         soft_cap: float | None = None,
         max_q_len: int | None = None,
         max_kv_len: int | None = None,
+        alibi_slopes: jax.Array | None = None,  # float32 [Hq]
     ) -> jax.Array:  # [T, Hq, D]
         if self.combined:
-            from .tpu import ragged_paged_attention_tpu
+            from .tpu import ragged_paged_attention_tpu, refuse_alibi
+
+            if alibi_slopes is not None:
+                refuse_alibi()
 
             return ragged_paged_attention_tpu(
                 q, pool[0], kv_lens, block_tables, cu_q_lens, num_seqs,
@@ -95,6 +99,8 @@ class PoolFormat:
                 sliding_window=sliding_window, soft_cap=soft_cap,
             )  # fmt: skip
         scales = dict(k_scales=pool[2], v_scales=pool[3]) if self.quantized else {}
+        if alibi_slopes is not None:
+            scales["alibi_slopes"] = alibi_slopes
         return ragged_paged_attention(
             q, *pool[:2], kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,

@@ -43,6 +43,17 @@ def token_metadata(
     return seq, pos, valid
 
 
+def alibi_bias(
+    slopes: jax.Array,  # float32, broadcastable against the other two: one per query head
+    kv_pos: jax.Array,  # int32 key positions
+    q_pos: jax.Array,  # int32 query positions
+) -> jax.Array:  # float32, the broadcast shape
+    """ALiBi's logit bias ``slope * (key_pos - query_pos)`` (<= 0 on every visible key).
+    transformers' BLOOM adds ``slope * key_pos``; the two differ by a constant per query row,
+    which softmax cancels, and this form stays small for long contexts."""
+    return slopes * (kv_pos - q_pos).astype(jnp.float32)
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [N, B, Hkv, D]
@@ -57,9 +68,12 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # float32 [N, B, Hkv]: with an 8-bit pool (kv_quant.py)
     v_scales: jax.Array | None = None,  # float32 [N, B, Hkv]
+    alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi (BLOOM)
 ) -> jax.Array:  # [T, Hq, D]
     """Causal GQA attention of each query row over its sequence's paged KV (an 8-bit
-    pool's rows are dequantized with their scales first)."""
+    pool's rows are dequantized with their scales first). With ``alibi_slopes``, head h's
+    logit of key position j for a query at position i gains ``slopes[h] * (j - i)`` after
+    scaling and soft cap (``alibi_bias``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -82,6 +96,9 @@ def ragged_paged_attention_reference(
         logits = soft_cap * jnp.tanh(logits / soft_cap)
 
     kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)  # [K]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.reshape(num_kv_heads, group)[None, :, :, None]
+        logits = logits + alibi_bias(slopes, kv_pos[None, None, None, :], pos[:, None, None, None])
     allowed = kv_pos[None, :] <= pos[:, None]  # [T, K]
     if sliding_window is not None:
         allowed &= kv_pos[None, :] > pos[:, None] - sliding_window

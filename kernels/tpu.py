@@ -38,6 +38,17 @@ def _tiles(num_combined_heads: int, dtype) -> bool:
     return words in (1, 2, 4, 8) or words % 8 == 0
 
 
+def refuse_alibi(model_type: str | None = None) -> None:
+    """ValueError for ALiBi biases: JAX's TPU ragged paged attention kernel takes no bias
+    input (only sm_scale, sliding_window, soft_cap and static k/v scales)."""
+    model = f"model_type {model_type!r} uses" if model_type else "ALiBi needs"
+    raise ValueError(
+        f"{model} ALiBi attention biases, which the 'tpu' attention backend (JAX's TPU "
+        "ragged paged attention kernel) does not take; use attention_backend='xla' "
+        "(--attention-backend xla)"
+    )
+
+
 def refuse_quantized(dtype) -> None:
     """ValueError for an 8-bit pool: JAX 0.10.2's TPU kernel takes only static per-tensor
     ``k_scale``/``v_scale`` floats, not the per-(token, head) scales written with each row

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kv_quant import dequantize
-from .reference import MASK_VALUE
+from .reference import MASK_VALUE, alibi_bias
 
 DEFAULT_Q_TILE = 64
 DEFAULT_KV_CHUNK = 128
@@ -47,6 +47,7 @@ def _attend(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    slopes: jax.Array | None = None,  # float32 [Hkv, G]: ALiBi slopes of the query heads
 ) -> jax.Array:  # [N, R, Hkv, G, D] float32
     """Online-softmax attention of each group's rows over its sequence, chunk by chunk."""
     n, r, hkv, g, d = q.shape
@@ -76,6 +77,13 @@ def _attend(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = (blk[:, :, None] * block_size + jnp.arange(block_size)).reshape(n, chunk)
+        if slopes is not None:
+            bias = alibi_bias(
+                slopes[None, :, :, None, None],
+                kv_pos[:, None, None, None, :],
+                pos[:, None, None, :, None],
+            )  # [N, Hkv, G, R, L]
+            s = s + bias.reshape(n, hkv, g * r, chunk)
         ok = kv_pos[:, None, :] <= pos[:, :, None]  # [N, R, L]
         if sliding_window is not None:
             ok &= kv_pos[:, None, :] > pos[:, :, None] - sliding_window
@@ -123,6 +131,7 @@ def ragged_paged_attention_xla(
     kv_chunk: int = DEFAULT_KV_CHUNK,
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool (kv_quant.py)
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
+    alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi (reference.alibi_bias)
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention`; extra static hints:
 
@@ -174,6 +183,7 @@ def ragged_paged_attention_xla(
             None if k_scales is None else (k_scales, v_scales),
             blocks_per_chunk=blocks_per_chunk, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
+            slopes=None if alibi_slopes is None else alibi_slopes.reshape(num_kv_heads, group),
         )  # fmt: skip
 
     out_last = attend(

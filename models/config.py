@@ -12,7 +12,14 @@ LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "q
 GPT_MODEL_TYPES = ("gpt2", "opt")
 # (1 + w) RMSNorms, post norms, soft caps, local and global layers (models/gemma.py)
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *GPT_MODEL_TYPES, *GEMMA_MODEL_TYPES)
+# ALiBi attention biases instead of positions, LayerNorms, fused per-head qkv (models/bloom.py)
+BLOOM_MODEL_TYPES = ("bloom",)
+SUPPORTED_MODEL_TYPES = (
+    *LLAMA_MODEL_TYPES,
+    *GPT_MODEL_TYPES,
+    *GEMMA_MODEL_TYPES,
+    *BLOOM_MODEL_TYPES,
+)
 # the model_type of a model of your own (docs/models.md): never read from a checkpoint
 CUSTOM_MODEL_TYPE = "custom"
 
@@ -145,6 +152,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its ** -0.5
     attn_soft_cap: float | None = None  # Gemma 2: cap * tanh(logit / cap) on attention logits
     final_soft_cap: float | None = None  # Gemma 2: the same on the vocabulary logits
+    # BLOOM: ALiBi biases (layers.alibi_slopes) on the attention logits, no position encoding
+    alibi: bool = False
+    # BLOOM's apply_residual_connection_post_layernorm: residuals taken after the norms
+    residual_post_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -187,6 +198,10 @@ class ModelConfig:
             from .gemma import gemma_config_fields
 
             return cls(**gemma_config_fields(d))
+        if model_type in BLOOM_MODEL_TYPES:
+            from .bloom import bloom_config_fields
+
+            return cls(**bloom_config_fields(d))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

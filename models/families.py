@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from .config import BLOOM_MODEL_TYPES, GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 
 
 def family_class(config: ModelConfig) -> type:
@@ -15,6 +15,10 @@ def family_class(config: ModelConfig) -> type:
         from .gemma import GemmaForCausalLM
 
         return GemmaForCausalLM
+    if config.model_type in BLOOM_MODEL_TYPES:
+        from .bloom import BloomForCausalLM
+
+        return BloomForCausalLM
     if config.model_type == "custom":
         raise ValueError("a model_type 'custom' config comes with its own module (LLM.from_model)")
     from .llama import LlamaForCausalLM
@@ -32,6 +36,10 @@ def family_param_shapes(config: ModelConfig) -> dict:
         from .gemma import param_shapes as gemma_shapes
 
         return gemma_shapes(config)
+    if config.model_type in BLOOM_MODEL_TYPES:
+        from .bloom import param_shapes as bloom_shapes
+
+        return bloom_shapes(config)
     from .llama import param_shapes
 
     return param_shapes(config)

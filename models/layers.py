@@ -46,6 +46,20 @@ def apply_rope(
     return out.astype(x.dtype)
 
 
+def alibi_slopes(num_heads: int) -> np.ndarray:  # float32 [num_heads]
+    """ALiBi's per-head slopes (Press et al.), as transformers' BLOOM computes them: a
+    geometric sequence from 2^(-8/n) for the n = 2^floor(log2 H) heads, then for a head count
+    that is not a power of two, every other term of the sequence for 2n heads."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base**p for p in range(1, closest + 1)]
+    if closest != num_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        rest = min(closest, num_heads - closest)
+        slopes += [extra**p for p in range(1, 2 * rest, 2)]
+    return np.asarray(slopes, dtype=np.float32)
+
+
 def grouped_attention(
     q: jax.Array,  # [T, Hq, hd]
     k: jax.Array,  # [S, Hkv, hd]
@@ -54,6 +68,7 @@ def grouped_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    bias: jax.Array | None = None,  # float32 [Hq, T, S], added to the logits after the cap
 ) -> jax.Array:
     """Masked softmax attention with GQA (query head h reads KV head h // G); logits are
     ``sm_scale * q.k`` (default hd**-0.5), soft-capped as ``soft_cap * tanh(x / soft_cap)``
@@ -66,6 +81,8 @@ def grouped_attention(
     scores = scores * (1.0 / math.sqrt(hd) if sm_scale is None else sm_scale)
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
+    if bias is not None:
+        scores = scores + bias.reshape(hkv, g, t, -1)
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (padding) gives NaN; make it zero so outputs stay finite.
@@ -84,14 +101,21 @@ def dense_causal_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | np.ndarray | None = None,  # float32 [Hq]
 ) -> tuple[jax.Array, Any]:
     """The `AttentionFn` of a dense forward: causal attention over the T tokens of one
     sequence (the last ``sliding_window`` positions only, if set), with the paged engine's
-    options; ignores and returns ``cache`` as is."""
+    options (ALiBi: ``slopes[h] * (key_pos - query_pos)`` added to head h's logits); ignores
+    and returns ``cache`` as is."""
     del layer
     t = q.shape[0]
     pos = jnp.arange(t)
     mask = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
         mask &= pos[None, :] > pos[:, None] - sliding_window
-    return grouped_attention(q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap), cache
+    bias = None
+    if alibi_slopes is not None:
+        rel = (pos[None, :] - pos[:, None]).astype(jnp.float32)  # [T, T] key - query
+        bias = jnp.asarray(alibi_slopes, jnp.float32)[:, None, None] * rel
+    out = grouped_attention(q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap, bias=bias)
+    return out, cache

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from .config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from .config import BLOOM_MODEL_TYPES, GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
 from .quant import QuantizedWeight, check_quantization, quantize_params
@@ -267,6 +267,11 @@ def load_host_params(
 
         with tqdm(desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
             return gemma.load_host_params(_Reader(st, dtype, folder, bar), config, dtype)
+    if config.model_type in BLOOM_MODEL_TYPES:
+        from . import bloom
+
+        with tqdm(desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+            return bloom.load_host_params(_Reader(st, dtype, folder, bar), config, dtype)
     shapes = param_shapes(config)
     with tqdm(
         total=_num_tensors(config),

@@ -228,7 +228,7 @@ def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[Model
 # ---------------------------------------------------------------------- the step side
 
 
-def shard_attention(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+def shard_attention(fn: Callable[..., Any], mesh: Mesh, *, alibi: bool = False) -> Callable[..., Any]:
     """Run the paged attention op per device on its own heads.
 
     ``fn(q, k, v, layer, pool, slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs) ->
@@ -236,6 +236,8 @@ def shard_attention(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     arrays split over their heads axis, out [T, Hq, hd]. Inside, each device sees Hq/N query heads and the
     Hkv/N KV heads they read (heads are grouped by KV head, so the GQA mapping is unchanged),
     and the kernels (Pallas or XLA) run unchanged on local shapes, with no communication.
+    With ``alibi``, fn takes one more argument, the ALiBi slopes float32 [Hq], split over
+    heads like q (device d gets slopes[d * Hq / N:(d + 1) * Hq / N]).
     """
     heads = P(None, AXIS, None)
     pages = P(None, None, AXIS, None)
@@ -243,7 +245,8 @@ def shard_attention(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     return jax.shard_map(
         fn,
         mesh=mesh,
-        in_specs=(heads, heads, heads, rep, pages, rep, rep, rep, rep, rep),
+        in_specs=(heads, heads, heads, rep, pages, rep, rep, rep, rep, rep)
+        + ((P(AXIS),) if alibi else ()),
         out_specs=(heads, pages),
         check_vma=False,
     )

@@ -60,6 +60,14 @@ class KVPlan:
                 )
             logger.info("tensor parallelism on TPU: the XLA attention path")
             attention_backend, combined_kv = "xla", False
+        if combined_kv and model_config.alibi:
+            # JAX's TPU kernel takes no logit bias
+            if attention_backend == "tpu":
+                from jaxpaged.kernels.tpu import refuse_alibi
+
+                refuse_alibi(model_config.model_type)
+            logger.info("ALiBi (%s) on TPU: the XLA attention path", model_config.model_type)
+            attention_backend, combined_kv = "xla", False
         return cls(
             model_config=model_config,
             block_size=cache_config.block_size,

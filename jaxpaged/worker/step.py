@@ -164,8 +164,9 @@ def step(
     default_scale = model.config.head_dim**-0.5
     layer_slots = num_blocks * block_size
 
-    def paged(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n, *,
+    def paged(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n, *slopes,
               sm_scale, sliding_window, soft_cap):  # fmt: skip
+        # slopes: () or (float32 [Hq] ALiBi slopes,), head-sliced like q under shard_map
         slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
         pool = pool_format.write(pool, k, v, slots)
         out = pool_format.attend(
@@ -182,21 +183,24 @@ def step(
             backend=backend,
             max_q_len=max_q_len,
             max_kv_len=max_kv_len,
+            **({"alibi_slopes": slopes[0]} if slopes else {}),
         )
         return out, pool
 
-    def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None, soft_cap=None):
+    def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None, soft_cap=None,
+                     alibi_slopes=None):  # fmt: skip
         attend = functools.partial(
             paged,
             sm_scale=default_scale if sm_scale is None else sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
         )
+        slopes = () if alibi_slopes is None else (jnp.asarray(alibi_slopes, jnp.float32),)
         if mesh is not None:
-            attend = shard_attention(attend, mesh)
+            attend = shard_attention(attend, mesh, alibi=bool(slopes))
         b = batch
         meta = (b.slot_mapping, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
-        return attend(q, k, v, layer, tuple(pool), *meta)
+        return attend(q, k, v, layer, tuple(pool), *meta, *slopes)
 
     # The platform's matmul (a model the backend packed weights for takes it); none on
     # platforms that leave the matmuls to XLA's dots

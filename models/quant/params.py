@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from ..config import BLOOM_MODEL_TYPES, GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 from .weights import METHODS, QuantizedWeight, quantize_array
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_params", "weight_bytes"]
@@ -34,7 +34,7 @@ def check_quantization(config: ModelConfig, method: str) -> None:
     family (checked before any weight is read)."""
     if method not in METHODS:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
-    if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES:
+    if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + BLOOM_MODEL_TYPES:
         raise ValueError(
             f"quantization={method!r} is not supported for model_type {config.model_type!r} "
             "(the Llama family only)"

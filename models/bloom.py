@@ -1,0 +1,223 @@
+"""BLOOM: a decoder with no position encoding at all, only ALiBi biases on the attention
+logits (``slope_h * (key_pos - query_pos)``, one slope per head), LayerNorms (one more right
+after the embeddings), biased projections and a GELU MLP, as one NNX module.
+
+The state is GPT's params tree (models/gpt.py) without learned positions and with the
+embedding LayerNorm; layers stacked on a leading L axis (one ``lax.scan``), matmul weights
+[out, in] like HF's nn.Linear:
+
+    {"embed": [V, D], "embed_ln_w", "embed_ln_b": [D],
+     "layers": {"ln1_w", "ln1_b": [L, D], "wqkv": [L, 3, H * hd, D], "bqkv": [L, 3, H * hd],
+                "wo": [L, D, H * hd], "bo": [L, D], "ln2_w", "ln2_b": [L, D],
+                "w_fc": [L, F, D], "b_fc": [L, F], "w_proj": [L, D, F], "b_proj": [L, D]},
+     "final_ln_w", "final_ln_b": [D],
+     "lm_head": [V, D]}                      # absent when tied (BLOOM's default)
+
+HF's fused ``query_key_value`` weight [3 * D, D] holds its output rows per head as (q, k, v)
+of hd rows each; the loader regroups them as q rows, k rows, v rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig
+from .gpt import layer_norm
+from .layers import alibi_slopes, dense_causal_attention
+from .llama import AttentionFn, Params
+
+
+def bloom_config_fields(d: Mapping) -> dict[str, Any]:
+    """ModelConfig fields of a BLOOM config.json (old ``n_embed`` / ``num_attention_heads``
+    spellings too); ValueError naming an option jaxpaged does not run."""
+    try:
+        hidden = d["hidden_size"] if "hidden_size" in d else d["n_embed"]
+        heads = d["n_head"] if "n_head" in d else d["num_attention_heads"]
+        layers = d["n_layer"] if "n_layer" in d else d["num_hidden_layers"]
+        vocab = d["vocab_size"]
+    except KeyError as e:
+        raise ValueError(f"bloom config.json lacks the field {e.args[0]!r}") from None
+    if d.get("slow_but_exact") and d.get("pretraining_tp", 1) > 1:
+        raise ValueError(
+            "unsupported bloom option slow_but_exact=True with pretraining_tp > 1 (Megatron's "
+            "sliced summation order of the output projections); jaxpaged runs slow_but_exact=False"
+        )
+    if hidden % heads:
+        raise ValueError(f"bloom hidden_size ({hidden}) must be a multiple of n_head ({heads})")
+    eos = d.get("eos_token_id")
+    return dict(
+        model_type="bloom",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,  # BloomMLP's fixed width
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        # ALiBi has no table of positions; the length BLOOM was trained at bounds max_model_len
+        max_position_embeddings=int(d.get("seq_length") or 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        hidden_act="bloom_gelu",
+        alibi=True,
+        residual_post_norm=bool(d.get("apply_residual_connection_post_layernorm", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+    )
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    c = config
+    n, d, f, q = c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    layers = {
+        "ln1_w": (n, d), "ln1_b": (n, d),
+        "wqkv": (n, 3, q, d), "bqkv": (n, 3, q),
+        "wo": (n, d, q), "bo": (n, d),
+        "ln2_w": (n, d), "ln2_b": (n, d),
+        "w_fc": (n, f, d), "b_fc": (n, f),
+        "w_proj": (n, d, f), "b_proj": (n, d),
+    }  # fmt: skip
+    shapes: dict[str, Any] = {
+        "embed": (c.vocab_size, d),
+        "embed_ln_w": (d,),
+        "embed_ln_b": (d,),
+        "layers": layers,
+        "final_ln_w": (d,),
+        "final_ln_b": (d,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (c.vocab_size, d)
+    return shapes
+
+
+def bloom_gelu(x: jax.Array) -> jax.Array:
+    """BLOOM's tanh GELU with its own rounded constant (modeling_bloom.bloom_gelu_forward)."""
+    return x * 0.5 * (1.0 + jnp.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
+
+
+def _dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    # x [T, K], w [N, K], b [N] -> [T, N]
+    return jnp.einsum("ti,oi->to", x, w) + b
+
+
+class BloomForCausalLM(nnx.Module):
+    """BLOOM; the state is the params tree of the module docstring."""
+
+    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
+        self.config = config
+        shapes = param_shapes(config)
+        self.layers = _Stacked(shapes["layers"], dtype)
+        for name, shape in shapes.items():
+            if name != "layers":
+                setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+
+    @classmethod
+    def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [T]
+        positions: jax.Array,  # int32 [T]: unused (ALiBi needs only the kernel's positions)
+        attention_fn: AttentionFn = dense_causal_attention,
+        cache: Any = None,
+    ) -> tuple[jax.Array, Any]:
+        del positions
+        c = self.config
+        eps, post = c.rms_norm_eps, c.residual_post_norm
+        t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
+        slopes = jnp.asarray(alibi_slopes(h))  # float32 [H], a constant of the program
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = layer_norm(x, self.embed_ln_w[...], self.embed_ln_b[...], eps)
+        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
+
+        def body(carry, layer):
+            x, cache = carry
+            w = jax.tree.map(lambda a: a[layer], layers)
+            y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
+            qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, H*hd]
+            q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
+            attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
+            x = (y if post else x) + _dense(attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"])
+            y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
+            mlp = _dense(bloom_gelu(_dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
+            x = (y if post else x) + mlp
+            return (x, cache), None
+
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
+        return layer_norm(x, self.final_ln_w[...], self.final_ln_b[...], eps), cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]
+        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+
+
+class _Stacked(nnx.Module):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+# ------------------------------------------------------------------- loading
+
+
+def load_host_params(
+    read: Callable[[str, tuple[int, ...]], np.ndarray],
+    config: ModelConfig,
+    dtype: np.dtype,
+) -> dict[str, Any]:
+    """The params tree from HF tensors; ``read(name, shape)`` checks each one's presence and
+    shape. Names without the ``transformer.`` prefix (a BloomModel checkpoint, as the
+    bigscience/bloom* repositories store) are accepted too."""
+    c = config
+    d, f, h, hd = c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim
+    q = h * hd
+    shapes = param_shapes(c)
+    top = "transformer." if _has(read, "transformer.word_embeddings.weight") else ""
+    layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
+    for i in range(c.num_layers):
+        L = {k: v[i] for k, v in layers.items()}  # views into layer i
+        p = f"{top}h.{i}."
+        for ours, theirs in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):
+            L[ours + "_w"][:] = read(p + theirs + ".weight", (d,))
+            L[ours + "_b"][:] = read(p + theirs + ".bias", (d,))
+        qkv = read(p + "self_attention.query_key_value.weight", (3 * q, d))  # rows (H, 3, hd)
+        L["wqkv"][:] = qkv.reshape(h, 3, hd, d).transpose(1, 0, 2, 3).reshape(3, q, d)
+        bqkv = read(p + "self_attention.query_key_value.bias", (3 * q,))
+        L["bqkv"][:] = bqkv.reshape(h, 3, hd).transpose(1, 0, 2).reshape(3, q)
+        L["wo"][:] = read(p + "self_attention.dense.weight", (d, q))
+        L["bo"][:] = read(p + "self_attention.dense.bias", (d,))
+        L["w_fc"][:] = read(p + "mlp.dense_h_to_4h.weight", (f, d))
+        L["b_fc"][:] = read(p + "mlp.dense_h_to_4h.bias", (f,))
+        L["w_proj"][:] = read(p + "mlp.dense_4h_to_h.weight", (d, f))
+        L["b_proj"][:] = read(p + "mlp.dense_4h_to_h.bias", (d,))
+    names = {
+        "embed": "word_embeddings.weight",
+        "embed_ln_w": "word_embeddings_layernorm.weight",
+        "embed_ln_b": "word_embeddings_layernorm.bias",
+        "final_ln_w": "ln_f.weight",
+        "final_ln_b": "ln_f.bias",
+    }
+    host: dict[str, Any] = {"layers": layers}
+    for ours, theirs in names.items():
+        host[ours] = read(top + theirs, shapes[ours])
+    if not c.tie_word_embeddings:
+        host["lm_head"] = read("lm_head.weight", shapes["lm_head"])
+    return host
+
+
+def _has(read: Any, name: str) -> bool:
+    st = getattr(read, "st", None)
+    return st is None or name in st
