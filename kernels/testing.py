@@ -119,9 +119,14 @@ def make_case(
 
 
 def numpy_attention(
-    case: Case, *, sliding_window: int | None = None, soft_cap: float | None = None
+    case: Case,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes: np.ndarray | None = None,  # [Hq]
 ) -> np.ndarray:  # [T, Hq, D] float64
-    """Independent float64 loop-per-sequence attention, to check the jnp reference."""
+    """Independent float64 loop-per-sequence attention, to check the jnp reference (ALiBi as
+    transformers' BLOOM writes it: slope * key position, which softmax makes relative)."""
     q = case.q.astype(np.float64)
     k_pages = case.k_pages.astype(np.float64)
     v_pages = case.v_pages.astype(np.float64)
@@ -141,6 +146,8 @@ def numpy_attention(
                 s = kh @ q[row, h] * case.sm_scale
                 if soft_cap is not None:
                     s = soft_cap * np.tanh(s / soft_cap)
+                if alibi_slopes is not None:
+                    s = s + float(alibi_slopes[h]) * np.arange(lo, pos + 1)
                 p = np.exp(s - s.max())
                 out[row, h] = (p / p.sum()) @ v[lo : pos + 1, h // group]
     return out
@@ -201,6 +208,8 @@ def run_and_compare(
         sliding_window=kw.pop("sliding_window", None),
         soft_cap=kw.pop("soft_cap", None),
     )
+    if kw.get("alibi_slopes") is not None:  # the same slopes for the reference
+        opts["alibi_slopes"] = jnp.asarray(kw.pop("alibi_slopes"), jnp.float32)
     ref = ragged_paged_attention(*args, **opts, backend="reference")
     fn = kw.pop("fn", None)
     if fn is None:

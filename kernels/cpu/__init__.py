@@ -155,10 +155,13 @@ def ragged_paged_attention_native(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
+    alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi, one more operand
 ) -> jax.Array:  # [T, Hq, D]
     """The "cpu" backend: every row in the C++ kernel (decode rows and prefill tiles alike;
     bench/kernels.py has it against the XLA path). An 8-bit pool's rows are dequantized with
-    their scales as the kernel reads them. Inputs are validated by `ragged_paged_attention`."""
+    their scales as the kernel reads them. ALiBi slopes travel as a trailing operand, so a
+    call without them is the same custom call as before. Inputs are validated by
+    `ragged_paged_attention`."""
     _require("attention")
     if not supports(q.dtype, k_pages.dtype):
         raise ValueError(f"backend 'cpu' needs float32/bfloat16 q and pages, got {k_pages.dtype}")
@@ -177,6 +180,7 @@ def ragged_paged_attention_native(
         block_tables,
         cu_q_lens,
         jnp.reshape(num_seqs, (1,)),
+        *(() if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0),

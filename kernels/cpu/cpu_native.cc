@@ -13,7 +13,8 @@
 // Semantics are those of kernels/reference.py: row t of sequence s (cu_q_lens[s] <= t <
 // cu_q_lens[s + 1]) sits at position kv_lens[s] - q_len + (t - cu_q_lens[s]) and sees
 // positions 0..position (the last `sliding_window` only, if > 0); logits sm_scale * q.k,
-// then soft_cap * tanh(logits / soft_cap) if soft_cap > 0. Padding rows come out zero.
+// then soft_cap * tanh(logits / soft_cap) if soft_cap > 0, then (ALiBi, with a slopes
+// buffer [Hq] as an extra operand) + slopes[h] * (key_pos - pos). Padding rows come out zero.
 
 #include <algorithm>
 #include <cmath>
@@ -340,6 +341,7 @@ struct Shapes {
   int64_t sliding_window;
   const float* k_scales = nullptr;  // [NB, B, Hkv]: 8-bit pools only (load_row)
   const float* v_scales = nullptr;
+  const float* alibi = nullptr;  // [Hq] ALiBi slopes, or null: no bias
 };
 
 struct WorkItem {
@@ -401,11 +403,16 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   alignas(64) float s[kMaxBlockSize];
   alignas(64) float sm[kMaxGroup * kMaxBlockSize];  // scores of a decode row's queries
 
-  // Online-softmax update of state i with the scores s[lo..hi) of one block; s becomes p.
-  auto softmax_step = [&](int64_t i, int64_t lo, int64_t hi, float* s) {
+  // Online-softmax update of state i with the scores s[lo..hi) of the block whose first key
+  // is at kpos0; s becomes p.
+  auto softmax_step = [&](int64_t i, int64_t lo, int64_t hi, float* s, int64_t kpos0) {
+    const int64_t mi = i % M;
+    const float slope = sh.alibi ? sh.alibi[(w.head_begin + i / M) * G + mi % G] : 0.0f;
+    const int64_t rel0 = kpos0 - (pos0 + mi / G);  // key minus query position at j = 0
     float bmax = -INFINITY;
     for (int64_t j = lo; j < hi; ++j) {
       if (sh.soft_cap > 0) s[j] = sh.soft_cap * std::tanh(s[j] / sh.soft_cap);
+      if (sh.alibi) s[j] += slope * static_cast<float>(rel0 + j);
       bmax = std::max(bmax, s[j]);
     }
     const float m_new = std::max(m_run[i], bmax);
@@ -471,7 +478,7 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
           const int64_t i = h * M + mi;
           const float* qv = &qs[i * D];
           for (int64_t j = lo; j < hi; ++j) s[j] = dot(qv, krows[j], D);
-          softmax_step(i, lo, hi, s);
+          softmax_step(i, lo, hi, s, kpos0);
           float* a = &acc[i * D];
           for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
         }
@@ -496,7 +503,7 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 #pragma omp simd
           for (int64_t j = 0; j < B; ++j) s[j] += qd * kd[j];
         }
-        softmax_step(i, lo, hi, s);
+        softmax_step(i, lo, hi, s, kpos0);
         float* a = &acc[i * D];
         for (int64_t j = lo; j < hi; ++j) axpy(s[j], vrows[j], a, D);
       }
@@ -608,6 +615,13 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
               float& x = s[g * kMaxBlockSize + j];
               x = sh.soft_cap * std::tanh(x / sh.soft_cap);
             }
+        if (sh.alibi)
+          for (int64_t g = 0; g < G; ++g) {
+            const float slope = sh.alibi[(w.head_begin + h) * G + g];
+            const int64_t rel0 = kpos0 + lo - pos;  // key minus query position at j = 0
+            float* sg = &s[g * kMaxBlockSize];
+            for (int64_t j = 0; j < n; ++j) sg[j] += slope * static_cast<float>(rel0 + j);
+          }
         fns.softmax(s, n, &m[i], &l[i], alpha);
         fns.pv(s, alpha, vrows + lo, n, D, &acc[i * D], &pf);
       }
@@ -700,8 +714,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v_pages, const float* k_scales, const float* v_scales,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
                           ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
-                          int64_t sliding_window) {
+                          ffi::RemainingArgs extra, ffi::ResultBuffer<ffi::F32> out,
+                          float sm_scale, float soft_cap, int64_t sliding_window) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4)
@@ -721,6 +735,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   sh.sliding_window = sliding_window;
   sh.k_scales = k_scales;
   sh.v_scales = v_scales;
+  if (extra.size() > 1) return ffi::Error::InvalidArgument("at most one extra operand (slopes)");
+  if (extra.size() == 1) {  // ALiBi slopes [Hq] float32
+    auto slopes = extra.get<ffi::Buffer<ffi::F32>>(0);
+    if (!slopes.has_value()) return slopes.error();
+    if (slopes->element_count() != sh.num_q_heads)
+      return ffi::Error::InvalidArgument("alibi slopes must be float32 [num_q_heads]");
+    sh.alibi = slopes->typed_data();
+  }
   if (sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize)
     return ffi::Error::InvalidArgument("head_dim must be <= 256 and block_size <= 64");
   const auto dtype = k_pages.element_type();
@@ -804,10 +826,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
-                              int64_t sliding_window) {
+                              ffi::RemainingArgs extra, ffi::ResultBuffer<ffi::F32> out,
+                              float sm_scale, float soft_cap, int64_t sliding_window) {
   return PagedAttention(pool, q, k_pages, v_pages, nullptr, nullptr, kv_lens, tables, cu_q_lens,
-                        num_seqs, out, sm_scale, soft_cap, sliding_window);
+                        num_seqs, extra, out, sm_scale, soft_cap, sliding_window);
 }
 
 // An 8-bit pool with its scales [NB, B, Hkv] float32 (one per token and KV head).
@@ -816,14 +838,15 @@ ffi::Error PagedAttentionQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                                    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> tables,
                                    ffi::Buffer<ffi::S32> cu_q_lens,
-                                   ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                                   float sm_scale, float soft_cap, int64_t sliding_window) {
+                                   ffi::Buffer<ffi::S32> num_seqs, ffi::RemainingArgs extra,
+                                   ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                   float soft_cap, int64_t sliding_window) {
   const auto kd = k_pages.dimensions();
   if (kd.size() != 4 || k_scales.element_count() != kd[0] * kd[1] * kd[2] ||
       v_scales.element_count() != k_scales.element_count())
     return ffi::Error::InvalidArgument("k_scales/v_scales must be [NB, B, Hkv] like the pages");
   return PagedAttention(pool, q, k_pages, v_pages, k_scales.typed_data(), v_scales.typed_data(),
-                        kv_lens, tables, cu_q_lens, num_seqs, out, sm_scale, soft_cap,
+                        kv_lens, tables, cu_q_lens, num_seqs, extra, out, sm_scale, soft_cap,
                         sliding_window);
 }
 
@@ -879,6 +902,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
+                                  .RemainingArgs()                // [alibi slopes f32 [Hq]]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
@@ -896,6 +920,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionQuant, PagedAttentionQuantIm
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
+                                  .RemainingArgs()                // [alibi slopes f32 [Hq]]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

@@ -1,0 +1,104 @@
+"""ALiBi (BLOOM's attention biases) in every backend: the jnp reference against a float64
+numpy loop, then each backend against the reference on fresh random cases (decode rows,
+prefill from scratch, chunked prefill on a cached prefix, padding rows, garbage outside the
+sequences), head counts that are and are not powers of two."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.kernels import cpu, ragged_paged_attention, ragged_paged_attention_reference
+from jaxpaged.kernels.testing import make_case, mixed_seqs, numpy_attention, run_and_compare
+from jaxpaged.models.layers import alibi_slopes
+
+# (head_dim, block_size, num_q_heads, num_kv_heads, dtype, sliding_window, soft_cap)
+SHAPES = [
+    (16, 4, 6, 6, "float32", None, None),  # BLOOM-like MHA, 6 heads (not a power of two)
+    (64, 16, 12, 3, "float32", None, None),  # GQA 4, 12 heads
+    (32, 8, 5, 5, "float32", 9, None),  # 5 heads, with a window
+    (64, 16, 16, 16, "bfloat16", None, 3.0),  # 16 heads, soft cap, bfloat16
+    (36, 8, 16, 1, "float32", None, None),  # CPU scalar loops: group 16, head_dim % 8 != 0
+]
+
+
+def _slopes(hq: int, rng: np.random.Generator) -> np.ndarray:
+    """BLOOM's slopes, times a random factor so that the biases dominate some rows."""
+    return (alibi_slopes(hq) * rng.uniform(0.5, 4.0)).astype(np.float32)
+
+
+@pytest.mark.parametrize("hq,hkv,window", [(6, 6, None), (8, 2, 5), (12, 4, None)])
+def test_reference_matches_numpy(rng, tools, hq, hkv, window):
+    seqs = [(1, 19), (9, 9), (6, 23), (0, 5), (1, 1), (13, 13)]
+    case = make_case(
+        rng, seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=16, block_size=4, max_seqs=8,
+        pad_tokens=3,
+    )  # fmt: skip
+    slopes = _slopes(hq, rng)
+    out = ragged_paged_attention_reference(
+        *map(jnp.asarray, case.args()),
+        sm_scale=case.sm_scale,
+        sliding_window=window,
+        alibi_slopes=jnp.asarray(slopes),
+    )
+    expect = numpy_attention(case, sliding_window=window, alibi_slopes=slopes)
+    assert tools["rel_err"](out, expect) < 1e-5
+    tools["check_padding_rows"](out, case)
+    # the biases matter: without them the result is far off
+    plain = numpy_attention(case, sliding_window=window)
+    assert tools["rel_err"](plain, expect) > 1e-2
+
+
+BACKENDS = [
+    "xla",
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d,bs,hq,hkv,dtype,window,cap", SHAPES)
+def test_backend_matches_reference(rng, backend, d, bs, hq, hkv, dtype, window, cap):
+    run_and_compare(
+        rng, mixed_seqs(rng, bs, n=7), hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype,
+        backend=backend, max_seqs=9, sliding_window=window, soft_cap=cap,
+        alibi_slopes=_slopes(hq, rng),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_only_step(rng, backend):
+    """A decode step (max_q_len=1: the XLA path compiles no prefill tiles), long contexts."""
+    seqs = [(1, int(rng.integers(1, 200))) for _ in range(12)]
+    run_and_compare(
+        rng, seqs, hq=6, hkv=6, d=16, bs=16, dtype="float32", backend=backend,
+        max_q_len=1, alibi_slopes=_slopes(6, rng),
+    )  # fmt: skip
+
+
+def test_pallas_interpret_matches_reference(rng):
+    """The Pallas GPU kernels in interpret mode (decode and prefill kernels, GQA padded)."""
+    for hq, hkv in ((6, 6), (12, 4)):
+        run_and_compare(
+            rng, mixed_seqs(rng, 8, n=5), hq=hq, hkv=hkv, d=16, bs=8, dtype="float32",
+            backend="pallas", interpret=True, max_seqs=6, alibi_slopes=_slopes(hq, rng),
+        )  # fmt: skip
+
+
+def test_tpu_backend_refuses_alibi(rng):
+    case = make_case(rng, [(3, 3)], num_q_heads=4, num_kv_heads=4, head_dim=16, block_size=4)
+    with pytest.raises(ValueError, match="ALiBi.*'tpu'"):
+        ragged_paged_attention(
+            *map(jnp.asarray, case.args()), sm_scale=case.sm_scale, backend="tpu",
+            alibi_slopes=jnp.ones((4,), jnp.float32),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("slopes", [np.ones(3, np.float32), np.ones(4, np.int32)])
+def test_bad_slopes_are_refused(rng, slopes):
+    case = make_case(rng, [(3, 3)], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    with pytest.raises(ValueError, match="alibi_slopes must be float32"):
+        ragged_paged_attention(
+            *map(jnp.asarray, case.args()), sm_scale=case.sm_scale, backend="xla",
+            alibi_slopes=jnp.asarray(slopes),
+        )  # fmt: skip
