@@ -26,7 +26,6 @@ it on any backend for tests.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
@@ -37,7 +36,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .reference import MASK_VALUE
+from .pallas_tiles import (  # noqa: F401  (PallasConfig, choose_config: public here too)
+    SMEM_BUDGET,
+    PallasConfig,
+    _pages_per_step,
+    _prefill_rows,
+    choose_config,
+    smem_bytes,
+    unsupported_reason,
+)
+from .reference import MASK_VALUE, alibi_bias
 
 _SQUEEZED = getattr(pl, "squeezed", None)
 _LOG2E = math.log2(math.e)
@@ -49,120 +57,6 @@ def _cdiv(a, b):
 
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasConfig:
-    """Tile sizes and launch parameters (all static); ``choose_config`` fills them per shape."""
-
-    block_kv: int = 64  # KV tokens per inner step (rounded to whole blocks, >= 16)
-    prefill_rows: int = 64  # matmul rows of a prefill tile (tokens x padded GQA group)
-    num_splits: int | None = None  # decode KV splits; None = enough to fill the GPU
-    target_programs: int = 264  # decode programs to aim for (2 x 132 SMs on H100/H200)
-    num_warps: int = 4  # decode kernel
-    num_stages: int = 3  # decode kernel: deeper pipelining hides the KV loads it waits on
-    prefill_warps: int = 4
-    prefill_stages: int = 2
-
-
-# Shared memory one program may use: H100/H200 give 227 KB per SM; 160 KB leaves room for
-# Triton's layout-conversion scratch and lets an SM hold a second small program.
-SMEM_BUDGET = 160 * 1024
-
-
-def _rows(rows: int, group_pad: int) -> int:
-    return max(16, group_pad, rows)
-
-
-def smem_bytes(
-    config: PallasConfig, *, head_dim: int, itemsize: int, block_size: int, group_pad: int
-) -> dict[str, int]:
-    """Upper estimate of each kernel's shared memory per program: every pipeline stage holds
-    one K and one V tile; the query tile and the probabilities (the second matmul's operand)
-    are staged once."""
-    block_k = _pages_per_step(config, block_size) * block_size
-    kv = 2 * block_k * head_dim * itemsize
-    out = {}
-    for name, rows, stages in (
-        ("decode", _rows(16, group_pad), config.num_stages),
-        ("prefill", _prefill_rows(config, group_pad), config.prefill_stages),
-    ):
-        out[name] = stages * kv + rows * head_dim * itemsize + rows * block_k * itemsize
-    return out
-
-
-def _pages_per_step(config: PallasConfig, block_size: int) -> int:
-    return max(1, config.block_kv // block_size, _cdiv(16, block_size))
-
-
-def _prefill_rows(config: PallasConfig, group_pad: int) -> int:
-    m_rows = max(16, _pow2_at_least(min(config.prefill_rows, 4096)))
-    return max(1, m_rows // group_pad) * group_pad
-
-
-def unsupported_reason(
-    *, head_dim: int, itemsize: int, block_size: int, group_pad: int
-) -> str | None:
-    """Why the Pallas kernels cannot run this shape (None: they can); callers fall back to
-    the XLA path."""
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        return f"head_dim must be a power of two >= 16, got {head_dim}"
-    if block_size & (block_size - 1):
-        return f"block_size must be a power of two, got {block_size}"
-    config = choose_config(
-        head_dim=head_dim, itemsize=itemsize, block_size=block_size, group_pad=group_pad
-    )
-    dims = dict(head_dim=head_dim, itemsize=itemsize, block_size=block_size, group_pad=group_pad)
-    need = max(smem_bytes(config, **dims).values())
-    if need > SMEM_BUDGET:
-        return (
-            f"one block of {block_size} tokens x head_dim {head_dim} x {itemsize}-byte values "
-            f"needs {need} bytes of shared memory per program, over the {SMEM_BUDGET} budget; "
-            "use a smaller block_size"
-        )
-    return None
-
-
-def choose_config(*, head_dim: int, itemsize: int, block_size: int, group_pad: int) -> PallasConfig:
-    """The tile table, by bytes per K row (head_dim x dtype size):
-
-    | bytes per row | block_kv | prefill rows | prefill warps | decode stages |
-    |---|---|---|---|---|
-    | <= 256 (d128 bf16) | 64 | 64 | 8 from d128 | 3 |
-    | 512 (d256 bf16, d128 f32) | 32 | 64 | 8 | 3 |
-    | 1024 (d256 f32) | 16 | 32 | 8 | 2 |
-
-    then halved further (block_kv first, down to one block or 16 tokens) while an estimate
-    (``smem_bytes``) exceeds SMEM_BUDGET, e.g. for block sizes above block_kv."""
-    row = head_dim * itemsize
-    if row <= 256:
-        config = PallasConfig(block_kv=64, prefill_rows=64)
-    elif row <= 512:
-        config = PallasConfig(block_kv=32, prefill_rows=64)
-    else:
-        config = PallasConfig(block_kv=16, prefill_rows=32, num_stages=2)
-    if head_dim >= 128:
-        config = dataclasses.replace(config, prefill_warps=8)
-    dims = dict(head_dim=head_dim, itemsize=itemsize, block_size=block_size, group_pad=group_pad)
-    replace = dataclasses.replace
-    shrink = (  # in this order, one step at a time
-        lambda c: c.num_stages > 2 and replace(c, num_stages=c.num_stages - 1),
-        lambda c: (
-            _pages_per_step(c, block_size) * block_size > 16
-            and c.block_kv > block_size
-            and replace(c, block_kv=c.block_kv // 2)
-        ),
-        lambda c: c.prefill_rows > 16 and replace(c, prefill_rows=c.prefill_rows // 2),
-        lambda c: (
-            max(c.num_stages, c.prefill_stages) > 1 and replace(c, num_stages=1, prefill_stages=1)
-        ),
-    )
-    while max(smem_bytes(config, **dims).values()) > SMEM_BUDGET:
-        smaller = next((c for c in (f(config) for f in shrink) if c), None)
-        if smaller is None:
-            break  # nothing left to shrink: test_pallas_gpu_tiles_fit_shared_memory says so
-        config = smaller
-    return config
 
 
 def _ignore_triton_deprecation() -> None:
@@ -190,9 +84,11 @@ def _stream_kv(
     sliding_window: int | None,
     soft_cap: float | None,
     scale_refs=None,  # (k, v) f32 refs [NB, B] for this KV head: an 8-bit pool's scales
+    slopes=None,  # f32 [M, 1]: each row's ALiBi slope (its query head's)
 ):
     """Online-softmax attention of q over blocks [first_page, end_page) of one sequence.
-    An 8-bit pool's tiles are dequantized to q's dtype right after they are loaded.
+    An 8-bit pool's tiles are dequantized to q's dtype right after they are loaded; with
+    ``slopes``, ALiBi's ``slope * (key_pos - pos)`` is added to the logits.
 
     Returns (acc [M, D] f32, unnormalised; m [M] f32 running max; l [M] f32 sum).
     """
@@ -223,6 +119,8 @@ def _stream_kv(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [1, BK]
+        if slopes is not None:
+            s = s + alibi_bias(slopes, kv_pos, pos)
         ok = (kv_pos <= pos) & (kv_pos < end_page * block_size) & row_ok
         if sliding_window is not None:
             ok &= kv_pos > pos - sliding_window
@@ -255,6 +153,13 @@ def _first_page(pos, sliding_window, block_size):
     return jnp.maximum(pos - sliding_window + 1, 0) // block_size
 
 
+def _split_refs(refs, quantized: bool, alibi: bool):
+    """(scale refs or None, slopes ref or None, the rest): the optional inputs after the pool."""
+    scale_refs, refs = (refs[:2], refs[2:]) if quantized else (None, refs)
+    slopes_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+    return scale_refs, slopes_ref, refs
+
+
 def _decode_kernel(
     split_pages_ref,  # int32 [1]  pages per split this call (from the real longest context)
     kv_lens_ref,  # int32 [S]
@@ -262,15 +167,17 @@ def _decode_kernel(
     q_ref,  # [BH, D]
     k_ref,  # [NB, B, D]
     v_ref,  # [NB, B, D]
-    *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], o [BH, D], m [BH], l [BH] f32
+    *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], [slopes f32 [BH] if alibi],
+    # o [BH, D], m [BH], l [BH] f32
     pages_per_step: int,
     group: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     quantized: bool = False,
+    alibi: bool = False,
 ):
-    scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else (None, refs)
+    scale_refs, slopes_ref, (o_ref, m_ref, l_ref) = _split_refs(refs, quantized, alibi)
     seq = pl.program_id(0)
     split = pl.program_id(2)
     block_size = k_ref.shape[1]
@@ -297,6 +204,7 @@ def _decode_kernel(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             scale_refs=scale_refs,
+            slopes=None if slopes_ref is None else slopes_ref[...][:, None],
         )
         o_ref[...] = acc
         m_ref[...] = m
@@ -328,7 +236,8 @@ def _prefill_kernel(
     q_ref,  # [TQ * Gp, D]
     k_ref,  # [NB, B, D]
     v_ref,  # [NB, B, D]
-    *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], o [TQ * Gp, D]
+    *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], [slopes f32 [TQ * Gp] if
+    # alibi], o [TQ * Gp, D]
     tokens: int,
     group_pad: int,
     pages_per_step: int,
@@ -336,8 +245,9 @@ def _prefill_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     quantized: bool = False,
+    alibi: bool = False,
 ):
-    scale_refs, o_ref = (refs[:2], refs[2]) if quantized else (None, refs[0])
+    scale_refs, slopes_ref, (o_ref,) = _split_refs(refs, quantized, alibi)
     tile = pl.program_id(0)
     block_size = k_ref.shape[1]
     seq = tile_seq_ref[tile]
@@ -369,6 +279,7 @@ def _prefill_kernel(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         scale_refs=scale_refs,
+        slopes=None if slopes_ref is None else slopes_ref[...][:, None],
     )
     l = jnp.where(l > 0, l, 1.0)  # noqa: E741
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -413,9 +324,11 @@ def ragged_paged_attention_pallas(
     config: PallasConfig | None = None,
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
+    alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention` (inputs are validated there); `config`
-    defaults to `choose_config` for the shape."""
+    defaults to `choose_config` for the shape. ALiBi slopes reach each kernel as one more
+    input: per KV head, the slope of every matmul row (its query head's; padding rows 0)."""
     _ignore_triton_deprecation()
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
@@ -457,6 +370,7 @@ def ragged_paged_attention_pallas(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         quantized=quantized,
+        alibi=alibi_slopes is not None,
     )
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     prefill_params = plgpu.CompilerParams(
@@ -472,6 +386,14 @@ def ragged_paged_attention_pallas(
 
     # --- decode kernel: last row of every sequence --------------------------------
     rows = max(16, group_pad)
+    slopes = None  # [Hkv, Gp] float32: ALiBi slope of each (KV head, padded group row)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        slopes = jnp.pad(slopes, ((0, 0), (0, group_pad - group)))
+    decode_in, decode_specs = (), []
+    if slopes is not None:
+        decode_in = (jnp.pad(slopes, ((0, 0), (0, rows - group_pad))),)
+        decode_specs = [pl.BlockSpec((_SQUEEZED, rows), lambda s, h, k: (h, 0))]
     if config.num_splits is not None:
         splits = config.num_splits
     else:
@@ -498,6 +420,7 @@ def ragged_paged_attention_pallas(
             _full_spec((max_seqs, width)),
             pl.BlockSpec((_SQUEEZED, _SQUEEZED, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
             *pool_specs,
+            *decode_specs,
         ],
         out_specs=[
             pl.BlockSpec(
@@ -515,7 +438,7 @@ def ragged_paged_attention_pallas(
         compiler_params=params,
         interpret=interpret,
         name="jaxpaged_decode_attention",
-    )(split_pages[None], kv_lens, tables, qd, *pools)
+    )(split_pages[None], kv_lens, tables, qd, *pools, *decode_in)
     # Merge the splits (flash-decoding): weights exp(m_k - max_k m_k) over the splits that
     # ran; the others' outputs were never written and are not read.
     first, end = _split_range(
@@ -563,6 +486,10 @@ def ragged_paged_attention_pallas(
             tile_spec = pl.BlockSpec(
                 (_SQUEEZED, _SQUEEZED, m_rows, head_dim), lambda t, h: (t, h, 0, 0)
             )
+            prefill_in, prefill_specs = (), []
+            if slopes is not None:  # row m of a tile is group row m % Gp
+                prefill_in = (jnp.tile(slopes, (1, tokens)),)  # [Hkv, TQ * Gp]
+                prefill_specs = [pl.BlockSpec((_SQUEEZED, m_rows), lambda t, h: (h, 0))]
             res = pl.pallas_call(
                 functools.partial(_prefill_kernel, tokens=tokens, group_pad=group_pad, **common),
                 grid=(num_tiles, num_kv_heads),
@@ -574,13 +501,14 @@ def ragged_paged_attention_pallas(
                     _full_spec((max_seqs, width)),
                     tile_spec,
                     *pool_specs,
+                    *prefill_specs,
                 ],
                 out_specs=tile_spec,
                 out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
                 compiler_params=prefill_params,
                 interpret=interpret,
                 name="jaxpaged_prefill_attention",
-            )(t_seq, t_off, kv_lens, q_lens, tables, qt, *pools)
+            )(t_seq, t_off, kv_lens, q_lens, tables, qt, *pools, *prefill_in)
             res = res.reshape(num_tiles, num_kv_heads, tokens, group_pad, head_dim)
             res = res[:, :, :, :group].transpose(0, 2, 1, 3, 4)  # [NT, TQ, Hkv, G, D]
             dest = jnp.where(row_ok, src, num_tokens).reshape(-1)

@@ -145,7 +145,9 @@ class BloomForCausalLM(nnx.Module):
             qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, H*hd]
             q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
             attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
-            x = (y if post else x) + _dense(attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"])
+            x = (y if post else x) + _dense(
+                attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"]
+            )
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
             mlp = _dense(bloom_gelu(_dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
             x = (y if post else x) + mlp

@@ -228,7 +228,9 @@ def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[Model
 # ---------------------------------------------------------------------- the step side
 
 
-def shard_attention(fn: Callable[..., Any], mesh: Mesh, *, alibi: bool = False) -> Callable[..., Any]:
+def shard_attention(
+    fn: Callable[..., Any], mesh: Mesh, *, alibi: bool = False
+) -> Callable[..., Any]:
     """Run the paged attention op per device on its own heads.
 
     ``fn(q, k, v, layer, pool, slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs) ->

@@ -132,6 +132,35 @@ def test_pallas_lowers_to_triton(dtype, d, bs, hq, hkv):
         assert "mosaic" not in text
 
 
+@pytest.mark.parametrize(
+    "dtype,d,bs,hq,hkv", [("bfloat16", 64, 16, 9, 3), ("float32", 128, 16, 16, 16)]
+)
+def test_pallas_lowers_to_triton_with_alibi(dtype, d, bs, hq, hkv):
+    """With ALiBi slopes (one more input per kernel: a row of slopes per KV head) both
+    kernels still pass the Triton lowering; 9 heads in groups of 3 pad each group to 4 rows."""
+    dt = jnp.dtype(DTYPES[dtype])
+    t, nb, s, p = 50, 250, 7, 33
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in [
+            ((t, hq, d), dt),
+            ((nb, bs, hkv, d), dt),
+            ((nb, bs, hkv, d), dt),
+            ((s,), jnp.int32),
+            ((s, p), jnp.int32),
+            ((s + 1,), jnp.int32),
+            ((1,), jnp.int32),
+            ((hq,), jnp.float32),
+        ]
+    ]
+
+    def fn(*a):
+        return ragged_paged_attention_pallas(*a[:7], sm_scale=0.1, alibi_slopes=a[7])
+
+    text = _lower_for_gpu(fn, *args)
+    assert text.count("triton") >= 2, "expected the Triton kernels in the module"
+
+
 def test_pallas_rejects_non_power_of_two_head_dim(rng):
     case = make_case(rng, [(1, 5)], num_q_heads=2, num_kv_heads=1, head_dim=48, block_size=8)
     with pytest.raises(ValueError, match="head_dim"):

@@ -104,9 +104,7 @@ def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 BACKENDS = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
-    ),
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")),
     "xla",
 ]
 
