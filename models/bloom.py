@@ -2,19 +2,20 @@
 logits (``slope_h * (key_pos - query_pos)``, one slope per head), LayerNorms (one more right
 after the embeddings), biased projections and a GELU MLP, as one NNX module.
 
-The state is GPT's params tree (models/gpt.py) without learned positions and with the
-embedding LayerNorm; layers stacked on a leading L axis (one ``lax.scan``), matmul weights
-[out, in] like HF's nn.Linear:
+The state is a flat params tree, layers stacked on a leading L axis (one ``lax.scan``),
+matmul weights [out, in] like HF's nn.Linear:
 
     {"embed": [V, D], "embed_ln_w", "embed_ln_b": [D],
-     "layers": {"ln1_w", "ln1_b": [L, D], "wqkv": [L, 3, H * hd, D], "bqkv": [L, 3, H * hd],
-                "wo": [L, D, H * hd], "bo": [L, D], "ln2_w", "ln2_b": [L, D],
+     "layers": {"ln1_w", "ln1_b": [L, D], "wqkv": [L, H, 3, hd, D], "bqkv": [L, H, 3, hd],
+                "wo": [L, D, H, hd], "bo": [L, D], "ln2_w", "ln2_b": [L, D],
                 "w_fc": [L, F, D], "b_fc": [L, F], "w_proj": [L, D, F], "b_proj": [L, D]},
      "final_ln_w", "final_ln_b": [D],
      "lm_head": [V, D]}                      # absent when tied (BLOOM's default)
 
 HF's fused ``query_key_value`` weight [3 * D, D] holds its output rows per head as (q, k, v)
-of hd rows each; the loader regroups them as q rows, k rows, v rows.
+of hd rows each: ``wqkv`` is that weight reshaped, and it is the Llama family's fused layout
+with one query per KV head ([L, Hkv, G + 2, hd, D], G = 1), so tensor parallelism splits
+``wqkv``, ``bqkv`` and ``wo`` over heads by the same table (distributed/parallel.py).
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ def bloom_config_fields(d: Mapping) -> dict[str, Any]:
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:
     c = config
-    n, d, f, q = c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    n, d, f, h, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim
     layers = {
         "ln1_w": (n, d), "ln1_b": (n, d),
-        "wqkv": (n, 3, q, d), "bqkv": (n, 3, q),
-        "wo": (n, d, q), "bo": (n, d),
+        "wqkv": (n, h, 3, hd, d), "bqkv": (n, h, 3, hd),
+        "wo": (n, d, h, hd), "bo": (n, d),
         "ln2_w": (n, d), "ln2_b": (n, d),
         "w_fc": (n, f, d), "b_fc": (n, f),
         "w_proj": (n, d, f), "b_proj": (n, d),
@@ -132,8 +133,7 @@ class BloomForCausalLM(nnx.Module):
         del positions
         c = self.config
         eps, post = c.rms_norm_eps, c.residual_post_norm
-        t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
-        slopes = jnp.asarray(alibi_slopes(h))  # float32 [H], a constant of the program
+        slopes = jnp.asarray(alibi_slopes(c.num_heads))  # float32 [H], a constant of the program
         x = jnp.take(self.embed[...], tokens, axis=0)
         x = layer_norm(x, self.embed_ln_w[...], self.embed_ln_b[...], eps)
         layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
@@ -142,12 +142,11 @@ class BloomForCausalLM(nnx.Module):
             x, cache = carry
             w = jax.tree.map(lambda a: a[layer], layers)
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
-            qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, H*hd]
-            q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
+            qkv = jnp.einsum("ti,hcdi->thcd", y, w["wqkv"]) + w["bqkv"]  # [T, H, 3, hd]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
-            x = (y if post else x) + _dense(
-                attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"]
-            )
+            out = jnp.einsum("thd,ohd->to", attn.astype(x.dtype), w["wo"]) + w["bo"]
+            x = (y if post else x) + out
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
             mlp = _dense(bloom_gelu(_dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
             x = (y if post else x) + mlp
@@ -196,10 +195,9 @@ def load_host_params(
             L[ours + "_w"][:] = read(p + theirs + ".weight", (d,))
             L[ours + "_b"][:] = read(p + theirs + ".bias", (d,))
         qkv = read(p + "self_attention.query_key_value.weight", (3 * q, d))  # rows (H, 3, hd)
-        L["wqkv"][:] = qkv.reshape(h, 3, hd, d).transpose(1, 0, 2, 3).reshape(3, q, d)
-        bqkv = read(p + "self_attention.query_key_value.bias", (3 * q,))
-        L["bqkv"][:] = bqkv.reshape(h, 3, hd).transpose(1, 0, 2).reshape(3, q)
-        L["wo"][:] = read(p + "self_attention.dense.weight", (d, q))
+        L["wqkv"][:] = qkv.reshape(h, 3, hd, d)
+        L["bqkv"][:] = read(p + "self_attention.query_key_value.bias", (3 * q,)).reshape(h, 3, hd)
+        L["wo"][:] = read(p + "self_attention.dense.weight", (d, q)).reshape(d, h, hd)
         L["bo"][:] = read(p + "self_attention.dense.bias", (d,))
         L["w_fc"][:] = read(p + "mlp.dense_h_to_4h.weight", (f, d))
         L["b_fc"][:] = read(p + "mlp.dense_h_to_4h.bias", (f,))

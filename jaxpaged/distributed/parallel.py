@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.config import LLAMA_MODEL_TYPES, ModelConfig
+from jaxpaged.models.config import BLOOM_MODEL_TYPES, LLAMA_MODEL_TYPES, ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.models.loader import scales_sharding
 from jaxpaged.models.quant import QuantizedWeight
@@ -60,6 +60,10 @@ _SPLIT_AXIS: dict[str, int | None] = {
     "layers/wo": 2,
     "layers/w_gate_up": 2,
     "layers/w_down": 2,
+    # the plain (non-gated) MLP of models/bloom.py: column- then row-parallel
+    "layers/w_fc": 1,
+    "layers/b_fc": 1,
+    "layers/w_proj": 2,
     "embed": 0,
     "lm_head": 0,
 }
@@ -96,10 +100,11 @@ def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
     """How many copies of each KV head N devices need (1 = plain split); ValueError naming
     the config field when N cannot split the model."""
     n, c = tensor_parallel_size, config
-    if n > 1 and c.model_type not in LLAMA_MODEL_TYPES:
+    if n > 1 and c.model_type not in (*LLAMA_MODEL_TYPES, *BLOOM_MODEL_TYPES):
         raise ValueError(
             f"tensor_parallel_size={n}: tensor parallelism supports the Llama family only "
-            f"({', '.join(LLAMA_MODEL_TYPES)}), not model_type {c.model_type!r}"
+            f"({', '.join(LLAMA_MODEL_TYPES)}) and {', '.join(BLOOM_MODEL_TYPES)}, not "
+            f"model_type {c.model_type!r}"
         )
     if n > 1 and c.num_experts:
         raise ValueError(

@@ -23,6 +23,7 @@ CHECKS = [
     "family_qwen2",
     "family_qwen3",
     "family_mistral",
+    "bloom",
     "orbax",
     "warmup_no_recompile",
     "update_weights",

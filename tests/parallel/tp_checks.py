@@ -32,6 +32,9 @@ SPLIT_AXIS = {
     "layers/wo": 2,
     "layers/w_gate_up": 2,
     "layers/w_down": 2,
+    "layers/w_fc": 1,  # BLOOM's plain MLP
+    "layers/b_fc": 1,
+    "layers/w_proj": 2,
     "embed": 0,
     "lm_head": 0,
 }
@@ -415,6 +418,42 @@ def check_quantized_int8(ctx: Ctx) -> None:
                 assert scales.data.shape[split] == want, (name, scales.data.shape)
 
 
+def check_bloom(ctx: Ctx) -> None:
+    """BLOOM (ALiBi, 6 heads) at TP=2: each device runs 3 heads with its own 3 slopes (not a
+    uniform share of a power-of-two sequence); greedy tokens equal transformers' own, with a
+    prompt prefilled beside decodes."""
+    import torch
+    import transformers
+
+    path = os.path.join(ctx.workdir, "bloom")
+    config = transformers.BloomConfig(
+        vocab_size=256, hidden_size=48, n_layer=2, n_head=6, initializer_range=0.2
+    )
+    torch.manual_seed(0)
+    hf = transformers.BloomForCausalLM(config).eval()
+    with torch.no_grad():  # random norms and biases, so that every parameter matters
+        for name, p in hf.named_parameters():
+            if "layernorm" in name or "ln_f" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    hf.save_pretrained(path)
+    make_tiny_model("llama", os.path.join(ctx.workdir, "bloom_tok"))  # borrow its tokenizer
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ctx.workdir, "bloom_tok"))
+    tok.save_pretrained(path)
+    prompts = [[5, 9, 30, 7, 2, 11], [17], [42]]
+    want = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        want.append(out[0, len(ids) :].tolist())
+    assert len({t for seq in want for t in seq}) > 3, f"degenerate reference {want}"
+    got, llm = greedy(path, 2, prompts=prompts)
+    assert got == want, f"bloom TP=2: {got} != transformers {want}"
+    assert_sharded(llm.engine, 2, num_kv_heads=6, vocab=256)
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     "errors": check_errors,
     "family_llama": lambda c: check_family(c, "llama"),
@@ -422,6 +461,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "family_qwen2": lambda c: check_family(c, "qwen2"),
     "family_qwen3": lambda c: check_family(c, "qwen3"),
     "family_mistral": lambda c: check_family(c, "mistral"),
+    "bloom": check_bloom,
     "orbax": check_orbax,
     "warmup_no_recompile": check_warmup_no_recompile,
     "smollm2_tp3": check_smollm2_tp3,
