@@ -17,6 +17,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.kernels import cpu
 from jaxpaged.models import ModelConfig, load_model
 from jaxpaged.models.bloom import BloomForCausalLM
+from jaxpaged.worker.compile_counter import CompileCounter
 
 VOCAB = 320
 SEQ = 24
@@ -111,9 +112,9 @@ BACKENDS = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_through_the_paged_engine(built, backend):
-    """Three prompts batched, the longest prefilled in chunks beside the others' decodes, in
-    a pool too small for all three at once (preemption: recomputed from scratch, so ALiBi's
-    positions must come out the same)."""
+    """Three prompts, two at a time, the longest prefilled in chunks beside another's decodes,
+    in a pool too small for two at once (preemption: recomputed from scratch, so ALiBi's
+    positions must come out the same); after the warm-up nothing compiles."""
     hf, folder = built[False]
     rng = np.random.default_rng(2)
     prompts = [[int(t) for t in rng.integers(4, VOCAB, size=n)] for n in (13, 5, 9)]
@@ -121,19 +122,21 @@ def test_greedy_through_the_paged_engine(built, backend):
     llm = LLM(
         model=folder,
         max_model_len=32,
-        num_kv_blocks=12,  # three sequences need up to 6 blocks of 4 each
+        num_kv_blocks=9,  # two running sequences need up to 6 + 4 blocks of 4 tokens
         block_size=4,
         max_num_batched_tokens=8,
-        enforce_eager=True,
+        max_num_seqs=2,  # fewer step shapes to compile; the third prompt waits its turn
         attention_backend=backend,
     )
     try:
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        with CompileCounter() as compiles:  # the warm-up compiled every step shape
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
         preempted = llm.get_metrics()["num_preemptions"]
     finally:
         llm.engine.close()
     assert [list(o.outputs[0].token_ids) for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
     assert preempted > 0
+    assert compiles.count == 0
 
 
 def test_unsupported_option_is_refused_by_name():
