@@ -27,7 +27,6 @@ CHECKS = [
     "warmup_no_recompile",
     "update_weights",
     "quantized_int8",
-    "family_gpt2",
     "family_gemma2",
     "family_mixtral",
     "warmup_gpt2",
