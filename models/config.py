@@ -24,7 +24,7 @@ SUPPORTED_MODEL_TYPES = (
 CUSTOM_MODEL_TYPE = "custom"
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,7 @@ class RopeScaling:
     factor: float
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
-    original_max_position_embeddings: int | None = None  # llama3, yarn
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope, dynamic
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn
@@ -70,6 +70,15 @@ class RopeScaling:
             )
         if rope_type == "linear":
             return cls(rope_type="linear", factor=factor)
+        if rope_type == "dynamic":  # NTK: the base grows with the length past the context,
+            # which transformers takes to be max_position_embeddings (models/rope.py)
+            if factor is None:
+                raise ValueError("rope type 'dynamic' needs factor")
+            return cls(
+                rope_type="dynamic",
+                factor=factor,
+                original_max_position_embeddings=max_position_embeddings,
+            )
         if rope_type == "longrope":
             for need, value in (("original_max_position_embeddings", old),
                                 ("short_factor", rope.get("short_factor")),

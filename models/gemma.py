@@ -143,11 +143,19 @@ def _rope(d: Mapping, max_pos: int) -> tuple[float, RopeScaling | None, float | 
             )
         theta = float(full.get("rope_theta", d.get("rope_theta", 10000.0)))
         local_theta = local.get("rope_theta", d.get("rope_local_base_freq"))
-        return theta, RopeScaling.from_hf_dict(full, max_pos), _opt_float(local_theta)
+        return theta, _global_scaling(d, full, max_pos), _opt_float(local_theta)
     rope = rope or d.get("rope_scaling") or {}
     theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
     local_theta = d.get("rope_local_base_freq") if d["model_type"] == "gemma3_text" else None
-    return theta, RopeScaling.from_hf_dict(rope, max_pos), _opt_float(local_theta)
+    return theta, _global_scaling(d, rope, max_pos), _opt_float(local_theta)
+
+
+def _global_scaling(d: Mapping, rope: Mapping, max_pos: int) -> RopeScaling | None:
+    scaling = RopeScaling.from_hf_dict(rope, max_pos)
+    if scaling is not None and scaling.rope_type == "dynamic":  # needs per-sequence lengths,
+        # which only the Llama family's forward takes
+        raise ValueError(f"unsupported {d['model_type']} rope type 'dynamic'")
+    return scaling
 
 
 def _opt_float(x: Any) -> float | None:

@@ -196,12 +196,13 @@ def _layer(
     attention_fn: AttentionFn,
     linear_fn: LinearFn,
     lora: LoraInputs | None = None,
+    rope_lengths: jax.Array | None = None,  # int32 [T]
 ) -> tuple[jax.Array, Any]:
     c = config
     t = x.shape[0]
     g = c.queries_per_kv
     eps = c.rms_norm_eps
-    inv_freq = rope_inv_freq_at(c, positions)
+    inv_freq = rope_inv_freq_at(c, positions, rope_lengths)
     # Matmul weights go to linear_fn whole, so a native kernel can read the layer in place.
     w = _matmul_views(layers, c)
 
@@ -319,12 +320,15 @@ class LlamaForCausalLM(nnx.Module):
         linear_fn: LinearFn | None = None,
         activation_dtype: Any = None,
         lora: LoraInputs | None = None,
+        rope_lengths: jax.Array | None = None,  # int32 [T]
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache as threaded through every layer's
         ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`).
         ``activation_dtype``: the hidden states' dtype between layers (None: the params'),
         e.g. float32 where a ``linear_fn`` computes bfloat16 weights in float32; ``lora``
-        adds each token's adapter term after the matmuls it targets."""
+        adds each token's adapter term after the matmuls it targets. ``rope_lengths``: each
+        token's sequence length once this forward has run, which dynamic RoPE scales by
+        (None: one sequence, ``max(positions) + 1``)."""
         config = self.config
         linear_fn = linear_fn or linear_xla
         x = jnp.take(self.embed[...], tokens, axis=0)  # [T, D]
@@ -343,6 +347,7 @@ class LlamaForCausalLM(nnx.Module):
             x, cache = _layer(
                 x, layers, layer, positions, cache,
                 config=config, attention_fn=attention_fn, linear_fn=linear_fn, lora=lora,
+                rope_lengths=rope_lengths,
             )  # fmt: skip
             return (x, cache), None
 

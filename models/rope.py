@@ -1,8 +1,10 @@
 """Rotary position frequencies: default, and the scalings transformers implements as
-functions of the config (llama3, linear, yarn) or of the position (longrope).
+functions of the config (llama3, linear, yarn), of the position (longrope) or of the length
+of the sequence a forward sees (dynamic).
 
 Computed on the host in float64 and rounded once (as transformers rounds its float32
-arange-based frequencies), so they are compile-time constants of the step.
+arange-based frequencies), so they are compile-time constants of the step; only dynamic's
+are computed in the step, per token, from each token's sequence length.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     inv_freq = 1.0 / (config.rope_theta**exponents)
     inv_freq = inv_freq.astype(np.float32).astype(np.float64)  # HF rounds to float32 here
     s = config.rope_scaling
-    if s is None:
+    if s is None or s.rope_type == "dynamic":  # dynamic: the plain ones up to the context
         return inv_freq.astype(np.float32)
     if s.rope_type == "linear":
         return (inv_freq / s.factor).astype(np.float32)
@@ -37,12 +39,19 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 def rope_inv_freq_at(
     config: ModelConfig,
     positions: jax.Array,  # int32 [T]
-) -> np.ndarray | jax.Array:  # [hd // 2], or [T, hd // 2] where it depends on the position
-    """The frequencies each position rotates by. Only longrope depends on the position: the
+    seq_lens: jax.Array | None = None,  # int32 [T]: each token's sequence length (dynamic)
+) -> np.ndarray | jax.Array:  # [hd // 2], or [T, hd // 2] where it depends on the token
+    """The frequencies each position rotates by. longrope depends on the position: the
     long factors from original_max_position_embeddings on, as transformers' decode steps do
     (its prefill takes the long ones for every prompt token once the prompt crosses that
-    length; a paged engine's rows keep each token's own)."""
+    length; a paged engine's rows keep each token's own). dynamic depends on ``seq_lens``,
+    the length of the token's sequence once this forward has run (None: every token's is
+    ``max(positions) + 1``, one sequence, as transformers takes it)."""
     s = config.rope_scaling
+    if s is not None and s.rope_type == "dynamic":
+        if seq_lens is None:
+            seq_lens = jnp.broadcast_to(jnp.max(positions) + 1, positions.shape)
+        return dynamic_ntk_inv_freq(config, seq_lens)
     if s is None or s.rope_type != "longrope":
         return rope_inv_freq(config)
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
@@ -50,6 +59,28 @@ def rope_inv_freq_at(
     long = _longrope_inv_freq(config, exponents, s.long_factor)
     beyond = positions[:, None] >= s.original_max_position_embeddings
     return jnp.where(beyond, jnp.asarray(long)[None], jnp.asarray(short)[None])
+
+
+def dynamic_ntk_inv_freq(
+    config: ModelConfig,
+    seq_lens: jax.Array,  # int32 [T]
+) -> jax.Array:  # float32 [T, hd // 2]
+    """Dynamic NTK scaling, as transformers' ``_compute_dynamic_ntk_parameters`` computes it
+    (float32): up to the context length L0 (original_max_position_embeddings, which
+    transformers takes from max_position_embeddings) the plain frequencies; past it, for a
+    sequence of length S, base * (factor * S / L0 - (factor - 1)) ** (hd / (hd - 2)) as
+    the base."""
+    s = config.rope_scaling
+    dim, old = config.head_dim, s.original_max_position_embeddings
+    length = jnp.maximum(seq_lens, old).astype(jnp.float32)
+    grown = (jnp.float32(s.factor) * length / jnp.float32(old) - jnp.float32(s.factor - 1)) ** (
+        dim / (dim - 2)
+    )
+    base = jnp.float32(config.rope_theta) * grown  # [T]
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / jnp.float32(dim)
+    scaled = 1.0 / (base[:, None] ** exponents[None, :])
+    plain = jnp.asarray(rope_inv_freq(config))[None, :]
+    return jnp.where((seq_lens > old)[:, None], scaled, plain)
 
 
 def _longrope_inv_freq(

@@ -52,7 +52,7 @@ def load_params(
     return load_model(
         folder,
         dtype=dtype,
-        shardings=param_sharding_fn(mesh),
+        shardings=param_sharding_fn(mesh, config),
         progress=progress,
         host_transform=transform,
         quantization=quantization,

@@ -105,7 +105,7 @@ def restore(
     run_config = parallel.tp_config(config, n)
     run_shapes = param_shapes(run_config)
     shard_fn = (
-        parallel.param_sharding_fn(mesh)
+        parallel.param_sharding_fn(mesh, config)
         if mesh is not None
         else (lambda path, shape: SingleDeviceSharding(jax.devices()[0]))
     )

@@ -3,7 +3,8 @@
 kernels. Everything else in the step (projections, MLP, logits, sampling) is plain jnp that
 GSPMD partitions from the weights' shardings, inserting the all-reduces itself.
 
-Megatron split (N = tensor_parallel_size), over the params layout of ``models.llama``:
+Megatron split (N = tensor_parallel_size), over the params layout of ``models.llama``
+(Gemma's is the same, with its extra norms replicated):
 
 ==============  =========================  ===========================================
 leaf            shape                      split
@@ -14,11 +15,29 @@ wo              [L, D, Hkv, G, hd]         KV heads (row-parallel: partial sums 
                                            output projection, one all-reduce per layer)
 w_gate_up       [L, 2, F, D]               F (column-parallel)
 w_down          [L, D, F]                  F (row-parallel: one all-reduce per layer)
+w_experts_*     [L, E, 2, F, D], [L, E,    F of every expert (see below)
+                D, F]
 embed           [V, D]                     V when N divides V, else replicated
 lm_head         [V, D]                     V when N divides V, else replicated
-norms           [L, D], [D], [L, hd]       replicated
-KV pool k, v    [L*NB, bs, Hkv, hd]        KV heads
+norms, router   [L, D], [D], [L, E, D]     replicated
+KV pool k, v    [L*NB, bs, Hkv, hd]        KV heads (an 8-bit pool's scales
+                                           [L*NB, bs, Hkv] alike)
 ==============  =========================  ===========================================
+
+GPT-2 / OPT (``models.gpt``, Hkv = Hq): wqkv [L, 3, Hq*hd, D] and bqkv [L, 3, Hq*hd] split
+over Hq*hd (whole heads, as hd divides each slice), wo [L, D, Hq*hd] over Hq*hd, w_fc [L, F, D]
+and b_fc [L, F] over F, w_proj [L, D, F] over F; the row-parallel layers' biases (bo, b_proj),
+the LayerNorms and the learned positions are replicated. The program is the unsplit model's
+and GSPMD keeps its meaning: a replicated bias is added once, after the all-reduce of the
+partial sums, not once per device.
+
+Mixture-of-Experts: every expert's intermediate dimension F is split as a dense MLP's
+(column-parallel gate/up, row-parallel down), and the router is replicated. Each device then
+holds 1/N of every expert and computes every token's routing itself, so the routed sum needs
+exactly the one all-reduce a dense MLP needs, any N that divides F works whatever the number
+of experts, and the MoE code is the single-device code. Placing whole experts per device
+would need E % N == 0 and buy nothing here: the forward runs every expert on every token
+(``models.llama._moe_mlp``), so there is no token dispatch for expert placement to save.
 
 Logits [S, V] are gathered to every device before sampling, so the sampler sees the full
 vocabulary and returns the same token on every device (a few KB per step).
@@ -38,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -45,29 +65,60 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.config import BLOOM_MODEL_TYPES, LLAMA_MODEL_TYPES, ModelConfig
+from jaxpaged.models.config import (
+    BLOOM_MODEL_TYPES,
+    GEMMA_MODEL_TYPES,
+    GPT_MODEL_TYPES,
+    LLAMA_MODEL_TYPES,
+    ModelConfig,
+)
 from jaxpaged.models.llama import Params
 from jaxpaged.models.loader import scales_sharding
 from jaxpaged.models.quant import QuantizedWeight
 
 AXIS = "tp"
 
-# Axis of each leaf that is split over the mesh (None: replicated). Vocabulary-sized leaves
-# are split only when N divides V (see `leaf_spec`).
-_SPLIT_AXIS: dict[str, int | None] = {
-    "layers/wqkv": 1,
-    "layers/bqkv": 1,
-    "layers/wo": 2,
-    "layers/w_gate_up": 2,
-    "layers/w_down": 2,
-    # the plain (non-gated) MLP of models/bloom.py: column- then row-parallel
-    "layers/w_fc": 1,
-    "layers/b_fc": 1,
-    "layers/w_proj": 2,
-    "embed": 0,
-    "lm_head": 0,
-}
+# Axis of each leaf that is split over the mesh, per family layout (absent: replicated).
+# Vocabulary-sized leaves are split only when N divides V (see `leaf_spec`).
+_LLAMA_SPLIT_AXIS: Mapping[str, int] = MappingProxyType(
+    {
+        "layers/wqkv": 1,
+        "layers/bqkv": 1,
+        "layers/wo": 2,
+        "layers/w_gate_up": 2,
+        "layers/w_down": 2,
+        "layers/w_experts_gate_up": 3,
+        "layers/w_experts_down": 3,
+        # the plain (non-gated) MLP of models/bloom.py: column- then row-parallel
+        "layers/w_fc": 1,
+        "layers/b_fc": 1,
+        "layers/w_proj": 2,
+        "embed": 0,
+        "lm_head": 0,
+    }
+)
+_GPT_SPLIT_AXIS: Mapping[str, int] = MappingProxyType(
+    {
+        "layers/wqkv": 2,
+        "layers/bqkv": 2,
+        "layers/wo": 2,
+        "layers/w_fc": 1,
+        "layers/b_fc": 1,
+        "layers/w_proj": 2,
+        "embed": 0,
+        "lm_head": 0,
+    }
+)
+# the families whose weights jaxpaged knows how to split
+TP_MODEL_TYPES = (
+    *LLAMA_MODEL_TYPES,
+    *BLOOM_MODEL_TYPES,
+    *GEMMA_MODEL_TYPES,
+    *GPT_MODEL_TYPES,
+)
 _VOCAB_LEAVES = ("embed", "lm_head")
+# the pool arrays' split: the KV-head axis (trailing axes unnamed, so replicated whole)
+_POOL_SPEC = P(None, None, AXIS)
 
 
 # ------------------------------------------------------------------------------- mesh
@@ -100,16 +151,10 @@ def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
     """How many copies of each KV head N devices need (1 = plain split); ValueError naming
     the config field when N cannot split the model."""
     n, c = tensor_parallel_size, config
-    if n > 1 and c.model_type not in (*LLAMA_MODEL_TYPES, *BLOOM_MODEL_TYPES):
+    if n > 1 and c.model_type not in TP_MODEL_TYPES:
         raise ValueError(
-            f"tensor_parallel_size={n}: tensor parallelism supports the Llama family only "
-            f"({', '.join(LLAMA_MODEL_TYPES)}) and {', '.join(BLOOM_MODEL_TYPES)}, not "
-            f"model_type {c.model_type!r}"
-        )
-    if n > 1 and c.num_experts:
-        raise ValueError(
-            f"tensor_parallel_size={n}: tensor parallelism does not split Mixture-of-Experts "
-            f"weights yet (model_type {c.model_type!r})"
+            f"tensor_parallel_size={n}: tensor parallelism supports the model types "
+            f"{', '.join(TP_MODEL_TYPES)}, not model_type {c.model_type!r}"
         )
     if c.num_heads % n:
         raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}")
@@ -173,9 +218,18 @@ def replicate_kv_heads(
 # ------------------------------------------------------------------------- shardings
 
 
-def leaf_spec(path: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
-    """PartitionSpec of one params leaf ("layers/wqkv", ...) for N devices."""
-    axis = _SPLIT_AXIS.get(path)
+def split_axes(model_type: str) -> Mapping[str, int]:
+    """Leaf path -> the axis N devices split (leaves absent are replicated), for the params
+    layout of ``model_type``'s family."""
+    return _GPT_SPLIT_AXIS if model_type in GPT_MODEL_TYPES else _LLAMA_SPLIT_AXIS
+
+
+def leaf_spec(
+    path: str, shape: tuple[int, ...], tensor_parallel_size: int, model_type: str = "llama"
+) -> P:
+    """PartitionSpec of one params leaf ("layers/wqkv", ...) of a ``model_type`` model for N
+    devices."""
+    axis = split_axes(model_type).get(path)
     if axis is None or tensor_parallel_size == 1:
         return P()
     if shape[axis] % tensor_parallel_size:
@@ -188,16 +242,21 @@ def leaf_spec(path: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P
     return P(*([None] * axis), AXIS)
 
 
-def param_sharding_fn(mesh: Mesh) -> Callable[[str, tuple[int, ...]], NamedSharding]:
-    """``(leaf path, shape) -> NamedSharding``: the form ``models.loader.load_model`` takes, so
-    each device receives only its own shard of every weight."""
-    n = mesh_size(mesh)
-    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, tuple(shape), n))
+def param_sharding_fn(
+    mesh: Mesh, config: ModelConfig
+) -> Callable[[str, tuple[int, ...]], NamedSharding]:
+    """``(leaf path, shape) -> NamedSharding`` for ``config``'s family: the form
+    ``models.loader.load_model`` takes, so each device receives only its own shard of every
+    weight."""
+    n, model_type = mesh_size(mesh), config.model_type
+    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, tuple(shape), n, model_type))
 
 
-def param_shardings(params_or_shapes: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
+def param_shardings(
+    params_or_shapes: Mapping[str, Any], mesh: Mesh, config: ModelConfig
+) -> dict[str, Any]:
     """A NamedSharding per leaf, same tree as the params (leaves may be arrays or shapes)."""
-    fn = param_sharding_fn(mesh)
+    fn = param_sharding_fn(mesh, config)
 
     def walk(node: Any, prefix: str) -> Any:
         if isinstance(node, Mapping):
@@ -212,8 +271,9 @@ def param_shardings(params_or_shapes: Mapping[str, Any], mesh: Mesh) -> dict[str
 
 
 def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
-    """The pool [L * num_blocks, block_size, Hkv, hd] split over KV heads."""
-    return NamedSharding(mesh, P(None, None, AXIS, None))
+    """Every pool array split over its KV-head axis (the third): the pages [L * num_blocks,
+    block_size, Hkv, hd] and an 8-bit pool's scales [L * num_blocks, block_size, Hkv]."""
+    return NamedSharding(mesh, _POOL_SPEC)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -226,7 +286,7 @@ def shard_params(config: ModelConfig, params: Params, mesh: Mesh) -> tuple[Model
     n = mesh_size(mesh)
     if kv_replication(config, n) > 1:
         config, params = replicate_kv_heads(config, jax.device_get(params), n)
-    shardings = param_shardings(params, mesh)
+    shardings = param_shardings(params, mesh, config)
     return config, jax.device_put(params, shardings)
 
 
@@ -247,7 +307,7 @@ def shard_attention(
     heads like q (device d gets slopes[d * Hq / N:(d + 1) * Hq / N]).
     """
     heads = P(None, AXIS, None)
-    pages = P(None, None, AXIS, None)
+    pages = _POOL_SPEC  # a prefix of every pool array's spec: pages and 8-bit scales alike
     rep = P()
     return jax.shard_map(
         fn,

@@ -43,11 +43,6 @@ class KVPlan:
     ) -> KVPlan:
         kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, params_dtype)
         quantized_kv = is_quantized(kv_dtype)
-        if quantized_kv and tensor_parallel:
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.kv_cache_dtype!r} does not support "
-                "tensor_parallel_size > 1 yet; use kv_cache_dtype='auto' or 'bfloat16'"
-            )
         # the pool's layout follows the attention backend; an 8-bit cache on the "tpu"
         # backend is a ValueError there
         combined_kv = pool_format(attention_backend, quantized=quantized_kv).combined

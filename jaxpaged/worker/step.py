@@ -70,6 +70,15 @@ class StepOutput(NamedTuple):
 _PROMPT_CHUNK = 64  # rows of [rows, V] logits at a time when prompt logprobs are wanted
 
 
+def token_seq_lens(batch: StepBatch) -> jax.Array:  # int32 [T]
+    """Each token's sequence length once this step has run (its sequence's ``kv_lens``; a
+    padding row gets some sequence's, never read), for dynamic RoPE: sequence i owns rows
+    ``cu_q_lens[i]`` to ``cu_q_lens[i + 1] - 1``."""
+    rows = jnp.arange(batch.tokens.shape[0], dtype=batch.cu_q_lens.dtype)
+    seq = jnp.searchsorted(batch.cu_q_lens[1:], rows, side="right")
+    return batch.kv_lens[jnp.minimum(seq, batch.kv_lens.shape[0] - 1)]
+
+
 def prompt_logprobs(
     model: nnx.Module,  # of the paged-model protocol (docs/models.md)
     hidden: jax.Array,  # [T, D] every fed row's final hidden state
@@ -205,6 +214,9 @@ def step(
     # The platform's matmul (a model the backend packed weights for takes it); none on
     # platforms that leave the matmuls to XLA's dots
     model_kw = kernels.model_kwargs(batch.cu_q_lens[-1])
+    scaling = getattr(model.config, "rope_scaling", None)
+    if scaling is not None and scaling.rope_type == "dynamic":
+        model_kw["rope_lengths"] = token_seq_lens(batch)
     logits_fn = kernels.logits_fn(batch.num_seqs[0])
     if lora_weights is not None:
         slots = batch.lora_slots

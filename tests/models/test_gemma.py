@@ -171,9 +171,19 @@ def test_layer_pattern_from_older_configs():
     assert config.query_pre_attn_scalar == 8.0
 
 
-def test_tensor_parallelism_is_refused():
+def test_tensor_parallel_split_rules():
+    """Gemma splits as the Llama layout (tests/parallel runs it on simulated devices): KV
+    heads replicated past their count, a clear error where heads do not divide."""
     from jaxpaged.distributed.parallel import kv_replication
 
     config = ModelConfig.from_hf_dict(FAMILIES["gemma2"]().config.to_dict())
-    with pytest.raises(ValueError, match="Llama family only"):
-        kv_replication(config, 2)
+    assert (kv_replication(config, 2), kv_replication(config, 4)) == (1, 2)
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        kv_replication(config, 3)
+
+
+def test_dynamic_rope_is_refused():
+    d = FAMILIES["gemma2"]().config.to_dict()
+    d["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="gemma2 rope type 'dynamic'"):
+        ModelConfig.from_hf_dict(d)

@@ -170,9 +170,19 @@ def test_unsupported_options_are_refused_by_name(extra, named):
         ModelConfig.from_hf_dict({**base, **extra})
 
 
-def test_tensor_parallelism_is_refused_for_these_families():
-    from jaxpaged.distributed.parallel import kv_replication
+def test_tensor_parallel_split_rules():
+    """GPT-2 / OPT split over whole heads (tests/parallel runs them on simulated devices):
+    q/k/v over Hq * hd, the MLP over F, the row-parallel biases replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpaged.distributed.parallel import kv_replication, leaf_spec
 
     config = ModelConfig.from_hf_dict(FAMILIES["opt"]().config.to_dict())
-    with pytest.raises(ValueError, match="Llama family only"):
-        kv_replication(config, 2)
+    assert kv_replication(config, 2) == 1
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        kv_replication(config, 3)
+    assert leaf_spec("layers/wqkv", (2, 3, 64, 64), 2, "opt") == P(None, None, "tp")
+    assert leaf_spec("layers/b_fc", (2, 96), 2, "gpt2") == P(None, "tp")
+    assert leaf_spec("layers/w_proj", (2, 64, 96), 2, "gpt2") == P(None, None, "tp")
+    assert leaf_spec("layers/bo", (2, 64), 2, "gpt2") == P()
+    assert leaf_spec("pos_embed", (130, 64), 2, "opt") == P()

@@ -289,7 +289,7 @@ def test_the_sliding_window_matters(build):
 @pytest.mark.parametrize(
     "extra,named",
     [
-        (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
+        (dict(rope_scaling=dict(rope_type="dynamic")), "'dynamic' needs factor"),
         (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "longrope.*needs"),
         (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
         (dict(model_type="gpt_neox"), "'gpt_neox'"),

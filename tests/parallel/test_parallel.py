@@ -28,6 +28,22 @@ CHECKS = [
     "warmup_no_recompile",
     "update_weights",
     "quantized_int8",
+    "family_gemma2",
+    "family_mixtral",
+    "warmup_gpt2",
+    "kv_int8",
+]
+# the rest of the families x sizes x cache dtypes matrix, with TP=1 engines beside
+SLOW_CHECKS = [
+    "full_gpt2",
+    "full_opt",
+    "full_gemma2",
+    "full_gemma3",
+    "full_mixtral",
+    "full_qwen3_moe",
+    "warmup_gemma3",
+    "kv_int8_tp4",
+    "kv_fp8",
 ]
 
 
@@ -71,3 +87,12 @@ def test_tensor_parallel(results, check: str) -> None:
 def test_bundled_smollm2_tp3(tmp_path) -> None:
     """The bundled SmolLM2 (9 q / 3 KV heads) at TP=3 vs TP=1: ~2 minutes on 2 busy cores."""
     _assert_ok(_run_checks(tmp_path, ["smollm2_tp3"]), "smollm2_tp3")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matrix(tmp_path) -> None:
+    """Every family tensor parallelism splits at TP 2 / 4 against TP=1 and transformers, and
+    both 8-bit KV caches: ~5 minutes on 2 busy cores."""
+    found, log = _run_checks(tmp_path, SLOW_CHECKS)
+    failed = {c: found.get(c, "did not run") for c in SLOW_CHECKS if found.get(c) != "ok"}
+    assert not failed, f"{failed}\n{log}"

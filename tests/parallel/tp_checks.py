@@ -25,14 +25,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_cases import ENGINE_ARGS, MAX_TOKENS, PROMPTS, make_tiny_model  # noqa: E402
 
 # Independent statement of the Megatron split (leaf -> split axis); vocab leaves only when N
-# divides V.
+# divides V. The Llama layout (Gemma's too; MoE experts split on each expert's F):
 SPLIT_AXIS = {
     "layers/wqkv": 1,
     "layers/bqkv": 1,
     "layers/wo": 2,
     "layers/w_gate_up": 2,
     "layers/w_down": 2,
+    "layers/w_experts_gate_up": 3,
+    "layers/w_experts_down": 3,
     "layers/w_fc": 1,  # BLOOM's plain MLP
+    "layers/b_fc": 1,
+    "layers/w_proj": 2,
+    "embed": 0,
+    "lm_head": 0,
+}
+# GPT-2 / OPT: [L, 3, Hq*hd, D] q/k/v, [L, D, Hq*hd] out, [L, F, D] fc, [L, D, F] proj
+GPT_SPLIT_AXIS = {
+    "layers/wqkv": 2,
+    "layers/bqkv": 2,
+    "layers/wo": 2,
+    "layers/w_fc": 1,
     "layers/b_fc": 1,
     "layers/w_proj": 2,
     "embed": 0,
@@ -87,6 +100,7 @@ def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> Non
     from jax.sharding import NamedSharding
 
     cfg = engine.model_config
+    split_axis = GPT_SPLIT_AXIS if cfg.model_type in ("gpt2", "opt") else SPLIT_AXIS
     want_kv = num_kv_heads if num_kv_heads % n == 0 else n  # replicated heads -> N
     assert cfg.num_kv_heads == want_kv, (cfg.num_kv_heads, want_kv)
     mesh_devices = set(engine.mesh.devices.flat)
@@ -95,7 +109,7 @@ def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> Non
         assert isinstance(x.sharding, NamedSharding), (path, x.sharding)
         shards = x.addressable_shards
         assert {s.device for s in shards} == mesh_devices, path
-        axis = SPLIT_AXIS.get(path)
+        axis = split_axis.get(path)
         if path in ("embed", "lm_head") and vocab % n:
             axis = None
         want = list(x.shape)
@@ -106,13 +120,15 @@ def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> Non
         if axis is not None:  # the shards are n different slices that tile the axis
             starts = sorted(s.index[axis].start or 0 for s in shards)
             assert starts == [i * want[axis] for i in range(n)], (path, starts)
-    for pages in engine.runner.pool:
+    for pages in engine.runner.pool:  # K/V pages [L*NB, bs, Hkv, hd], 8-bit scales [L*NB, bs, Hkv]
         L, hd = cfg.num_layers, cfg.head_dim
-        assert pages.shape == (L * engine.layout.num_blocks, engine.layout.block_size, want_kv, hd)
+        whole = (L * engine.layout.num_blocks, engine.layout.block_size, want_kv, hd)
+        assert pages.shape == whole[: pages.ndim], (pages.shape, whole)
         shards = pages.addressable_shards
         assert {s.device for s in shards} == mesh_devices
+        local = (*pages.shape[:2], want_kv // n, *pages.shape[3:])
         for s in shards:
-            assert s.data.shape == (pages.shape[0], pages.shape[1], want_kv // n, hd), s.data.shape
+            assert s.data.shape == local, (s.data.shape, local)
     assert jax.device_count() >= n
 
 
@@ -454,6 +470,80 @@ def check_bloom(ctx: Ctx) -> None:
     assert_sharded(llm.engine, 2, num_kv_heads=6, vocab=256)
 
 
+def hf_greedy(path: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+    """transformers' greedy tokens (float32, every step a full forward over the sequence)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+        out.append(ids[len(prompt) :])
+    return out
+
+
+def check_family_vs_hf(
+    ctx: Ctx, family: str, tps: tuple[int, ...], *, with_tp1: bool = False
+) -> None:
+    """A family that tensor parallelism newly splits: each TP in ``tps`` gives transformers'
+    greedy tokens (and TP=1's, ``with_tp1``), and the weights and pool are split as the
+    tables above say."""
+    import json as _json
+
+    path = ctx.model(family)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = _json.load(f)
+    want = hf_greedy(path)
+    assert len({t for seq in want for t in seq}) > 3, f"degenerate reference {want}"
+    if with_tp1:
+        assert ctx.ref(family) == want, f"{family} TP=1 {ctx.ref(family)} != transformers {want}"
+    heads = hf.get("num_attention_heads") or hf["n_head"]
+    for tp in tps:
+        got, llm = greedy(path, tp)
+        assert got == want, f"{family} TP={tp}: {got} != transformers {want}"
+        kv_heads = hf.get("num_key_value_heads") or heads
+        assert_sharded(llm.engine, tp, num_kv_heads=kv_heads, vocab=hf["vocab_size"])
+
+
+def check_warmup_family(ctx: Ctx, family: str) -> None:
+    """Warm-up on, TP 2, prompts of several lengths (prefill chunks and decode steps mixed):
+    nothing compiles after the warm-up, the tokens are transformers', and the weights and
+    pool are split as the tables above say."""
+    from jaxpaged import LLM, SamplingParams
+
+    prompts = [list(range(3, 12)), list(range(20, 25)), [7, 8, 9]]  # the first in 2 chunks
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(max_model_len=24, max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=12)
+    llm = LLM(ctx.model(family), tensor_parallel_size=2, block_size=8, show_progress=False, **kw)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    m = llm.get_metrics()
+    llm.engine.close()
+    cfg = llm.engine.model_config  # no KV heads replicated at TP 2 in these models
+    assert_sharded(llm.engine, 2, num_kv_heads=cfg.num_kv_heads, vocab=cfg.vocab_size)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    want = hf_greedy(ctx.model(family), prompts, 8)
+    assert got == want, f"{family} TP=2 warmed up: {got} != transformers {want}"
+    assert m["num_compilations_after_warmup"] == 0, (family, m)
+
+
+def check_kv_8bit(ctx: Ctx, kv_dtype: str, tps: tuple[int, ...]) -> None:
+    """kv_cache_dtype int8 / fp8 under TP (KV heads replicated at 4): the same greedy tokens
+    as TP=1 with the same cache dtype, the scales split with the KV heads."""
+    path = ctx.model("llama")
+    ref, _ = greedy(path, 1, kv_cache_dtype=kv_dtype)
+    assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
+    for tp in tps:
+        got, llm = greedy(path, tp, kv_cache_dtype=kv_dtype)
+        assert got == ref, f"{kv_dtype} TP={tp}: {got} != TP=1 {ref}"
+        assert len(llm.engine.runner.pool) == 4, "an 8-bit pool has pages and scales"
+        assert_sharded(llm.engine, tp, num_kv_heads=2, vocab=256)
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     "errors": check_errors,
     "family_llama": lambda c: check_family(c, "llama"),
@@ -467,6 +557,21 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "smollm2_tp3": check_smollm2_tp3,
     "update_weights": check_update_weights,
     "quantized_int8": check_quantized_int8,
+    # the default suite: one engine per family newly split (against transformers)
+    "family_gemma2": lambda c: check_family_vs_hf(c, "gemma2", (4,)),
+    "family_mixtral": lambda c: check_family_vs_hf(c, "mixtral", (2,)),
+    "warmup_gpt2": lambda c: check_warmup_family(c, "gpt2"),
+    "kv_int8": lambda c: check_kv_8bit(c, "int8", (2,)),
+    # slow: the rest of the matrix, with TP=1 engines as well
+    "full_gpt2": lambda c: check_family_vs_hf(c, "gpt2", (2, 4), with_tp1=True),
+    "full_opt": lambda c: check_family_vs_hf(c, "opt", (2,), with_tp1=True),
+    "full_gemma2": lambda c: check_family_vs_hf(c, "gemma2", (2, 4), with_tp1=True),
+    "full_gemma3": lambda c: check_family_vs_hf(c, "gemma3_text", (2,), with_tp1=True),
+    "full_mixtral": lambda c: check_family_vs_hf(c, "mixtral", (2, 4), with_tp1=True),
+    "full_qwen3_moe": lambda c: check_family_vs_hf(c, "qwen3_moe", (2,), with_tp1=True),
+    "warmup_gemma3": lambda c: check_warmup_family(c, "gemma3_text"),
+    "kv_int8_tp4": lambda c: check_kv_8bit(c, "int8", (4,)),
+    "kv_fp8": lambda c: check_kv_8bit(c, "fp8", (2, 4)),
 }
 
 
