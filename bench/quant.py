@@ -26,7 +26,7 @@ def _engine(args: argparse.Namespace, method: str) -> Any:
     from jaxpaged import LLM
 
     dtype = method if method in FLOAT_DTYPES else "float32"
-    quantization = None if method in FLOAT_DTYPES else method
+    quantization = "none" if method in FLOAT_DTYPES else method
     return LLM(args.model, dtype=dtype, quantization=quantization,
                max_model_len=args.max_model_len, max_num_seqs=args.batch,
                kv_cache_memory=args.kv_memory, enforce_eager=args.enforce_eager,

@@ -52,7 +52,7 @@ __all__ = [
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # jaxpaged.models.quant.QUANTIZATIONS (not imported here: this module stays free of JAX)
-QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8")
+QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "gguf", "none")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -204,8 +204,10 @@ class EngineArgs:
     )
     quantization: str | None = _setting(
         None,
-        "weight-only quantization applied at load: int8 or fp8 (e4m3) values with one "
-        "float32 scale per output channel, dequantized inside each matmul (unset: none)",
+        "weight-only quantization: int8 or fp8 (e4m3) values with one float32 scale per "
+        "output channel, applied at load and dequantized inside each matmul; gguf: a GGUF "
+        "model's own quantized weights (4- or 8-bit groups; unset: what the checkpoint holds, "
+        "so gguf for a GGUF model); none: float weights (a GGUF model's float expansion)",
         "-q",
         "--quantization",
         choices=QUANTIZATIONS,

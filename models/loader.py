@@ -26,9 +26,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .config import BLOOM_MODEL_TYPES, GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from .gguf_params import GGUF_KEPT_MODEL_TYPES, has_quantized_weights, load_gguf_host_params
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
-from .quant import QuantizedWeight, check_quantization, quantize_params
+from .quant import GroupedWeight, QuantizedWeight, check_quantization, quantize_params
+from .quant.grouped import grouped_shardings
+from .quant.weights import METHODS
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -328,6 +331,14 @@ def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -
                 jax.device_put(node.values, sharding),
                 jax.device_put(node.scales, scales_sharding(sharding, node)),
             )
+        if isinstance(node, GroupedWeight):  # K splits only at group boundaries
+            if sharding is None:
+                return jax.tree.map(jnp.asarray, node)
+            leaves, treedef = jax.tree.flatten(node)  # values, scales, mins (if 4-bit)
+            values_sharding, group_sharding = grouped_shardings(sharding, node)
+            shards = [values_sharding] + [group_sharding] * (len(leaves) - 1)
+            placed = [jax.device_put(a, s) for a, s in zip(leaves, shards, strict=True)]
+            return jax.tree.unflatten(treedef, placed)
         return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
 
     return put(host, None if callable(shardings) else shardings, "")
@@ -390,8 +401,9 @@ def load_model(
     `dtype` is "float32", "bfloat16", "float16" or None (see the module docstring).
     `host_transform(config, host_params) -> (config, host_params)` rewrites the host arrays
     before they go to the device (tensor parallelism uses it to replicate KV heads).
-    `quantization` ("int8", "fp8" or None) quantizes the matmul weights on the host after
-    that (`quant.quantize_params`), so only the quantized bytes reach the device.
+    `quantization` "int8" or "fp8" quantizes the matmul weights on the host after that
+    (`quant.quantize_params`), so only the quantized bytes reach the device; None or "gguf"
+    keeps a GGUF import's own quantized weights (models/gguf_params.py), "none" reads floats.
     """
     folder = resolve_model_path(model)
     check_checkpoint_quantization(folder)
@@ -399,12 +411,35 @@ def load_model(
     np_dtype = _choose_dtype(dtype, config)
     if quantization is not None:  # refuse before reading any weight
         check_quantization(config, quantization)
-    host = load_host_params(folder, config, np_dtype, progress=progress)
+    if _keeps_gguf_quantization(folder, config, quantization, host_transform is not None):
+        host = load_gguf_host_params(folder, config, np_dtype)
+    else:
+        host = load_host_params(folder, config, np_dtype, progress=progress)
     if host_transform is not None:
         config, host = host_transform(config, host)
-    if quantization is not None:
+    if quantization in METHODS:
         host = quantize_params(host, config, quantization)
     return config, put_on_device(host, shardings)
+
+
+def _keeps_gguf_quantization(
+    folder: str, config: ModelConfig, quantization: str | None, transformed: bool
+) -> bool:
+    """Whether to load a GGUF import's own quantized weights: asked for ("gguf"), or by
+    default (None) where the folder has them, as vLLM reads a checkpoint's quantization.
+    Not under a host transform (tensor parallelism's KV-head replication rewrites float
+    leaves), where the default falls back to the float expansion."""
+    if quantization not in (None, "gguf"):
+        return False
+    usable = has_quantized_weights(folder) and config.model_type in GGUF_KEPT_MODEL_TYPES
+    if quantization == "gguf" and not (usable and not transformed):
+        why = "with tensor parallelism" if usable else "for this checkpoint"
+        raise ValueError(
+            f"quantization='gguf' is not available {why} ({folder!r}): it reads the quantized "
+            "weights of a llama or qwen2 GGUF file on one device; use 'none', 'int8' or 'fp8'"
+        )
+    # the default stays the float expansion until a native kernel runs GroupedWeight
+    return quantization == "gguf"
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -10,19 +10,23 @@ from typing import Any
 import numpy as np
 
 from ..config import BLOOM_MODEL_TYPES, GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from .grouped import GroupedWeight
 from .weights import METHODS, QuantizedWeight, quantize_array
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_params", "weight_bytes"]
 
-QUANTIZATIONS = tuple(METHODS)  # the methods `quantize_params` applies to a float checkpoint
+# The `quantization` settings: the methods `quantize_params` applies to a float checkpoint,
+# "gguf" (a GGUF import's own quantized weights, models/gguf_params.py; what a GGUF model is
+# served with by default) and "none" (floats: a GGUF model's float expansion).
+QUANTIZATIONS = (*METHODS, "gguf", "none")
 
 # leaf under "layers" -> how many trailing axes its matmul contracts (models/llama.py layout)
 _LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
 
 
 def is_quantized(params: Any) -> bool:
-    """Whether any leaf of ``params`` is a `QuantizedWeight`."""
-    if isinstance(params, QuantizedWeight):
+    """Whether any leaf of ``params`` is a `QuantizedWeight` or a `GroupedWeight`."""
+    if isinstance(params, QuantizedWeight | GroupedWeight):
         return True
     if isinstance(params, Mapping):
         return any(is_quantized(v) for v in params.values())
@@ -32,8 +36,10 @@ def is_quantized(params: Any) -> bool:
 def check_quantization(config: ModelConfig, method: str) -> None:
     """ValueError unless ``method`` is a known quantization that applies to ``config``'s
     family (checked before any weight is read)."""
-    if method not in METHODS:
-        raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if method == "none":
+        return
     if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + BLOOM_MODEL_TYPES:
         raise ValueError(
             f"quantization={method!r} is not supported for model_type {config.model_type!r} "
@@ -47,6 +53,13 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
     float table for the lookup and get a quantized "lm_head" of their own, since the
     vocabulary projection is a fifth of a small model's streamed bytes."""
     check_quantization(config, method)
+    if method == "none":
+        return dict(params)
+    if method == "gguf":
+        raise ValueError(
+            "quantization='gguf' keeps a GGUF model's own quantized weights when it is loaded; "
+            "float params have none (use 'int8' or 'fp8')"
+        )
     if is_quantized(params):
         raise ValueError(f"quantization={method!r}: the params are already quantized")
     layers = dict(params["layers"])
@@ -60,9 +73,9 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
 
 
 def weight_bytes(params: Any) -> int:
-    """Bytes of every array in ``params`` (values and scales of quantized weights)."""
+    """Bytes of every array in ``params`` (values, scales and mins of quantized weights)."""
     if isinstance(params, Mapping):
         return sum(weight_bytes(v) for v in params.values())
-    if isinstance(params, QuantizedWeight):
+    if isinstance(params, QuantizedWeight | GroupedWeight):
         return params.nbytes
     return int(np.asarray(params).nbytes) if not hasattr(params, "nbytes") else int(params.nbytes)
