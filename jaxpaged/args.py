@@ -39,6 +39,7 @@ from jaxpaged.models.config import ModelConfig
 __all__ = [
     "ATTENTION_BACKENDS",
     "DTYPES",
+    "CHECKPOINT_QUANTIZATIONS",
     "QUANTIZATIONS",
     "CliForm",
     "EngineArgs",
@@ -53,6 +54,9 @@ __all__ = [
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # jaxpaged.models.quant.QUANTIZATIONS (not imported here: this module stays free of JAX)
 QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8")
+# jaxpaged.models.quant.checkpoint.CHECKPOINT_FORMATS: pre-quantized formats, valid only for
+# checkpoints in that format (which are read as stored even when quantization is unset)
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors",)
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -205,10 +209,11 @@ class EngineArgs:
     quantization: str | None = _setting(
         None,
         "weight-only quantization applied at load: int8 or fp8 (e4m3) values with one "
-        "float32 scale per output channel, dequantized inside each matmul (unset: none)",
+        "float32 scale per output channel, dequantized inside each matmul (unset: none, or "
+        "the checkpoint's own if it is pre-quantized, e.g. compressed-tensors)",
         "-q",
         "--quantization",
-        choices=QUANTIZATIONS,
+        choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,
     )
     tensor_parallel_size: int = _setting(
         1,
@@ -344,9 +349,10 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+        known = QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
+        if self.quantization is not None and self.quantization not in known:
             raise ValueError(
-                f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+                f"quantization: {self.quantization!r} is not one of {', '.join(known)}"
             )
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
         object.__setattr__(

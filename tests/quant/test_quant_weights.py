@@ -151,7 +151,7 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
 
 
 @pytest.mark.parametrize(
-    "method,name", [("awq", "AWQ"), ("gptq", "GPTQ"), ("compressed-tensors", "compressed-tensors")]
+    "method,name", [("awq", "AWQ"), ("gptq", "GPTQ"), ("bitsandbytes", "bitsandbytes")]
 )
 def test_prequantized_checkpoints_are_refused_by_format(tmp_path, method, name):
     """A checkpoint whose config.json carries a quantization_config is refused before any
