@@ -39,8 +39,7 @@ from flax import nnx
 from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
 from .lora import LoraInputs, lora_delta
-from .quant.matmul import quantized_matmul
-from .quant.weights import QuantizedWeight
+from .quant.matmul import QUANTIZED_WEIGHTS, quantized_matmul
 from .rope import rope_attention_factor, rope_inv_freq_at
 
 
@@ -138,7 +137,7 @@ def linear_xla(
         x = jax.nn.silu(silu_gate) * x
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
-    if isinstance(w, QuantizedWeight):  # dequantized in the dot, scaled per output after
+    if isinstance(w, QUANTIZED_WEIGHTS):  # dequantized in or just before the dot (quant/matmul.py)
         y = quantized_matmul(x, w[index])
     else:
         y = jnp.einsum("ti,oi->to", x, w[index])
@@ -359,7 +358,7 @@ class LlamaForCausalLM(nnx.Module):
         w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
         if linear_fn is not None:
             return linear_fn(hidden, w[None], 0).astype(jnp.float32)
-        if isinstance(w, QuantizedWeight):
+        if isinstance(w, QUANTIZED_WEIGHTS):
             return quantized_matmul(hidden, w).astype(jnp.float32)
         return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
 

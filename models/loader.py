@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 from .config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
-from .quant import QuantizedWeight, check_quantization, quantize_params
+from .quant import GroupedWeight, QuantizedWeight, check_quantization, quantize_params
 from .quant.checkpoint import CheckpointQuantization, checkpoint_quantization, resolve_quantization
+from .quant.grouped import grouped_shardings
 from .quant.prequantized import finish_buffers, prequantized_reading
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -335,6 +336,14 @@ def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -
                 jax.device_put(node.values, sharding),
                 jax.device_put(node.scales, scales_sharding(sharding, node)),
             )
+        if isinstance(node, GroupedWeight):  # K splits only at group boundaries
+            if sharding is None:
+                return jax.tree.map(jnp.asarray, node)
+            leaves, treedef = jax.tree.flatten(node)  # values, scales, mins (if 4-bit)
+            values_sharding, group_sharding = grouped_shardings(sharding, node)
+            shards = [values_sharding] + [group_sharding] * (len(leaves) - 1)
+            placed = [jax.device_put(a, s) for a, s in zip(leaves, shards, strict=True)]
+            return jax.tree.unflatten(treedef, placed)
         return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
 
     return put(host, None if callable(shardings) else shardings, "")

@@ -20,9 +20,11 @@ __all__ = ["is_int8_weight", "linear_q8", "pack_panels_q8", "unpack_panels_q8"]
 
 
 def is_int8_weight(w: Any) -> bool:
-    """Whether ``w`` is a quantized weight with int8 values (the kernel's input)."""
+    """Whether ``w`` is a quantized weight with int8 values and one scale per output (the
+    kernel's input; a group-wise weight, which has a ``group_size``, is not)."""
     values = getattr(w, "values", None)
-    return hasattr(w, "scales") and values is not None and values.dtype == jnp.int8
+    per_output = hasattr(w, "scales") and not hasattr(w, "group_size")
+    return per_output and values is not None and values.dtype == jnp.int8
 
 
 def pack_panels_q8(w: Any) -> Any:  # values [..., N, K] -> [..., N, K], q8 panel layout

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from .grouped import GroupedWeight
 from .weights import METHODS, QuantizedWeight, quantize_array
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_params", "weight_bytes"]
@@ -21,8 +22,8 @@ LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
 
 
 def is_quantized(params: Any) -> bool:
-    """Whether any leaf of ``params`` is a `QuantizedWeight`."""
-    if isinstance(params, QuantizedWeight):
+    """Whether any leaf of ``params`` is a `QuantizedWeight` or a `GroupedWeight`."""
+    if isinstance(params, QuantizedWeight | GroupedWeight):
         return True
     if isinstance(params, Mapping):
         return any(is_quantized(v) for v in params.values())
@@ -60,9 +61,9 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
 
 
 def weight_bytes(params: Any) -> int:
-    """Bytes of every array in ``params`` (values and scales of quantized weights)."""
+    """Bytes of every array in ``params`` (values, scales and mins of quantized weights)."""
     if isinstance(params, Mapping):
         return sum(weight_bytes(v) for v in params.values())
-    if isinstance(params, QuantizedWeight):
+    if isinstance(params, QuantizedWeight | GroupedWeight):
         return params.nbytes
     return int(np.asarray(params).nbytes) if not hasattr(params, "nbytes") else int(params.nbytes)

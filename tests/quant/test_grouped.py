@@ -1,0 +1,152 @@
+"""The group-wise quantized weight format (models/quant/grouped.py): its dequantization
+against a numpy loop, its views and tensor-parallel splits, and its XLA matmul and a whole
+model against their dequantized float twins."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpaged.models.llama import compute_logits, forward, linear_xla
+from jaxpaged.models.quant import GroupedWeight, is_quantized, quantize_grouped, weight_bytes
+from jaxpaged.models.quant.grouped import grouped_shardings, pack_nibbles, unpack_nibbles
+from jaxpaged.models.quant.matmul import quantized_matmul
+from jaxpaged.models.testing import random_params, tiny_config
+
+
+def _loop_dequantize(q, scales, mins, group):  # q [N, K] ints -> float32 [N, K], one by one
+    n, k = q.shape
+    out = np.empty((n, k), np.float32)
+    for i in range(n):
+        for j in range(k):
+            w = np.float32(q[i, j]) * scales[i, j // group]
+            out[i, j] = w if mins is None else w + mins[i, j // group]
+    return out
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 8), (8, 32), (8, 16)])
+def test_dequantize_matches_a_loop_over_the_layout(bits, group):
+    rng = np.random.default_rng(bits * group)
+    n, k = 5, 64
+    if bits == 4:
+        q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        values = np.zeros((n, k // 2), np.uint8)
+        for j in range(k):  # the documented layout: even k in the low nibble
+            values[:, j // 2] |= q[:, j] << (4 * (j % 2))
+        np.testing.assert_array_equal(pack_nibbles(q), values)
+        np.testing.assert_array_equal(unpack_nibbles(values), q)
+        mins = rng.normal(0, 1, (n, k // group)).astype(np.float32)
+    else:
+        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        values, mins = q, None
+    scales = rng.uniform(0.01, 1, (n, k // group)).astype(np.float32)
+    w = GroupedWeight(values, scales, mins, (n, k), group, bits)
+    expect = _loop_dequantize(q, scales, mins, group)
+    np.testing.assert_array_equal(w.dequantize(np.float32), expect)  # numpy
+    jw = jax.tree.map(jnp.asarray, w)
+    # XLA may contract the multiply and add into one FMA (one rounding, not two)
+    got = np.asarray(jax.jit(lambda w: w.dequantize())(jw))
+    np.testing.assert_allclose(got, expect, rtol=2e-7, atol=1e-7)
+    assert w.nbytes == values.nbytes + scales.nbytes + (0 if mins is None else mins.nbytes)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_grouped_error_is_within_half_a_step(bits):
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 1, (3, 16, 96)).astype(np.float32) * rng.uniform(0.1, 5, (3, 16, 1))
+    g = quantize_grouped(w, 1, 32, bits)
+    assert g.shape == w.shape and g.scales.shape == (3, 16, 3)
+    err = np.abs(g.dequantize(np.float32) - w).reshape(3, 16, 3, 32)
+    assert np.all(err <= g.scales[..., None] / 2 * (1 + 1e-4) + 1e-6)
+
+
+def test_views_index_and_reshape_like_the_float_leaf():
+    rng = np.random.default_rng(4)
+    w = rng.normal(0, 1, (2, 6, 2, 4, 8)).astype(np.float32)  # like wo [L, D, Hkv, G, hd]
+    g = quantize_grouped(w, 3, 16, 4)
+    assert g.values.shape == (2, 6, 32) and g.scales.shape == (2, 6, 4)
+    view = g.reshape(2, 6, -1)  # linear_fn's [L, N, K]
+    assert view.shape == (2, 6, 64) and view.values.shape == (2, 6, 32)
+    np.testing.assert_array_equal(view.dequantize(), g.dequantize().reshape(2, 6, 64))
+    back = view.reshape(g.shape)
+    assert back.shape == g.shape
+    np.testing.assert_array_equal(back[1].dequantize(), g.dequantize()[1])
+    stacked = quantize_grouped(rng.normal(0, 1, (3, 2, 8, 32)).astype(np.float32), 1, 8, 8)
+    np.testing.assert_array_equal(
+        stacked.reshape(6, 8, 32)[3].dequantize(), stacked[1, 1].dequantize()
+    )
+    with pytest.raises(ValueError, match="trailing K"):
+        view.reshape(2, 12, 32)  # would split K
+    with pytest.raises(ValueError, match="leading axes"):
+        view[0, 1]
+    with pytest.raises(ValueError, match="multiple of group"):
+        quantize_grouped(w, 3, 24, 4)
+    with pytest.raises(ValueError, match="mins"):
+        GroupedWeight(g.values, g.scales, None, g.shape, 16, 4)
+    with pytest.raises(ValueError, match="scales"):
+        GroupedWeight(g.values, g.scales[..., :2], g.mins[..., :2], g.shape, 16, 4)
+
+
+def test_tensor_parallel_splits_values_scales_and_mins_alike():
+    mesh = AbstractMesh((4,), ("tp",))
+    w = quantize_grouped(np.zeros((2, 8, 2, 4, 32), np.float32), 3, 32, 4)  # K = 256
+    # output axis: values, scales and mins split on it alike
+    out, group = grouped_shardings(NamedSharding(mesh, P(None, "tp")), w)
+    assert out.spec == P(None, "tp", None) and group.spec == P(None, "tp", None)
+    # K split on its outermost axis (Hkv 2 -> the mesh's 4 needs Hkv % 4; here it is the
+    # spec's business): contiguous pieces of 64, two groups each
+    out, group = grouped_shardings(NamedSharding(mesh, P(None, None, "tp")), w)
+    assert out.spec == P(None, None, "tp") and group.spec == P(None, None, "tp")
+    with pytest.raises(ValueError, match="not contiguous"):  # an inner contracted axis
+        grouped_shardings(NamedSharding(mesh, P(None, None, None, None, "tp")), w)
+    small = quantize_grouped(np.zeros((8, 128), np.float32), 1, 64, 8)
+    with pytest.raises(ValueError, match="cuts its groups of 64"):  # 128 / 4 = 32 < 64
+        grouped_shardings(NamedSharding(mesh, P(None, "tp")), small)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 16)])
+@pytest.mark.parametrize("t,n,k", [(1, 16, 64), (7, 48, 96), (33, 32, 128)])
+def test_quantized_matmul_matches_the_dequantized_dot(bits, group, t, n, k):
+    rng = np.random.default_rng(t * n + k + bits)
+    w = quantize_grouped(rng.normal(0, 1, (3, n, k)).astype(np.float32), 1, group, bits)
+    x = jnp.asarray(rng.normal(0, 1, (t, k)), jnp.float32)
+    residual = jnp.asarray(rng.normal(0, 1, (t, n)), jnp.float32)
+    jw = jax.tree.map(jnp.asarray, w)
+    got = jax.jit(lambda x, w, r, i: linear_xla(x, w, i, residual=r))(x, jw, residual, 2)
+    expect = residual + np.asarray(x) @ w.dequantize(np.float32)[2].T
+    np.testing.assert_allclose(np.asarray(got), expect, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="quantized_matmul needs"):
+        quantized_matmul(x[:, :-2], jw[0])
+
+
+def _grouped_params(params, config, bits):
+    layers = dict(params["layers"])
+    for name, in_axes in {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}.items():
+        layers[name] = quantize_grouped(layers[name], in_axes, 16, bits)
+    return {**params, "layers": layers, "lm_head": quantize_grouped(params["embed"], 1, 16, bits)}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
+    config = tiny_config()
+    params = _grouped_params(random_params(config), config, bits)
+    assert is_quantized(params)
+    assert weight_bytes(params) < weight_bytes(random_params(config))
+    twin = jax.tree.map(
+        lambda w: w.dequantize(np.float32) if isinstance(w, GroupedWeight) else w,
+        params,
+        is_leaf=lambda w: isinstance(w, GroupedWeight),
+    )
+    tokens = jnp.asarray([5, 17, 3, 90, 41, 2], jnp.int32)
+    positions = jnp.arange(6, dtype=jnp.int32)
+
+    def logits(p):
+        p = jax.tree.map(jnp.asarray, p)
+        hidden, _ = forward(p, tokens, positions, config=config)
+        return np.asarray(compute_logits(p, hidden, config=config))
+
+    np.testing.assert_allclose(logits(params), logits(twin), rtol=1e-4, atol=1e-4)
