@@ -56,7 +56,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8")
 # jaxpaged.models.quant.checkpoint.CHECKPOINT_FORMATS: pre-quantized formats, valid only for
 # checkpoints in that format (which are read as stored even when quantization is unset)
-CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors",)
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -210,7 +210,7 @@ class EngineArgs:
         None,
         "weight-only quantization applied at load: int8 or fp8 (e4m3) values with one "
         "float32 scale per output channel, dequantized inside each matmul (unset: none, or "
-        "the checkpoint's own if it is pre-quantized, e.g. compressed-tensors)",
+        "the checkpoint's own if it is pre-quantized: compressed-tensors, awq, gptq)",
         "-q",
         "--quantization",
         choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,

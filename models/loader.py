@@ -31,7 +31,7 @@ from .llama import Params, param_shapes
 from .quant import GroupedWeight, QuantizedWeight, check_quantization, quantize_params
 from .quant.checkpoint import CheckpointQuantization, checkpoint_quantization, resolve_quantization
 from .quant.grouped import grouped_shardings
-from .quant.prequantized import finish_buffers, prequantized_reading
+from .quant.prequantized import check_prequantized, finish_buffers, prequantized_reading
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -386,7 +386,9 @@ def load_model(
     quantization = resolve_quantization(quantization, prequantized, folder)
     config = ModelConfig.from_pretrained(folder)
     np_dtype = _choose_dtype(dtype, config)
-    if quantization is not None:  # refuse before reading any weight
+    if prequantized is not None:  # refuse before reading any weight
+        check_prequantized(config, prequantized, folder)
+    elif quantization is not None:
         check_quantization(config, quantization)
     host = load_host_params(folder, config, np_dtype, progress=progress, prequantized=prequantized)
     if host_transform is not None:

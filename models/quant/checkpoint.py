@@ -10,8 +10,12 @@ Read formats (weight-only, symmetric unless said):
   int32 ("pack-quantized"). Activation quantization (W8A8, FP8 with input scales), block and
   group scales, sparsity, KV cache schemes and transforms are refused by name.
 
-Anything else with a ``quantization_config`` (AWQ, GPTQ, bitsandbytes, ...) is refused,
-naming its format, since reading its packed tensors as floats would load garbage.
+- AWQ (AutoAWQ's "gemm" version) and GPTQ (AutoGPTQ / GPTQModel, "gptq" and "gptq_v2"
+  formats, without act-order): 4-bit weights with a scale and zero per group of inputs ->
+  ``int4``, a `GroupedWeight` (models/quant/gptq_awq.py has the layouts).
+
+Anything else with a ``quantization_config`` (bitsandbytes, Marlin, ...) is refused, naming
+its format, since reading its packed tensors as floats would load garbage.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ _FORMAT_NAMES = {
     "bitsandbytes": "bitsandbytes",
     "marlin": "Marlin",
 }
-_READ = ("compressed-tensors",)
+_READ = ("compressed-tensors", "awq", "gptq")
 # the quantization= values that name a checkpoint format rather than a load-time method
 CHECKPOINT_FORMATS = _READ
 
@@ -51,9 +55,17 @@ class CheckpointQuantization:
     """How a checkpoint's quantized linear weights are stored and what they load as."""
 
     quant_method: str  # config.json's quant_method, e.g. "compressed-tensors"
-    method: str  # the params' format: "int8" or "fp8" (models/quant/weights.py)
-    strategy: str  # "channel" (a scale per output) or "tensor" (one scale)
-    packed: bool  # compressed-tensors "pack-quantized": values packed in int32 words
+    # the params' format: "int8" or "fp8" (QuantizedWeight), "int4" (GroupedWeight)
+    method: str
+    strategy: str  # "channel" (a scale per output), "tensor" (one scale) or "group"
+    packed: bool = False  # compressed-tensors "pack-quantized": values packed in int32 words
+    group_size: int = 0  # "group": inputs per scale; -1 = all of K (one group per output)
+    zero_offset: int = 0  # added to GPTQ's stored zeros (1 in its v1 format)
+
+    @property
+    def marker(self) -> str:
+        """The tensor suffix that marks a module as quantized in the checkpoint."""
+        return "weight_scale" if self.quant_method == "compressed-tensors" else "qweight"
 
     @property
     def format_name(self) -> str:
@@ -78,7 +90,46 @@ def checkpoint_quantization(folder: str) -> CheckpointQuantization | None:
             f"{method!r}); jaxpaged does not load {name} checkpoints yet: load its float "
             "checkpoint with quantization='int8' or 'fp8' instead"
         )
+    if method == "awq":
+        return _awq(qc, folder)
+    if method == "gptq":
+        return _gptq(qc, folder)
     return _compressed_tensors(qc, folder)
+
+
+def _refusal(fmt: str, folder: str, what: str, reads: str) -> ValueError:
+    return ValueError(f"checkpoint {folder!r} ({fmt}): {what} is not supported; jaxpaged {reads}")
+
+
+def _awq(qc: Mapping[str, Any], folder: str) -> CheckpointQuantization:
+    reads = "reads 4-bit AWQ in the GEMM layout with zero points"
+    bits = qc.get("bits", qc.get("w_bit"))
+    version = str(qc.get("version", "gemm")).lower()
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if bits != 4:
+        raise _refusal("AWQ", folder, f"bits={bits}", reads)
+    if version != "gemm":
+        raise _refusal("AWQ", folder, f"version={version!r}", reads)
+    if not qc.get("zero_point", True):
+        raise _refusal("AWQ", folder, "zero_point=false", reads)
+    return CheckpointQuantization("awq", "int4", "group", group_size=group)
+
+
+def _gptq(qc: Mapping[str, Any], folder: str) -> CheckpointQuantization:
+    reads = "reads 4-bit GPTQ (formats gptq and gptq_v2) without act-order"
+    bits = qc.get("bits")
+    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+    if bits != 4:
+        raise _refusal("GPTQ", folder, f"bits={bits}", reads)
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refusal("GPTQ", folder, f"checkpoint_format={fmt!r}", reads)
+    return CheckpointQuantization(
+        "gptq",
+        "int4",
+        "group",
+        group_size=int(qc.get("group_size", 128)),
+        zero_offset=1 if fmt == "gptq" else 0,
+    )
 
 
 def _compressed_tensors(qc: Mapping[str, Any], folder: str) -> CheckpointQuantization:
@@ -124,7 +175,7 @@ def _weight_scheme(w: Mapping[str, Any], fmt: str, refuse, where: str) -> Checkp
     if not w.get("symmetric", True) or w.get("dynamic"):
         raise refuse(("asymmetric " if not w.get("symmetric", True) else "dynamic ") + scheme)
     if kind == "float" and strategy in ("channel", "tensor") and fmt != "pack-quantized":
-        return CheckpointQuantization("compressed-tensors", "fp8", strategy, packed=False)
+        return CheckpointQuantization("compressed-tensors", "fp8", strategy)
     if kind == "int" and strategy == "channel":
         return CheckpointQuantization(
             "compressed-tensors", "int8", strategy, packed=fmt == "pack-quantized"

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from checkpoint_writers import TINY, VOCAB, write_tokenizer
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -24,25 +25,12 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from safetensors import safe_open
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.llama import compute_logits, forward
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quant import QuantizedWeight
 
-VOCAB = 128
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-)
 # name -> (weights args, compressed-tensors storage format forced, or None = its default)
 SCHEMES = {
     "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), None),
@@ -50,15 +38,6 @@ SCHEMES = {
     "int8-packed": (dict(num_bits=8, type="int", strategy="channel"), None),  # pack-quantized
     "int8-plain": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
 }
-
-
-def _write_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer over the model's vocabulary (t0 .. t127), so that the folder
-    loads like any Hugging Face model."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1")
-    fast.save_pretrained(folder)
 
 
 def make_checkpoint(folder: Path, scheme: str, ignore=("lm_head",)) -> Path:
@@ -86,7 +65,7 @@ def make_checkpoint(folder: Path, scheme: str, ignore=("lm_head",)) -> Path:
     compressor.compress_model(model)
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
-    _write_tokenizer(folder)
+    write_tokenizer(folder)
     return folder
 
 
