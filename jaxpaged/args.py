@@ -39,6 +39,7 @@ from jaxpaged.models.config import ModelConfig
 __all__ = [
     "ATTENTION_BACKENDS",
     "DTYPES",
+    "CHECKPOINT_QUANTIZATIONS",
     "QUANTIZATIONS",
     "CliForm",
     "EngineArgs",
@@ -53,6 +54,9 @@ __all__ = [
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # jaxpaged.models.quant.QUANTIZATIONS (not imported here: this module stays free of JAX)
 QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "gguf", "none")
+# jaxpaged.models.quant.checkpoint.CHECKPOINT_FORMATS: pre-quantized formats, valid only for
+# checkpoints in that format (which are read as stored even when quantization is unset)
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -206,11 +210,13 @@ class EngineArgs:
         None,
         "weight-only quantization: int8 or fp8 (e4m3) values with one float32 scale per "
         "output channel, applied at load and dequantized inside each matmul; gguf: a GGUF "
-        "model's own quantized weights (4- or 8-bit groups; unset: what the checkpoint holds, "
-        "so gguf for a GGUF model); none: float weights (a GGUF model's float expansion)",
+        "model's own quantized weights (4- or 8-bit groups); compressed-tensors, awq, gptq: "
+        "a pre-quantized checkpoint's own format; none: float weights (a GGUF model's float "
+        "expansion). Unset: what the checkpoint holds (gguf for a GGUF model, the "
+        "quantization_config of a pre-quantized one, else none)",
         "-q",
         "--quantization",
-        choices=QUANTIZATIONS,
+        choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,
     )
     tensor_parallel_size: int = _setting(
         1,
@@ -346,9 +352,10 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+        known = QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
+        if self.quantization is not None and self.quantization not in known:
             raise ValueError(
-                f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+                f"quantization: {self.quantization!r} is not one of {', '.join(known)}"
             )
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
         object.__setattr__(

@@ -30,7 +30,9 @@ from .gguf_params import GGUF_KEPT_MODEL_TYPES, has_quantized_weights, load_gguf
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
 from .quant import GroupedWeight, QuantizedWeight, check_quantization, quantize_params
+from .quant.checkpoint import CheckpointQuantization, checkpoint_quantization, resolve_quantization
 from .quant.grouped import grouped_shardings
+from .quant.prequantized import check_prequantized, finish_buffers, prequantized_reading
 from .quant.weights import METHODS
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -40,6 +42,7 @@ _ST_DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,
@@ -256,9 +259,15 @@ def _num_tensors(config: ModelConfig) -> int:
 
 
 def load_host_params(
-    folder: str, config: ModelConfig, dtype: np.dtype, *, progress: bool = True
+    folder: str,
+    config: ModelConfig,
+    dtype: np.dtype,
+    *,
+    progress: bool = True,
+    prequantized: CheckpointQuantization | None = None,
 ) -> dict[str, Any]:
-    """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`."""
+    """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`
+    (``prequantized``: its linear weights read as stored, into `QuantizedWeight`s)."""
     st = SafetensorsIndex(safetensors_files(folder))
     if config.model_type in GPT_MODEL_TYPES:
         from . import gpt
@@ -285,8 +294,11 @@ def load_host_params(
     ) as bar:
         read = _Reader(st, dtype, folder, bar)
         layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
+        if prequantized is not None:  # the one hook: quantized readers and stacked buffers
+            read, layers = prequantized_reading(st, read, prequantized, config, folder, dtype)
         for i in range(config.num_layers):
             _fill_layer(layers, i, read, config)
+        layers = finish_buffers(layers)
         d, v = config.hidden_size, config.vocab_size
         host: dict[str, Any] = {
             "embed": read("model.embed_tokens.weight", (v, d)),
@@ -357,36 +369,6 @@ def scales_sharding(sharding: Any, weight: QuantizedWeight) -> Any:
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
 
 
-# quant_method of a checkpoint's quantization_config that jaxpaged does not read yet
-_PREQUANTIZED_FORMATS = {
-    "compressed-tensors": "compressed-tensors",
-    "awq": "AWQ",
-    "gptq": "GPTQ",
-    "fp8": "FP8 (block-scaled)",
-    "bitsandbytes": "bitsandbytes",
-    "marlin": "Marlin",
-}
-
-
-def check_checkpoint_quantization(folder: str) -> None:
-    """ValueError naming the format of a pre-quantized checkpoint (a ``quantization_config``
-    in its config.json): reading its packed tensors as floats would load garbage."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        qc = json.load(f).get("quantization_config")
-    if not qc:
-        return
-    method = str(qc.get("quant_method", "unknown")).lower()
-    name = _PREQUANTIZED_FORMATS.get(method, method)
-    raise ValueError(
-        f"checkpoint {folder!r} is pre-quantized ({name}, quantization_config.quant_method="
-        f"{method!r}); jaxpaged does not load {name} checkpoints yet: load its float "
-        "checkpoint with quantization='int8' or 'fp8' instead"
-    )
-
-
 def load_model(
     model: str | os.PathLike,
     *,
@@ -404,20 +386,27 @@ def load_model(
     `quantization` "int8" or "fp8" quantizes the matmul weights on the host after that
     (`quant.quantize_params`), so only the quantized bytes reach the device; None or "gguf"
     keeps a GGUF import's own quantized weights (models/gguf_params.py), "none" reads floats.
+    A pre-quantized checkpoint (`quant.checkpoint`) is read as stored; ``quantization`` must
+    then agree with it or be None.
     """
     folder = resolve_model_path(model)
-    check_checkpoint_quantization(folder)
+    prequantized = checkpoint_quantization(folder)
+    quantization = resolve_quantization(quantization, prequantized, folder)
     config = ModelConfig.from_pretrained(folder)
     np_dtype = _choose_dtype(dtype, config)
-    if quantization is not None:  # refuse before reading any weight
+    if prequantized is not None:  # refuse before reading any weight
+        check_prequantized(config, prequantized, folder)
+    elif quantization is not None:
         check_quantization(config, quantization)
     if _keeps_gguf_quantization(folder, config, quantization, host_transform is not None):
         host = load_gguf_host_params(folder, config, np_dtype)
     else:
-        host = load_host_params(folder, config, np_dtype, progress=progress)
+        host = load_host_params(
+            folder, config, np_dtype, progress=progress, prequantized=prequantized
+        )
     if host_transform is not None:
         config, host = host_transform(config, host)
-    if quantization in METHODS:
+    if quantization in METHODS and prequantized is None:
         host = quantize_params(host, config, quantization)
     return config, put_on_device(host, shardings)
 

@@ -21,7 +21,7 @@ __all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_para
 QUANTIZATIONS = (*METHODS, "gguf", "none")
 
 # leaf under "layers" -> how many trailing axes its matmul contracts (models/llama.py layout)
-_LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
+LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
 
 
 def is_quantized(params: Any) -> bool:
@@ -63,7 +63,7 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
     if is_quantized(params):
         raise ValueError(f"quantization={method!r}: the params are already quantized")
     layers = dict(params["layers"])
-    for name, in_axes in _LAYER_IN_AXES.items():
+    for name, in_axes in LAYER_IN_AXES.items():
         if name in layers:
             layers[name] = quantize_array(layers[name], in_axes, method)
     out = {**params, "layers": layers}

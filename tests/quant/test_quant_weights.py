@@ -150,9 +150,7 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
         LLMEngine.from_params(cfg, params, quantization="int4")
 
 
-@pytest.mark.parametrize(
-    "method,name", [("awq", "AWQ"), ("gptq", "GPTQ"), ("compressed-tensors", "compressed-tensors")]
-)
+@pytest.mark.parametrize("method,name", [("bitsandbytes", "bitsandbytes"), ("marlin", "Marlin")])
 def test_prequantized_checkpoints_are_refused_by_format(tmp_path, method, name):
     """A checkpoint whose config.json carries a quantization_config is refused before any
     tensor is read (its packed tensors read as floats would be garbage)."""

@@ -1,0 +1,136 @@
+"""Writers of tiny pre-quantized Llama checkpoints for the tests: a word-level tokenizer, and
+AWQ and GPTQ packers that follow the formats' published layouts (AutoAWQ's GEMM packer: the
+eight outputs of a word in the order 0, 2, 4, 6, 1, 3, 5, 7; AutoGPTQ's packer: inputs in
+order along qweight's rows, zeros stored minus one in its v1 format), independent of the
+reader in models/quant/gptq_awq.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 128
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c + order[i]
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the model's vocabulary (t0 .. t127), so that the folder
+    loads like any Hugging Face model."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1")
+    fast.save_pretrained(folder)
+
+
+def quantize_4bit(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min-max 4-bit per group of inputs: (q uint8 [N, K], zeros uint8 [N, K/G],
+    float16 scales [N, K/G]) with w ~ (q - zero) * scale."""
+    n, k = w.shape
+    groups = w.reshape(n, k // group, group)
+    lo, hi = np.minimum(groups.min(-1), 0), np.maximum(groups.max(-1), 0)
+    scales = ((hi - lo) / 15).astype(np.float16)
+    s = scales.astype(np.float32)
+    zeros = np.clip(np.rint(-lo / s), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint(groups / s[..., None]) + zeros[..., None], 0, 15).astype(np.uint8)
+    return q.reshape(n, k), zeros, scales
+
+
+def dequantize_4bit(q, zeros, scales, group: int) -> np.ndarray:  # float32 [N, K]
+    """The formats' own formula, (q - zero) * scale per group."""
+    n, k = q.shape
+    z = np.repeat(zeros.astype(np.float32), group, axis=1)
+    s = np.repeat(scales.astype(np.float32), group, axis=1)
+    return ((q.astype(np.float32) - z) * s).reshape(n, k)
+
+
+def _words(nibbles: np.ndarray) -> np.ndarray:  # [R, 8C] in word order -> int32 [R, C]
+    r, c8 = nibbles.shape
+    fields = nibbles.reshape(r, c8 // 8, 8).astype(np.uint64)
+    shifts = (4 * np.arange(8)).astype(np.uint64)
+    words = (fields << shifts).sum(-1).astype(np.uint32).view(np.int32)
+    return np.ascontiguousarray(words)  # safetensors writes the buffer in memory order
+
+
+def pack_awq(q, zeros, scales) -> dict[str, np.ndarray]:
+    """AWQ GEMM tensors of one linear from q [N, K], zeros and scales [N, K / G]."""
+
+    def along_outputs(x):  # [N, R] -> int32 [R, N / 8]
+        t = x.T  # [R, N]
+        r, n = t.shape
+        order = np.asarray(AWQ_PACK_ORDER)
+        return _words(t.reshape(r, n // 8, 8)[:, :, order].reshape(r, n))
+
+    return {
+        "qweight": along_outputs(q),
+        "qzeros": along_outputs(zeros),
+        "scales": np.ascontiguousarray(scales.T),
+    }
+
+
+def pack_gptq(q, zeros, scales, group: int, *, v1: bool = True) -> dict[str, np.ndarray]:
+    """GPTQ tensors of one linear (g_idx = k // group)."""
+    n, k = q.shape
+    if v1 and not zeros.all():
+        raise ValueError("GPTQ v1 stores zero - 1 and cannot hold a zero point of 0")
+    stored = zeros.astype(np.int16) - (1 if v1 else 0)
+    return {
+        "qweight": np.ascontiguousarray(_words(q).T),  # [N, K/8] -> [K/8, N]
+        "qzeros": _words((stored & 0xF).astype(np.uint8).T),  # [K/G, N] -> [K/G, N/8]
+        "scales": np.ascontiguousarray(scales.T),
+        "g_idx": (np.arange(k) // group).astype(np.int32),
+    }
+
+
+def write_4bit_checkpoint(folder: Path, fmt: str, group: int = 32, seed: int = 0) -> dict:
+    """A tiny random Llama with every decoder linear in ``fmt`` ("awq", "gptq" or
+    "gptq_v2"), lm_head and the rest float. Returns the float state dict of the same
+    dequantized weights (the reference for transformers)."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    model.save_pretrained(folder)  # config, generation config; the weights are rewritten
+    reference = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    tensors = {}
+    for name, value in reference.items():
+        module = name.removesuffix(".weight")
+        if not module.endswith(LINEARS):
+            tensors[name] = value
+            continue
+        q, zeros, scales = quantize_4bit(value, group)
+        reference[name] = dequantize_4bit(q, zeros, scales, group)
+        packed = (
+            pack_awq(q, zeros, scales)
+            if fmt == "awq"
+            else pack_gptq(q, zeros, scales, group, v1=fmt == "gptq")
+        )
+        tensors.update({f"{module}.{k}": v for k, v in packed.items()})
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    if fmt == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+              "sym": False, "checkpoint_format": fmt}  # fmt: skip
+    config["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config))
+    write_tokenizer(folder)
+    return reference
