@@ -524,6 +524,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self._compiles.close()
+        if self.core.step_log is not None:
+            self.core.step_log.close()
 
 
 def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessor, ...]:
