@@ -155,6 +155,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             bytes_per_block=self.layout.bytes_per_block,
             max_loras=0 if self.lora is None else self.lora.max_loras,
+            step_sizes=self.runner.buckets.mixed_tokens,
         )
         self.eos_token_ids = eos
         # structured output needs the tokenizer's token strings
