@@ -3,7 +3,7 @@
 turn by vLLM's own client at the same load, in alternating rounds, side by side.
 
     python bench/prefill_ab.py --vllm-python VENV/bin/python [--rounds 2] [--num-prompts 64]
-        [--variant NAME="--flag value ..."] ... [--step-log DIR]
+        [--variant NAME="[ENV=VALUE ...] --flag value ..."] ... [--step-log DIR]
 
 Every variant's server is launched once and stays up (idle between its turns); the rounds
 alternate A, B, A, B so that both see the same minutes of this shared machine. Printed per
@@ -22,6 +22,7 @@ import collections
 import contextlib
 import copy
 import os
+import re
 import statistics
 import sys
 from typing import Any
@@ -40,6 +41,17 @@ def _variant(text: str) -> tuple[str, list[str]]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--variant wants NAME=FLAGS, got {text!r}")
     return name, flags.split()
+
+
+def _split_env(flags: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading ``NAME=VALUE`` words (upper-case names) are the server's environment, e.g.
+    ``PYTHONPATH=DIR`` to serve another checkout's code; the rest are its flags."""
+    env = {}
+    while flags and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", flags[0]):
+        key, _, value = flags[0].partition("=")
+        env[key] = value
+        flags = flags[1:]
+    return env, flags
 
 
 def summarize_steps(path: str) -> str:
@@ -126,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     with contextlib.ExitStack() as stack:
         targets = {}
-        for name, flags in variants:
+        for name, words in variants:
+            env, flags = _split_env(words)
             ns = argparse.Namespace(
                 model=args.model, host="127.0.0.1", server_log=None, launch_timeout=900.0,
                 served_model_name="m", dtype=args.dtype, max_model_len=args.max_model_len,
@@ -137,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 log = os.path.join(args.step_log, f"{name}.jsonl")
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(log)
-                ns.env = {"JAXPAGED_STEP_LOG": log}
+                env["JAXPAGED_STEP_LOG"] = log
+            ns.env = env
             stack.enter_context(launched_server(ns))
             targets[name] = copy.copy(ns)
         for rnd in range(args.rounds):

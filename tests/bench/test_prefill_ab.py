@@ -25,6 +25,8 @@ def test_variants_name_their_server_flags():
     assert ab._variant("capped=--max-prefill-tokens-with-decodes 64") == (
         "capped", ["--max-prefill-tokens-with-decodes", "64"])  # fmt: skip
     assert ab._variant("default=") == ("default", [])
+    assert ab._split_env(["PYTHONPATH=/x", "A_1=", "--flag", "B=2"]) == (
+        {"PYTHONPATH": "/x", "A_1": ""}, ["--flag", "B=2"])  # fmt: skip
     for bad in ("no-equals", "=--flag 1"):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME=FLAGS"):
             ab._variant(bad)
