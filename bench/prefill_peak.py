@@ -60,14 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--matmul-n", type=int, default=2048, help="size of the peak's n^3 matmul")
+    p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
     args = p.parse_args(argv)
 
     from jaxpaged import LLM
 
-    peak_before = measure_peaks(repeats=3).matmul_flops
+    peak_before = measure_peaks(matmul_n=args.matmul_n, repeats=3).matmul_flops
     llm = LLM(args.model, dtype=args.dtype, max_model_len=max(args.lengths) + 16,
               max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens,
-              show_progress=False)  # fmt: skip
+              enforce_eager=args.enforce_eager, show_progress=False)  # fmt: skip
     cfg = llm.engine.model_config
     budget = llm.engine.scheduler_config.max_num_batched_tokens
     time_prefills(llm, min(args.lengths), 1, seed=99)  # first-use costs out of the figures
@@ -77,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append((length, statistics.median(times), min(times), max(times)))
     llm.engine.close()
     del llm
-    peak_after = measure_peaks(repeats=3).matmul_flops
+    peak_after = measure_peaks(matmul_n=args.matmul_n, repeats=3).matmul_flops
     peak = max(peak_before, peak_after)
     print(f"model {cfg.num_layers} layers, {param_count(cfg)['total'] / 1e6:.0f}M parameters, "
           f"{args.dtype}; step budget {budget} tokens; matmul peak {peak_before / 1e9:.0f} "

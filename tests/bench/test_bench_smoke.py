@@ -144,6 +144,19 @@ def test_roofline_counts_match_hf_model():
     assert cost.serial_seconds(slow_memory) == pytest.approx(cost.bytes / 1e6)
 
 
+def test_prefill_flops_by_hand():
+    from jaxpaged.models.config import ModelConfig
+
+    peak = _load("prefill_peak")
+    cfg = ModelConfig(model_type="llama", vocab_size=300, hidden_size=48, intermediate_size=80,
+                      num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8,
+                      tie_word_embeddings=True)  # fmt: skip
+    layer = 48 * 80 + 48 * 48 + 3 * 48 * 80  # q, k, v, o and the MLP, as above
+    pairs = sum(i + 1 for i in range(5))  # causal: token i sees i + 1 positions
+    attention = 3 * 6 * pairs * (2 * 8 + 2 * 8)  # q.k and p.v, per layer and head
+    assert peak.prefill_flops(cfg, 5) == 2 * 5 * 3 * layer + 2 * 300 * 48 + attention
+
+
 # ------------------------------------------------------------------- scripts (subprocess)
 def test_grammar_bench_smoke(tiny_model):
     proc = _run(["bench/grammar.py", "--model", tiny_model, "--batch-sizes", "2",
