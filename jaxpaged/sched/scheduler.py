@@ -14,7 +14,8 @@ A request with ``structured_output`` is not scheduled while its token is in flig
 grammar's next mask needs that token): it decodes every other step, the others overlap.
 
 Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``; in a
-step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most):
+step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most, fewer
+to end the step on a compiled size: :mod:`jaxpaged.sched.prefill_cap`):
 
 1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
    of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
