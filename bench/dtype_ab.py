@@ -1,11 +1,15 @@
 """float32 against bfloat16 for one model on this machine, side by side in one process.
 
-    python bench/dtype_ab.py [--batch 32] [--steps 8] [--rounds 4] [--compare-hf 8]
+    python bench/dtype_ab.py [--batch 32] [--steps 8] [--rounds 9] [--compare-hf 8]
+        [--require-speedup 1.0]
 
 1. Decode steps: two engines (weights and KV cache in float32, and in bfloat16), their
    pure-decode steps at ``--batch`` sequences timed in alternating rounds (this VM's speed
-   drifts over minutes; alternation puts both dtypes in the same minutes). Prints each
-   round's medians and the bfloat16 speed-up (float32 step time / bfloat16 step time).
+   drifts over minutes; alternation puts both dtypes in the same minutes, and the order
+   flips every round, A B, B A, so neither always runs first). Prints each round's medians
+   and the bfloat16 speed-up (float32 step time / bfloat16 step time), then the median over
+   rounds with its spread (quartiles, range). ``--require-speedup X`` makes it a check: exit
+   status 1 when the median speed-up is below X (1.0: "bfloat16 never slower").
 2. ``--compare-hf N``: N chat prompts decoded greedily (EOS ignored) by the bfloat16 engine
    and by transformers' own bfloat16 model, and where their tokens first part, request by
    request (bench/vllm_peer.py's compare_greedy).
@@ -59,13 +63,31 @@ def _hf_greedy(folder: str, work: list[Any]) -> list[list[int]]:
     return out
 
 
+def spread(ratios: list[float]) -> dict[str, float]:
+    """Median, quartiles and range of per-round ratios (quartiles: statistics' inclusive
+    method, so 1 or 2 rounds still give figures)."""
+    if len(ratios) == 1:
+        q1 = q3 = ratios[0]
+    else:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3,
+            "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}  # fmt: skip
+
+
+def describe_spread(s: dict[str, float]) -> str:
+    return (f"median {s['median']:.2f}x (quartiles {s['q1']:.2f}-{s['q3']:.2f}x, range "
+            f"{s['min']:.2f}-{s['max']:.2f}x, {s['rounds']} rounds)")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=8, help="decode steps per round")
-    p.add_argument("--rounds", type=int, default=4, help="rounds per dtype, alternated")
+    p.add_argument("--rounds", type=int, default=9, help="rounds per dtype, alternated")
+    p.add_argument("--require-speedup", type=float, default=None, metavar="X",
+                   help="exit 1 when bfloat16's median speed-up is below X")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
     p.add_argument("--bf16-activations", action="store_true",
@@ -90,7 +112,7 @@ def main() -> int:
     engines = {d: _engine(args, d) for d in dtypes}
     medians: dict[str, list[float]] = {d: [] for d in dtypes}
     for rnd in range(args.rounds):
-        for d in dtypes:
+        for d in dtypes if rnd % 2 == 0 else dtypes[::-1]:
             (timing,) = time_decode_steps(engines[d], prompts, batch=args.batch, steps=args.steps)
             medians[d].append(timing.median)
         f32 = medians["float32"][-1]
@@ -100,9 +122,15 @@ def main() -> int:
               f"float32: {ups} (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     for d in dtypes[1:]:
         per = [f / b for f, b in zip(medians["float32"], medians[d], strict=True)]
-        print(f"{d} speed-up at batch {args.batch}: median {statistics.median(per):.2f}x "
+        print(f"{d} speed-up at batch {args.batch}: {describe_spread(spread(per))} "
               f"(rounds: {', '.join(f'{u:.2f}x' for u in per)})")  # fmt: skip
     ups = [f / b for f, b in zip(medians["float32"], medians["bfloat16"], strict=True)]
+    status = 0
+    if args.require_speedup is not None:
+        ok = statistics.median(ups) >= args.require_speedup
+        print(f"check: bfloat16 median speed-up {statistics.median(ups):.2f}x "
+              f"{'>=' if ok else '<'} {args.require_speedup:.2f}x: {'PASS' if ok else 'FAIL'}")  # fmt: skip
+        status = 0 if ok else 1
 
     if args.compare_hf:
         from jaxpaged import SamplingParams
@@ -119,7 +147,7 @@ def main() -> int:
         if args.json_out:
             with open(args.json_out, "w", encoding="utf-8") as f:
                 json.dump({"speedups": ups, "medians_s": medians, "greedy_vs_hf": cmp}, f)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -3,25 +3,28 @@
 turn by vLLM's own client at the same load, in alternating rounds, side by side.
 
     python bench/prefill_ab.py --vllm-python VENV/bin/python [--rounds 2] [--num-prompts 64]
-        [--variant NAME="--flag value ..."] ... [--prefill-peak]
+        [--variant NAME="[ENV=VALUE ...] --flag value ..."] ... [--step-log DIR]
 
 Every variant's server is launched once and stays up (idle between its turns); the rounds
 alternate A, B, A, B so that both see the same minutes of this shared machine. Printed per
 run: output tok/s, TTFT p50/p99, ITL p50/p99 and the ITL p99 / p50 ratio, and the machine's
 load average; at the end the medians over rounds and each variant against the first.
-``--prefill-peak`` first times prefill steps of a 256-token prompt in one process and prints
-their FLOP rate against the machine's matmul peak (bench/roofline.py).
+(Prefill alone against the matmul peak: bench/prefill_peak.py.) ``--step-log DIR``
+has each server write its steps to DIR/NAME.jsonl ($JAXPAGED_STEP_LOG) and prints, per
+variant, the step times by kind (decodes only, prefill with decodes, prefill alone) and what
+the steps slower than 3x the median decode step carried.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import os
+import re
 import statistics
 import sys
-import time
 from typing import Any
 
 from vllm_peer import check_vllm_python, run_vllm_bench_serve
@@ -40,35 +43,44 @@ def _variant(text: str) -> tuple[str, list[str]]:
     return name, flags.split()
 
 
-def prefill_peak(model: str | None, prompt_len: int, repeats: int) -> dict[str, float]:
-    """Median time of one step that prefills a ``prompt_len``-token prompt alone, its
-    FLOP rate (matmuls and attention), and the machine's matmul peak measured right after."""
-    import numpy as np
-    from roofline import measure_peaks, param_count
+def _split_env(flags: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading ``NAME=VALUE`` words (upper-case names) are the server's environment, e.g.
+    ``PYTHONPATH=DIR`` to serve another checkout's code; the rest are its flags."""
+    env = {}
+    while flags and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", flags[0]):
+        key, _, value = flags[0].partition("=")
+        env[key] = value
+        flags = flags[1:]
+    return env, flags
 
-    from jaxpaged import LLM, SamplingParams
 
-    llm = LLM(model, max_model_len=1024, max_num_seqs=16, show_progress=False)
-    cfg = llm.engine.model_config
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times = []
-    for _ in range(repeats):
-        prompt = rng.integers(100, cfg.vocab_size - 100, prompt_len).tolist()
-        llm.engine.add_request(f"p{len(times)}", prompt, params)
-        t0 = time.perf_counter()
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-        times.append(time.perf_counter() - t0)
-    n = param_count(cfg)
-    flops = 2.0 * prompt_len * (cfg.num_layers * n["layer_matmul"] + n["lm_head"] / prompt_len)
-    flops += 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len * prompt_len
-    llm.engine.close()
-    del llm
-    peak = measure_peaks(repeats=3).matmul_flops
-    t = statistics.median(times)
-    return {"step_s": t, "tok_s": prompt_len / t, "gflop_s": flops / t / 1e9,
-            "peak_gflop_s": peak / 1e9, "share": flops / t / peak}  # fmt: skip
+def summarize_steps(path: str) -> str:
+    """Step times by kind from a $JAXPAGED_STEP_LOG file, and the slow steps' shapes."""
+    import json
+
+    with open(path) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    steps = [s for s in steps if s["seqs"]]
+    kinds = {"decode": [s for s in steps if not s["prefill"]],
+             "prefill+decode": [s for s in steps if s["prefill"] and s["decodes"]],
+             "prefill": [s for s in steps if s["prefill"] and not s["decodes"]]}  # fmt: skip
+    out = []
+    for kind, group in kinds.items():
+        if group:
+            ms = sorted(s["ms"] for s in group)
+            out.append(f"{kind} {len(ms)} steps p50 {ms[len(ms) // 2]:.0f} "
+                       f"p99 {ms[min(len(ms) - 1, int(len(ms) * 0.99))]:.0f} ms")  # fmt: skip
+    decode_ms = statistics.median(s["ms"] for s in kinds["decode"] or steps)
+    slow = [s for s in steps if s["ms"] > 3 * decode_ms]
+    shapes = collections.Counter(
+        f"{s['decodes']}d+{s['prefill']}p" + (" gc" if s["gc_ms"] > 0.2 * s["ms"] else "")
+        for s in slow
+    )
+    gc_ms = [s["gc_ms"] for s in steps]
+    out.append(f"{len(slow)} of {len(steps)} steps > 3x the median decode step "
+               f"({decode_ms:.0f} ms): {dict(shapes.most_common(6))}; "
+               f"gc {sum(gc_ms):.0f} ms in all, at most {max(gc_ms):.0f} ms")  # fmt: skip
+    return "; ".join(out)
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str) -> None:
@@ -113,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--prefill-peak", action="store_true")
+    p.add_argument("--step-log", default=None, metavar="DIR",
+                   help="per-step times of each server in DIR/NAME.jsonl, summarized")  # fmt: skip
     p.add_argument("--plot", default=None, metavar="PNG", help="TTFT and ITL bars per variant")
     args = p.parse_args(argv)
     variants = args.variant or [_variant(v) for v in DEFAULT_VARIANTS]
@@ -122,21 +135,23 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpaged.models.resolve import resolve_model_folder
 
     folder = str(resolve_model_folder(args.model))
-    if args.prefill_peak:
-        r = prefill_peak(args.model, args.input_len, repeats=5)
-        print(f"prefill of {args.input_len} tokens alone: {r['step_s'] * 1e3:.0f} ms, "
-              f"{r['tok_s']:.0f} tok/s, {r['gflop_s']:.1f} GFLOP/s = {r['share']:.0%} of the "
-              f"matmul peak ({r['peak_gflop_s']:.1f} GFLOP/s)", flush=True)  # fmt: skip
-
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     with contextlib.ExitStack() as stack:
         targets = {}
-        for name, flags in variants:
+        for name, words in variants:
+            env, flags = _split_env(words)
             ns = argparse.Namespace(
                 model=args.model, host="127.0.0.1", server_log=None, launch_timeout=900.0,
                 served_model_name="m", dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, server_args=flags,
             )  # fmt: skip
+            if args.step_log:
+                os.makedirs(args.step_log, exist_ok=True)
+                log = os.path.join(args.step_log, f"{name}.jsonl")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(log)
+                env["JAXPAGED_STEP_LOG"] = log
+            ns.env = env
             stack.enter_context(launched_server(ns))
             targets[name] = copy.copy(ns)
         for rnd in range(args.rounds):
@@ -158,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.input_len} in / {args.output_len} out, {args.concurrency} in flight "
              f"({args.rounds} rounds, medians)")  # fmt: skip
         print(f"wrote {args.plot}")
+    if args.step_log:
+        for name, _ in variants:
+            print(f"steps of {name}: "
+                  f"{summarize_steps(os.path.join(args.step_log, name + '.jsonl'))}")  # fmt: skip
     base = variants[0][0]
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for _, k in KEYS}

@@ -303,7 +303,9 @@ def launched_server(args: argparse.Namespace) -> Iterator[None]:
         cmd += ["--served-model-name", args.served_model_name]
     print("launching:", " ".join(cmd), flush=True)
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = getattr(args, "env", None)  # extra environment variables of the server
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=None if env is None else {**os.environ, **env})  # fmt: skip
     try:
         t0 = time.perf_counter()
         while True:

@@ -161,8 +161,9 @@ class CliForm:
     nargs: str | None = None
 
 
-# Prefill tokens a step with decodes may carry. Measured under `vllm bench serve` (16 in
-# flight, 256-token prompts, bench/serving.py --vllm-client): see bench/RESULTS.md.
+# Prefill tokens a step with decodes may carry (the scheduler lowers it to end the step on a
+# compiled size: 49 beside 15 decodes). Measured under `vllm bench serve` (16 in flight,
+# 256-token prompts, bench/prefill_ab.py): see bench/RESULTS.md.
 DEFAULT_PREFILL_WITH_DECODES = 64
 
 

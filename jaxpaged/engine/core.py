@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.protocol import EngineStats
+from jaxpaged.engine.step_log import StepLog
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
@@ -112,6 +113,7 @@ class EngineCore:
         self._generation_tokens_total = 0
         self._waste_sum = 0.0
         self._waste_steps = 0
+        self.step_log = StepLog.from_env()  # $JAXPAGED_STEP_LOG: per-step times (debugging)
         self.stats = self._snapshot()
 
     # ----------------------------------------------------- any thread: the inbox
@@ -158,6 +160,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration: drain the inbox, plan and dispatch step k, then finish step k-1.
         A device failure ends every request with an error and is raised."""
+        started = time.time(), time.perf_counter()
+        finished: SchedulerOutput | None = None
         outputs = self._drain_inbox()
         plan = self.scheduler.schedule()
         pending = None
@@ -170,6 +174,7 @@ class EngineCore:
                 )
             if self._in_flight is not None:
                 prev_plan, prev_pending = self._in_flight
+                finished = prev_plan
                 self._in_flight = None
                 result = self.runner.collect(prev_pending)
                 outputs += self._apply(prev_plan, result)
@@ -182,6 +187,8 @@ class EngineCore:
             self._waste_sum += self.scheduler.kv_cache_waste()
             self._waste_steps += 1
         self.stats = self._snapshot()
+        if self.step_log is not None:
+            self.step_log.record(started[0], time.perf_counter() - started[1], finished)
         return outputs
 
     def step_inbox(self) -> list[RequestOutput]:

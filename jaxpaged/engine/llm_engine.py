@@ -155,6 +155,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             bytes_per_block=self.layout.bytes_per_block,
             max_loras=0 if self.lora is None else self.lora.max_loras,
+            step_sizes=self.runner.buckets.mixed_tokens,
         )
         self.eos_token_ids = eos
         # structured output needs the tokenizer's token strings
@@ -524,6 +525,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self._compiles.close()
+        if self.core.step_log is not None:
+            self.core.step_log.close()
 
 
 def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessor, ...]:

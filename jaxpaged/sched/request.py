@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.output import ScheduledSeq, SeqSampling
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
@@ -206,4 +207,43 @@ class Request:
             or sp.min_tokens > 0
             or sp.logits_processor is not None
             or bool(sp.logit_bias)
+        )
+
+    def scheduled_seq(
+        self, start: int, n: int, *, prev_rows: Mapping[str, int], block_table: Sequence[int]
+    ) -> ScheduledSeq:
+        """The plan entry feeding tokens ``start .. start + n``; ``prev_rows``: the rows of
+        the last planned step's samples, for a decode of the token still in flight."""
+        end = start + n
+        prev_row = -1
+        if end > self.num_tokens:  # feeds the token in flight: a decode of it alone
+            if n != 1 or self.num_inflight != 1 or self.request_id not in prev_rows:
+                raise RuntimeError(
+                    f"{self.request_id}: cannot feed tokens the host has not seen "
+                    f"(start {start}, {n} tokens, {self.num_tokens} known)"
+                )
+            prev_row = prev_rows[self.request_id]
+            token_ids: tuple[int, ...] = (0,)
+        else:
+            token_ids = tuple(self.token_ids_slice(start, end))
+        sampling = None
+        if end == self.num_total_tokens:
+            sp = self.sampling_params
+            sampling = SeqSampling(
+                params=sp,
+                key_stream=self.sample_index if sp.seed is not None else self.rng_stream,
+                key_counter=self.num_generated,
+                state_row=self.state_row,
+            )
+        return ScheduledSeq(
+            request_id=self.request_id,
+            seq_id=self.arrival_order,
+            token_ids=token_ids,
+            prev_row=prev_row,
+            start_pos=start,
+            block_table=block_table,
+            sampling=sampling,
+            prompt_targets=self.prompt_logprob_targets(start, end),
+            prompt_top_k=self.sampling_params.prompt_logprobs or 0,
+            lora_slot=self.lora_slot,
         )

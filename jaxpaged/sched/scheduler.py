@@ -14,7 +14,8 @@ A request with ``structured_output`` is not scheduled while its token is in flig
 grammar's next mask needs that token): it decodes every other step, the others overlap.
 
 Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``; in a
-step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most):
+step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most, fewer
+to end the step on a compiled size: :mod:`jaxpaged.sched.prefill_cap`):
 
 1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
    of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
@@ -70,6 +71,7 @@ from jaxpaged.sched.output import (
     SeqSampling,
     StateRowInit,
 )
+from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.request import Request, RequestStatus
 
 __all__ = [
@@ -98,9 +100,11 @@ class Scheduler:
         num_host_blocks: int | None = None,
         clock: Callable[[], float] = time.time,
         max_loras: int = 0,
+        step_sizes: Sequence[int] = (),
     ) -> None:
         """``num_blocks``: device KV blocks (the runner's sizing); ``max_loras``: device
-        LoRA slots (0: LoRA off). Host swap slots:
+        LoRA slots (0: LoRA off); ``step_sizes``: token counts of the runner's compiled
+        mixed-step shapes, which the prefill cap rounds to (:mod:`.prefill_cap`). Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
         mode (required there), else none."""
         self.config = scheduler_config
@@ -132,6 +136,7 @@ class Scheduler:
         # rows of the last planned step's sampled tokens: request id -> row
         self._prev_rows: dict[str, int] = {}
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
+        self.step_sizes = tuple(step_sizes)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -263,7 +268,9 @@ class Scheduler:
         lora_loads: list[tuple[int, str]] = []
 
         def room() -> int:  # tokens the next chunk may take
-            return min(budget, cap - prefilled) if decodes else budget
+            if not decodes:
+                return budget
+            return min(budget, prefill_cap(cap, decodes, self.step_sizes) - prefilled)
 
         def emit(req: Request, start: int, n: int) -> None:
             nonlocal budget, prefilled, decodes
@@ -389,40 +396,8 @@ class Scheduler:
         )
 
     def _scheduled_seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
-        end = start + n
-        prev_row = -1
-        if end > req.num_tokens:  # feeds the token in flight: a decode of it alone
-            if n != 1 or req.num_inflight != 1 or req.request_id not in self._prev_rows:
-                raise RuntimeError(
-                    f"{req.request_id}: cannot feed tokens the host has not seen "
-                    f"(start {start}, {n} tokens, {req.num_tokens} known)"
-                )
-            prev_row = self._prev_rows[req.request_id]
-            token_ids: tuple[int, ...] = (0,)
-        else:
-            token_ids = tuple(req.token_ids_slice(start, end))
-        sampling = None
-        if end == req.num_total_tokens:
-            sp = req.sampling_params
-            generated = req.num_generated
-            sampling = SeqSampling(
-                params=sp,
-                key_stream=req.sample_index if sp.seed is not None else req.rng_stream,
-                key_counter=generated,
-                state_row=req.state_row,
-            )
-        return ScheduledSeq(
-            request_id=req.request_id,
-            seq_id=req.arrival_order,
-            token_ids=token_ids,
-            prev_row=prev_row,
-            start_pos=start,
-            block_table=self.pool.block_table(req.request_id),
-            sampling=sampling,
-            prompt_targets=req.prompt_logprob_targets(start, end),
-            prompt_top_k=req.sampling_params.prompt_logprobs or 0,
-            lora_slot=req.lora_slot,
-        )
+        block_table = self.pool.block_table(req.request_id)
+        return req.scheduled_seq(start, n, prev_rows=self._prev_rows, block_table=block_table)
 
     def _admit(
         self, req: Request, budget: int, held: list[Request], fed: dict[str, int]

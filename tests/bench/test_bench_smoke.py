@@ -144,6 +144,19 @@ def test_roofline_counts_match_hf_model():
     assert cost.serial_seconds(slow_memory) == pytest.approx(cost.bytes / 1e6)
 
 
+def test_prefill_flops_by_hand():
+    from jaxpaged.models.config import ModelConfig
+
+    peak = _load("prefill_peak")
+    cfg = ModelConfig(model_type="llama", vocab_size=300, hidden_size=48, intermediate_size=80,
+                      num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8,
+                      tie_word_embeddings=True)  # fmt: skip
+    layer = 48 * 80 + 48 * 48 + 3 * 48 * 80  # q, k, v, o and the MLP, as above
+    pairs = sum(i + 1 for i in range(5))  # causal: token i sees i + 1 positions
+    attention = 3 * 6 * pairs * (2 * 8 + 2 * 8)  # q.k and p.v, per layer and head
+    assert peak.prefill_flops(cfg, 5) == 2 * 5 * 3 * layer + 2 * 300 * 48 + attention
+
+
 # ------------------------------------------------------------------- scripts (subprocess)
 def test_grammar_bench_smoke(tiny_model):
     proc = _run(["bench/grammar.py", "--model", tiny_model, "--batch-sizes", "2",
@@ -263,12 +276,24 @@ def test_linear_dtypes_smoke():
     assert "bf16 / f32" in proc.stdout and "of 1" in proc.stdout
 
 
+def test_dtype_ab_spread_of_rounds():
+    ab = _load("dtype_ab")
+    s = ab.spread([4.0, 1.0, 3.0, 2.0])
+    assert (s["median"], s["q1"], s["q3"], s["min"], s["max"]) == (2.5, 1.75, 3.25, 1.0, 4.0)
+    assert ab.spread([0.9])["q1"] == ab.spread([0.9])["q3"] == 0.9
+    assert "median 2.50x (quartiles 1.75-3.25x, range 1.00-4.00x, 4 rounds)" in (
+        ab.describe_spread(s)
+    )
+
+
 def test_dtype_ab_smoke(tmp_path, tiny_model):
     out = tmp_path / "ab.json"
     proc = _run(["bench/dtype_ab.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
                  "--rounds", "1", "--max-model-len", "256", "--enforce-eager", "--bf16-activations",
-                 "--compare-hf", "2", "--compare-tokens", "4", "--json-out", str(out)])  # fmt: skip
-    assert "bfloat16 speed-up at batch 2" in proc.stdout
+                 "--compare-hf", "2", "--compare-tokens", "4", "--json-out", str(out),
+                 "--require-speedup", "0.01"])  # fmt: skip
+    assert "bfloat16 speed-up at batch 2: median" in proc.stdout and "quartiles" in proc.stdout
+    assert "check: bfloat16 median speed-up" in proc.stdout and "PASS" in proc.stdout
     assert "bfloat16-act speed-up at batch 2" in proc.stdout
     cmp = json.loads(out.read_text())["greedy_vs_hf"]
     assert cmp["requests"] == 2 and cmp["tokens"] == 8

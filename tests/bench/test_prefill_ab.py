@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def test_variants_name_their_server_flags():
     assert ab._variant("capped=--max-prefill-tokens-with-decodes 64") == (
         "capped", ["--max-prefill-tokens-with-decodes", "64"])  # fmt: skip
     assert ab._variant("default=") == ("default", [])
+    assert ab._split_env(["PYTHONPATH=/x", "A_1=", "--flag", "B=2"]) == (
+        {"PYTHONPATH": "/x", "A_1": ""}, ["--flag", "B=2"])  # fmt: skip
     for bad in ("no-equals", "=--flag 1"):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME=FLAGS"):
             ab._variant(bad)
@@ -36,3 +39,20 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "ab.png"
     ab.plot({"uncapped": [run, run], "default": [run]}, str(path), "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_summary_names_the_slow_steps(tmp_path):
+    ab = _module()
+    steps = [{"ms": 30.0, "decodes": 16, "prefill": 0, "seqs": 16, "gc_ms": 0.0}] * 10
+    steps += [{"ms": 120.0, "decodes": 15, "prefill": 48, "seqs": 16, "gc_ms": 0.0}] * 3
+    steps += [{"ms": 100.0, "decodes": 16, "prefill": 0, "seqs": 16, "gc_ms": 50.0}]
+    steps += [{"ms": 400.0, "decodes": 0, "prefill": 256, "seqs": 1, "gc_ms": 0.0}]
+    steps += [{"ms": 5.0, "seqs": 0, "gc_ms": 0.0}]  # idle: left out
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    text = ab.summarize_steps(str(path))
+    assert "decode 11 steps p50 30 p99 100 ms" in text
+    assert "prefill+decode 3 steps p50 120" in text and "prefill 1 steps p50 400" in text
+    assert "5 of 15 steps > 3x the median decode step (30 ms)" in text
+    assert "{'15d+48p': 3, '16d+0p gc': 1, '0d+256p': 1}" in text
+    assert "gc 50 ms in all, at most 50 ms" in text

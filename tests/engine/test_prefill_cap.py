@@ -12,10 +12,11 @@ from fake_runner import FakeRunner, check_invariants, make_request, reference_ou
 from jaxpaged.args import DEFAULT_PREFILL_WITH_DECODES, EngineArgs
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.models.testing import tiny_config
+from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.scheduler import Scheduler
 
 
-def make(cap, *, budget=64, max_num_seqs=8):
+def make(cap, *, budget=64, max_num_seqs=8, step_sizes=()):
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -25,6 +26,7 @@ def make(cap, *, budget=64, max_num_seqs=8):
         ),
         CacheConfig(block_size=4),
         num_blocks=64,
+        step_sizes=step_sizes,
     )
     return sched, FakeRunner(64, 4, scheduler=sched)
 
@@ -70,6 +72,39 @@ def test_waiting_prompts_share_the_cap():
         sched.add_request(make_request(rid, [10 * k + t for t in range(4, 10)], max_tokens=1))
     assert step(sched, runner) == {"a": 1, "b": 6, "c": 2}  # d waits: the cap is spent
     assert step(sched, runner) == {"a": 1, "c": 4, "d": 4}
+
+
+SIZES = (16, 32, 64, 128, 256, 512)  # the runner's mixed-step token sizes at budget 512
+
+
+@pytest.mark.parametrize(
+    ("cap", "decodes", "expected"),
+    [
+        (64, 15, 49),  # 15 + 49 = 64 rows, not 79 padded to 128
+        (64, 16, 48),
+        (64, 1, 63),
+        (64, 64, 64),  # 128 exactly
+        (64, 40, 64),  # no size in 72..104: ending on one would drop more than half
+        (64, 100, 64),
+        (1, 5, 1),  # never 0: prefills always advance
+        (512, 20, 492),  # uncapped: the budget's own limit
+    ],
+)
+def test_the_cap_ends_the_step_on_a_compiled_size(cap, decodes, expected):
+    assert prefill_cap(cap, decodes, SIZES) == expected
+    assert prefill_cap(cap, decodes, ()) == cap
+
+
+def test_the_scheduler_rounds_its_chunks_to_the_step_sizes():
+    sched, runner = make(cap=16, step_sizes=(16, 32, 64))
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
+    assert step(sched, runner) == {"a": 3}
+    prompt = list(range(1, 31))  # 1 decode + 15 prompt tokens = 16 rows, twice
+    sched.add_request(make_request("b", prompt, max_tokens=3))
+    fed = [step(sched, runner) for _ in range(3)]
+    assert fed == [{"a": 1, "b": 15}, {"a": 1, "b": 15}, {"a": 1, "b": 1}]
+    assert run(sched, runner)["b"] == reference_output(prompt, 3)
+    assert sched.requests == {} and sched.pool.num_free_blocks == sched.pool.num_blocks
 
 
 def test_no_cap_keeps_the_budget():
