@@ -3,7 +3,8 @@
 kernels. Everything else in the step (projections, MLP, logits, sampling) is plain jnp that
 GSPMD partitions from the weights' shardings, inserting the all-reduces itself.
 
-Megatron split (N = tensor_parallel_size), over the params layout of ``models.llama``:
+Megatron split (N = tensor_parallel_size), over the params layout of ``models.llama``
+(``models.bloom`` stores its attention in the same fused layout, one query per KV head):
 
 ==============  =========================  ===========================================
 leaf            shape                      split
@@ -14,6 +15,8 @@ wo              [L, D, Hkv, G, hd]         KV heads (row-parallel: partial sums 
                                            output projection, one all-reduce per layer)
 w_gate_up       [L, 2, F, D]               F (column-parallel)
 w_down          [L, D, F]                  F (row-parallel: one all-reduce per layer)
+w_fc, b_fc      [L, F, D], [L, F]          F (BLOOM's plain MLP: column-parallel)
+w_proj          [L, D, F]                  F (row-parallel)
 embed           [V, D]                     V when N divides V, else replicated
 lm_head         [V, D]                     V when N divides V, else replicated
 norms           [L, D], [D], [L, hd]       replicated

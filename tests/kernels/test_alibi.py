@@ -52,9 +52,9 @@ def test_reference_matches_numpy(rng, tools, hq, hkv, window):
 
 NATIVE = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
 # every shape on the native kernel (cheap to run); the XLA path compiles ~10 s per shape on
-# 2 cores, so it takes three (MHA, GQA, bfloat16 with a soft cap)
+# 2 busy cores, so it takes two (MHA in float32; GQA 16:16 in bfloat16 with a soft cap)
 CASES = [pytest.param("cpu", *shape, marks=NATIVE) for shape in SHAPES] + [
-    ("xla", *SHAPES[i]) for i in (0, 1, 3)
+    ("xla", *SHAPES[i]) for i in (0, 3)
 ]
 
 
