@@ -2,7 +2,8 @@
 
 `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
 *, sm_scale, sliding_window=None, soft_cap=None, backend=None, interpret=None,
-max_q_len=None, max_kv_len=None)` and `write_kv(k_pages, v_pages, k, v, slot_mapping)`.
+max_q_len=None, max_kv_len=None, alibi_slopes=None)` and
+`write_kv(k_pages, v_pages, k, v, slot_mapping)`.
 
 Backends (`backend=`; None picks by platform):
   "pallas"     Pallas Triton kernels (pallas_gpu.py), default on NVIDIA GPUs;

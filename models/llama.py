@@ -59,6 +59,7 @@ class AttentionFn(Protocol):
         sm_scale: float | None = None,  # None: hd ** -0.5
         sliding_window: int | None = None,  # attend to the last this-many positions only
         soft_cap: float | None = None,
+        alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi biases (models/bloom.py)
     ) -> tuple[jax.Array, Any]:  # (out [T, Hq, hd], cache)
         ...
 

@@ -29,7 +29,8 @@ class PagedModel(Protocol):
         """Every layer l calls ``out, cache = attention_fn(q, k, v, l, cache)`` once, with
         q [T, Hq, hd] (rotary already applied), k and v [T, Hkv, hd]; it returns out
         [T, Hq, hd]. Keyword options: sm_scale (default hd**-0.5), sliding_window,
-        soft_cap."""
+        soft_cap, alibi_slopes (float32 [Hq]: ALiBi, ``slopes[h] * (key_pos - query_pos)``
+        added to head h's logits)."""
         ...
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> [S, V]

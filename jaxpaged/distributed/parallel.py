@@ -4,7 +4,8 @@ kernels. Everything else in the step (projections, MLP, logits, sampling) is pla
 GSPMD partitions from the weights' shardings, inserting the all-reduces itself.
 
 Megatron split (N = tensor_parallel_size), over the params layout of ``models.llama``
-(Gemma's is the same, with its extra norms replicated):
+(Gemma's is the same, with its extra norms replicated; ``models.bloom`` stores its attention
+in the same fused layout, one query per KV head):
 
 ==============  =========================  ===========================================
 leaf            shape                      split
@@ -17,6 +18,8 @@ w_gate_up       [L, 2, F, D]               F (column-parallel)
 w_down          [L, D, F]                  F (row-parallel: one all-reduce per layer)
 w_experts_*     [L, E, 2, F, D], [L, E,    F of every expert (see below)
                 D, F]
+w_fc, b_fc      [L, F, D], [L, F]          F (BLOOM's plain MLP: column-parallel)
+w_proj          [L, D, F]                  F (row-parallel)
 embed           [V, D]                     V when N divides V, else replicated
 lm_head         [V, D]                     V when N divides V, else replicated
 norms, router   [L, D], [D], [L, E, D]     replicated

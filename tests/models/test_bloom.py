@@ -163,3 +163,28 @@ def _cache_config():
     from jaxpaged.args import EngineArgs
 
     return EngineArgs(model="unused").cache_config()
+
+
+def test_bloom_model_checkpoint_without_prefix(built, tmp_path):
+    """bigscience's BLOOM repositories store BloomModel tensors (``h.0...``, no
+    ``transformer.`` prefix) and older configs spell ``n_embed`` / ``num_attention_heads``."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, folder = built[False]
+    tensors = load_file(f"{folder}/model.safetensors")
+    save_file(
+        {k.removeprefix("transformer."): v for k, v in tensors.items()},
+        str(tmp_path / "model.safetensors"),
+    )
+    with open(f"{folder}/config.json") as f:
+        d = json.load(f)
+    d["n_embed"], d["num_attention_heads"] = d.pop("hidden_size"), d.pop("n_head")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    shutil.copy(f"{folder}/tokenizer.json", tmp_path)
+    want_config, want = load_model(folder, dtype="float32", progress=False)
+    config, got = load_model(str(tmp_path), dtype="float32", progress=False)
+    assert config == want_config
+    jax.tree.map(np.testing.assert_array_equal, got, want)
