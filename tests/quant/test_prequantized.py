@@ -15,15 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoint_writers import TINY, VOCAB, write_tokenizer
-from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.quantization import (
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-    apply_quantization_config,
-)
-from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from checkpoint_writers import CT_SCHEMES, TINY, VOCAB, write_compressed_tensors, write_tokenizer
 from safetensors import safe_open
 
 from jaxpaged import LLM, SamplingParams
@@ -31,40 +23,12 @@ from jaxpaged.models.llama import compute_logits, forward
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quant import QuantizedWeight
 
-# name -> (weights args, compressed-tensors storage format forced, or None = its default)
-SCHEMES = {
-    "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), None),
-    "fp8-tensor": (dict(num_bits=8, type="float", strategy="tensor"), "float-quantized"),
-    "int8-packed": (dict(num_bits=8, type="int", strategy="channel"), None),  # pack-quantized
-    "int8-plain": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
-}
-
 
 def make_checkpoint(folder: Path, scheme: str, ignore=("lm_head",)) -> Path:
-    """A tiny random Llama quantized by compressed-tensors: scales from each weight's own
-    min/max (the library's calculate_qparams), compressed and saved by its ModelCompressor."""
-    weights, fmt = SCHEMES[scheme]
+    """A tiny random Llama quantized by compressed-tensors (checkpoint_writers)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
-    args = QuantizationArgs(**weights, symmetric=True, dynamic=False)
-    config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-        ignore=list(ignore),
-    )
-    apply_quantization_config(model, config)
-    for module in model.modules():
-        if hasattr(module, "weight_scale"):
-            w = module.weight.data
-            if args.strategy == "channel":
-                lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-            else:
-                lo, hi = w.amin(), w.amax()
-            scale, _ = calculate_qparams(lo, hi, args)
-            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    model.save_pretrained(folder)
-    compressor.update_config(str(folder))
+    write_compressed_tensors(model, folder, scheme, ignore=ignore)
     write_tokenizer(folder)
     return folder
 
@@ -72,7 +36,7 @@ def make_checkpoint(folder: Path, scheme: str, ignore=("lm_head",)) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ct")
-    return {name: make_checkpoint(root / name, name) for name in SCHEMES}
+    return {name: make_checkpoint(root / name, name) for name in CT_SCHEMES}
 
 
 def _reference(folder: Path) -> transformers.PreTrainedModel:
@@ -84,7 +48,7 @@ def _logits(config, params, ids: np.ndarray) -> np.ndarray:
     return np.asarray(compute_logits(params, hidden, config=config))
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", list(CT_SCHEMES))
 def test_logits_equal_transformers_on_the_same_checkpoint(checkpoints, scheme):
     folder = checkpoints[scheme]
     config, params = load_model(folder, progress=False)
