@@ -265,7 +265,7 @@ def load_host_params(
     prequantized: CheckpointQuantization | None = None,
 ) -> dict[str, Any]:
     """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`
-    (``prequantized``: its linear weights read as stored, into `QuantizedWeight`s)."""
+    (``prequantized``: its linear weights read as stored, into quantized weights)."""
     st = SafetensorsIndex(safetensors_files(folder))
     if config.model_type in GPT_MODEL_TYPES:
         from . import gpt

@@ -7,8 +7,10 @@ Read formats (weight-only, symmetric unless said):
 - compressed-tensors (llm-compressor's output): 8-bit float weights (e4m3, one scale per
   output channel or per tensor) -> ``fp8``; 8-bit integer weights per channel ->
   ``int8``; stored plain ("naive-quantized", "float-quantized", "int-quantized") or packed in
-  int32 ("pack-quantized"). Activation quantization (W8A8, FP8 with input scales), block and
-  group scales, sparsity, KV cache schemes and transforms are refused by name.
+  int32 ("pack-quantized"); 4-bit integer weights in groups or per channel, symmetric or
+  with zero points (W4A16, "pack-quantized") -> ``int4``. Activation quantization (W8A8,
+  FP8 with input scales), block scales, 8-bit groups, sparsity, KV cache schemes and
+  transforms are refused by name.
 
 - AWQ (AutoAWQ's "gemm" version) and GPTQ (AutoGPTQ / GPTQModel, "gptq" and "gptq_v2"
   formats, without act-order): 4-bit weights with a scale and zero per group of inputs ->
@@ -61,6 +63,7 @@ class CheckpointQuantization:
     packed: bool = False  # compressed-tensors "pack-quantized": values packed in int32 words
     group_size: int = 0  # "group": inputs per scale; -1 = all of K (one group per output)
     zero_offset: int = 0  # added to GPTQ's stored zeros (1 in its v1 format)
+    symmetric: bool = True  # compressed-tensors 4-bit: False = zero points stored
 
     @property
     def marker(self) -> str:
@@ -136,7 +139,8 @@ def _compressed_tensors(qc: Mapping[str, Any], folder: str) -> CheckpointQuantiz
     def refuse(what: str) -> ValueError:
         return ValueError(
             f"checkpoint {folder!r} (compressed-tensors): {what} is not supported; jaxpaged "
-            "reads weight-only fp8 (per channel or tensor) and int8 (per channel) schemes"
+            "reads weight-only fp8 (per channel or tensor), int8 (per channel) and int4 (W4A16) "
+            "schemes"
         )
 
     sparsity = qc.get("sparsity_config") or {}
@@ -169,11 +173,21 @@ def _compressed_tensors(qc: Mapping[str, Any], folder: str) -> CheckpointQuantiz
 
 def _weight_scheme(w: Mapping[str, Any], fmt: str, refuse, where: str) -> CheckpointQuantization:
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    symmetric = w.get("symmetric", True)
     scheme = f"{bits}-bit {kind} weights, strategy {strategy!r} ({where}.weights)"
+    if w.get("dynamic"):
+        raise refuse("dynamic " + scheme)
+    if bits == 4 and kind == "int" and strategy in ("group", "channel") and fmt == "pack-quantized":
+        # W4A16: a GroupedWeight (a channel scale is one group of all K inputs)
+        group = int(w.get("group_size") or -1) if strategy == "group" else -1
+        return CheckpointQuantization(
+            "compressed-tensors", "int4", strategy, packed=True, group_size=group,
+            symmetric=bool(symmetric),
+        )  # fmt: skip
     if bits != 8 or kind not in ("float", "int"):
         raise refuse(scheme)
-    if not w.get("symmetric", True) or w.get("dynamic"):
-        raise refuse(("asymmetric " if not w.get("symmetric", True) else "dynamic ") + scheme)
+    if not symmetric:
+        raise refuse("asymmetric " + scheme)
     if kind == "float" and strategy in ("channel", "tensor") and fmt != "pack-quantized":
         return CheckpointQuantization("compressed-tensors", "fp8", strategy)
     if kind == "int" and strategy == "channel":

@@ -29,8 +29,8 @@ import numpy as np
 
 from ..config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 from .checkpoint import CheckpointQuantization
-from .gptq_awq import awq_weight, gptq_weight
-from .grouped import GroupedWeight
+from .gptq_awq import awq_weight, gptq_weight, unpack_int4_words
+from .grouped import GroupedWeight, pack_nibbles
 from .params import LAYER_IN_AXES
 from .weights import METHODS, QuantizedWeight
 
@@ -85,6 +85,9 @@ class QuantizedReader:
         if not name.endswith(".weight") or f"{module}.{self.quant.marker}" not in self.st:
             return self.read_float(name, shape)  # float in the checkpoint (ignored, a norm)
         n, k = shape
+        bar = getattr(self.read_float, "bar", None)  # the loader's progress bar
+        if bar is not None:
+            bar.update(1)
         if self.quant.method == "int4":
             weight = self._grouped(module, n, k)
         else:
@@ -125,13 +128,16 @@ class QuantizedReader:
             )
         return QuantizedWeight(np.ascontiguousarray(values), scale)
 
-    def _unpack_int8(self, module: str, n: int, k: int) -> np.ndarray:
+    def _check_weight_shape(self, module: str, n: int, k: int) -> None:
         stored = tuple(int(s) for s in self._tensor(f"{module}.weight_shape"))
         if stored != (n, k):
             raise ValueError(
                 f"tensor {module}.weight_shape says {stored}, expected {(n, k)} for this "
                 f"config (checkpoint {self.folder!r})"
             )
+
+    def _unpack_int8(self, module: str, n: int, k: int) -> np.ndarray:
+        self._check_weight_shape(module, n, k)
         packed = self._tensor(f"{module}.weight_packed", (n, -(-k // 4)))
         # four 8-bit fields per little-endian int32 word: its bytes in order, offset by 128
         as_bytes = np.ascontiguousarray(packed).astype("<i4").view(np.uint8)[:, :k]
@@ -145,6 +151,8 @@ class QuantizedReader:
                 f"{module}: {n} outputs x {k} inputs do not split into {q.format_name} groups "
                 f"of {g} and words of 8 (checkpoint {self.folder!r})"
             )
+        if q.quant_method == "compressed-tensors":
+            return self._ct_int4(module, n, k, g)
         groups = (k // g, n)
         scales = self._tensor(f"{module}.scales", groups)
         if q.quant_method == "awq":
@@ -158,6 +166,21 @@ class QuantizedReader:
             return gptq_weight(qweight, qzeros, scales, g_idx, g, zero_offset=q.zero_offset)
         except ValueError as e:
             raise ValueError(f"{module} (checkpoint {self.folder!r}): {e}") from None
+
+    def _ct_int4(self, module: str, n: int, k: int, g: int) -> GroupedWeight:
+        """compressed-tensors W4A16: ``weight_packed`` int32 [N, K / 8], eight 4-bit fields per
+        word in bit order, each stored as q + 8 (q signed); ``weight_scale`` [N, K / G]; with
+        zero points, ``weight_zero_point`` int32 [N / 8, K / G] packed the same way along N.
+        w = (q - zp) * s = u * s - (zp + 8) * s for the stored u = q + 8."""
+        self._check_weight_shape(module, n, k)
+        u = unpack_int4_words(self._tensor(f"{module}.weight_packed", (n, k // 8)))
+        scales = self._tensor(f"{module}.weight_scale", (n, k // g)).astype(np.float32)
+        if self.quant.symmetric:
+            zero_stored = np.full(scales.shape, 8.0, np.float32)
+        else:
+            zp = self._tensor(f"{module}.weight_zero_point", (n // 8, k // g))
+            zero_stored = unpack_int4_words(np.ascontiguousarray(zp.T)).T.astype(np.float32)
+        return GroupedWeight(pack_nibbles(u), scales, -zero_stored * scales, (n, k), g, 4)
 
 
 class StackedBuffer:

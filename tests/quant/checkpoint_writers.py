@@ -34,6 +34,11 @@ CT_SCHEMES = {
     "fp8-tensor": (dict(num_bits=8, type="float", strategy="tensor"), "float-quantized"),
     "int8-packed": (dict(num_bits=8, type="int", strategy="channel"), None),  # pack-quantized
     "int8-plain": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
+    "w4a16": (dict(num_bits=4, type="int", strategy="group", group_size=32), None),
+    "w4a16-asym": (
+        dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+        None,
+    ),
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c + order[i]
@@ -62,7 +67,7 @@ def write_compressed_tensors(model, folder: Path, scheme: str, ignore=("lm_head"
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     weights, fmt = CT_SCHEMES[scheme]
-    args = QuantizationArgs(**weights, symmetric=True, dynamic=False)
+    args = QuantizationArgs(**{"symmetric": True, **weights}, dynamic=False)
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
         ignore=list(ignore),
@@ -73,10 +78,15 @@ def write_compressed_tensors(model, folder: Path, scheme: str, ignore=("lm_head"
             w = module.weight.data
             if args.strategy == "channel":
                 lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+            elif args.strategy == "group":
+                groups = w.reshape(w.shape[0], -1, args.group_size)
+                lo, hi = groups.amin(-1), groups.amax(-1)
             else:
                 lo, hi = w.amin(), w.amax()
-            scale, _ = calculate_qparams(lo, hi, args)
+            scale, zero = calculate_qparams(lo, hi, args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if not args.symmetric:
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(folder)
