@@ -10,8 +10,9 @@ float32's greedy tokens, models/quant/quality.py) and the perplexity on the firs
 bench/data/README.md) against float32's.
 
 ``--prequantized`` also writes the model as pre-quantized checkpoints and measures each as
-loaded from its folder: compressed-tensors fp8 and int8 per channel (written by the
-compressed-tensors library, scales from min/max) and AWQ and GPTQ 4-bit in groups of 64
+loaded from its folder: compressed-tensors fp8 and int8 per channel and W4A16 in groups of 32
+(written by the compressed-tensors library, scales from min/max) and AWQ and GPTQ 4-bit in
+groups of 64
 (tests/quant/checkpoint_writers.py: min-max round-to-nearest, no calibration, so these are
 the formats' floor, not what AWQ's or GPTQ's own searches reach); lm_head stays float.
 """
@@ -118,6 +119,7 @@ def _prequantized(folder: str):
     writers = {
         "compressed-tensors fp8 (channel)": lambda d: write_compressed_tensors(fresh(), d, "fp8-channel"),
         "compressed-tensors int8 (channel, packed)": lambda d: write_compressed_tensors(fresh(), d, "int8-packed"),
+        "compressed-tensors W4A16 (groups of 32, symmetric)": lambda d: write_compressed_tensors(fresh(), d, "w4a16"),
         "AWQ 4-bit g64": lambda d: write_4bit_checkpoint(d, "awq", group=64, model=fresh()),
         "GPTQ 4-bit g64": lambda d: write_4bit_checkpoint(d, "gptq_v2", group=64, model=fresh()),
     }  # fmt: skip
