@@ -433,8 +433,7 @@ def _keeps_gguf_quantization(
             f"quantization='gguf' is not available {why} ({folder!r}): it reads the quantized "
             "weights of a llama or qwen2 GGUF file on one device; use 'none', 'int8' or 'fp8'"
         )
-    # the default stays the float expansion until a native kernel runs GroupedWeight
-    return quantization == "gguf"
+    return usable and not transformed
 
 
 def load_tokenizer(path: str | os.PathLike):
