@@ -207,7 +207,8 @@ class EngineArgs:
         "weight-only quantization: int8 or fp8 (e4m3) values with one float32 scale per "
         "output channel, applied at load and dequantized inside each matmul; gguf: a GGUF "
         "model's own quantized weights (4- or 8-bit groups; unset: what the checkpoint holds, "
-        "so gguf for a GGUF model); none: float weights (a GGUF model's float expansion)",
+        "so gguf for a GGUF model unless --dtype is given); none: float weights (a GGUF "
+        "model's float expansion)",
         "-q",
         "--quantization",
         choices=QUANTIZATIONS,

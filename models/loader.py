@@ -398,7 +398,8 @@ def load_model(
     before they go to the device (tensor parallelism uses it to replicate KV heads).
     `quantization` "int8" or "fp8" quantizes the matmul weights on the host after that
     (`quant.quantize_params`), so only the quantized bytes reach the device; None or "gguf"
-    keeps a GGUF import's own quantized weights (models/gguf_params.py), "none" reads floats.
+    keeps a GGUF import's own quantized weights (models/gguf_params.py; None: unless a
+    `dtype` is given), "none" reads floats.
     """
     folder = resolve_model_path(model)
     check_checkpoint_quantization(folder)
@@ -406,7 +407,8 @@ def load_model(
     np_dtype = _choose_dtype(dtype, config)
     if quantization is not None:  # refuse before reading any weight
         check_quantization(config, quantization)
-    if _keeps_gguf_quantization(folder, config, quantization, host_transform is not None):
+    kept = _keeps_gguf_quantization(folder, config, quantization, dtype, host_transform is not None)
+    if kept:
         host = load_gguf_host_params(folder, config, np_dtype)
     else:
         host = load_host_params(folder, config, np_dtype, progress=progress)
@@ -418,12 +420,13 @@ def load_model(
 
 
 def _keeps_gguf_quantization(
-    folder: str, config: ModelConfig, quantization: str | None, transformed: bool
-) -> bool:
+    folder: str, config: ModelConfig, quantization: str | None, dtype: str | None,
+    transformed: bool,
+) -> bool:  # fmt: skip
     """Whether to load a GGUF import's own quantized weights: asked for ("gguf"), or by
-    default (None) where the folder has them, as vLLM reads a checkpoint's quantization.
-    Not under a host transform (tensor parallelism's KV-head replication rewrites float
-    leaves), where the default falls back to the float expansion."""
+    default (None) where the folder has them, as vLLM reads a checkpoint's quantization,
+    unless a ``dtype`` is chosen (the float expansion in that dtype) or a host transform
+    applies (tensor parallelism's KV-head replication rewrites float leaves)."""
     if quantization not in (None, "gguf"):
         return False
     usable = has_quantized_weights(folder) and config.model_type in GGUF_KEPT_MODEL_TYPES
@@ -433,7 +436,7 @@ def _keeps_gguf_quantization(
             f"quantization='gguf' is not available {why} ({folder!r}): it reads the quantized "
             "weights of a llama or qwen2 GGUF file on one device; use 'none', 'int8' or 'fp8'"
         )
-    return usable and not transformed
+    return usable and not transformed and (quantization == "gguf" or dtype is None)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -54,7 +54,10 @@ struct Pair {
 // Inputs [k, k + 16) of one output, in k order.
 template <int BITS>
 inline Pair unpack16(const uint8_t* row, int64_t k) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 32) {  // already dequantized (dequantize_rows)
+    const float* f = reinterpret_cast<const float*>(row) + k;
+    return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+  } else if constexpr (BITS == 4) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i even = _mm_and_si128(b, mask);
@@ -71,6 +74,7 @@ inline Pair unpack16(const uint8_t* row, int64_t k) {
 #endif
 
 inline float q_at(const uint8_t* row, int64_t k, int bits) {
+  if (bits == 32) return reinterpret_cast<const float*>(row)[k];
   if (bits == 4) return static_cast<float>((row[k / 2] >> (4 * (k & 1))) & 0x0F);
   return static_cast<float>(static_cast<int8_t>(row[k]));
 }
@@ -90,16 +94,20 @@ inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, int64_t
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256 s[NR], mn[NR];
-    for (int j = 0; j < NR; ++j) {
-      s[j] = _mm256_set1_ps(scales[j * groups + g]);
-      mn[j] = _mm256_set1_ps(mins != nullptr ? mins[j * groups + g] : 0.0f);
-    }
+    if constexpr (BITS != 32)
+      for (int j = 0; j < NR; ++j) {
+        s[j] = _mm256_set1_ps(scales[j * groups + g]);
+        mn[j] = _mm256_set1_ps(mins != nullptr ? mins[j * groups + g] : 0.0f);
+      }
     for (int64_t k = g * G; k < (g + 1) * G; k += kChunk) {
       Pair wv[NR];
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         const Pair q = unpack16<BITS>(w + j * row_bytes, k);
-        wv[j] = {_mm256_fmadd_ps(q.lo, s[j], mn[j]), _mm256_fmadd_ps(q.hi, s[j], mn[j])};
+        if constexpr (BITS == 32)
+          wv[j] = q;
+        else
+          wv[j] = {_mm256_fmadd_ps(q.lo, s[j], mn[j]), _mm256_fmadd_ps(q.hi, s[j], mn[j])};
       }
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
@@ -120,7 +128,8 @@ inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, int64_t
       float total = 0.0f;
       for (int64_t k = 0; k < K; ++k) {
         const int64_t g = j * groups + k / G;
-        const float wk = q_at(w + j * row_bytes, k, BITS) * scales[g] + (mins ? mins[g] : 0.0f);
+        const float q = q_at(w + j * row_bytes, k, BITS);
+        const float wk = BITS == 32 ? q : q * scales[g] + (mins ? mins[g] : 0.0f);
         total += wk * x[m * K + k];
       }
       out[m][j] = total;
@@ -151,12 +160,48 @@ void tile_any(int64_t rows, int64_t cols, const float* x, int64_t K, int64_t G,
 #undef JP_TILE
 }
 
-// Rows [m0, m0 + rows) of y over outputs [n0, n1).
+// Rows of weights [n0, n1) dequantized to float32 into out [n1 - n0, K].
+template <int BITS>
+void dequantize_rows(const uint8_t* w, const float* scales, const float* mins, int64_t K,
+                     int64_t G, int64_t n0, int64_t n1, float* out) {
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const int64_t groups = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float* o = out + (n - n0) * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scales[n * groups + g];
+      const float mn = mins != nullptr ? mins[n * groups + g] : 0.0f;
+#ifdef JAXPAGED_AVX2
+      const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(mn);
+      for (int64_t k = g * G; k < (g + 1) * G; k += kChunk) {
+        const Pair q = unpack16<BITS>(row, k);
+        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(q.lo, sv, mv));
+        _mm256_storeu_ps(o + k + 8, _mm256_fmadd_ps(q.hi, sv, mv));
+      }
+#else
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) o[k] = q_at(row, k, BITS) * s + mn;
+#endif
+    }
+  }
+}
+
+// Rows [m0, m0 + rows) of y over outputs [n0, n1). Past a register tile of rows, the item's
+// weights are dequantized once into a float32 buffer that every row tile then reads.
 template <int BITS>
 void block(const float* xf, const uint8_t* w, const float* scales, const float* mins,
            const float* residual, float* y, int64_t K, int64_t G, int64_t N, int64_t m0,
-           int64_t rows, int64_t n0, int64_t n1) {
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+           int64_t rows, int64_t n0, int64_t n1, int64_t w_first = 0) {  // w's first row
+  if constexpr (BITS != 32) {
+    if (rows > kMr) {
+      thread_local std::vector<float> buf;
+      if (buf.size() < static_cast<size_t>(kNb * K)) buf.resize(kNb * K);
+      dequantize_rows<BITS>(w, scales, mins, K, G, n0, n1, buf.data());
+      const uint8_t* wf = reinterpret_cast<const uint8_t*>(buf.data());
+      return block<32>(xf, wf, nullptr, nullptr, residual, y, K, G, N, m0, rows, n0, n1, n0);
+    }
+  }
+  const int64_t row_bytes = BITS == 4 ? K / 2 : BITS == 8 ? K : K * 4;
   const int64_t groups = K / G;
   const int64_t wide = rows <= 2 ? 4 : 2;  // outputs per tile
   for (int64_t n = n0; n < n1;) {
@@ -164,8 +209,9 @@ void block(const float* xf, const uint8_t* w, const float* scales, const float* 
     for (int64_t t = 0; t < rows; t += kMr) {
       const int64_t m = m0 + t;
       const float* base = residual != nullptr ? residual + m * N + n : nullptr;
-      tile_any<BITS>(std::min(kMr, rows - t), cols, xf + m * K, K, G, w + n * row_bytes,
-                     row_bytes, scales + n * groups, mins != nullptr ? mins + n * groups : nullptr,
+      tile_any<BITS>(std::min(kMr, rows - t), cols, xf + m * K, K, G, w + (n - w_first) * row_bytes,
+                     row_bytes, scales ? scales + n * groups : nullptr,
+                     mins != nullptr ? mins + n * groups : nullptr,
                      y + m * N + n, N, base);
     }
     n += cols;
