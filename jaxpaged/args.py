@@ -53,7 +53,7 @@ __all__ = [
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # jaxpaged.models.quant.QUANTIZATIONS (not imported here: this module stays free of JAX)
-QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8")
+QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "gguf", "none")
 # jaxpaged.models.quant.checkpoint.CHECKPOINT_FORMATS: pre-quantized formats, valid only for
 # checkpoints in that format (which are read as stored even when quantization is unset)
 CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
@@ -208,9 +208,12 @@ class EngineArgs:
     )
     quantization: str | None = _setting(
         None,
-        "weight-only quantization applied at load: int8 or fp8 (e4m3) values with one "
-        "float32 scale per output channel, dequantized inside each matmul (unset: none, or "
-        "the checkpoint's own if it is pre-quantized: compressed-tensors, awq, gptq)",
+        "weight-only quantization: int8 or fp8 (e4m3) values with one float32 scale per "
+        "output channel, applied at load and dequantized inside each matmul; gguf: a GGUF "
+        "model's own quantized weights (4- or 8-bit groups; unset: what the checkpoint holds, "
+        "so gguf for a GGUF model unless --dtype is given); none: float weights (a GGUF "
+        "model's float expansion); compressed-tensors, awq, gptq: a pre-quantized "
+        "checkpoint's format, read as stored (unset reads it so too)",
         "-q",
         "--quantization",
         choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,

@@ -2,8 +2,11 @@
 
 The bundled model ships only as a GGUF, and the rest of jaxpaged reads Hugging Face folders
 (config.json + model.safetensors + tokenizer.json), so this is the one bridge between them.
-The weights are dequantized to float32 with the `gguf` package; the tokenizer is rebuilt with
-`tokenizers` from the vocabulary, merges and token types in the GGUF metadata.
+The weights are dequantized to float32 with the `gguf` package (model.safetensors, which
+transformers reads too); matmul weights of the types gguf_quant.py reads are also written
+quantized (QUANTIZED_FILE), which is what jaxpaged serves by default (models/gguf_params.py).
+The tokenizer is rebuilt with `tokenizers` from the vocabulary, merges and token types in the
+GGUF metadata (gguf_tokenizer.py).
 
 CLI: ``python -m jaxpaged.models.gguf IN.gguf OUT_DIR``
 """
@@ -20,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .gguf_quant import KEPT_QUANTIZED_TYPES, grouped_from_blocks
+from .gguf_tokenizer import build_tokenizer, eos_ids
 
 # Model families this importer knows: GGUF architecture -> (HF model_type, HF architecture class).
 SUPPORTED_ARCHITECTURES = {
@@ -76,26 +82,6 @@ _GLOBAL_TENSORS = {
     "output": "lm_head",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-# llama.cpp token types (llama_token_type).
-_TOKEN_UNKNOWN = 2
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-# Pre-tokenizer split patterns, keyed by `tokenizer.ggml.pre` (the names llama.cpp uses). Each
-# reproduces the Hugging Face tokenizer.json the GGUF was converted from.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral")
-_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez")
-_GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm", "starcoder", "refact")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -329,198 +315,48 @@ def _weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.nda
     return out
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, (chr(c) for c in chars), strict=True))
-
-
-def _byte_level_bpe(g: _Gguf, tokens: list[str], types: list[int]) -> Any:
-    """GPT-2 style byte-level BPE ('gpt2' in GGUF): SmolLM, Llama 3, Qwen2."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    merges = [tuple(m.split(" ", 1)) for m in _scalar(g, "tokenizer.ggml.merges")]
-    pre = _scalar(g, "tokenizer.ggml.pre", required=False, default="default")
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        if types[i] not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and not set(tok) <= alphabet:
-            tok = "".join(spelling[b] for b in tok.encode("utf-8"))
-        vocab.setdefault(tok, i)
-
-    llama3_like = pre in _LLAMA3_PRE
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=llama3_like, fuse_unk=False)
-    )
-    if llama3_like or pre in _QWEN2_PRE:
-        split = _LLAMA3_SPLIT if llama3_like else _QWEN2_SPLIT
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(
-                    add_prefix_space=False, trim_offsets=False, use_regex=False
-                ),
-            ]
-        )
-        if pre in _QWEN2_PRE:
-            tok.normalizer = normalizers.NFC()
-    elif pre in _GPT2_PRE:
-        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        if pre == "smollm":  # SmolLM's tokenizer splits every digit on its own first
-            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    else:
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
-            f"{', '.join(sorted(_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE))}"
-        )
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two vocab
-    pieces, best-scored result first (what `sentencepiece` itself would merge)."""
-    vocab = {t: i for i, t in enumerate(tokens) if types[i] == 1}
-    found = []
-    for tok, i in vocab.items():
-        for cut in range(1, len(tok)):
-            left, right = tok[:cut], tok[cut:]
-            if left in vocab and right in vocab:
-                found.append((-scores[i], vocab[left], vocab[right], left, right))
-    found.sort()
-    return [(left, right) for *_, left, right in found]
-
-
-def _sentencepiece_bpe(g: _Gguf, tokens: list[str], types: list[int]) -> Any:
-    """SentencePiece BPE with byte fallback ('llama' in GGUF): Llama 2, Mistral, TinyLlama.
-    Like llama.cpp (and those models' own tokenizer.json), a space is prefixed to the text and to
-    each piece that follows a special token."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    if "tokenizer.ggml.merges" in g.metadata:
-        merges = [tuple(m.split(" ", 1)) for m in g.metadata["tokenizer.ggml.merges"]]
-    else:
-        scores = list(_scalar(g, "tokenizer.ggml.scores"))
-        merges = _spm_merges(tokens, scores, types)
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    unk_id = _scalar(g, "tokenizer.ggml.unknown_token_id", required=False)
-    tok = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            unk_token=tokens[unk_id] if unk_id is not None else None,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    prefix = bool(_scalar(g, "tokenizer.ggml.add_space_prefix", required=False, default=True))
-    steps = [normalizers.Replace(" ", "\u2581")]
-    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        steps.insert(0, normalizers.Prepend("\u2581"))
-        decode.append(decoders.Strip(" ", 1, 0))
-    tok.normalizer = normalizers.Sequence(steps)
-    tok.decoder = decoders.Sequence(decode)
-    return tok
-
-
-def _build_tokenizer(g: _Gguf) -> tuple[Any, dict[str, Any]]:
-    """A `tokenizers.Tokenizer` equal to the one the GGUF was made from, and the names of its
-    special tokens (for tokenizer_config.json)."""
-    from tokenizers import AddedToken, processors
-
-    kind = _scalar(g, "tokenizer.ggml.model")
-    tokens: list[str] = list(_scalar(g, "tokenizer.ggml.tokens"))
-    types = list(_scalar(g, "tokenizer.ggml.token_type", required=False, default=[1] * len(tokens)))
-    if kind == "gpt2":
-        tok = _byte_level_bpe(g, tokens, types)
-        vocab = tok.get_vocab()
-    elif kind == "llama":
-        tok = _sentencepiece_bpe(g, tokens, types)
-        vocab = tok.get_vocab()
-    else:
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level "
-            "BPE), 'llama' (SentencePiece BPE)"
-        )
-    # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
-    default_bos = kind == "llama"
-
-    def name_of(key: str) -> str | None:
-        idx = _scalar(g, f"tokenizer.ggml.{key}", required=False)
-        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-    special = {
-        "bos_token": name_of("bos_token_id"),
-        "eos_token": name_of("eos_token_id"),
-        "unk_token": name_of("unknown_token_id"),
-        "pad_token": name_of("padding_token_id"),
-    }
-    added = [
-        AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(tokens, types, strict=True)
-        if ty in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)
-    ]
-    tok.add_special_tokens(added)
-    tok.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(tokens, types, strict=True)
-            if ty == _TOKEN_USER_DEFINED
-        ]
-    )
-
-    add_bos = bool(_scalar(g, "tokenizer.ggml.add_bos_token", required=False, default=default_bos))
-    add_eos = bool(_scalar(g, "tokenizer.ggml.add_eos_token", required=False, default=False))
-    bos, eos = special["bos_token"], special["eos_token"]
-    if (add_bos and bos) or (add_eos and eos):
-
-        def seq(piece: str, type_id: int) -> str:
-            parts = [f"{bos}:{type_id}"] if add_bos and bos else []
-            parts.append(f"{piece}:{type_id}")
-            parts += [f"{eos}:{type_id}"] if add_eos and eos else []
-            return " ".join(parts)
-
-        used = {t: vocab[t] for t, on in ((bos, add_bos), (eos, add_eos)) if on and t}
-        tok.post_processor = processors.TemplateProcessing(
-            single=seq("$A", 0),
-            pair=f"{seq('$A', 0)} {seq('$B', 1)}",
-            special_tokens=list(used.items()),
-        )
-    elif kind == "gpt2":
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    special["add_bos_token"] = add_bos
-    special["add_eos_token"] = add_eos
-    return tok, special
-
-
-def _eos_ids(g: _Gguf) -> list[int]:
-    """End-of-generation ids: eos plus llama.cpp's end-of-turn / end-of-message tokens."""
-    ids = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        idx = _scalar(g, f"tokenizer.ggml.{key}", required=False)
-        if idx is not None and idx not in ids:
-            ids.append(int(idx))
-    return ids
-
-
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# The quantized matmul weights also written as GroupedWeight arrays, beside the float
+# model.safetensors (which transformers reads): "<hf name>.values", ".scales" and, 4-bit,
+# ".mins"; models/gguf_params.py loads them. The Gemma family's forward reads float weights.
+QUANTIZED_FILE = "gguf_quantized.safetensors"
+_KEPT_ARCHITECTURES = ("llama", "qwen2")
+_MATMUL_TENSORS = (
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+)  # fmt: skip
+
+
+def _quantized_weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The matmul weights (and token embedding and output) whose GGUF type is kept quantized
+    (gguf_quant.py), as the arrays of their `GroupedWeight`, rows in HF order."""
+    from gguf import GGMLQuantizationType
+
+    if arch not in _KEPT_ARCHITECTURES:
+        return {}
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in g.tensors.items():
+        m = _LAYER_RE.match(name)
+        kind = m.group(2) if m else name.rpartition(".")[0]
+        if not name.endswith(".weight") or kind not in (*_MATMUL_TENSORS, "token_embd", "output"):
+            continue
+        qtype = GGMLQuantizationType(tensor.tensor_type).name
+        if qtype not in KEPT_QUANTIZED_TYPES:
+            continue
+        cols, rows = (int(d) for d in tensor.shape)  # GGUF lists dims reversed
+        w = grouped_from_blocks(tensor.data, qtype, rows, cols)
+        arrays = {"values": w.values, "scales": w.scales, "mins": w.mins}
+        heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
+        hf_name = _hf_tensor_name(name, arch)
+        for part, a in arrays.items():
+            if a is None:
+                continue
+            if arch == "llama" and heads is not None:
+                a = _unpermute_rows(a, config[heads])
+            out[f"{hf_name}.{part}"] = np.ascontiguousarray(a)
+    return out
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -538,12 +374,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     g = _read(gguf_path)
     arch = _architecture(g)
     config = _config(g, arch)
-    tokenizer, special = _build_tokenizer(g)
+    tokenizer, special = build_tokenizer(g)
     weights = _weights(g, arch, config)
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
+    del weights
+    quantized = _quantized_weights(g, arch, config)
+    if quantized:
+        save_file(quantized, str(out / QUANTIZED_FILE), metadata={"format": "jaxpaged-grouped"})
+        (out / QUANTIZED_FILE).chmod(0o644)
     _write_json(out / "config.json", config)
     tokenizer.save(str(out / "tokenizer.json"))
 
@@ -562,7 +403,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         out / "special_tokens_map.json",
         {k: v for k, v in special.items() if k.endswith("_token") and v is not None},
     )
-    eos = _eos_ids(g)
+    eos = eos_ids(g)
     generation: dict[str, Any] = {"_from_model_config": True}
     if config["bos_token_id"] is not None:
         generation["bos_token_id"] = config["bos_token_id"]

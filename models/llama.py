@@ -39,7 +39,7 @@ from flax import nnx
 from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
 from .lora import LoraInputs, lora_delta
-from .quant.matmul import QUANTIZED_WEIGHTS, quantized_matmul
+from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul
 from .rope import rope_attention_factor, rope_inv_freq_at
 
 
@@ -326,7 +326,8 @@ class LlamaForCausalLM(nnx.Module):
         adds each token's adapter term after the matmuls it targets."""
         config = self.config
         linear_fn = linear_fn or linear_xla
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [T, D]
+        # a quantized table's rows come out float32: back to the params' dtype
+        x = embedding_rows(self.embed.get_value(), tokens).astype(self.final_norm[...].dtype)
         if activation_dtype is not None:
             x = x.astype(activation_dtype)
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)

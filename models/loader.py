@@ -26,12 +26,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from .gguf_params import GGUF_KEPT_MODEL_TYPES, has_quantized_weights, load_gguf_host_params
 from .hub import resolve_model_path
 from .llama import Params, param_shapes
 from .quant import GroupedWeight, QuantizedWeight, check_quantization, quantize_params
 from .quant.checkpoint import CheckpointQuantization, checkpoint_quantization, resolve_quantization
 from .quant.grouped import grouped_shardings
 from .quant.prequantized import check_prequantized, finish_buffers, prequantized_reading
+from .quant.weights import METHODS
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -376,10 +378,11 @@ def load_model(
     `dtype` is "float32", "bfloat16", "float16" or None (see the module docstring).
     `host_transform(config, host_params) -> (config, host_params)` rewrites the host arrays
     before they go to the device (tensor parallelism uses it to replicate KV heads).
-    `quantization` ("int8", "fp8" or None) quantizes the matmul weights on the host after
-    that (`quant.quantize_params`), so only the quantized bytes reach the device. A
-    pre-quantized checkpoint (`quant.checkpoint`) is read as stored; ``quantization`` must
-    then agree with it or be None.
+    `quantization` "int8" or "fp8" quantizes the matmul weights on the host after that
+    (`quant.quantize_params`), so only the quantized bytes reach the device; None or "gguf"
+    keeps a GGUF import's own quantized weights (models/gguf_params.py; None: unless a
+    `dtype` is given), "none" reads floats. A pre-quantized checkpoint (`quant.checkpoint`)
+    is read as stored; ``quantization`` must then agree with it or be None.
     """
     folder = resolve_model_path(model)
     prequantized = checkpoint_quantization(folder)
@@ -390,12 +393,39 @@ def load_model(
         check_prequantized(config, prequantized, folder)
     elif quantization is not None:
         check_quantization(config, quantization)
-    host = load_host_params(folder, config, np_dtype, progress=progress, prequantized=prequantized)
+    if prequantized is not None:
+        host = load_host_params(
+            folder, config, np_dtype, progress=progress, prequantized=prequantized
+        )
+    elif _keeps_gguf_quantization(folder, config, quantization, dtype, host_transform is not None):
+        host = load_gguf_host_params(folder, config, np_dtype)
+    else:
+        host = load_host_params(folder, config, np_dtype, progress=progress)
     if host_transform is not None:
         config, host = host_transform(config, host)
-    if quantization is not None and prequantized is None:
+    if quantization in METHODS and prequantized is None:
         host = quantize_params(host, config, quantization)
     return config, put_on_device(host, shardings)
+
+
+def _keeps_gguf_quantization(
+    folder: str, config: ModelConfig, quantization: str | None, dtype: str | None,
+    transformed: bool,
+) -> bool:  # fmt: skip
+    """Whether to load a GGUF import's own quantized weights: asked for ("gguf"), or by
+    default (None) where the folder has them, as vLLM reads a checkpoint's quantization,
+    unless a ``dtype`` is chosen (the float expansion in that dtype) or a host transform
+    applies (tensor parallelism's KV-head replication rewrites float leaves)."""
+    if quantization not in (None, "gguf"):
+        return False
+    usable = has_quantized_weights(folder) and config.model_type in GGUF_KEPT_MODEL_TYPES
+    if quantization == "gguf" and not (usable and not transformed):
+        why = "with tensor parallelism" if usable else "for this checkpoint"
+        raise ValueError(
+            f"quantization='gguf' is not available {why} ({folder!r}): it reads the quantized "
+            "weights of a llama or qwen2 GGUF file on one device; use 'none', 'int8' or 'fp8'"
+        )
+    return usable and not transformed and (quantization == "gguf" or dtype is None)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -37,8 +37,9 @@ def resolve_model_folder(
 
 def _import_gguf(path: Path) -> str:
     """The Hugging Face folder converted from ``path``, keyed on the file's identity."""
-    from .bundled import cache_dir, convert_into_cache
+    from .bundled import CONVERTER_VERSION, cache_dir, convert_into_cache
 
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERTER_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()
     return convert_into_cache(path, cache_dir() / f"gguf-{path.stem}-{key[:16]}")

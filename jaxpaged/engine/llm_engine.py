@@ -540,6 +540,8 @@ def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProc
 def _params_dtype(params: Params) -> Any:
     """The dtype of the model's floating-point state (its embedding for jaxpaged's own)."""
     embed = params.get("embed") if isinstance(params, dict) else None
+    if hasattr(embed, "scales"):  # a quantized embedding (a GGUF model's): the norms' dtype
+        embed = params.get("final_norm")
     if hasattr(embed, "dtype"):
         return embed.dtype
     leaves = jax.tree.leaves(params)

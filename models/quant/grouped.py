@@ -119,7 +119,10 @@ class GroupedWeight:
 
     def __getitem__(self, index: Any) -> GroupedWeight:
         """Indexes leading (stacking) axes, never the contracted ones: an int, a traced
-        int32 scalar, or a tuple of them."""
+        int32 scalar, or a tuple of them; ``None`` adds a leading axis of 1."""
+        if index is None:
+            mins = None if self.mins is None else self.mins[None]
+            return self._with(self.values[None], self.scales[None], mins, (1, *self.shape))
         index = index if isinstance(index, tuple) else (index,)
         lead = len(self.values.shape) - 1
         if len(index) > lead - 1 or any(isinstance(i, slice | type(None)) for i in index):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from .grouped import GroupedWeight
 from .weights import QuantizedWeight
 
-__all__ = ["QUANTIZED_WEIGHTS", "quantized_matmul"]
+__all__ = ["QUANTIZED_WEIGHTS", "embedding_rows", "quantized_matmul"]
 
 QUANTIZED_WEIGHTS = (QuantizedWeight, GroupedWeight)  # what quantized_matmul takes
 
@@ -36,3 +36,23 @@ def quantized_matmul(
         return jnp.einsum("ti,oi->to", x, w.dequantize(x.dtype))
     y = jnp.einsum("ti,oi->to", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scales[:, 0].astype(jnp.float32)).astype(x.dtype)
+
+
+def embedding_rows(
+    table: jax.Array | GroupedWeight,  # [V, D]
+    tokens: jax.Array,  # int32 [T]
+) -> jax.Array:  # [T, D]
+    """The embedding rows of ``tokens``; a quantized table (a GGUF model's tied embedding)
+    dequantizes only those rows, in float32."""
+    if isinstance(table, GroupedWeight):
+        mins = None if table.mins is None else jnp.take(table.mins, tokens, axis=0)
+        rows = GroupedWeight(
+            jnp.take(table.values, tokens, axis=0),
+            jnp.take(table.scales, tokens, axis=0),
+            mins,
+            (tokens.shape[0], table.shape[-1]),
+            table.group_size,
+            table.bits,
+        )
+        return rows.dequantize(jnp.float32)
+    return jnp.take(jnp.asarray(table), tokens, axis=0)

@@ -15,7 +15,10 @@ from .weights import METHODS, QuantizedWeight, quantize_array
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_params", "weight_bytes"]
 
-QUANTIZATIONS = tuple(METHODS)  # the methods `quantize_params` applies to a float checkpoint
+# The `quantization` settings: the methods `quantize_params` applies to a float checkpoint,
+# "gguf" (a GGUF import's own quantized weights, models/gguf_params.py; what a GGUF model is
+# served with by default) and "none" (floats: a GGUF model's float expansion).
+QUANTIZATIONS = (*METHODS, "gguf", "none")
 
 # leaf under "layers" -> how many trailing axes its matmul contracts (models/llama.py layout)
 LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
@@ -33,8 +36,10 @@ def is_quantized(params: Any) -> bool:
 def check_quantization(config: ModelConfig, method: str) -> None:
     """ValueError unless ``method`` is a known quantization that applies to ``config``'s
     family (checked before any weight is read)."""
-    if method not in METHODS:
-        raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if method == "none":
+        return
     if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES:
         raise ValueError(
             f"quantization={method!r} is not supported for model_type {config.model_type!r} "
@@ -48,6 +53,13 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
     float table for the lookup and get a quantized "lm_head" of their own, since the
     vocabulary projection is a fifth of a small model's streamed bytes."""
     check_quantization(config, method)
+    if method == "none":
+        return dict(params)
+    if method == "gguf":
+        raise ValueError(
+            "quantization='gguf' keeps a GGUF model's own quantized weights when it is loaded; "
+            "float params have none (use 'int8' or 'fp8')"
+        )
     if is_quantized(params):
         raise ValueError(f"quantization={method!r}: the params are already quantized")
     layers = dict(params["layers"])
