@@ -88,7 +88,7 @@ class QuantizedReader:
         bar = getattr(self.read_float, "bar", None)  # the loader's progress bar
         if bar is not None:
             bar.update(1)
-        if self.quant.method == "int4":
+        if self.quant.grouped_bits:
             weight = self._grouped(module, n, k)
         else:
             weight = self._per_channel(module, n, k)
@@ -151,6 +151,8 @@ class QuantizedReader:
                 f"{module}: {n} outputs x {k} inputs do not split into {q.format_name} groups "
                 f"of {g} and words of 8 (checkpoint {self.folder!r})"
             )
+        if q.grouped_bits == 8:
+            return self._ct_int8_groups(module, n, k, g)
         if q.quant_method == "compressed-tensors":
             return self._ct_int4(module, n, k, g)
         groups = (k // g, n)
@@ -166,6 +168,18 @@ class QuantizedReader:
             return gptq_weight(qweight, qzeros, scales, g_idx, g, zero_offset=q.zero_offset)
         except ValueError as e:
             raise ValueError(f"{module} (checkpoint {self.folder!r}): {e}") from None
+
+    def _ct_int8_groups(self, module: str, n: int, k: int, g: int) -> GroupedWeight:
+        """compressed-tensors int8 in groups (W8A16): the values as per channel, plain or
+        packed, and ``weight_scale`` [N, K / G]; w = q * s."""
+        if self.quant.packed:
+            values = self._unpack_int8(module, n, k)
+        else:
+            values = self._tensor(f"{module}.weight", (n, k))
+        if values.dtype != np.int8:
+            raise ValueError(f"tensor {module}.weight is {values.dtype}, expected int8")
+        scales = self._tensor(f"{module}.weight_scale", (n, k // g)).astype(np.float32)
+        return GroupedWeight(np.ascontiguousarray(values), scales, None, (n, k), g, 8)
 
     def _ct_int4(self, module: str, n: int, k: int, g: int) -> GroupedWeight:
         """compressed-tensors W4A16: ``weight_packed`` int32 [N, K / 8], eight 4-bit fields per
@@ -194,14 +208,16 @@ class StackedBuffer:
     @classmethod
     def empty(cls, shape: tuple[int, ...], in_axes: int, quant: CheckpointQuantization):
         lead = shape[: len(shape) - in_axes]
-        if quant.method == "int4":
-            k = math.prod(shape[len(lead) :])
-            g = k if quant.group_size == -1 else quant.group_size
+        k = math.prod(shape[len(lead) :])
+        g = k if quant.group_size == -1 else quant.group_size
+        if quant.grouped_bits == 4:  # values, scales, mins
             arrays = (
                 np.empty((*lead, k // 2), np.uint8),
                 np.empty((*lead, k // g), np.float32),
                 np.empty((*lead, k // g), np.float32),
             )
+        elif quant.grouped_bits == 8:  # values, scales
+            arrays = (np.empty((*lead, k), np.int8), np.empty((*lead, k // g), np.float32))
         else:
             arrays = (
                 np.empty(shape, METHODS[quant.method][0]),
@@ -215,7 +231,7 @@ class StackedBuffer:
 
     def __setitem__(self, index: Any, weight: Any) -> None:
         if isinstance(weight, GroupedWeight):
-            parts = (weight.values, weight.scales, weight.mins)
+            parts = tuple(a for a in (weight.values, weight.scales, weight.mins) if a is not None)
         elif isinstance(weight, QuantizedWeight):
             parts = (weight.values, weight.scales)
         else:
@@ -229,10 +245,12 @@ class StackedBuffer:
             array[index] = part
 
     def finish(self) -> QuantizedWeight | GroupedWeight:
-        if self.quant.method == "int4":
+        bits = self.quant.grouped_bits
+        if bits:
             k = math.prod(self.shape[len(self.shape) - self.in_axes :])
             g = k if self.quant.group_size == -1 else self.quant.group_size
-            return GroupedWeight(*self.arrays, self.shape, g, 4)
+            mins = self.arrays[2] if bits == 4 else None
+            return GroupedWeight(self.arrays[0], self.arrays[1], mins, self.shape, g, bits)
         return QuantizedWeight(*self.arrays)
 
 

@@ -34,6 +34,7 @@ CT_SCHEMES = {
     "fp8-tensor": (dict(num_bits=8, type="float", strategy="tensor"), "float-quantized"),
     "int8-packed": (dict(num_bits=8, type="int", strategy="channel"), None),  # pack-quantized
     "int8-plain": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
+    "w8a16": (dict(num_bits=8, type="int", strategy="group", group_size=32), "int-quantized"),
     "w4a16": (dict(num_bits=4, type="int", strategy="group", group_size=32), None),
     "w4a16-asym": (
         dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),

@@ -106,6 +106,24 @@ def _decompressed(folder: Path, scheme: str) -> transformers.PreTrainedModel:
     return model
 
 
+def test_w8a16_groups_read_into_8bit_grouped_weights(checkpoints):
+    """int8 in groups of 32 (llm-compressor's W8A16 layout) -> an 8-bit GroupedWeight whose
+    values are the stored int8s; logits as transformers runs the same checkpoint."""
+    folder = checkpoints["w8a16"]
+    config, params = load_model(folder, progress=False)
+    w_down = params["layers"]["w_down"]
+    assert isinstance(w_down, GroupedWeight) and w_down.bits == 8 and w_down.group_size == 32
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        stored = f.get_tensor("model.layers.0.mlp.down_proj.weight").numpy()
+        scales = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").numpy()
+    np.testing.assert_array_equal(np.asarray(w_down.values[0]), stored)
+    np.testing.assert_array_equal(np.asarray(w_down.scales[0]), scales)
+    ids = np.random.default_rng(6).integers(0, VOCAB, 24).astype(np.int32)
+    with torch.no_grad():
+        want = _reference(folder)(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    np.testing.assert_allclose(_logits(config, params, ids), want, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
 def test_w4a16_reads_into_grouped_weights(checkpoints, scheme):
     """4-bit groups of 32 (pack-quantized, symmetric or with zero points) -> GroupedWeight,
@@ -206,9 +224,9 @@ REFUSED = {
         lambda qc: _group(qc)["weights"].update(type="float", strategy="block"),
         r"8-bit float weights, strategy 'block'",
     ),
-    "int8-group": (
-        lambda qc: _group(qc)["weights"].update(strategy="group", group_size=32),
-        r"8-bit int weights, strategy 'group'",
+    "fp8-group": (
+        lambda qc: _group(qc)["weights"].update(type="float", strategy="group", group_size=32),
+        r"8-bit float weights, strategy 'group'",
     ),
     "asymmetric": (
         lambda qc: _group(qc)["weights"].update(symmetric=False),
