@@ -1,6 +1,7 @@
 """Reading a pre-quantized checkpoint's linear weights as stored (never through float): into
-`QuantizedWeight` (compressed-tensors int8 / fp8) or `GroupedWeight` (AWQ, GPTQ), and the
-stacked host buffers the loader fills with them.
+`QuantizedWeight` (compressed-tensors int8 / fp8 per channel or tensor) or `GroupedWeight`
+(compressed-tensors W8A16 / W4A16 groups, AWQ, GPTQ), and the stacked host buffers the loader
+fills with them.
 
 The loader fills each stacked leaf (``wqkv`` [L, Hkv, G + 2, hd, D], ``wo`` [L, D, Hkv, G,
 hd], ...) by indexing its leading axes and assigning reshaped HF tensors. `StackedBuffer`
