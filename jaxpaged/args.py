@@ -211,10 +211,10 @@ class EngineArgs:
         None,
         "weight-only quantization: int8 or fp8 (e4m3) values with one float32 scale per "
         "output channel, applied at load and dequantized inside each matmul; gguf: a GGUF "
-        "model's own quantized weights (4- or 8-bit groups); compressed-tensors, awq, gptq: "
-        "a pre-quantized checkpoint's own format; none: float weights (a GGUF model's float "
-        "expansion). Unset: what the checkpoint holds (gguf for a GGUF model, the "
-        "quantization_config of a pre-quantized one, else none)",
+        "model's own quantized weights (4- or 8-bit groups; unset: what the checkpoint holds, "
+        "so gguf for a GGUF model unless --dtype is given); none: float weights (a GGUF "
+        "model's float expansion); compressed-tensors, awq, gptq: a pre-quantized "
+        "checkpoint's format, read as stored (unset reads it so too)",
         "-q",
         "--quantization",
         choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,

@@ -267,7 +267,7 @@ def load_host_params(
     prequantized: CheckpointQuantization | None = None,
 ) -> dict[str, Any]:
     """Read and fuse the checkpoint into host numpy arrays shaped as `llama.param_shapes`
-    (``prequantized``: its linear weights read as stored, into `QuantizedWeight`s)."""
+    (``prequantized``: its linear weights read as stored, into quantized weights)."""
     st = SafetensorsIndex(safetensors_files(folder))
     if config.model_type in GPT_MODEL_TYPES:
         from . import gpt
@@ -385,9 +385,9 @@ def load_model(
     before they go to the device (tensor parallelism uses it to replicate KV heads).
     `quantization` "int8" or "fp8" quantizes the matmul weights on the host after that
     (`quant.quantize_params`), so only the quantized bytes reach the device; None or "gguf"
-    keeps a GGUF import's own quantized weights (models/gguf_params.py), "none" reads floats.
-    A pre-quantized checkpoint (`quant.checkpoint`) is read as stored; ``quantization`` must
-    then agree with it or be None.
+    keeps a GGUF import's own quantized weights (models/gguf_params.py; None: unless a
+    `dtype` is given), "none" reads floats. A pre-quantized checkpoint (`quant.checkpoint`)
+    is read as stored; ``quantization`` must then agree with it or be None.
     """
     folder = resolve_model_path(model)
     prequantized = checkpoint_quantization(folder)
@@ -398,7 +398,11 @@ def load_model(
         check_prequantized(config, prequantized, folder)
     elif quantization is not None:
         check_quantization(config, quantization)
-    if _keeps_gguf_quantization(folder, config, quantization, host_transform is not None):
+    if prequantized is not None:
+        host = load_host_params(
+            folder, config, np_dtype, progress=progress, prequantized=prequantized
+        )
+    elif _keeps_gguf_quantization(folder, config, quantization, dtype, host_transform is not None):
         host = load_gguf_host_params(folder, config, np_dtype)
     else:
         host = load_host_params(
@@ -412,12 +416,13 @@ def load_model(
 
 
 def _keeps_gguf_quantization(
-    folder: str, config: ModelConfig, quantization: str | None, transformed: bool
-) -> bool:
+    folder: str, config: ModelConfig, quantization: str | None, dtype: str | None,
+    transformed: bool,
+) -> bool:  # fmt: skip
     """Whether to load a GGUF import's own quantized weights: asked for ("gguf"), or by
-    default (None) where the folder has them, as vLLM reads a checkpoint's quantization.
-    Not under a host transform (tensor parallelism's KV-head replication rewrites float
-    leaves), where the default falls back to the float expansion."""
+    default (None) where the folder has them, as vLLM reads a checkpoint's quantization,
+    unless a ``dtype`` is chosen (the float expansion in that dtype) or a host transform
+    applies (tensor parallelism's KV-head replication rewrites float leaves)."""
     if quantization not in (None, "gguf"):
         return False
     usable = has_quantized_weights(folder) and config.model_type in GGUF_KEPT_MODEL_TYPES
@@ -427,8 +432,7 @@ def _keeps_gguf_quantization(
             f"quantization='gguf' is not available {why} ({folder!r}): it reads the quantized "
             "weights of a llama or qwen2 GGUF file on one device; use 'none', 'int8' or 'fp8'"
         )
-    # the default stays the float expansion until a native kernel runs GroupedWeight
-    return quantization == "gguf"
+    return usable and not transformed and (quantization == "gguf" or dtype is None)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -1,6 +1,7 @@
 """Native CPU kernels called through XLA FFI: ragged paged attention (cpu_native.cc),
 linear layers over weights in panel layout (cpu_linear.cc; int8-quantized weights in
-cpu_linear_q8.cc, wrapped by linear_q8.py) and greedy sampling's argmax (cpu_argmax.cc).
+cpu_linear_q8.cc, wrapped by linear_q8.py; group-wise 4- and 8-bit weights in
+cpu_linear_q4.cc, wrapped by linear_q4.py) and greedy sampling's argmax (cpu_argmax.cc).
 
 The C++ sources ship with the package and are compiled on first use with the system C++
 compiler into `$JAXPAGED_CACHE/native/` (keyed by source, compiler flags and CPU), so
@@ -32,6 +33,7 @@ _SOURCES = (
     _HERE / "cpu_native.cc",
     _HERE / "cpu_linear.cc",
     _HERE / "cpu_linear_q8.cc",
+    _HERE / "cpu_linear_q4.cc",
     _HERE / "cpu_argmax.cc",
 )
 _HEADERS = (_HERE / "cpu_fused.h", _HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
@@ -39,6 +41,7 @@ _TARGET = "jaxpaged_paged_attention"
 _QUANT_TARGET = "jaxpaged_paged_attention_quant"  # 8-bit pools with per-(token, head) scales
 _LINEAR_TARGET = "jaxpaged_linear"
 _LINEAR_Q8_TARGET = "jaxpaged_linear_q8"
+_LINEAR_Q4_TARGET = "jaxpaged_linear_q4"  # group-wise 4- and 8-bit weights
 _WRITE_KV_TARGET = "jaxpaged_write_kv"
 _ARGMAX_TARGET = "jaxpaged_argmax"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-march=native", "-w")
@@ -108,6 +111,7 @@ def _register() -> str | None:
                 (_QUANT_TARGET, lib.JaxpagedPagedAttentionQuant),
                 (_LINEAR_TARGET, lib.JaxpagedLinear),
                 (_LINEAR_Q8_TARGET, lib.JaxpagedLinearQ8),
+                (_LINEAR_Q4_TARGET, lib.JaxpagedLinearQ4),
                 (_WRITE_KV_TARGET, lib.JaxpagedWriteKV),
                 (_ARGMAX_TARGET, lib.JaxpagedArgmax),
             ):

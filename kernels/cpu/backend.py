@@ -2,7 +2,8 @@
 
 - The native kernels: paged attention (cpu_native.cc), every matmul (cpu_linear.cc) and greedy
   sampling's argmax (cpu_argmax.cc), used together when the "cpu" attention backend is in use
-  on one device; int8-quantized weights take cpu_linear_q8.cc's matmul instead.
+  on one device; int8-quantized weights take cpu_linear_q8.cc's matmul instead, and
+  group-wise quantized ones (a GGUF model's) cpu_linear_q4.cc's.
 - The matmul weights, repacked once into the native matmul's panel layout.
 - The weights every step streams, moved onto 2 MiB pages (huge_pages.py).
 - glibc malloc tuning (host_malloc.py): process-wide, so applied only when the caller asks
@@ -26,6 +27,7 @@ from .. import cpu
 from ..attention import default_backend
 from ..step_kernels import StepKernels, argmax_xla
 from . import features, host_malloc, huge_pages
+from .linear_q4 import is_grouped_weight, linear_q4
 from .linear_q8 import is_int8_weight, linear_q8, pack_panels_q8
 
 __all__ = ["CpuBackend", "WeightMap"]
@@ -43,6 +45,9 @@ class CpuBackend:
     # with native_linear: every matmul weight is int8 with per-output scales (models/quant),
     # run by linear_q8 over q8 panels
     int8_weights: bool = False
+    # with native_linear: the matmul weights are group-wise quantized (models/quant/grouped.py)
+    # or float; each runs in its own kernel (linear_q4, or cpu.linear over panels)
+    grouped_weights: bool = False
     native_argmax: bool = False  # greedy sampling in cpu.argmax
     # The hidden states' dtype between layers where it is not the params' (None: theirs).
     # cpu.linear computes in float32 on every CPU (it widens bfloat16 weights as it reads
@@ -77,6 +82,7 @@ class CpuBackend:
             native_attention=native,
             native_linear=kind is not None,
             int8_weights=kind == "int8",
+            grouped_weights=kind == "grouped",
             native_argmax=native,
             activation_dtype="float32" if narrow else None,
             bf16_dot=features.has_bf16_dot(),
@@ -86,6 +92,8 @@ class CpuBackend:
     def kernels(self) -> StepKernels:
         """What the jitted step calls."""
         native = linear_q8 if self.int8_weights else cpu.linear
+        if self.grouped_weights:
+            native = _linear_by_weight
         return StepKernels(
             linear=native if self.native_linear else None,
             argmax=cpu.argmax if self.native_argmax else argmax_xla,
@@ -97,6 +105,8 @@ class CpuBackend:
         layout (one copy) under the native matmul, else the params as they are."""
         if not self.native_linear:
             return params
+        if self.grouped_weights:
+            return map_matmul_weights(params, _pack_float_panels)
         return map_matmul_weights(params, pack_panels_q8 if self.int8_weights else cpu.pack_panels)
 
     def back_with_huge_pages(self, arrays: Iterable[jax.Array]) -> int:
@@ -111,29 +121,52 @@ class CpuBackend:
         return host_malloc.keep_step_buffers()
 
 
-def _matmul_views(
-    params: Any, map_matmul_weights: WeightMap
-) -> list[tuple[int, int, jnp.dtype, bool]]:
-    """(output size, input size, dtype, int8-quantized) of every matmul weight view
-    pack_weights would pack."""
-    views: list[tuple[int, int, jnp.dtype, bool]] = []
+def _matmul_views(params: Any, map_matmul_weights: WeightMap) -> list[tuple[int, int, Any, str]]:
+    """(output size, input size, dtype, kind) of every matmul weight view pack_weights would
+    pack; kind is "int8" (per-output scales), "grouped" (group-wise) or "float"."""
+    views: list[tuple[int, int, Any, str]] = []
 
     def record(w: Any) -> Any:  # [L', N, K]
-        views.append((w.shape[-2], w.shape[-1], jnp.dtype(w.dtype), is_int8_weight(w)))
+        kind = "grouped" if is_grouped_weight(w) else "int8" if is_int8_weight(w) else "float"
+        if kind == "float" and hasattr(w, "group_size"):
+            kind = "grouped, no kernel"  # a group size linear_q4 does not take
+        views.append((w.shape[-2], w.shape[-1], jnp.dtype(w.dtype), kind))
         return w
 
     jax.eval_shape(lambda p: map_matmul_weights(p, record), params)
     return views
 
 
-def _linear_kind(views: list[tuple[int, int, jnp.dtype, bool]]) -> str | None:
+def _linear_kind(views: list[tuple[int, int, Any, str]]) -> str | None:
     """Which native matmul runs every matmul of these `_matmul_views` (shapes and dtypes
-    only): "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized) or None
+    only): "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized), "grouped"
+    (linear_q4 for the group-wise quantized weights, cpu.linear for float ones) or None
     (XLA's)."""
-    if not views or any(n % cpu.PANEL for n, _, _, _ in views):
-        return None  # no views: the model leaves its matmuls to XLA
-    if all(dtype in cpu.LINEAR_DTYPES and not q for _, _, dtype, q in views):
+    if not views:
+        return None  # the model leaves its matmuls to XLA
+    floats_fit = all(
+        n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES
+        for n, _, dtype, kind in views
+        if kind == "float"
+    )
+    kinds = {kind for *_, kind in views}
+    if "grouped" in kinds and kinds <= {"grouped", "float"}:
+        return "grouped" if floats_fit else None
+    if any(n % cpu.PANEL for n, *_ in views):
+        return None
+    if kinds == {"float"} and floats_fit:
         return "float"
-    if all(q and k % 2 == 0 for _, k, _, q in views):
+    if kinds == {"int8"} and all(k % 2 == 0 for _, k, _, _ in views):
         return "int8"
     return None
+
+
+def _pack_float_panels(w: Any) -> Any:
+    """A float weight in cpu.linear's panel layout; a group-wise one as it is."""
+    return w if is_grouped_weight(w) else cpu.pack_panels(w)
+
+
+def _linear_by_weight(x: jax.Array, w: Any, layer: Any, **fused: Any) -> jax.Array:
+    """cpu.linear's contract for params that mix group-wise quantized weights (linear_q4)
+    and float ones in panel layout (cpu.linear): chosen per weight while tracing."""
+    return (linear_q4 if is_grouped_weight(w) else cpu.linear)(x, w, layer, **fused)

@@ -6,9 +6,11 @@ Read formats (weight-only, symmetric unless said):
 
 - compressed-tensors (llm-compressor's output): 8-bit float weights (e4m3, one scale per
   output channel or per tensor) -> ``fp8``; 8-bit integer weights per channel ->
-  ``int8``; stored plain ("naive-quantized", "float-quantized", "int-quantized") or packed in
-  int32 ("pack-quantized"). Activation quantization (W8A8, FP8 with input scales), block and
-  group scales, sparsity, KV cache schemes and transforms are refused by name.
+  ``int8``, in groups of inputs (W8A16) -> ``int8-group``; stored plain ("naive-quantized",
+  "float-quantized", "int-quantized") or packed in int32 ("pack-quantized"); 4-bit integer weights in groups or per channel, symmetric or
+  with zero points (W4A16, "pack-quantized") -> ``int4``. Activation quantization (W8A8,
+  FP8 with input scales), block scales, sparsity, KV cache schemes and transforms are
+  refused by name.
 
 - AWQ (AutoAWQ's "gemm" version) and GPTQ (AutoGPTQ / GPTQModel, "gptq" and "gptq_v2"
   formats, without act-order): 4-bit weights with a scale and zero per group of inputs ->
@@ -55,12 +57,19 @@ class CheckpointQuantization:
     """How a checkpoint's quantized linear weights are stored and what they load as."""
 
     quant_method: str  # config.json's quant_method, e.g. "compressed-tensors"
-    # the params' format: "int8" or "fp8" (QuantizedWeight), "int4" (GroupedWeight)
+    # the params' format: "int8" or "fp8" (QuantizedWeight), "int4" or "int8-group"
+    # (GroupedWeight, 4 or 8 bits)
     method: str
     strategy: str  # "channel" (a scale per output), "tensor" (one scale) or "group"
     packed: bool = False  # compressed-tensors "pack-quantized": values packed in int32 words
     group_size: int = 0  # "group": inputs per scale; -1 = all of K (one group per output)
     zero_offset: int = 0  # added to GPTQ's stored zeros (1 in its v1 format)
+    symmetric: bool = True  # compressed-tensors 4-bit: False = zero points stored
+
+    @property
+    def grouped_bits(self) -> int:
+        """4 or 8 for a format read into `GroupedWeight`s, else 0."""
+        return {"int4": 4, "int8-group": 8}.get(self.method, 0)
 
     @property
     def marker(self) -> str:
@@ -136,7 +145,8 @@ def _compressed_tensors(qc: Mapping[str, Any], folder: str) -> CheckpointQuantiz
     def refuse(what: str) -> ValueError:
         return ValueError(
             f"checkpoint {folder!r} (compressed-tensors): {what} is not supported; jaxpaged "
-            "reads weight-only fp8 (per channel or tensor) and int8 (per channel) schemes"
+            "reads weight-only fp8 (per channel or tensor), int8 (per channel or group) and int4 "
+            "(W4A16) schemes"
         )
 
     sparsity = qc.get("sparsity_config") or {}
@@ -169,17 +179,32 @@ def _compressed_tensors(qc: Mapping[str, Any], folder: str) -> CheckpointQuantiz
 
 def _weight_scheme(w: Mapping[str, Any], fmt: str, refuse, where: str) -> CheckpointQuantization:
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    symmetric = w.get("symmetric", True)
     scheme = f"{bits}-bit {kind} weights, strategy {strategy!r} ({where}.weights)"
+    if w.get("dynamic"):
+        raise refuse("dynamic " + scheme)
+    if bits == 4 and kind == "int" and strategy in ("group", "channel") and fmt == "pack-quantized":
+        # W4A16: a GroupedWeight (a channel scale is one group of all K inputs)
+        group = int(w.get("group_size") or -1) if strategy == "group" else -1
+        return CheckpointQuantization(
+            "compressed-tensors", "int4", strategy, packed=True, group_size=group,
+            symmetric=bool(symmetric),
+        )  # fmt: skip
     if bits != 8 or kind not in ("float", "int"):
         raise refuse(scheme)
-    if not w.get("symmetric", True) or w.get("dynamic"):
-        raise refuse(("asymmetric " if not w.get("symmetric", True) else "dynamic ") + scheme)
+    if not symmetric:
+        raise refuse("asymmetric " + scheme)
     if kind == "float" and strategy in ("channel", "tensor") and fmt != "pack-quantized":
         return CheckpointQuantization("compressed-tensors", "fp8", strategy)
     if kind == "int" and strategy == "channel":
         return CheckpointQuantization(
             "compressed-tensors", "int8", strategy, packed=fmt == "pack-quantized"
         )
+    if kind == "int" and strategy == "group":  # llm-compressor's W8A16 preset: groups of 128
+        return CheckpointQuantization(
+            "compressed-tensors", "int8-group", strategy, packed=fmt == "pack-quantized",
+            group_size=int(w.get("group_size") or -1),
+        )  # fmt: skip
     raise refuse(scheme)
 
 

@@ -1,6 +1,7 @@
 """Reading a pre-quantized checkpoint's linear weights as stored (never through float): into
-`QuantizedWeight` (compressed-tensors int8 / fp8) or `GroupedWeight` (AWQ, GPTQ), and the
-stacked host buffers the loader fills with them.
+`QuantizedWeight` (compressed-tensors int8 / fp8 per channel or tensor) or `GroupedWeight`
+(compressed-tensors W8A16 / W4A16 groups, AWQ, GPTQ), and the stacked host buffers the loader
+fills with them.
 
 The loader fills each stacked leaf (``wqkv`` [L, Hkv, G + 2, hd, D], ``wo`` [L, D, Hkv, G,
 hd], ...) by indexing its leading axes and assigning reshaped HF tensors. `StackedBuffer`
@@ -29,8 +30,8 @@ import numpy as np
 
 from ..config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
 from .checkpoint import CheckpointQuantization
-from .gptq_awq import awq_weight, gptq_weight
-from .grouped import GroupedWeight
+from .gptq_awq import awq_weight, gptq_weight, unpack_int4_words
+from .grouped import GroupedWeight, pack_nibbles
 from .params import LAYER_IN_AXES
 from .weights import METHODS, QuantizedWeight
 
@@ -85,7 +86,10 @@ class QuantizedReader:
         if not name.endswith(".weight") or f"{module}.{self.quant.marker}" not in self.st:
             return self.read_float(name, shape)  # float in the checkpoint (ignored, a norm)
         n, k = shape
-        if self.quant.method == "int4":
+        bar = getattr(self.read_float, "bar", None)  # the loader's progress bar
+        if bar is not None:
+            bar.update(1)
+        if self.quant.grouped_bits:
             weight = self._grouped(module, n, k)
         else:
             weight = self._per_channel(module, n, k)
@@ -125,13 +129,16 @@ class QuantizedReader:
             )
         return QuantizedWeight(np.ascontiguousarray(values), scale)
 
-    def _unpack_int8(self, module: str, n: int, k: int) -> np.ndarray:
+    def _check_weight_shape(self, module: str, n: int, k: int) -> None:
         stored = tuple(int(s) for s in self._tensor(f"{module}.weight_shape"))
         if stored != (n, k):
             raise ValueError(
                 f"tensor {module}.weight_shape says {stored}, expected {(n, k)} for this "
                 f"config (checkpoint {self.folder!r})"
             )
+
+    def _unpack_int8(self, module: str, n: int, k: int) -> np.ndarray:
+        self._check_weight_shape(module, n, k)
         packed = self._tensor(f"{module}.weight_packed", (n, -(-k // 4)))
         # four 8-bit fields per little-endian int32 word: its bytes in order, offset by 128
         as_bytes = np.ascontiguousarray(packed).astype("<i4").view(np.uint8)[:, :k]
@@ -145,6 +152,10 @@ class QuantizedReader:
                 f"{module}: {n} outputs x {k} inputs do not split into {q.format_name} groups "
                 f"of {g} and words of 8 (checkpoint {self.folder!r})"
             )
+        if q.grouped_bits == 8:
+            return self._ct_int8_groups(module, n, k, g)
+        if q.quant_method == "compressed-tensors":
+            return self._ct_int4(module, n, k, g)
         groups = (k // g, n)
         scales = self._tensor(f"{module}.scales", groups)
         if q.quant_method == "awq":
@@ -159,6 +170,33 @@ class QuantizedReader:
         except ValueError as e:
             raise ValueError(f"{module} (checkpoint {self.folder!r}): {e}") from None
 
+    def _ct_int8_groups(self, module: str, n: int, k: int, g: int) -> GroupedWeight:
+        """compressed-tensors int8 in groups (W8A16): the values as per channel, plain or
+        packed, and ``weight_scale`` [N, K / G]; w = q * s."""
+        if self.quant.packed:
+            values = self._unpack_int8(module, n, k)
+        else:
+            values = self._tensor(f"{module}.weight", (n, k))
+        if values.dtype != np.int8:
+            raise ValueError(f"tensor {module}.weight is {values.dtype}, expected int8")
+        scales = self._tensor(f"{module}.weight_scale", (n, k // g)).astype(np.float32)
+        return GroupedWeight(np.ascontiguousarray(values), scales, None, (n, k), g, 8)
+
+    def _ct_int4(self, module: str, n: int, k: int, g: int) -> GroupedWeight:
+        """compressed-tensors W4A16: ``weight_packed`` int32 [N, K / 8], eight 4-bit fields per
+        word in bit order, each stored as q + 8 (q signed); ``weight_scale`` [N, K / G]; with
+        zero points, ``weight_zero_point`` int32 [N / 8, K / G] packed the same way along N.
+        w = (q - zp) * s = u * s - (zp + 8) * s for the stored u = q + 8."""
+        self._check_weight_shape(module, n, k)
+        u = unpack_int4_words(self._tensor(f"{module}.weight_packed", (n, k // 8)))
+        scales = self._tensor(f"{module}.weight_scale", (n, k // g)).astype(np.float32)
+        if self.quant.symmetric:
+            zero_stored = np.full(scales.shape, 8.0, np.float32)
+        else:
+            zp = self._tensor(f"{module}.weight_zero_point", (n // 8, k // g))
+            zero_stored = unpack_int4_words(np.ascontiguousarray(zp.T)).T.astype(np.float32)
+        return GroupedWeight(pack_nibbles(u), scales, -zero_stored * scales, (n, k), g, 4)
+
 
 class StackedBuffer:
     """A stacked quantized leaf being filled: the arrays of its quantized weight, each with
@@ -171,14 +209,16 @@ class StackedBuffer:
     @classmethod
     def empty(cls, shape: tuple[int, ...], in_axes: int, quant: CheckpointQuantization):
         lead = shape[: len(shape) - in_axes]
-        if quant.method == "int4":
-            k = math.prod(shape[len(lead) :])
-            g = k if quant.group_size == -1 else quant.group_size
+        k = math.prod(shape[len(lead) :])
+        g = k if quant.group_size == -1 else quant.group_size
+        if quant.grouped_bits == 4:  # values, scales, mins
             arrays = (
                 np.empty((*lead, k // 2), np.uint8),
                 np.empty((*lead, k // g), np.float32),
                 np.empty((*lead, k // g), np.float32),
             )
+        elif quant.grouped_bits == 8:  # values, scales
+            arrays = (np.empty((*lead, k), np.int8), np.empty((*lead, k // g), np.float32))
         else:
             arrays = (
                 np.empty(shape, METHODS[quant.method][0]),
@@ -192,7 +232,7 @@ class StackedBuffer:
 
     def __setitem__(self, index: Any, weight: Any) -> None:
         if isinstance(weight, GroupedWeight):
-            parts = (weight.values, weight.scales, weight.mins)
+            parts = tuple(a for a in (weight.values, weight.scales, weight.mins) if a is not None)
         elif isinstance(weight, QuantizedWeight):
             parts = (weight.values, weight.scales)
         else:
@@ -206,10 +246,12 @@ class StackedBuffer:
             array[index] = part
 
     def finish(self) -> QuantizedWeight | GroupedWeight:
-        if self.quant.method == "int4":
+        bits = self.quant.grouped_bits
+        if bits:
             k = math.prod(self.shape[len(self.shape) - self.in_axes :])
             g = k if self.quant.group_size == -1 else self.quant.group_size
-            return GroupedWeight(*self.arrays, self.shape, g, 4)
+            mins = self.arrays[2] if bits == 4 else None
+            return GroupedWeight(self.arrays[0], self.arrays[1], mins, self.shape, g, bits)
         return QuantizedWeight(*self.arrays)
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import torch
@@ -20,6 +21,8 @@ from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jaxpaged.models.gguf import convert_gguf, main
+from jaxpaged.models.loader import load_model
+from jaxpaged.models.quant import GroupedWeight
 
 Q = gguf.GGMLQuantizationType
 
@@ -314,6 +317,25 @@ def test_synthetic_quantized_roundtrip(tmp_path):
             np.testing.assert_allclose(got, ref, rtol=0, atol=amax / 127 * 0.51 + 1e-3 * amax)
         else:  # 4-bit: 16 levels per block
             np.testing.assert_allclose(got, ref, rtol=0, atol=amax / 7)
+    # served quantized by default where a stacked leaf's parts share one kept format; the
+    # rest (mixed or F16/BF16 parts) is the float expansion; the same numbers either way
+    folder = str(tmp_path / "hf")
+    _, kept = load_model(folder, progress=False)
+    _, floats = load_model(folder, quantization="none", progress=False)
+    grouped = lambda x: isinstance(x, GroupedWeight)  # noqa: E731
+    formats = jax.tree.map(lambda x: (x.bits, x.group_size) if grouped(x) else None, kept,
+                           is_leaf=grouped)  # fmt: skip
+    assert formats["layers"]["wo"] == (4, 32)  # Q4_0
+    assert formats["lm_head"] == (8, 32)  # Q8_0
+    for name in ("wqkv", "w_gate_up", "w_down"):  # Q8_0 + F16 + BF16, Q4_1 + Q8_0, F16
+        assert formats["layers"][name] is None, name
+    assert formats["embed"] is None  # F16
+    for path, leaf in jax.tree_util.tree_flatten_with_path(kept, is_leaf=grouped)[0]:
+        want = floats
+        for key in path:
+            want = want[key.key]
+        got = leaf.dequantize(np.float32) if grouped(leaf) else leaf
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
 
 
 K_LAYOUT = {  # bytes per 256-value block, offsets of its float16 scale fields (ggml-common.h)

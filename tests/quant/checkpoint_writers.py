@@ -1,5 +1,6 @@
-"""Writers of tiny pre-quantized Llama checkpoints for the tests: a word-level tokenizer, and
-AWQ and GPTQ packers that follow the formats' published layouts (AutoAWQ's GEMM packer: the
+"""Writers of pre-quantized Llama checkpoints for the tests and bench/quant_quality.py: a
+word-level tokenizer, compressed-tensors checkpoints written by the compressed-tensors library
+itself, and AWQ and GPTQ packers that follow the formats' published layouts (AutoAWQ's GEMM packer: the
 eight outputs of a word in the order 0, 2, 4, 6, 1, 3, 5, 7; AutoGPTQ's packer: inputs in
 order along qweight's rows, zeros stored minus one in its v1 format), independent of the
 reader in models/quant/gptq_awq.py."""
@@ -27,6 +28,19 @@ TINY = dict(
     tie_word_embeddings=False,
     initializer_range=0.1,
 )
+# name -> (compressed-tensors weight args, storage format forced, or None = its default)
+CT_SCHEMES = {
+    "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), None),
+    "fp8-tensor": (dict(num_bits=8, type="float", strategy="tensor"), "float-quantized"),
+    "int8-packed": (dict(num_bits=8, type="int", strategy="channel"), None),  # pack-quantized
+    "int8-plain": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
+    "w8a16": (dict(num_bits=8, type="int", strategy="group", group_size=32), "int-quantized"),
+    "w4a16": (dict(num_bits=4, type="int", strategy="group", group_size=32), None),
+    "w4a16-asym": (
+        dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+        None,
+    ),
+}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c + order[i]
 
@@ -38,6 +52,46 @@ def write_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1")
     fast.save_pretrained(folder)
+
+
+def write_compressed_tensors(model, folder: Path, scheme: str, ignore=("lm_head",)) -> None:
+    """``model`` (a transformers model, changed in place) quantized by compressed-tensors and
+    saved to ``folder``: scales from each weight's own min/max (the library's
+    calculate_qparams), compressed and saved by its ModelCompressor."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    weights, fmt = CT_SCHEMES[scheme]
+    args = QuantizationArgs(**{"symmetric": True, **weights}, dynamic=False)
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=list(ignore),
+    )
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.data
+            if args.strategy == "channel":
+                lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+            elif args.strategy == "group":
+                groups = w.reshape(w.shape[0], -1, args.group_size)
+                lo, hi = groups.amin(-1), groups.amax(-1)
+            else:
+                lo, hi = w.amin(), w.amax()
+            scale, zero = calculate_qparams(lo, hi, args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if not args.symmetric:
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
 
 
 def quantize_4bit(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -99,12 +153,15 @@ def pack_gptq(q, zeros, scales, group: int, *, v1: bool = True) -> dict[str, np.
     }
 
 
-def write_4bit_checkpoint(folder: Path, fmt: str, group: int = 32, seed: int = 0) -> dict:
-    """A tiny random Llama with every decoder linear in ``fmt`` ("awq", "gptq" or
-    "gptq_v2"), lm_head and the rest float. Returns the float state dict of the same
-    dequantized weights (the reference for transformers)."""
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+def write_4bit_checkpoint(
+    folder: Path, fmt: str, group: int = 32, seed: int = 0, model=None
+) -> dict:
+    """``model`` (default: a tiny random Llama) with every decoder linear in ``fmt``
+    ("awq", "gptq" or "gptq_v2"), lm_head and the rest float. Returns the float state dict
+    of the same dequantized weights (the reference for transformers)."""
+    if model is None:
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
     model.save_pretrained(folder)  # config, generation config; the weights are rewritten
     reference = {k: v.numpy().copy() for k, v in model.state_dict().items()}
     tensors = {}
@@ -132,5 +189,4 @@ def write_4bit_checkpoint(folder: Path, fmt: str, group: int = 32, seed: int = 0
               "sym": False, "checkpoint_format": fmt}  # fmt: skip
     config["quantization_config"] = qc
     (folder / "config.json").write_text(json.dumps(config))
-    write_tokenizer(folder)
     return reference

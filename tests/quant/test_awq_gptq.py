@@ -19,6 +19,7 @@ from checkpoint_writers import (
     pack_gptq,
     quantize_4bit,
     write_4bit_checkpoint,
+    write_tokenizer,
 )
 
 from jaxpaged import LLM, SamplingParams
@@ -62,7 +63,11 @@ def test_gptq_act_order_is_refused():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gptq_awq")
-    return {fmt: (root / fmt, write_4bit_checkpoint(root / fmt, fmt)) for fmt in ("awq", "gptq")}
+    out = {}
+    for fmt in ("awq", "gptq"):
+        out[fmt] = (root / fmt, write_4bit_checkpoint(root / fmt, fmt))
+        write_tokenizer(root / fmt)
+    return out
 
 
 def _transformers(reference: dict) -> transformers.PreTrainedModel:

@@ -1,6 +1,6 @@
 """GGUF kept quantized (models/gguf_quant.py, models/gguf_params.py): every supported block
 type against the gguf package's own float expansion, and the bundled SmolLM2 (Q4_1 layers,
-Q8_0 embedding) loaded quantized against its float import."""
+Q8_0 embedding) loaded quantized against its float import, and run as CPU serving runs it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
+from jaxpaged.models import load_tokenizer
 from jaxpaged.models.gguf_quant import KEPT_QUANTIZED_TYPES, grouped_from_blocks
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quant import GroupedWeight, weight_bytes
+from jaxpaged.models.quant.quality import sequence_logits
 
 TEXT = Path(__file__).parents[2] / "docs" / "architecture.md"
 
@@ -102,6 +104,25 @@ def _at(tree, path):
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+def test_bundled_served_quantized_matches_the_float_import(bundled_model_path, bundled_both):
+    """As CPU serving runs them: the quantized model in linear_q4 (the CpuBackend's choice),
+    the float one in cpu.linear; same argmax at every position of a fixed text."""
+    from jaxpaged.kernels.cpu.backend import CpuBackend
+    from jaxpaged.models.llama import map_matmul_weights
+
+    config, quantized, floats = bundled_both
+    ids = load_tokenizer(bundled_model_path)(TEXT.read_text())["input_ids"][:64]
+    logits = {}
+    for name, params in (("gguf", quantized), ("float", floats)):
+        weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+        backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
+        assert backend.grouped_weights == (name == "gguf") and backend.native_linear
+        packed = backend.pack_weights(params, weight_map)
+        logits[name] = sequence_logits(packed, config, ids, linear_fn=backend.kernels.linear)
+    np.testing.assert_allclose(logits["gguf"], logits["float"], rtol=1e-3, atol=1e-3)
+    assert np.array_equal(logits["gguf"].argmax(-1), logits["float"].argmax(-1))
 
 
 def test_gguf_quantization_is_refused_where_there_is_nothing_to_keep(tmp_path):

@@ -11,6 +11,9 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged.kernels import cpu
+from jaxpaged.kernels.cpu.linear_q4 import linear_q4
+from jaxpaged.models.layers import rms_norm
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
 from jaxpaged.models.quant import GroupedWeight, is_quantized, quantize_grouped, weight_bytes
 from jaxpaged.models.quant.grouped import grouped_shardings, pack_nibbles, unpack_nibbles
@@ -150,3 +153,56 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
         return np.asarray(compute_logits(p, hidden, config=config))
 
     np.testing.assert_allclose(logits(params), logits(twin), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
+@pytest.mark.parametrize(
+    "bits,group,m,real,k,n",
+    [(4, 32, 1, 1, 64, 16), (4, 32, 7, 5, 576, 50), (8, 32, 33, 30, 576, 20),
+     (8, 16, 3, 3, 96, 5), (4, 128, 100, 97, 256, 64)],
+)  # fmt: skip
+def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
+    """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
+    the residual's rows without a matmul."""
+    rng = np.random.default_rng(m * k + n + bits)
+    w = quantize_grouped(rng.normal(0, 1, (3, n, k)).astype(np.float32), 1, group, bits)
+    x, gate = (jnp.asarray(rng.normal(0, 1, (m, k)), jnp.float32) for _ in range(2))
+    residual = jnp.asarray(rng.normal(0, 1, (m, n)), jnp.float32)
+    norm_w = jnp.asarray(rng.normal(0, 1, (k,)), jnp.float32)
+
+    @jax.jit
+    def run(x, w, g, r, nw):
+        return linear_q4(x, w, 2, num_rows=real, residual=r, norm=(nw, 1e-5), silu_gate=g)
+
+    got = np.asarray(run(x, jax.tree.map(jnp.asarray, w), gate, residual, norm_w))
+    xr = np.asarray(rms_norm(jax.nn.silu(gate) * x, norm_w, 1e-5))
+    want = np.asarray(residual) + xr @ w.dequantize(np.float32)[2].T
+    np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-3)
+    np.testing.assert_array_equal(got[real:], np.asarray(residual)[real:])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
+def test_cpu_backend_runs_grouped_weights_in_linear_q4():
+    from jaxpaged.kernels.cpu.backend import CpuBackend
+    from jaxpaged.models.llama import map_matmul_weights
+
+    config = tiny_config()
+    params = jax.tree.map(jnp.asarray, _grouped_params(random_params(config), config, 4))
+    weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+    backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
+    assert backend.native_linear and backend.grouped_weights and not backend.int8_weights
+    packed = backend.pack_weights(params, weight_map)
+    tokens = jnp.asarray([5, 17, 3, 90], jnp.int32)
+    positions = jnp.arange(4, dtype=jnp.int32)
+
+    def logits(p, linear_fn):
+        hidden, _ = forward(p, tokens, positions, config=config, linear_fn=linear_fn)
+        return np.asarray(compute_logits(p, hidden, config=config, linear_fn=linear_fn))
+
+    native = logits(packed, backend.kernels.linear)
+    np.testing.assert_allclose(native, logits(params, None), rtol=1e-4, atol=1e-4)
+    small = _grouped_params(random_params(config), config, 4)  # group 16: still the kernel's
+    mixed = {**small, "lm_head": jnp.asarray(random_params(config)["embed"])}  # a float head
+    assert CpuBackend.select(
+        mixed, weight_map, attention_backend="cpu", sharded=False
+    ).grouped_weights

@@ -15,56 +15,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoint_writers import TINY, VOCAB, write_tokenizer
-from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.quantization import (
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-    apply_quantization_config,
-)
-from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from checkpoint_writers import CT_SCHEMES, TINY, VOCAB, write_compressed_tensors, write_tokenizer
 from safetensors import safe_open
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.llama import compute_logits, forward
 from jaxpaged.models.loader import load_model
-from jaxpaged.models.quant import QuantizedWeight
-
-# name -> (weights args, compressed-tensors storage format forced, or None = its default)
-SCHEMES = {
-    "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), None),
-    "fp8-tensor": (dict(num_bits=8, type="float", strategy="tensor"), "float-quantized"),
-    "int8-packed": (dict(num_bits=8, type="int", strategy="channel"), None),  # pack-quantized
-    "int8-plain": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
-}
+from jaxpaged.models.quant import GroupedWeight, QuantizedWeight
 
 
 def make_checkpoint(folder: Path, scheme: str, ignore=("lm_head",)) -> Path:
-    """A tiny random Llama quantized by compressed-tensors: scales from each weight's own
-    min/max (the library's calculate_qparams), compressed and saved by its ModelCompressor."""
-    weights, fmt = SCHEMES[scheme]
+    """A tiny random Llama quantized by compressed-tensors (checkpoint_writers)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
-    args = QuantizationArgs(**weights, symmetric=True, dynamic=False)
-    config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-        ignore=list(ignore),
-    )
-    apply_quantization_config(model, config)
-    for module in model.modules():
-        if hasattr(module, "weight_scale"):
-            w = module.weight.data
-            if args.strategy == "channel":
-                lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-            else:
-                lo, hi = w.amin(), w.amax()
-            scale, _ = calculate_qparams(lo, hi, args)
-            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    model.save_pretrained(folder)
-    compressor.update_config(str(folder))
+    write_compressed_tensors(model, folder, scheme, ignore=ignore)
     write_tokenizer(folder)
     return folder
 
@@ -72,7 +36,7 @@ def make_checkpoint(folder: Path, scheme: str, ignore=("lm_head",)) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ct")
-    return {name: make_checkpoint(root / name, name) for name in SCHEMES}
+    return {name: make_checkpoint(root / name, name) for name in CT_SCHEMES}
 
 
 def _reference(folder: Path) -> transformers.PreTrainedModel:
@@ -84,7 +48,10 @@ def _logits(config, params, ids: np.ndarray) -> np.ndarray:
     return np.asarray(compute_logits(params, hidden, config=config))
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+EIGHT_BIT = ["fp8-channel", "fp8-tensor", "int8-packed", "int8-plain"]
+
+
+@pytest.mark.parametrize("scheme", EIGHT_BIT)
 def test_logits_equal_transformers_on_the_same_checkpoint(checkpoints, scheme):
     folder = checkpoints[scheme]
     config, params = load_model(folder, progress=False)
@@ -112,6 +79,73 @@ def test_logits_equal_transformers_on_the_same_checkpoint(checkpoints, scheme):
     ids = np.random.default_rng(3).integers(0, VOCAB, 24).astype(np.int32)
     with torch.no_grad():
         want = _reference(folder)(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    np.testing.assert_allclose(_logits(config, params, ids), want, atol=2e-5, rtol=1e-5)
+
+
+def _decompressed(folder: Path, scheme: str) -> transformers.PreTrainedModel:
+    """transformers' Llama over the checkpoint's weights as compressed-tensors' own
+    decompressor restores them (transformers 5.24's loader mis-shapes the packed zero points
+    of asymmetric checkpoints, so it cannot load them itself)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights, _ = CT_SCHEMES[scheme]
+    args = QuantizationArgs(**{"symmetric": True, **weights}, dynamic=False)
+    qscheme = QuantizationScheme(targets=["Linear"], weights=args)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    state = {}
+    for name in [k for k in tensors if k.endswith(".weight_packed")]:
+        module = name.removesuffix("weight_packed")
+        parts = {
+            k.removeprefix(module): tensors.pop(k) for k in list(tensors) if k.startswith(module)
+        }
+        state[module + "weight"] = PackedQuantizationCompressor.decompress(parts, qscheme)["weight"]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    model.load_state_dict({**tensors, **state})
+    return model
+
+
+def test_w8a16_groups_read_into_8bit_grouped_weights(checkpoints):
+    """int8 in groups of 32 (llm-compressor's W8A16 layout) -> an 8-bit GroupedWeight whose
+    values are the stored int8s; logits as transformers runs the same checkpoint."""
+    folder = checkpoints["w8a16"]
+    config, params = load_model(folder, progress=False)
+    w_down = params["layers"]["w_down"]
+    assert isinstance(w_down, GroupedWeight) and w_down.bits == 8 and w_down.group_size == 32
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        stored = f.get_tensor("model.layers.0.mlp.down_proj.weight").numpy()
+        scales = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").numpy()
+    np.testing.assert_array_equal(np.asarray(w_down.values[0]), stored)
+    np.testing.assert_array_equal(np.asarray(w_down.scales[0]), scales)
+    ids = np.random.default_rng(6).integers(0, VOCAB, 24).astype(np.int32)
+    with torch.no_grad():
+        want = _reference(folder)(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    np.testing.assert_allclose(_logits(config, params, ids), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
+def test_w4a16_reads_into_grouped_weights(checkpoints, scheme):
+    """4-bit groups of 32 (pack-quantized, symmetric or with zero points) -> GroupedWeight,
+    its integers the ones compressed-tensors' own unpacker finds in the file."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    folder = checkpoints[scheme]
+    config, params = load_model(folder, progress=False)
+    wo = params["layers"]["wo"]
+    assert isinstance(wo, GroupedWeight) and wo.bits == 4 and wo.group_size == 32
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        prefix = "model.layers.1.self_attn.o_proj."
+        packed, shape = (
+            f.get_tensor(prefix + "weight_packed"),
+            f.get_tensor(prefix + "weight_shape"),
+        )
+    signed = unpack_from_int32(packed, 4, torch.Size(shape.tolist())).numpy()  # q in -8..7
+    np.testing.assert_array_equal(np.asarray(wo[1].reshape(config.hidden_size, -1).q()), signed + 8)
+    ids = np.random.default_rng(4).integers(0, VOCAB, 24).astype(np.int32)
+    with torch.no_grad():
+        reference = _decompressed(folder, scheme)
+        want = reference(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
     np.testing.assert_allclose(_logits(config, params, ids), want, atol=2e-5, rtol=1e-5)
 
 
@@ -151,6 +185,14 @@ def test_a_leaf_quantized_in_part_loads_as_the_checkpoint_float(tmp_path):
     np.testing.assert_allclose(_logits(config, params, ids), want, atol=2e-5, rtol=1e-5)
 
 
+def test_the_setting_names_the_formats_read():
+    from jaxpaged.args import CHECKPOINT_QUANTIZATIONS, EngineArgs
+    from jaxpaged.models.quant.checkpoint import CHECKPOINT_FORMATS
+
+    assert CHECKPOINT_QUANTIZATIONS == CHECKPOINT_FORMATS
+    assert EngineArgs(quantization="awq").quantization == "awq"
+
+
 def test_explicit_quantization_must_agree_with_the_checkpoint(checkpoints, tmp_path):
     folder = checkpoints["int8-plain"]
     with pytest.raises(ValueError, match="quantization='fp8' disagrees.*compressed-tensors int8"):
@@ -182,15 +224,18 @@ REFUSED = {
         lambda qc: _group(qc)["weights"].update(type="float", strategy="block"),
         r"8-bit float weights, strategy 'block'",
     ),
-    "int8-group": (
-        lambda qc: _group(qc)["weights"].update(strategy="group", group_size=32),
-        r"8-bit int weights, strategy 'group'",
+    "fp8-group": (
+        lambda qc: _group(qc)["weights"].update(type="float", strategy="group", group_size=32),
+        r"8-bit float weights, strategy 'group'",
     ),
     "asymmetric": (
         lambda qc: _group(qc)["weights"].update(symmetric=False),
         r"asymmetric 8-bit int weights",
     ),
-    "4-bit": (lambda qc: _group(qc)["weights"].update(num_bits=4), r"4-bit int weights"),
+    "4-bit unpacked": (
+        lambda qc: _group(qc)["weights"].update(num_bits=4),
+        r"4-bit int weights, strategy 'channel'",
+    ),
     "2:4 sparsity": (
         lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}),
         r"sparsity \(sparsity_config.format='sparse-24-bitmask', e.g. 2:4\)",

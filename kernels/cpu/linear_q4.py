@@ -1,0 +1,66 @@
+"""The native matmul over group-wise quantized weights (cpu_linear_q4.cc): 4-bit values two
+per byte with float32 scales and mins per group of inputs, or 8-bit values with scales.
+
+A weight arrives as the model's ``GroupedWeight`` (``values`` uint8 [L, N, K/2] or int8
+[L, N, K], ``scales`` and ``mins`` float32 [L, N, K/G], ``bits``); kernels import nothing of
+ours, so it is read through those attributes. It needs no repacking: the kernel reads the
+format's own layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _LINEAR_Q4_TARGET, _fused_operands, _require
+
+__all__ = ["is_grouped_weight", "linear_q4"]
+
+CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
+
+
+def is_grouped_weight(w: Any) -> bool:
+    """Whether ``w`` is a group-wise quantized weight the kernel reads (any group size that
+    is a multiple of 16)."""
+    group = getattr(w, "group_size", None)
+    return group is not None and hasattr(w, "scales") and group % CHUNK == 0
+
+
+def linear_q4(
+    x: jax.Array,  # float32 or bfloat16 [M, K]
+    w: Any,  # values [L, N, K/2] uint8 or [L, N, K] int8, scales (and mins) [L, N, K/G]
+    layer: jax.Array | int,  # int32 []
+    *,
+    num_rows: jax.Array | int | None = None,  # int32 []: rows of x that are real (default M)
+    out_dtype: jnp.dtype | None = None,  # default: x's dtype
+    residual: jax.Array | None = None,  # [M, N]
+    norm: tuple[jax.Array, float] | None = None,  # (weight [K], eps)
+    silu_gate: jax.Array | None = None,  # [M, K]
+) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ dequantize(w[layer]).T  [M, N]
+    """`cpu.linear`'s contract over a group-wise quantized weight, in float32 (x is not
+    rounded): each group's products are summed, times its scale, plus its min times the sum
+    of x over the group."""
+    _require("kernels")
+    values, scales, mins, bits = w.values, w.scales, w.mins, w.bits
+    k = x.shape[-1]
+    if x.ndim != 2 or values.ndim != 3 or values.shape[2] * (2 if bits == 4 else 1) != k:
+        raise ValueError(
+            f"linear_q4 needs x [M, K] and a weight [L, N, K], got {x.shape} and {w.shape}"
+        )
+    if not is_grouped_weight(w):
+        raise ValueError(f"linear_q4 needs a group size that is a multiple of {CHUNK}")
+    out = jax.ShapeDtypeStruct((x.shape[0], values.shape[1]), jnp.float32)
+    none = jnp.zeros((0,), jnp.float32)
+    y = jax.ffi.ffi_call(_LINEAR_Q4_TARGET, out)(
+        x.astype(jnp.float32),
+        values,
+        scales.astype(jnp.float32),
+        none if mins is None else mins.astype(jnp.float32),
+        *_fused_operands(x, out, layer, num_rows, residual, norm, silu_gate),
+        norm_eps=np.float32(0.0 if norm is None else norm[1]),
+        bits=np.int64(bits),
+    )
+    return y.astype(out_dtype or x.dtype)
