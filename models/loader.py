@@ -398,11 +398,10 @@ def load_model(
         check_prequantized(config, prequantized, folder)
     elif quantization is not None:
         check_quantization(config, quantization)
-    if prequantized is not None:
-        host = load_host_params(
-            folder, config, np_dtype, progress=progress, prequantized=prequantized
-        )
-    elif _keeps_gguf_quantization(folder, config, quantization, dtype, host_transform is not None):
+    transformed = host_transform is not None
+    if prequantized is None and _keeps_gguf_quantization(
+        folder, config, quantization, dtype, transformed
+    ):
         host = load_gguf_host_params(folder, config, np_dtype)
     else:
         host = load_host_params(
