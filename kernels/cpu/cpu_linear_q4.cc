@@ -10,9 +10,11 @@
 //
 // Each 16 inputs of an output are unpacked in registers (the low and high nibbles of 8 bytes
 // interleaved back into k order, widened to two 8-float vectors), dequantized with two FMAs,
-// and multiplied into every row of a register tile of x (FMA, float32 throughout: x is not
-// rounded). A work item is (row block, 16 outputs), so each weight streams from memory once
-// per row block of kMc rows.
+// and multiplied into every row of a register tile of x (FMA, float32 throughout). Past a
+// register tile of rows, a work item (row block, 16 outputs) dequantizes its weights once into
+// a float32 buffer that every row tile reads, so each weight streams from memory once per row
+// block of kMc rows. Up to kIntRows rows (decode at batch 1-2) take an int16 path instead
+// (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd.
 
 #include <algorithm>
 #include <cmath>
@@ -218,6 +220,96 @@ void block(const float* xf, const uint8_t* w, const float* scales, const float* 
   }
 }
 
+#ifdef JAXPAGED_AVX2
+// Few rows (a decode step's): x is rounded to int16 per row (max |x| / 32767, as
+// cpu_linear_q8.cc) so that 16 weights widen to int16 in one instruction and multiply in one
+// vpmaddwd, where the float path spends four conversions and two FMAs on dequantizing them:
+// a batch-1 step was compute-bound on those. The group's int32 sums are scaled once.
+void quantize_row16(const float* x, int64_t K, int64_t G, int16_t* xq, float* scale,
+                    int32_t* sums) {
+  float absmax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(x[k]));
+  const float s = absmax > 0.0f ? absmax / 32767.0f : 1.0f;
+  const float inv = 1.0f / s;
+  for (int64_t g = 0; g < K / G; ++g) {
+    int32_t total = 0;
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+      xq[k] = static_cast<int16_t>(std::lrintf(std::clamp(x[k] * inv, -32767.0f, 32767.0f)));
+      total += xq[k];
+    }
+    sums[g] = total;
+  }
+  *scale = s;
+}
+
+template <int BITS>
+inline __m256i unpack16_i16(const uint8_t* row, int64_t k) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    return _mm256_cvtepu8_epi16(q);
+  } else {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+  }
+}
+
+// y[j] for one row (int16 xq, its scale and group sums) and NR outputs.
+template <int NR, int BITS>
+inline void tile_int(const int16_t* xq, float xs, const int32_t* sums, int64_t K, int64_t G,
+                     const uint8_t* w, int64_t row_bytes, const float* scales,
+                     const float* mins, float* y, const float* base) {
+  const int64_t groups = K / G;
+  __m256 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i part[NR];
+    for (int j = 0; j < NR; ++j) part[j] = _mm256_setzero_si256();
+    for (int64_t k = g * G; k < (g + 1) * G; k += kChunk) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+        part[j] = _mm256_add_epi32(
+            part[j], _mm256_madd_epi16(unpack16_i16<BITS>(w + j * row_bytes, k), xv));
+    }
+    for (int j = 0; j < NR; ++j)
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[j]),
+                               _mm256_set1_ps(scales[j * groups + g]), acc[j]);
+  }
+  for (int j = 0; j < NR; ++j) {
+    float v = jaxpaged::hsum(acc[j]);
+    if (mins != nullptr)
+      for (int64_t g = 0; g < groups; ++g) v += mins[j * groups + g] * static_cast<float>(sums[g]);
+    y[j] = v * xs + (base ? base[j] : 0.0f);
+  }
+}
+
+// Row m of y over outputs [n0, n1), from int16 x.
+template <int BITS>
+void row_int(const int16_t* xq, float xs, const int32_t* sums, const uint8_t* w,
+             const float* scales, const float* mins, const float* residual, float* y,
+             int64_t K, int64_t G, int64_t N, int64_t m, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const int64_t groups = K / G;
+  for (int64_t n = n0; n < n1;) {
+    const float* base = residual != nullptr ? residual + m * N + n : nullptr;
+    const uint8_t* wr = w + n * row_bytes;
+    const float* sr = scales + n * groups;
+    const float* mr = mins != nullptr ? mins + n * groups : nullptr;
+    if (n + 4 <= n1) {
+      tile_int<4, BITS>(xq, xs, sums, K, G, wr, row_bytes, sr, mr, y + m * N + n, base);
+      n += 4;
+    } else {
+      tile_int<1, BITS>(xq, xs, sums, K, G, wr, row_bytes, sr, mr, y + m * N + n, base);
+      n += 1;
+    }
+  }
+}
+#endif
+
+constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AVX2)
+
 ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
                         ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> num_rows,
@@ -262,8 +354,32 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   const uint8_t* wl = static_cast<const uint8_t*>(values.untyped_data()) + layer * N * row_bytes;
   const float* sl = scales.typed_data() + layer * N * groups;
   const float* ml = nibbles ? mins.typed_data() + layer * N * groups : nullptr;
-  const int64_t row_blocks = (M + kMc - 1) / kMc;
   const int64_t out_blocks = (N + kNb - 1) / kNb;
+#ifdef JAXPAGED_AVX2
+  if (M <= kIntRows) {
+    thread_local std::vector<int16_t> xq;
+    thread_local std::vector<int32_t> sums;
+    float xs[kIntRows];
+    if (xq.size() < static_cast<size_t>(M * K)) xq.resize(M * K);
+    if (sums.size() < static_cast<size_t>(M * groups)) sums.resize(M * groups);
+    for (int64_t r = 0; r < M; ++r)
+      quantize_row16(xfp + r * K, K, G, xq.data() + r * K, xs + r, sums.data() + r * groups);
+    const int16_t* xqp = xq.data();
+    const int32_t* sp = sums.data();
+    jaxpaged::parallel_for_runs(pool, M * out_blocks, [&](int64_t i) {
+      const int64_t m = i / out_blocks, n0 = (i % out_blocks) * kNb;
+      const int64_t n1 = std::min(N, n0 + kNb);
+      const int16_t* xr = xqp + m * K;
+      const int32_t* sr = sp + m * groups;
+      if (nibbles)
+        row_int<4>(xr, xs[m], sr, wl, sl, ml, fused.residual, yp, K, G, N, m, n0, n1);
+      else
+        row_int<8>(xr, xs[m], sr, wl, sl, nullptr, fused.residual, yp, K, G, N, m, n0, n1);
+    });
+    return ffi::Error::Success();
+  }
+#endif
+  const int64_t row_blocks = (M + kMc - 1) / kMc;
   jaxpaged::parallel_for_runs(pool, row_blocks * out_blocks, [&](int64_t i) {
     const int64_t m0 = (i / out_blocks) * kMc, n0 = (i % out_blocks) * kNb;
     const int64_t rows = std::min(kMc, M - m0), n1 = std::min(N, n0 + kNb);

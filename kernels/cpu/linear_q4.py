@@ -40,9 +40,10 @@ def linear_q4(
     norm: tuple[jax.Array, float] | None = None,  # (weight [K], eps)
     silu_gate: jax.Array | None = None,  # [M, K]
 ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ dequantize(w[layer]).T  [M, N]
-    """`cpu.linear`'s contract over a group-wise quantized weight, in float32 (x is not
-    rounded): each group's products are summed, times its scale, plus its min times the sum
-    of x over the group."""
+    """`cpu.linear`'s contract over a group-wise quantized weight: each group's products
+    summed, times its scale, plus its min times the sum of x over the group. In float32,
+    except for one or two real rows (decode at batch 1-2), whose x is rounded to int16 with
+    a per-row scale (max |x| / 32767, as linear_q8) so the products run in vpmaddwd."""
     _require("kernels")
     values, scales, mins, bits = w.values, w.scales, w.mins, w.bits
     k = x.shape[-1]
