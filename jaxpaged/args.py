@@ -161,8 +161,7 @@ class CliForm:
     nargs: str | None = None
 
 
-# Prefill tokens a step with decodes may carry (the scheduler lowers it to end the step on a
-# compiled size: 49 beside 15 decodes). Measured under `vllm bench serve` (16 in flight,
+# Prefill tokens a step with decodes may carry. Measured under `vllm bench serve` (16 in flight,
 # 256-token prompts, bench/prefill_ab.py): see bench/RESULTS.md.
 DEFAULT_PREFILL_WITH_DECODES = 64
 
@@ -252,6 +251,12 @@ class EngineArgs:
         "max_num_batched_tokens turns the cap off)",
         "--max-prefill-tokens-with-decodes",
         parse=positive_int,
+    )
+    fit_prefill_to_buckets: bool = _setting(
+        False,
+        "in a step with decodes, lower the prefill cap to end the step on a compiled size "
+        "(shorter mixed steps: a lower inter-token latency tail, a slower prefill)",
+        "--fit-prefill-to-buckets",
     )
     block_size: int = _setting(16, "tokens per KV cache block", "--block-size", parse=positive_int)
     gpu_memory_utilization: float = _setting(
@@ -457,6 +462,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             max_prefill_tokens_with_decodes=prefill_cap,
+            fit_prefill_to_buckets=self.fit_prefill_to_buckets,
         )
 
     def lora_config(self) -> LoraConfig:

@@ -114,13 +114,15 @@ class SchedulerConfig:
     sequences in one step; ``max_model_len`` bounds prompt + output of one request.
     ``max_prefill_tokens_with_decodes``: in a step that also carries decodes, the most
     tokens its prefill chunks take together (None: the whole budget), so that a prompt
-    arriving does not hold every running decode up for the length of its prefill."""
+    arriving does not hold every running decode up for the length of its prefill;
+    ``fit_prefill_to_buckets`` lowers that cap to end the step on a compiled size."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = "recompute"
     max_prefill_tokens_with_decodes: int | None = None
+    fit_prefill_to_buckets: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -130,6 +132,10 @@ class SchedulerConfig:
         cap = self.max_prefill_tokens_with_decodes
         if cap is not None and (not _is_int(cap) or cap < 1):
             raise ValueError(f"max_prefill_tokens_with_decodes must be an int >= 1, got {cap!r}")
+        if not isinstance(self.fit_prefill_to_buckets, bool):
+            raise ValueError(
+                f"fit_prefill_to_buckets must be a bool, got {self.fit_prefill_to_buckets!r}"
+            )
         if self.max_model_len < 2:
             raise ValueError(
                 f"max_model_len must be >= 2 (one prompt token and one output token), "

@@ -14,8 +14,8 @@ A request with ``structured_output`` is not scheduled while its token is in flig
 grammar's next mask needs that token): it decodes every other step, the others overlap.
 
 Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``; in a
-step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most, fewer
-to end the step on a compiled size: :mod:`jaxpaged.sched.prefill_cap`):
+step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most, with
+``fit_prefill_to_buckets`` fewer to end the step on a compiled size: :mod:`.prefill_cap`):
 
 1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
    of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
@@ -104,7 +104,8 @@ class Scheduler:
     ) -> None:
         """``num_blocks``: device KV blocks (the runner's sizing); ``max_loras``: device
         LoRA slots (0: LoRA off); ``step_sizes``: token counts of the runner's compiled
-        mixed-step shapes, which the prefill cap rounds to (:mod:`.prefill_cap`). Host swap slots:
+        mixed-step shapes, which the prefill cap rounds to with ``fit_prefill_to_buckets``
+        (:mod:`.prefill_cap`). Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
         mode (required there), else none."""
         self.config = scheduler_config
@@ -136,7 +137,7 @@ class Scheduler:
         # rows of the last planned step's sampled tokens: request id -> row
         self._prev_rows: dict[str, int] = {}
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
-        self.step_sizes = tuple(step_sizes)
+        self.step_sizes = tuple(step_sizes) if scheduler_config.fit_prefill_to_buckets else ()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:

@@ -16,13 +16,14 @@ from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.scheduler import Scheduler
 
 
-def make(cap, *, budget=64, max_num_seqs=8, step_sizes=()):
+def make(cap, *, budget=64, max_num_seqs=8, step_sizes=(), fit=False):
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=256,
             max_prefill_tokens_with_decodes=cap,
+            fit_prefill_to_buckets=fit,
         ),
         CacheConfig(block_size=4),
         num_blocks=64,
@@ -95,8 +96,16 @@ def test_the_cap_ends_the_step_on_a_compiled_size(cap, decodes, expected):
     assert prefill_cap(cap, decodes, ()) == cap
 
 
-def test_the_scheduler_rounds_its_chunks_to_the_step_sizes():
+def test_off_by_default_the_step_sizes_are_ignored():
     sched, runner = make(cap=16, step_sizes=(16, 32, 64))
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
+    step(sched, runner)
+    sched.add_request(make_request("b", list(range(1, 31)), max_tokens=3))
+    assert step(sched, runner) == {"a": 1, "b": 16}
+
+
+def test_the_scheduler_rounds_its_chunks_to_the_step_sizes():
+    sched, runner = make(cap=16, step_sizes=(16, 32, 64), fit=True)
     sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
     assert step(sched, runner) == {"a": 3}
     prompt = list(range(1, 31))  # 1 decode + 15 prompt tokens = 16 rows, twice
@@ -119,6 +128,8 @@ def test_no_cap_keeps_the_budget():
 def test_a_bad_cap_is_refused_by_name(bad):
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
         SchedulerConfig(max_prefill_tokens_with_decodes=bad)
+    with pytest.raises(ValueError, match="fit_prefill_to_buckets"):
+        SchedulerConfig(fit_prefill_to_buckets="yes")
 
 
 def test_engine_args_default_and_flag():
@@ -133,3 +144,6 @@ def test_engine_args_default_and_flag():
     assert args.scheduler_config(cfg).max_prefill_tokens_with_decodes == 512
     with pytest.raises(SystemExit):  # argparse: not a positive int
         parser.parse_args(["--max-prefill-tokens-with-decodes", "0"])
+    assert not EngineArgs().scheduler_config(cfg).fit_prefill_to_buckets
+    fit = EngineArgs.from_cli_args(parser.parse_args(["--fit-prefill-to-buckets"]))
+    assert fit.scheduler_config(cfg).fit_prefill_to_buckets

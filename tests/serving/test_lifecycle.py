@@ -219,3 +219,23 @@ def test_generated_stubs_are_current(tmp_path):
         for name in (f"{proto}_pb2.py", f"{proto}_pb2.pyi", f"{proto}_pb2_grpc.py"):
             with open(os.path.join(ROOT, "serving", name)) as a, open(tmp_path / name) as b:
                 assert a.read() == b.read(), f"serving/{name} is stale: run `make proto`"
+
+
+def test_the_server_freezes_the_heap_its_engine_leaves(monkeypatch):
+    """Objects from loading and warm-up are moved out of the collector's reach, so a full
+    collection while serving does not scan them again."""
+    import gc
+
+    from jaxpaged.cli.serve import build_engine, build_parser
+    from jaxpaged.engine import LLMEngine
+
+    made = []
+    loaded = [[] for _ in range(1000)]  # tracked objects, standing in for the loaded model
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        classmethod(lambda cls, engine_args: made.append(loaded) or "engine"))  # fmt: skip
+    gc.unfreeze()
+    try:
+        assert build_engine(build_parser().parse_args([])) == "engine" and made
+        assert gc.get_freeze_count() >= len(loaded)
+    finally:
+        gc.unfreeze()
