@@ -30,7 +30,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .gpt import layer_norm
-from .layers import alibi_slopes, dense_causal_attention
+from .layers import StackedParams, alibi_slopes, dense, dense_causal_attention
 from .llama import AttentionFn, Params
 
 
@@ -103,18 +103,13 @@ def bloom_gelu(x: jax.Array) -> jax.Array:
     return x * 0.5 * (1.0 + jnp.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
 
 
-def _dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
-    # x [T, K], w [N, K], b [N] -> [T, N]
-    return jnp.einsum("ti,oi->to", x, w) + b
-
-
 class BloomForCausalLM(nnx.Module):
     """BLOOM; the state is the params tree of the module docstring."""
 
     def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
         self.config = config
         shapes = param_shapes(config)
-        self.layers = _Stacked(shapes["layers"], dtype)
+        self.layers = StackedParams(shapes["layers"], dtype)
         for name, shape in shapes.items():
             if name != "layers":
                 setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
@@ -136,7 +131,7 @@ class BloomForCausalLM(nnx.Module):
         slopes = jnp.asarray(alibi_slopes(c.num_heads))  # float32 [H], a constant of the program
         x = jnp.take(self.embed[...], tokens, axis=0)
         x = layer_norm(x, self.embed_ln_w[...], self.embed_ln_b[...], eps)
-        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
+        layers = self.layers.arrays()
 
         def body(carry, layer):
             x, cache = carry
@@ -148,7 +143,7 @@ class BloomForCausalLM(nnx.Module):
             out = jnp.einsum("thd,ohd->to", attn.astype(x.dtype), w["wo"]) + w["bo"]
             x = (y if post else x) + out
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            mlp = _dense(bloom_gelu(_dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
+            mlp = dense(bloom_gelu(dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
             x = (y if post else x) + mlp
             return (x, cache), None
 
@@ -159,16 +154,6 @@ class BloomForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
         w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]
         return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
-
-
-class _Stacked(nnx.Module):
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
-        for name, shape in shapes.items():
-            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
-
-
-def _is_var(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 # ------------------------------------------------------------------- loading

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from .config import GEMMA_MODEL_TYPES, ModelConfig, RopeScaling
-from .layers import apply_rope, dense_causal_attention
+from .layers import StackedParams, apply_rope, dense_causal_attention
 from .llama import AttentionFn, Params
 from .rope import rope_attention_factor, rope_inv_freq_at
 
@@ -260,7 +260,7 @@ class GemmaForCausalLM(nnx.Module):
         self.config = config
         shapes = param_shapes(config)
         self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
-        self.layers = _Stacked(shapes["layers"], dtype)
+        self.layers = StackedParams(shapes["layers"], dtype)
         self.final_norm = nnx.Param(jnp.zeros(shapes["final_norm"], dtype))
 
     @classmethod
@@ -283,7 +283,7 @@ class GemmaForCausalLM(nnx.Module):
         c = self.config
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0) * jnp.asarray(math.sqrt(c.hidden_size), embed.dtype)
-        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
+        layers = self.layers.arrays()
         windows = layer_windows(c)
         p = _period(windows)
         run = dict(config=c, attention_fn=attention_fn)
@@ -308,16 +308,6 @@ class GemmaForCausalLM(nnx.Module):
         )
         cap = self.config.final_soft_cap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
-
-
-class _Stacked(nnx.Module):
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
-        for name, shape in shapes.items():
-            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
-
-
-def _is_var(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 # ------------------------------------------------------------------- loading

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .layers import dense_causal_attention
+from .layers import StackedParams, dense, dense_causal_attention
 from .llama import AttentionFn, Params
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -141,18 +141,13 @@ def layer_norm(
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
-    # x [T, K], w [N, K], b [N] -> [T, N]
-    return jnp.einsum("ti,oi->to", x, w) + b
-
-
 class GPTForCausalLM(nnx.Module):
     """GPT-2 and OPT; the state is the params tree of the module docstring."""
 
     def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
         self.config = config
         shapes = param_shapes(config)
-        self.layers = _Stacked(shapes["layers"], dtype)
+        self.layers = StackedParams(shapes["layers"], dtype)
         for name, shape in shapes.items():
             if name != "layers":
                 setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
@@ -173,7 +168,7 @@ class GPTForCausalLM(nnx.Module):
         t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
         x = jnp.take(self.embed[...], tokens, axis=0)
         x = x + jnp.take(self.pos_embed[...], positions + c.position_offset, axis=0)
-        layers = {k: jnp.asarray(v[...]) for k, v in vars(self.layers).items() if _is_var(v)}
+        layers = self.layers.arrays()
 
         def body(carry, layer):
             x, cache = carry
@@ -182,9 +177,9 @@ class GPTForCausalLM(nnx.Module):
             qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, Hq*hd]
             q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
             attn, cache = attention_fn(q, k, v, layer, cache)
-            x = x + _dense(attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"])
+            x = x + dense(attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"])
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            x = x + _dense(act(_dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
+            x = x + dense(act(dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
             return (x, cache), None
 
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
@@ -194,16 +189,6 @@ class GPTForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
         w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]
         return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
-
-
-class _Stacked(nnx.Module):
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
-        for name, shape in shapes.items():
-            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
-
-
-def _is_var(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 # ------------------------------------------------------------------- loading

@@ -1,4 +1,5 @@
-"""Stateless building blocks of the Llama family: RMSNorm, rotary embeddings, attention.
+"""Building blocks of the model families: RMSNorm, rotary embeddings, attention, biased
+dense layers and the stacked per-layer params every family scans over.
 
 Every function is pure jnp so it traces inside `lax.scan` and jit. Numerics follow
 Hugging Face transformers: norms, rotary angles and softmax run in float32, matmuls in the
@@ -13,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -119,3 +121,26 @@ def dense_causal_attention(
         bias = jnp.asarray(alibi_slopes, jnp.float32)[:, None, None] * rel
     out = grouped_attention(q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap, bias=bias)
     return out, cache
+
+
+def dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """A biased linear layer in the [out, in] weight layout of the stacked params."""
+    # x [T, K], w [N, K], b [N] -> [T, N]
+    return jnp.einsum("ti,oi->to", x, w) + b
+
+
+class StackedParams(nnx.Module):
+    """A family's per-layer leaves, each one nnx.Param stacked over layers [L, ...], so the
+    forward scans over them."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """Every stacked leaf as an array, by name (what the scanned layer body reads)."""
+        return {k: jnp.asarray(v[...]) for k, v in vars(self).items() if _is_variable(v)}
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
