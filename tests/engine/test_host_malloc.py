@@ -25,8 +25,11 @@ _CHILD = textwrap.dedent(
     import resource, sys, threading
     from jaxpaged import LLM, SamplingParams
     path, on_thread, batch = sys.argv[1], sys.argv[2] == "thread", 32
+    # the float expansion: the glibc tuning is for XLA's step buffers (the GGUF-kept kernel's
+    # thread-local scratch grows once per thread that first runs it, outside this measure)
     llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=batch,
-              num_kv_blocks=16 * batch, show_progress=False, configure_process=True)
+              num_kv_blocks=16 * batch, show_progress=False, configure_process=True,
+              quantization="none")
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for i in range(batch):
