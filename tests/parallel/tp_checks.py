@@ -22,115 +22,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tp_cases import ENGINE_ARGS, MAX_TOKENS, PROMPTS, make_tiny_model  # noqa: E402
-
-# Independent statement of the Megatron split (leaf -> split axis); vocab leaves only when N
-# divides V. The Llama layout (Gemma's too; MoE experts split on each expert's F):
-SPLIT_AXIS = {
-    "layers/wqkv": 1,
-    "layers/bqkv": 1,
-    "layers/wo": 2,
-    "layers/w_gate_up": 2,
-    "layers/w_down": 2,
-    "layers/w_experts_gate_up": 3,
-    "layers/w_experts_down": 3,
-    "layers/w_fc": 1,  # BLOOM's plain MLP
-    "layers/b_fc": 1,
-    "layers/w_proj": 2,
-    "embed": 0,
-    "lm_head": 0,
-}
-# GPT-2 / OPT: [L, 3, Hq*hd, D] q/k/v, [L, D, Hq*hd] out, [L, F, D] fc, [L, D, F] proj
-GPT_SPLIT_AXIS = {
-    "layers/wqkv": 2,
-    "layers/bqkv": 2,
-    "layers/wo": 2,
-    "layers/w_fc": 1,
-    "layers/b_fc": 1,
-    "layers/w_proj": 2,
-    "embed": 0,
-    "lm_head": 0,
-}
-
-
-class Ctx:
-    """State shared by the checks: a work folder and cached models / TP=1 references."""
-
-    def __init__(self, workdir: str) -> None:
-        self.workdir = workdir
-        self.models: dict[str, str] = {}
-        self.refs: dict[str, list[list[int]]] = {}
-
-    def model(self, family: str) -> str:
-        if family not in self.models:
-            self.models[family] = make_tiny_model(family, os.path.join(self.workdir, family))
-        return self.models[family]
-
-    def ref(self, family: str) -> list[list[int]]:
-        if family not in self.refs:
-            self.refs[family] = greedy(self.model(family), 1)[0]
-        return self.refs[family]
-
-
-def greedy(model: str, tp: int, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw: Any):
-    """(token ids per prompt, the LLM) for greedy decoding at tensor_parallel_size=tp."""
-    from jaxpaged import LLM, SamplingParams
-
-    args = dict(ENGINE_ARGS)
-    args.update(kw)
-    llm = LLM(model, tensor_parallel_size=tp, show_progress=False, **args)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    llm.engine.close()
-    return [list(o.outputs[0].token_ids) for o in outs], llm
-
-
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_leaves(v, f"{prefix}/{k}" if prefix else k))
-        return out
-    return {prefix: tree}
-
-
-def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> None:
-    """Every weight and the KV pool live on n devices, split as SPLIT_AXIS says."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    cfg = engine.model_config
-    split_axis = GPT_SPLIT_AXIS if cfg.model_type in ("gpt2", "opt") else SPLIT_AXIS
-    want_kv = num_kv_heads if num_kv_heads % n == 0 else n  # replicated heads -> N
-    assert cfg.num_kv_heads == want_kv, (cfg.num_kv_heads, want_kv)
-    mesh_devices = set(engine.mesh.devices.flat)
-    assert len(mesh_devices) == n
-    for path, x in _leaves(engine.runner.params).items():
-        assert isinstance(x.sharding, NamedSharding), (path, x.sharding)
-        shards = x.addressable_shards
-        assert {s.device for s in shards} == mesh_devices, path
-        axis = split_axis.get(path)
-        if path in ("embed", "lm_head") and vocab % n:
-            axis = None
-        want = list(x.shape)
-        if axis is not None:
-            want[axis] //= n
-        for s in shards:
-            assert list(s.data.shape) == want, (path, s.data.shape, want)
-        if axis is not None:  # the shards are n different slices that tile the axis
-            starts = sorted(s.index[axis].start or 0 for s in shards)
-            assert starts == [i * want[axis] for i in range(n)], (path, starts)
-    for pages in engine.runner.pool:  # K/V pages [L*NB, bs, Hkv, hd], 8-bit scales [L*NB, bs, Hkv]
-        L, hd = cfg.num_layers, cfg.head_dim
-        whole = (L * engine.layout.num_blocks, engine.layout.block_size, want_kv, hd)
-        assert pages.shape == whole[: pages.ndim], (pages.shape, whole)
-        shards = pages.addressable_shards
-        assert {s.device for s in shards} == mesh_devices
-        local = (*pages.shape[:2], want_kv // n, *pages.shape[3:])
-        for s in shards:
-            assert s.data.shape == local, (s.data.shape, local)
-    assert jax.device_count() >= n
-
+from tp_cases import ENGINE_ARGS, MAX_TOKENS, PROMPTS  # noqa: E402
+from tp_family_checks import (  # noqa: E402
+    check_bloom,
+    check_family_vs_hf,
+    check_kv_8bit,
+    check_warmup_family,
+)
+from tp_harness import SPLIT_AXIS, Ctx, assert_sharded, greedy, leaves  # noqa: E402
 
 # ------------------------------------------------------------------------------ checks
 
@@ -272,7 +171,7 @@ def check_orbax(ctx: Ctx) -> None:
     assert orbax.is_orbax_model(out) and not orbax.is_orbax_model(path)
 
     def same(a: Any, b: Any) -> None:
-        la, lb = _leaves(a), _leaves(b)
+        la, lb = leaves(a), leaves(b)
         assert la.keys() == lb.keys()
         for k in la:
             x, y = np.asarray(jax.device_get(la[k])), np.asarray(jax.device_get(lb[k]))
@@ -432,116 +331,6 @@ def check_quantized_int8(ctx: Ctx) -> None:
                 assert scales.data.shape[in_axis] == 1, name
                 want = w.scales.shape[split] // (tp if split != in_axis else 1)
                 assert scales.data.shape[split] == want, (name, scales.data.shape)
-
-
-def check_bloom(ctx: Ctx) -> None:
-    """BLOOM (ALiBi, 6 heads) at TP=2: each device runs 3 heads with its own 3 slopes (not a
-    uniform share of a power-of-two sequence); greedy tokens equal transformers' own, with a
-    prompt prefilled beside decodes."""
-    import torch
-    import transformers
-
-    path = os.path.join(ctx.workdir, "bloom")
-    config = transformers.BloomConfig(
-        vocab_size=256, hidden_size=48, n_layer=2, n_head=6, initializer_range=0.2
-    )
-    torch.manual_seed(0)
-    hf = transformers.BloomForCausalLM(config).eval()
-    with torch.no_grad():  # random norms and biases, so that every parameter matters
-        for name, p in hf.named_parameters():
-            if "layernorm" in name or "ln_f" in name or name.endswith("bias"):
-                p.add_(0.3 * torch.randn_like(p))
-    hf.save_pretrained(path)
-    make_tiny_model("llama", os.path.join(ctx.workdir, "bloom_tok"))  # borrow its tokenizer
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ctx.workdir, "bloom_tok"))
-    tok.save_pretrained(path)
-    prompts = [[5, 9, 30, 7, 2, 11], [17], [42]]
-    want = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        want.append(out[0, len(ids) :].tolist())
-    assert len({t for seq in want for t in seq}) > 3, f"degenerate reference {want}"
-    got, llm = greedy(path, 2, prompts=prompts)
-    assert got == want, f"bloom TP=2: {got} != transformers {want}"
-    assert_sharded(llm.engine, 2, num_kv_heads=6, vocab=256)
-
-
-def hf_greedy(path: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
-    """transformers' greedy tokens (float32, every step a full forward over the sequence)."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for prompt in prompts:
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(max_tokens):
-                logits = model(torch.tensor([ids])).logits[0, -1]
-                ids.append(int(logits.argmax()))
-        out.append(ids[len(prompt) :])
-    return out
-
-
-def check_family_vs_hf(
-    ctx: Ctx, family: str, tps: tuple[int, ...], *, with_tp1: bool = False
-) -> None:
-    """A family that tensor parallelism newly splits: each TP in ``tps`` gives transformers'
-    greedy tokens (and TP=1's, ``with_tp1``), and the weights and pool are split as the
-    tables above say."""
-    import json as _json
-
-    path = ctx.model(family)
-    with open(os.path.join(path, "config.json")) as f:
-        hf = _json.load(f)
-    want = hf_greedy(path)
-    assert len({t for seq in want for t in seq}) > 3, f"degenerate reference {want}"
-    if with_tp1:
-        assert ctx.ref(family) == want, f"{family} TP=1 {ctx.ref(family)} != transformers {want}"
-    heads = hf.get("num_attention_heads") or hf["n_head"]
-    for tp in tps:
-        got, llm = greedy(path, tp)
-        assert got == want, f"{family} TP={tp}: {got} != transformers {want}"
-        kv_heads = hf.get("num_key_value_heads") or heads
-        assert_sharded(llm.engine, tp, num_kv_heads=kv_heads, vocab=hf["vocab_size"])
-
-
-def check_warmup_family(ctx: Ctx, family: str) -> None:
-    """Warm-up on, TP 2, prompts of several lengths (prefill chunks and decode steps mixed):
-    nothing compiles after the warm-up, the tokens are transformers', and the weights and
-    pool are split as the tables above say."""
-    from jaxpaged import LLM, SamplingParams
-
-    prompts = [list(range(3, 12)), list(range(20, 25)), [7, 8, 9]]  # the first in 2 chunks
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    kw = dict(max_model_len=24, max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=12)
-    llm = LLM(ctx.model(family), tensor_parallel_size=2, block_size=8, show_progress=False, **kw)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    m = llm.get_metrics()
-    llm.engine.close()
-    cfg = llm.engine.model_config  # no KV heads replicated at TP 2 in these models
-    assert_sharded(llm.engine, 2, num_kv_heads=cfg.num_kv_heads, vocab=cfg.vocab_size)
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    want = hf_greedy(ctx.model(family), prompts, 8)
-    assert got == want, f"{family} TP=2 warmed up: {got} != transformers {want}"
-    assert m["num_compilations_after_warmup"] == 0, (family, m)
-
-
-def check_kv_8bit(ctx: Ctx, kv_dtype: str, tps: tuple[int, ...]) -> None:
-    """kv_cache_dtype int8 / fp8 under TP (KV heads replicated at 4): the same greedy tokens
-    as TP=1 with the same cache dtype, the scales split with the KV heads."""
-    path = ctx.model("llama")
-    ref, _ = greedy(path, 1, kv_cache_dtype=kv_dtype)
-    assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
-    for tp in tps:
-        got, llm = greedy(path, tp, kv_cache_dtype=kv_dtype)
-        assert got == ref, f"{kv_dtype} TP={tp}: {got} != TP=1 {ref}"
-        assert len(llm.engine.runner.pool) == 4, "an 8-bit pool has pages and scales"
-        assert_sharded(llm.engine, tp, num_kv_heads=2, vocab=256)
 
 
 CHECKS: dict[str, Callable[[Ctx], None]] = {
