@@ -77,10 +77,31 @@ def summarize_steps(path: str) -> str:
         for s in slow
     )
     gc_ms = [s["gc_ms"] for s in steps]
+    out.append(ttft_split(steps))
     out.append(f"{len(slow)} of {len(steps)} steps > 3x the median decode step "
                f"({decode_ms:.0f} ms): {dict(shapes.most_common(6))}; "
                f"gc {sum(gc_ms):.0f} ms in all, at most {max(gc_ms):.0f} ms")  # fmt: skip
     return "; ".join(out)
+
+
+def ttft_split(steps: list[dict[str, Any]]) -> str:
+    """The server's time to first token, per request, split into the wait for its first
+    chunk and the steps from there to its first token (step-log lines in order)."""
+    arrived, started, ttft, wait, chunks = {}, {}, [], [], []
+    for i, s in enumerate(steps):
+        for rid, w in s.get("waits", {}).items():
+            arrived[rid], started[rid] = s["t"] - w, i
+        for rid in s.get("first_tokens", []):
+            if rid in arrived:
+                ttft.append(s["t"] + s["ms"] / 1e3 - arrived[rid])
+                wait.append(steps[started[rid]]["t"] - arrived[rid])
+                chunks.append(i - started[rid])
+    if not ttft:
+        return "no per-request lines"
+    med = statistics.median
+    return (f"server TTFT p50 {med(ttft) * 1e3:.0f} ms = wait p50 {med(wait) * 1e3:.0f} + "
+            f"from first chunk p50 {med(map(float.__sub__, ttft, wait)) * 1e3:.0f} "
+            f"({med(chunks):.0f} steps)")  # fmt: skip
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str) -> None:

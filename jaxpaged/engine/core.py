@@ -188,8 +188,26 @@ class EngineCore:
             self._waste_steps += 1
         self.stats = self._snapshot()
         if self.step_log is not None:
-            self.step_log.record(started[0], time.perf_counter() - started[1], finished)
+            self.step_log.record(
+                started[0],
+                time.perf_counter() - started[1],
+                finished,
+                self._first_chunk_arrivals(plan),
+            )
         return outputs
+
+    def _first_chunk_arrivals(self, plan: SchedulerOutput) -> dict[str, float]:
+        """Arrival times of the requests whose first chunk ``plan`` carries (step log)."""
+        out = {}
+        for s in plan.seqs:
+            req = self.scheduler.requests.get(s.request_id)
+            if (
+                req is not None
+                and not req.output_token_ids
+                and s.start_pos == req.num_cached_tokens
+            ):
+                out[s.request_id] = req.arrival_time
+        return out
 
     def step_inbox(self) -> list[RequestOutput]:
         """Applies what is in the inbox now (adds, aborts) without running a step: an abort

@@ -6,6 +6,10 @@ steps overlap): ``{"t": start (s, time.time), "ms": duration, "decodes": sequenc
 token, "prefill": tokens of longer chunks, "seqs": sequences, "gc_ms": time the Python
 garbage collector ran inside the step}``. The tail of a latency distribution is a handful of
 steps; this names their shape (a prefill chunk, a larger padded bucket) or a host pause.
+Per request, for splitting a time to first token into the wait before its first chunk and
+the steps after: ``"waits"`` maps the requests whose first chunk this step dispatched to
+the seconds since they arrived, ``"first_tokens"`` lists the requests whose prompt's last
+chunk the finished plan carried (the host has their first token at the step's end).
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import gc
 import json
 import os
 import time
+from collections.abc import Mapping
 from typing import IO, Any
 
 from jaxpaged.sched.output import SchedulerOutput
 
-__all__ = ["StepLog", "step_composition"]
+__all__ = ["StepLog", "first_tokens", "step_composition"]
 
 ENV_VAR = "JAXPAGED_STEP_LOG"
 
@@ -28,6 +33,11 @@ def step_composition(plan: SchedulerOutput) -> dict[str, int]:
     decodes = sum(1 for s in plan.seqs if s.num_tokens == 1)
     prefill = sum(s.num_tokens for s in plan.seqs if s.num_tokens > 1)
     return {"decodes": decodes, "prefill": prefill, "seqs": len(plan.seqs)}
+
+
+def first_tokens(plan: SchedulerOutput) -> list[str]:
+    """Requests whose prompt's last chunk (more than one token, sampling) the plan carries."""
+    return [s.request_id for s in plan.seqs if s.num_tokens > 1 and s.do_sample]
 
 
 class StepLog:
@@ -50,11 +60,24 @@ class StepLog:
         else:
             self._gc_s += time.perf_counter() - self._gc_start
 
-    def record(self, start: float, seconds: float, finished: SchedulerOutput | None) -> None:
+    def record(
+        self,
+        start: float,
+        seconds: float,
+        finished: SchedulerOutput | None,
+        arrivals: Mapping[str, float] | None = None,
+    ) -> None:
         """One step that began at ``start`` (time.time) and took ``seconds``; ``finished``:
-        the plan whose output it collected (None on the first step or an idle one)."""
-        line = {"t": round(start, 4), "ms": round(seconds * 1e3, 2)}
+        the plan whose output it collected (None on the first step or an idle one);
+        ``arrivals``: arrival time (time.time) of each request whose first chunk the step
+        dispatched."""
+        line: dict[str, Any] = {"t": round(start, 4), "ms": round(seconds * 1e3, 2)}
         line.update(step_composition(finished) if finished is not None else {"seqs": 0})
+        if arrivals:
+            line["waits"] = {rid: round(start - t, 4) for rid, t in arrivals.items()}
+        firsts = first_tokens(finished) if finished is not None else []
+        if firsts:
+            line["first_tokens"] = firsts
         line["gc_ms"] = round(self._gc_s * 1e3, 2)
         self._gc_s = 0.0
         self._file.write(json.dumps(line) + "\n")

@@ -3,6 +3,7 @@ of the plan it finished, checked against a hand-planned schedule on the simulate
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import time
@@ -48,7 +49,8 @@ def test_each_step_logs_its_time_and_the_plan_it_finished(tmp_path, monkeypatch)
     try:
         core.add_request(_request("a", [5, 6, 7], max_tokens=4))
         core.step()  # a's prompt
-        core.add_request(_request("b", list(range(1, 21)), max_tokens=2))  # 20 tokens, cap 8
+        b = _request("b", list(range(1, 21)), max_tokens=2)  # 20 tokens, cap 8
+        core.add_request(dataclasses.replace(b, arrival_time=time.time()))
         t0 = time.perf_counter()
         gc.collect()  # counted in the next step's line
         while core.has_work():
@@ -65,6 +67,10 @@ def test_each_step_logs_its_time_and_the_plan_it_finished(tmp_path, monkeypatch)
     assert shapes[5:] == [(1, 0)] and all(s["ms"] > 0 for s in lines)
     assert sum(s["ms"] for s in lines[1:]) <= elapsed * 1e3
     assert lines[1]["gc_ms"] > 0 and lines[0]["gc_ms"] == 0
+    # per request: the step dispatching its first chunk, the one collecting its first token
+    assert [sorted(s.get("waits", {})) for s in lines] == [["a"], ["b"], [], [], [], []]
+    assert lines[1]["waits"]["b"] >= 0  # b arrived (time.time) before the step began
+    assert [s.get("first_tokens", []) for s in lines] == [[], ["a"], [], [], ["b"], []]
 
 
 def test_no_log_without_the_variable(monkeypatch):
