@@ -35,7 +35,9 @@ from jaxpaged.sched.request import Request
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.buckets import Bucket, BucketSet
 
-# Step times relative to 16 decodes alone (1.0), bench/mixed_steps.py, 2026-12-02
+# Step times relative to 16 decodes alone (1.0): 32, 64 and 128 tokens measured with 15
+# decodes by bench/mixed_steps.py (2026-12-02, load 5.5); the other sizes are guesses that
+# only the first steps of a run (no decodes yet) and its last ones use. Pass --cost to replace.
 DEFAULT_COST = "d1=0.35 d2=0.4 d4=0.5 d8=0.7 d16=1 16=1.1 32=1.56 64=3.2 128=4.01 256=7.5 512=14"
 
 

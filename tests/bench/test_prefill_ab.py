@@ -56,3 +56,20 @@ def test_step_summary_names_the_slow_steps(tmp_path):
     assert "5 of 15 steps > 3x the median decode step (30 ms)" in text
     assert "{'15d+48p': 3, '16d+0p gc': 1, '0d+256p': 1}" in text
     assert "gc 50 ms in all, at most 50 ms" in text
+
+
+def test_ttft_split_from_the_per_request_lines():
+    ab = _module()
+    # a arrives 0.5 s before step 0 starts (t=10); its first chunk runs in step 0, the
+    # next chunk in step 1, and step 2 collects its first token (ends at 10.7 s)
+    steps = [
+        {"t": 10.0, "ms": 200.0, "waits": {"a": 0.5}},
+        {"t": 10.2, "ms": 200.0, "waits": {"b": 1.0}},
+        {"t": 10.4, "ms": 300.0, "first_tokens": ["a"]},
+        {"t": 10.7, "ms": 100.0, "first_tokens": ["b", "unknown"]},
+    ]
+    # a: TTFT 1.2 s = 0.5 wait + 0.7; b: 1.6 s = 1.0 + 0.6; medians of the two
+    assert ab.ttft_split(steps) == (
+        "server TTFT p50 1400 ms = wait p50 750 + from first chunk p50 650 (2 steps)"
+    )
+    assert ab.ttft_split(steps[:1]) == "no per-request lines"
