@@ -32,6 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
+    p.add_argument("--cap", type=int, default=512,
+                   help="max_prefill_tokens_with_decodes (512: no chunk is cut)")  # fmt: skip
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="the servers' value, to reuse their compiled programs")  # fmt: skip
+    p.add_argument("--compile-cache-dir", default=None, metavar="DIR")
     args = p.parse_args(argv)
     log = os.path.join(tempfile.mkdtemp(), "steps.jsonl")
     os.environ["JAXPAGED_STEP_LOG"] = log
@@ -39,8 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxpaged import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.decodes + 1,
-              max_prefill_tokens_with_decodes=512, enforce_eager=args.enforce_eager,
+              max_prefill_tokens_with_decodes=args.cap, enforce_eager=args.enforce_eager,
+              kv_cache_memory=args.kv_cache_memory, compile_cache_dir=args.compile_cache_dir,
               show_progress=False)  # fmt: skip
+    print(f"mixed sizes {llm.engine.runner.buckets.mixed_tokens}")
     engine = llm.engine
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size

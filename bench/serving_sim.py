@@ -10,8 +10,8 @@ Closed-loop clients as `vllm bench serve --max-concurrency C` runs them: C reque
 the next sent when one ends; distinct random prompts (no prefix-cache hits); every request
 decodes exactly ``--output-len`` tokens. Steps run in turn; a step's time is the cost of the
 bucket the runner would pad it to (``--cost``: milliseconds, or any unit, per decode-only
-step of S sequences ``dS=`` and per mixed step of T tokens ``T=``; unlisted sizes are
-interpolated linearly in rows). The tokens a step samples reach the client at its end.
+step of S sequences ``dS=`` and per mixed step of T real tokens ``T=``; other sizes are
+interpolated linearly). The tokens a step samples reach the client at its end.
 Printed per variant: output tokens per unit time, TTFT p50 / p99 split into the wait before
 the first chunk and the prefill steps after it, ITL p50 / p99 and their ratio, the share of
 steps carrying a prefill chunk. Real runs (bench/prefill_ab.py) decide; this explains them.
@@ -35,31 +35,36 @@ from jaxpaged.sched.request import Request
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.buckets import Bucket, BucketSet
 
-# Step times relative to 16 decodes alone (1.0): 32, 64 and 128 tokens measured with 15
-# decodes by bench/mixed_steps.py (2026-12-02, load 5.5); the other sizes are guesses that
-# only the first steps of a run (no decodes yet) and its last ones use. Pass --cost to replace.
-DEFAULT_COST = "d1=0.35 d2=0.4 d4=0.5 d8=0.7 d16=1 16=1.1 32=1.56 64=3.2 128=4.01 256=7.5 512=14"
+# Step times relative to 15 decodes alone (bucket 16): the mixed rows measured with 15 decodes
+# by bench/mixed_steps.py (2026-12-02, load 9-10); decode-only steps of fewer sequences are
+# guesses (only a run's first and last steps have them). Pass --cost to replace.
+DEFAULT_COST = "d1=0.35 d2=0.4 d4=0.5 d8=0.7 d16=1 32=1.6 48=2.5 64=3.15 79=3.9"
 
 
-def parse_cost(text: str) -> Callable[[Bucket], float]:
-    """``d16=1 64=3.2 ...`` -> a bucket's cost, interpolated linearly between listed sizes."""
+def parse_cost(text: str) -> Callable[[Bucket, int], float]:
+    """``d16=1 64=3.2 ...`` -> the cost of a step: a decode-only step by its bucket's
+    sequences, a mixed step by its real rows (the native CPU kernels skip padding rows: 15
+    decodes + 64 tokens took 3.99x the decode step padded to 128 rows, 3.85x padded to 80),
+    linear between listed sizes and beyond them."""
     decode: dict[int, float] = {}
     mixed: dict[int, float] = {}
     for word in text.split():
         key, _, value = word.partition("=")
         table = decode if key.startswith("d") else mixed
         table[int(key.lstrip("d"))] = float(value)
-    if not decode or not mixed:
-        raise ValueError(f"--cost needs decode (dS=) and mixed (T=) sizes, got {text!r}")
+    if len(decode) < 2 or len(mixed) < 2:
+        raise ValueError(f"--cost needs two decode (dS=) and two mixed (T=) sizes: {text!r}")
 
     def interp(table: dict[int, float], x: int) -> float:
         xs = sorted(table)
-        return float(np.interp(x, xs, [table[k] for k in xs], right=None))
+        i = min(max(np.searchsorted(xs, x) - 1, 0), len(xs) - 2)
+        x0, x1 = xs[i], xs[i + 1]
+        return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
 
-    def cost(bucket: Bucket) -> float:
+    def cost(bucket: Bucket, rows: int) -> float:
         if bucket.decode_only:
             return interp(decode, bucket.num_seqs)
-        return interp(mixed, bucket.num_tokens)
+        return interp(mixed, rows)
 
     return cost
 
@@ -75,7 +80,7 @@ class Trace:
 
 def simulate(
     args: EngineArgs,
-    cost: Callable[[Bucket], float],
+    cost: Callable[[Bucket, int], float],
     *,
     num_prompts: int,
     concurrency: int,
@@ -90,7 +95,6 @@ def simulate(
         max_num_batched_tokens=sched_config.max_num_batched_tokens,
         max_model_len=sched_config.max_model_len,
         block_size=args.block_size,
-        full_chunk_steps=sched_config.full_chunk_steps,
     )
     blocks = concurrency * -(-(input_len + output_len) // args.block_size) + 64
     sched = Scheduler(
@@ -126,7 +130,7 @@ def simulate(
             if t.first_chunk is None:
                 t.first_chunk = now
         step_kinds.append(any(s.num_tokens > 1 for s in plan.seqs))
-        now += cost(buckets.pick(plan.seqs))
+        now += cost(buckets.pick(plan.seqs), plan.num_batched_tokens)
         sampled = [7 if s.do_sample else -1 for s in plan.seqs]
         for u in sched.update(plan, RunnerOutput(sampled_token_ids=sampled)):
             traces[u.request_id].tokens.extend([now] * len(u.new_token_ids))

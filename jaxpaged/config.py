@@ -124,13 +124,6 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int | None = None
     fit_prefill_to_buckets: bool = False
 
-    @property
-    def full_chunk_steps(self) -> range:
-        """Token counts of a step that carries decodes and a whole capped prefill chunk:
-        the cap plus 1 .. max_num_seqs - 1 decodes (the runner compiles sizes for them)."""
-        cap = self.max_prefill_tokens_with_decodes or self.max_num_batched_tokens
-        return range(cap + 1, min(self.max_num_batched_tokens, cap + self.max_num_seqs - 1) + 1)
-
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)

@@ -132,7 +132,6 @@ class LLMEngine:
                 max_num_seqs=scheduler_config.max_num_seqs,
                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                 max_model_len=scheduler_config.max_model_len,
-                full_chunk_steps=scheduler_config.full_chunk_steps,
                 seed=seed,
                 attention_backend=kv.attention_backend,
                 mesh=self.mesh,

@@ -4,11 +4,7 @@ few buckets, all compiled at start-up (warm-up) unless ``enforce_eager``:
 * decode steps (every sequence feeds one token): S sequences in powers of two from 1 up to
   ``max_num_seqs``, compiled with ``max_q_len=1`` so attention skips its prefill path;
 * mixed steps (prefill chunks, with or without decodes): T tokens in powers of two from 16 up
-  to ``max_num_batched_tokens``, with S = min(T, max_num_seqs); over ``full_chunk_steps``
-  (the token counts of a step carrying decodes and a whole capped prefill chunk) every
-  multiple of 16 as well, up to 128 tokens. On a CPU a step's time grows with its padded
-  rows, and the step carrying decodes and a prefill chunk is the one every running request
-  waits for: 15 decodes + a 64-token chunk ran as 128 rows, 1.6x the rows it needed.
+  to ``max_num_batched_tokens``, with S = min(T, max_num_seqs).
 
 Block tables are always full width (``max_model_len / block_size``): the attention kernels
 stop at the last KV chunk any sequence can see, so context length needs no bucket of its own
@@ -23,10 +19,7 @@ from collections.abc import Sequence
 
 from jaxpaged.sched.output import ScheduledSeq
 
-__all__ = ["Bucket", "BucketSet", "FINE_STEP", "FINE_TOP", "pow2_ladder"]
-
-FINE_STEP = 16  # the spacing of the mixed sizes over full_chunk_steps
-FINE_TOP = 128  # no fine sizes above this: a few programs, and larger steps pad < 2x anyway
+__all__ = ["Bucket", "BucketSet", "pow2_ladder"]
 
 
 def pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
@@ -60,7 +53,6 @@ class BucketSet:
     max_num_batched_tokens: int
     max_model_len: int
     block_size: int
-    full_chunk_steps: range = range(0)  # token counts the fine mixed sizes cover
 
     @property
     def decode_seqs(self) -> tuple[int, ...]:
@@ -70,14 +62,7 @@ class BucketSet:
 
     @property
     def mixed_tokens(self) -> tuple[int, ...]:
-        budget = self.max_num_batched_tokens
-        steps = self.full_chunk_steps
-        fine = []
-        if steps:
-            lo = _cdiv(steps.start, FINE_STEP) * FINE_STEP
-            hi = min(_cdiv(steps[-1], FINE_STEP) * FINE_STEP, FINE_TOP, budget)
-            fine = range(lo, hi + 1, FINE_STEP)
-        return tuple(sorted({*pow2_ladder(min(16, budget), budget), *fine}))
+        return pow2_ladder(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
 
     @property
     def full_blocks(self) -> int:

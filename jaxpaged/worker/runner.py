@@ -72,7 +72,6 @@ class Runner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        full_chunk_steps: range = range(0),
         seed: int = 0,
         attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -82,9 +81,7 @@ class Runner:
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``lora``: the LoRA
-        adapters and their device slots (None: LoRA off); ``full_chunk_steps``: the token counts
-        of a step carrying decodes and a whole prefill chunk, which get finer mixed sizes
-        (:mod:`jaxpaged.worker.buckets`)."""
+        adapters and their device slots (None: LoRA off)."""
         self.lora = lora
         self.model_config = model_config
         # traced into the step (static); their names index them in SamplingTensors.processor
@@ -129,7 +126,6 @@ class Runner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             block_size=layout.block_size,
-            full_chunk_steps=full_chunk_steps,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
         self._create_kv_state()

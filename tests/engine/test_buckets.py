@@ -3,12 +3,10 @@ shapes is small and known before serving (warm-up compiles exactly these)."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 
-from jaxpaged.config import SchedulerConfig
 from jaxpaged.sched.scheduler import ScheduledSeq
 from jaxpaged.worker.buckets import Bucket, BucketSet
 
@@ -34,41 +32,21 @@ def test_ladders_end_at_the_limits():
     assert len(BUCKETS.all()) == 7 + 6
 
 
-def test_fine_mixed_sizes_over_the_steps_carrying_a_whole_chunk():
-    # 15 decodes + a 64-token chunk (79 tokens) pad to 80, not to 128
-    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
-                             max_prefill_tokens_with_decodes=64)  # fmt: skip
-    assert config.full_chunk_steps == range(65, 80)  # 1 .. 15 decodes
-    fine = BucketSet(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024,
-                     block_size=16, full_chunk_steps=config.full_chunk_steps)  # fmt: skip
-    assert fine.mixed_tokens == (16, 32, 64, 80, 128, 256, 512)
-    assert fine.pick([_seq(1)] * 15 + [_seq(64)]) == Bucket(80, 16, 64, False)
-    assert fine.pick([_seq(1)] * 15 + [_seq(66)]) == Bucket(128, 16, 64, False)
-    # never past 128 tokens, nor past the budget
-    wide = dataclasses.replace(fine, max_num_seqs=256, full_chunk_steps=range(65, 320))
-    assert wide.mixed_tokens == (16, 32, 64, 80, 96, 112, 128, 256, 512)
-    small = dataclasses.replace(fine, max_num_batched_tokens=40, full_chunk_steps=range(17, 40))
-    assert small.mixed_tokens == (16, 32, 40)
-    assert len(fine.all()) == len(fine.decode_seqs) + 7
-
-
 def test_decode_steps_pick_the_smallest_sequence_bucket():
     for n, want in [(1, 1), (3, 4), (8, 8), (9, 16), (33, 48), (48, 48)]:
         assert BUCKETS.pick([_seq(1)] * n) == Bucket(want, want, 63, True)
 
 
-@pytest.mark.parametrize("full_chunk_steps", [range(0), range(40, 111)])
-def test_mixed_steps_hold_all_tokens_and_sequences(full_chunk_steps):
-    buckets = dataclasses.replace(BUCKETS, full_chunk_steps=full_chunk_steps)
+def test_mixed_steps_hold_all_tokens_and_sequences():
     rng = random.Random()
     for _ in range(200):
         seqs = [_seq(rng.randint(1, 40)) for _ in range(rng.randint(1, 12))]
         if all(s.num_tokens == 1 for s in seqs) or sum(s.num_tokens for s in seqs) > 300:
             continue
-        b = buckets.pick(seqs)
-        assert not b.decode_only and b in buckets.all()
+        b = BUCKETS.pick(seqs)
+        assert not b.decode_only and b in BUCKETS.all()
         assert b.num_tokens >= sum(s.num_tokens for s in seqs) and b.num_seqs >= len(seqs)
-        smaller = [t for t in buckets.mixed_tokens if t < b.num_tokens]
+        smaller = [t for t in BUCKETS.mixed_tokens if t < b.num_tokens]
         assert not smaller or smaller[-1] < sum(s.num_tokens for s in seqs)
 
 
