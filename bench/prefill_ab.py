@@ -77,11 +77,22 @@ def summarize_steps(path: str) -> str:
         for s in slow
     )
     gc_ms = [s["gc_ms"] for s in steps]
+    out.append(step_itl(steps))
     out.append(ttft_split(steps))
     out.append(f"{len(slow)} of {len(steps)} steps > 3x the median decode step "
                f"({decode_ms:.0f} ms): {dict(shapes.most_common(6))}; "
                f"gc {sum(gc_ms):.0f} ms in all, at most {max(gc_ms):.0f} ms")  # fmt: skip
     return "; ".join(out)
+
+
+def step_itl(steps: list[dict[str, Any]]) -> str:
+    """The inter-token latency as the engine makes it: each step's time once per decode it
+    carried (what the client would see if every token reached it at its step's end)."""
+    itl = sorted(s["ms"] for s in steps for _ in range(s.get("decodes", 0)))
+    if not itl:
+        return "no decodes"
+    p50, p99 = (itl[min(len(itl) - 1, int(len(itl) * q))] for q in (0.5, 0.99))
+    return f"engine ITL p50 {p50:.0f} p99 {p99:.0f} ms ({p99 / p50:.1f}x)"
 
 
 def ttft_split(steps: list[dict[str, Any]]) -> str:

@@ -56,6 +56,8 @@ def test_step_summary_names_the_slow_steps(tmp_path):
     assert "5 of 15 steps > 3x the median decode step (30 ms)" in text
     assert "{'15d+48p': 3, '16d+0p gc': 1, '0d+256p': 1}" in text
     assert "gc 50 ms in all, at most 50 ms" in text
+    # one ITL per decode: 160 of 30 ms, 16 of 100 ms, 45 of 120 ms
+    assert "engine ITL p50 30 p99 120 ms (4.0x)" in text
 
 
 def test_ttft_split_from_the_per_request_lines():
