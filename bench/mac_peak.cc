@@ -36,6 +36,7 @@ double tile_i16(int64_t iters, double* ns) {
   const auto t0 = Clock::now();
   for (int64_t it = 0; it < iters; ++it) {
     __m256i lo[MR], hi[MR];
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int kk = 0; kk < pairs; ++kk) {
@@ -48,6 +49,7 @@ double tile_i16(int64_t iters, double* ns) {
         hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(xb, w1));
       }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) out = _mm256_add_epi32(out, _mm256_add_epi32(lo[m], hi[m]));
     asm volatile("" : "+x"(out));
   }
@@ -270,6 +272,7 @@ double tile_f32(int64_t iters, double* ns) {
   const auto t0 = Clock::now();
   for (int64_t it = 0; it < iters; ++it) {
     __m256 lo[6], hi[6];
+#pragma GCC unroll 8
     for (int m = 0; m < 6; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int k = 0; k < kc; ++k) {
@@ -281,6 +284,7 @@ double tile_f32(int64_t iters, double* ns) {
         hi[m] = _mm256_fmadd_ps(xm, w1, hi[m]);
       }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < 6; ++m) out = _mm256_add_ps(out, _mm256_add_ps(lo[m], hi[m]));
     asm volatile("" : "+x"(out));
   }

@@ -35,7 +35,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kNr = 16;    // outputs per panel
-constexpr int64_t kMr = 6;     // rows per register tile: 12 int32 accumulators
+constexpr int64_t kMr = 4;     // rows per register tile: 8 int32 accumulators
 constexpr int64_t kKc = 128;   // k per slice (64 pairs): the int32 sums cannot overflow
 constexpr int64_t kMc = 96;    // rows per work item
 constexpr int64_t kPanelsPerItem = 3;
