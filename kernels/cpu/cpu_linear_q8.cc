@@ -237,11 +237,16 @@ void block_float(const float* xf, const int8_t* w, const float* ws, const float*
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
       widen_float(w + p * K * kNr + k0 * kNr, wide, kc / 2);
-      for (int64_t t = 0; t < rows; t += kFr) {
+      // tiles of as equal a size as kFr allows (32 rows: 6, 6, 5, 5, 5, 5, not 5 x 6 and a
+      // load-bound 2)
+      const int64_t tiles = (rows + kFr - 1) / kFr;
+      for (int64_t i = 0, t = 0; i < tiles; ++i) {
+        const int64_t size = rows / tiles + (i < rows % tiles ? 1 : 0);
         const int64_t at = (m0 + t) * N + p * kNr;
         const float* base = k0 > 0 ? y + at : residual != nullptr ? residual + at : nullptr;
-        tile_float_upto<kFr>(std::min(kFr, rows - t), xf + (m0 + t) * K + k0, K, wide, kc,
-                             ws + p * kNr, y + at, N, base);
+        tile_float_upto<kFr>(size, xf + (m0 + t) * K + k0, K, wide, kc, ws + p * kNr, y + at,
+                             N, base);
+        t += size;
       }
     }
 }
