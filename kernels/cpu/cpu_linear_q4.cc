@@ -8,13 +8,11 @@
 // low nibble) or [L, N, K] int8, with float32 scales and mins [L, N, K/G]: a decode step
 // streams 4.5-6 bits per weight where float32 streams 32.
 //
-// Each 16 inputs of an output are unpacked in registers (the low and high nibbles of 8 bytes
-// interleaved back into k order, widened to two 8-float vectors), dequantized with two FMAs,
-// and multiplied into every row of a register tile of x (FMA, float32 throughout). Past a
-// register tile of rows, a work item (row block, 16 outputs) dequantizes its weights once into
-// a float32 buffer that every row tile reads, so each weight streams from memory once per row
-// block of kMc rows. Up to kIntRows rows (decode at batch 1-2) take an int16 path instead
-// (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd.
+// Past kIntRows rows, a work item (row block, kTn outputs) dequantizes kTo outputs' weights
+// at a time into a float32 buffer that every row tile reads (tile_t below), so each weight
+// streams from memory once per row block of kMc rows. Up to kIntRows rows (decode at batch
+// 1-2) take an int16 path instead (row_int below): x rounded to int16 per row, weights
+// widened to int16, vpmaddwd.
 
 #include <algorithm>
 #include <cmath>
@@ -30,9 +28,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMr = 4;    // rows per register tile
-constexpr int64_t kMc = 96;   // rows per work item
-constexpr int64_t kNb = 16;   // outputs per work item
+constexpr int64_t kMc = 96;   // rows per work item (float path)
+constexpr int64_t kNb = 16;   // outputs per work item (int16 path)
 constexpr int64_t kChunk = 16;  // inputs unpacked at once
 
 // A row of x after the gate and the norm (float32).
@@ -56,10 +53,7 @@ struct Pair {
 // Inputs [k, k + 16) of one output, in k order.
 template <int BITS>
 inline Pair unpack16(const uint8_t* row, int64_t k) {
-  if constexpr (BITS == 32) {  // already dequantized (dequantize_rows)
-    const float* f = reinterpret_cast<const float*>(row) + k;
-    return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
-  } else if constexpr (BITS == 4) {
+  if constexpr (BITS == 4) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i even = _mm_and_si128(b, mask);
@@ -76,89 +70,74 @@ inline Pair unpack16(const uint8_t* row, int64_t k) {
 #endif
 
 inline float q_at(const uint8_t* row, int64_t k, int bits) {
-  if (bits == 32) return reinterpret_cast<const float*>(row)[k];
   if (bits == 4) return static_cast<float>((row[k / 2] >> (4 * (k & 1))) & 0x0F);
   return static_cast<float>(static_cast<int8_t>(row[k]));
 }
 
-// y[m, n0 + j] for the tile's MR rows and NR outputs (weight rows w + j * row_bytes). Each
-// 16 inputs of an output are unpacked and dequantized (q * scale + min: two FMAs) once, then
-// multiplied into all MR rows: MR * NR independent accumulators hide the FMA latency.
-template <int MR, int NR, int BITS>
-inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, int64_t row_bytes,
-                 const float* scales, const float* mins, float* y, int64_t ldy,
-                 const float* base) {
-  const int64_t groups = K / G;
-  float out[MR][NR];
+// The float path (more than kIntRows rows): a work item dequantizes kTo outputs' weights at
+// a time into a float32 buffer [kTo, K] (their natural row-major order, no transpose) and
+// every register tile of its rows reads it. A tile holds kTo outputs x 16 rows: it
+// broadcasts one weight per output and multiplies it into two 8-row vectors of x, which is
+// stored transposed ([K, rows], xt), so per k it costs 2 loads, 6 broadcasts and 12 FMAs,
+// the float32 panel kernel's mix (cpu_linear.cc). Its sums stay in registers over the whole
+// K and are stored transposed once. The dot-product tile it replaced (per 16 k: 2 loads per
+// output and per row, 8-lane sums reduced at the end) was load-bound: at 32 rows, 1.35-1.5x
+// float32's time per layer shape (bench/quant_shapes.py).
+constexpr int64_t kTo = 6;   // outputs per register tile (broadcast weights)
+constexpr int64_t kTv = 2;   // 8-row vectors of x per register tile (tile_t has 1 or 2)
+constexpr int64_t kTm = 8 * kTv;  // rows per register tile
+constexpr int64_t kTn = 4 * kTo;  // outputs per work item
+
+// out[j][r] = sum over k of wt[j * K + k] * xt[k * ldx + r], for j < NR and r < 8 NV.
+template <int NR, int NV>
+inline void tile_t(const float* xt, int64_t ldx, const float* wt, int64_t K,
+                   float (*out)[kTm]) {
 #ifdef JAXPAGED_AVX2
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 s[NR], mn[NR];
-    if constexpr (BITS != 32)
-      for (int j = 0; j < NR; ++j) {
-        s[j] = _mm256_set1_ps(scales[j * groups + g]);
-        mn[j] = _mm256_set1_ps(mins != nullptr ? mins[j * groups + g] : 0.0f);
-      }
-    for (int64_t k = g * G; k < (g + 1) * G; k += kChunk) {
-      Pair wv[NR];
+  // GCC keeps the sums in registers only if every loop over them is unrolled: otherwise it
+  // stored all twelve to the stack at every k
+  __m256 lo[NR], hi[NR];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-        const Pair q = unpack16<BITS>(w + j * row_bytes, k);
-        if constexpr (BITS == 32)
-          wv[j] = q;
-        else
-          wv[j] = {_mm256_fmadd_ps(q.lo, s[j], mn[j]), _mm256_fmadd_ps(q.hi, s[j], mn[j])};
-      }
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m256 x0 = _mm256_loadu_ps(x + m * K + k), x1 = _mm256_loadu_ps(x + m * K + k + 8);
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) {
-          acc[m][j] = _mm256_fmadd_ps(wv[j].lo, x0, acc[m][j]);
-          acc[m][j] = _mm256_fmadd_ps(wv[j].hi, x1, acc[m][j]);
-        }
-      }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 x0 = _mm256_loadu_ps(xt + k * ldx);
+    const __m256 x1 = NV > 1 ? _mm256_loadu_ps(xt + k * ldx + 8) : x0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      const __m256 wb = _mm256_broadcast_ss(wt + j * K + k);
+      lo[j] = _mm256_fmadd_ps(wb, x0, lo[j]);
+      if constexpr (NV > 1) hi[j] = _mm256_fmadd_ps(wb, x1, hi[j]);
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) out[m][j] = jaxpaged::hsum(acc[m][j]);
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    _mm256_storeu_ps(out[j], lo[j]);
+    if constexpr (NV > 1) _mm256_storeu_ps(out[j] + 8, hi[j]);
+  }
 #else
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) {
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < 8 * NV; ++r) {
       float total = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t g = j * groups + k / G;
-        const float q = q_at(w + j * row_bytes, k, BITS);
-        const float wk = BITS == 32 ? q : q * scales[g] + (mins ? mins[g] : 0.0f);
-        total += wk * x[m * K + k];
-      }
-      out[m][j] = total;
+      for (int64_t k = 0; k < K; ++k) total += wt[j * K + k] * xt[k * ldx + r];
+      out[j][r] = total;
     }
 #endif
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) y[m * ldy + j] = out[m][j] + (base ? base[m * ldy + j] : 0.0f);
 }
 
-// A tile of `rows` (<= kMr) rows and `cols` (1, 2 or 4) outputs.
-template <int BITS>
-void tile_any(int64_t rows, int64_t cols, const float* x, int64_t K, int64_t G,
-              const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
-              float* y, int64_t ldy, const float* base) {
-#define JP_TILE(MR, NR) \
-  return tile<MR, NR, BITS>(x, K, G, w, row_bytes, scales, mins, y, ldy, base)
-#define JP_ROWS(NR)                 \
-  switch (rows) {                   \
-    case 1: JP_TILE(1, NR);         \
-    case 2: JP_TILE(2, NR);         \
-    case 3: JP_TILE(3, NR);         \
-    default: JP_TILE(4, NR);        \
+// A tile of 1 .. kTo outputs and 1 .. kTv vectors of rows.
+inline void tile_t_any(int64_t cols, int64_t vectors, const float* xt, int64_t ldx,
+                       const float* wt, int64_t K, float (*out)[kTm]) {
+#define JP_TILE(NR)                                          \
+  return vectors > 1 ? tile_t<NR, 2>(xt, ldx, wt, K, out) \
+                     : tile_t<NR, 1>(xt, ldx, wt, K, out)
+  switch (cols) {
+    case 1: JP_TILE(1);
+    case 2: JP_TILE(2);
+    case 3: JP_TILE(3);
+    case 4: JP_TILE(4);
+    case 5: JP_TILE(5);
+    default: JP_TILE(6);
   }
-  if (cols == 4) JP_ROWS(4);
-  if (cols == 2) JP_ROWS(2);
-  JP_ROWS(1);
-#undef JP_ROWS
 #undef JP_TILE
 }
 
@@ -188,35 +167,27 @@ void dequantize_rows(const uint8_t* w, const float* scales, const float* mins, i
   }
 }
 
-// Rows [m0, m0 + rows) of y over outputs [n0, n1). Past a register tile of rows, the item's
-// weights are dequantized once into a float32 buffer that every row tile then reads.
+// Rows [m0, m0 + rows) of y over outputs [n0, n1); xt: x transposed, [K, ldx], its rows
+// padded with zeros to a multiple of 8.
 template <int BITS>
-void block(const float* xf, const uint8_t* w, const float* scales, const float* mins,
-           const float* residual, float* y, int64_t K, int64_t G, int64_t N, int64_t m0,
-           int64_t rows, int64_t n0, int64_t n1, int64_t w_first = 0) {  // w's first row
-  if constexpr (BITS != 32) {
-    if (rows > kMr) {
-      thread_local std::vector<float> buf;
-      if (buf.size() < static_cast<size_t>(kNb * K)) buf.resize(kNb * K);
-      dequantize_rows<BITS>(w, scales, mins, K, G, n0, n1, buf.data());
-      const uint8_t* wf = reinterpret_cast<const uint8_t*>(buf.data());
-      return block<32>(xf, wf, nullptr, nullptr, residual, y, K, G, N, m0, rows, n0, n1, n0);
+void block_t(const float* xt, int64_t ldx, const uint8_t* w, const float* scales,
+             const float* mins, const float* residual, float* y, int64_t K, int64_t G,
+             int64_t N, int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(kTo * K)) buf.resize(kTo * K);
+  float out[kTo][kTm];
+  for (int64_t n = n0; n < n1; n += kTo) {
+    const int64_t cols = std::min(kTo, n1 - n);
+    dequantize_rows<BITS>(w, scales, mins, K, G, n, n + cols, buf.data());
+    for (int64_t t = 0; t < rows; t += kTm) {
+      const int64_t rt = std::min(kTm, rows - t);
+      tile_t_any(cols, (rt + 7) / 8, xt + m0 + t, ldx, buf.data(), K, out);
+      for (int64_t r = 0; r < rt; ++r) {
+        const int64_t at = (m0 + t + r) * N + n;
+        for (int64_t j = 0; j < cols; ++j)
+          y[at + j] = out[j][r] + (residual != nullptr ? residual[at + j] : 0.0f);
+      }
     }
-  }
-  const int64_t row_bytes = BITS == 4 ? K / 2 : BITS == 8 ? K : K * 4;
-  const int64_t groups = K / G;
-  const int64_t wide = rows <= 2 ? 4 : 2;  // outputs per tile
-  for (int64_t n = n0; n < n1;) {
-    const int64_t cols = n + wide <= n1 ? wide : 1;
-    for (int64_t t = 0; t < rows; t += kMr) {
-      const int64_t m = m0 + t;
-      const float* base = residual != nullptr ? residual + m * N + n : nullptr;
-      tile_any<BITS>(std::min(kMr, rows - t), cols, xf + m * K, K, G, w + (n - w_first) * row_bytes,
-                     row_bytes, scales ? scales + n * groups : nullptr,
-                     mins != nullptr ? mins + n * groups : nullptr,
-                     y + m * N + n, N, base);
-    }
-    n += cols;
   }
 }
 
@@ -379,14 +350,26 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
+  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of 8
+  const int64_t mp = (M + 7) / 8 * 8;
+  thread_local std::vector<float> xt;
+  if (xt.size() < static_cast<size_t>(K * mp)) xt.resize(K * mp);
+  float* xtp = xt.data();
+  jaxpaged::parallel_for(pool, (K + 63) / 64, [&](int64_t i) {
+    for (int64_t k = i * 64; k < std::min(K, i * 64 + 64); ++k) {
+      for (int64_t m = 0; m < M; ++m) xtp[k * mp + m] = xfp[m * K + k];
+      for (int64_t m = M; m < mp; ++m) xtp[k * mp + m] = 0.0f;
+    }
+  });
   const int64_t row_blocks = (M + kMc - 1) / kMc;
-  jaxpaged::parallel_for_runs(pool, row_blocks * out_blocks, [&](int64_t i) {
-    const int64_t m0 = (i / out_blocks) * kMc, n0 = (i % out_blocks) * kNb;
-    const int64_t rows = std::min(kMc, M - m0), n1 = std::min(N, n0 + kNb);
+  const int64_t col_blocks = (N + kTn - 1) / kTn;
+  jaxpaged::parallel_for_runs(pool, row_blocks * col_blocks, [&](int64_t i) {
+    const int64_t m0 = (i / col_blocks) * kMc, n0 = (i % col_blocks) * kTn;
+    const int64_t rows = std::min(kMc, M - m0), n1 = std::min(N, n0 + kTn);
     if (nibbles)
-      block<4>(xfp, wl, sl, ml, fused.residual, yp, K, G, N, m0, rows, n0, n1);
+      block_t<4>(xtp, mp, wl, sl, ml, fused.residual, yp, K, G, N, m0, rows, n0, n1);
     else
-      block<8>(xfp, wl, sl, nullptr, fused.residual, yp, K, G, N, m0, rows, n0, n1);
+      block_t<8>(xtp, mp, wl, sl, nullptr, fused.residual, yp, K, G, N, m0, rows, n0, n1);
   });
   return ffi::Error::Success();
 }

@@ -59,9 +59,12 @@ def linear_q8(
     norm: tuple[jax.Array, float] | None = None,  # (weight [K], eps)
     silu_gate: jax.Array | None = None,  # [M, K]
 ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ (values * scales)[layer].T  [M, N]
-    """`cpu.linear`'s contract over an int8 weight from `pack_panels_q8`. Each row of x is
-    rounded to int16 with its own scale (max |x| / 32767) inside the kernel, and the int8 x
-    int16 products are summed in int32 (vpmaddwd: twice an FMA's products per instruction)."""
+    """`cpu.linear`'s contract over an int8 weight from `pack_panels_q8`. With one or two
+    real rows (decode at batch 1-2) each row of x is rounded to int16 with its own scale (max
+    |x| / 32767) inside the kernel and the int8 x int16 products are summed in int32
+    (vpmaddwd); from three rows on, the weights are widened to float32 in L1 and multiplied
+    in FMAs over x as it is (vpmaddwd does no more multiply-accumulates per cycle than FMA on
+    AVX2 EPYCs: bench/mac_peak.py)."""
     _require("kernels")
     values, scales = w.values, w.scales
     if x.ndim != 2 or values.ndim != 3 or x.shape[1] != values.shape[2]:

@@ -158,8 +158,9 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
 @pytest.mark.parametrize(
     "bits,group,m,real,k,n",
-    [(4, 32, 1, 1, 64, 16), (4, 32, 7, 5, 576, 50), (8, 32, 33, 30, 576, 20),
-     (8, 16, 3, 3, 96, 5), (4, 128, 100, 97, 256, 64)],
+    [(4, 32, 1, 1, 64, 16), (4, 32, 2, 2, 128, 24), (4, 32, 7, 5, 576, 50),
+     (4, 32, 32, 32, 192, 40), (8, 32, 33, 30, 576, 20), (8, 16, 3, 3, 96, 5),
+     (4, 128, 100, 97, 256, 64)],
 )  # fmt: skip
 def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
