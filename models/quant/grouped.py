@@ -41,6 +41,7 @@ import numpy as np
 
 __all__ = [
     "GroupedWeight",
+    "grouped_sharding_tree",
     "grouped_shardings",
     "pack_nibbles",
     "quantize_grouped",
@@ -231,14 +232,15 @@ def quantize_grouped(w: Any, in_axes: int, group_size: int, bits: int) -> Groupe
     raise ValueError(f"quantize_grouped: bits must be 4 or 8, got {bits}")
 
 
-def grouped_shardings(sharding: Any, weight: GroupedWeight) -> tuple[Any, Any]:
+def grouped_shardings(sharding: Any, weight: GroupedWeight, name: str = "") -> tuple[Any, Any]:
     """(values' sharding, scales' and mins' sharding) of ``weight`` from the sharding of
     its float leaf (a NamedSharding over ``weight.shape``; anything else is used as is).
 
     Output axes split as in the float leaf. A split of the contracted axes must be a split
     of K into contiguous pieces (only the outermost contracted axis of size > 1 may be
     split) that hold whole groups; anything else is refused with ValueError, since the
-    pieces' scales would not line up with their values."""
+    pieces' scales would not line up with their values. ``name`` (the params leaf, e.g.
+    "layers/w_down") goes into the error."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding, sharding
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
@@ -253,16 +255,28 @@ def grouped_shardings(sharding: Any, weight: GroupedWeight) -> tuple[Any, Any]:
         outer = [d for d in dims[:i] if d != 1]
         if rest or outer:
             raise ValueError(
-                f"grouped weight {weight.shape}: the sharding {sharding.spec} splits K into "
-                "pieces that are not contiguous"
+                f"grouped weight {name} {weight.shape}: the sharding {sharding.spec} splits K "
+                "into pieces that are not contiguous"
             )
         names = k_axis if isinstance(k_axis, tuple) else (k_axis,)
         parts = math.prod(sharding.mesh.shape[a] for a in names)
         if k % parts or (k // parts) % weight.group_size:
             raise ValueError(
-                f"grouped weight {weight.shape}: splitting K = {k} in {parts} cuts its "
-                f"groups of {weight.group_size}"
+                f"grouped weight {name} {weight.shape}: tensor parallelism splits its "
+                f"{k} inputs into {parts} pieces of {k / parts:g}, which cut its groups of "
+                f"{weight.group_size} inputs (each piece must hold whole groups; use a "
+                "tensor_parallel_size that does, or a float or per-channel quantization)"
             )
     pspec = jax.sharding.PartitionSpec(*lead, k_axis)
     named = jax.sharding.NamedSharding(sharding.mesh, pspec)
     return named, named
+
+
+def grouped_sharding_tree(sharding: Any, weight: GroupedWeight, name: str = "") -> GroupedWeight:
+    """`grouped_shardings` as a tree of ``weight``'s structure (values', scales' and, 4-bit,
+    mins' shardings in its fields), for ``jax.device_put(weight, tree)``."""
+    values, groups = grouped_shardings(sharding, weight, name)
+    mins = None if weight.mins is None else groups
+    return GroupedWeight.tree_unflatten(
+        (weight.shape, weight.group_size, weight.bits), (values, groups, mins)
+    )
