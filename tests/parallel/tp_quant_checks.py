@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tp_family_checks import hf_greedy
 from tp_harness import SPLIT_AXIS, Ctx, greedy
 
 GROUPED_LEAVES = ("layers/wqkv", "layers/wo", "layers/w_gate_up", "layers/w_down")
@@ -134,15 +135,20 @@ def assert_grouped_split(params: Any, tp: int, paths: tuple[str, ...]) -> None:
             assert w.scales.addressable_shards[0].data.shape[-1] == per_device // w.group_size
 
 
-def check_grouped_gguf(ctx: Ctx) -> None:
-    """A GGUF model (Q4_0 / Q4_1 / Q8_0) at TP 2 and at TP 4 (each KV head replicated twice)
-    keeps every matmul weight, the embedding and the LM head quantized, split at group
-    boundaries, and decodes the TP=1 tokens."""
-    path = write_tiny_gguf(os.path.join(ctx.workdir, "tiny_q.gguf"))
-    ref, llm = greedy(path, 1, **QUANT_ARGS)
-    assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
-    assert_grouped_split(llm.engine.runner.params, 1, (*GROUPED_LEAVES, "embed", "lm_head"))
-    for tp in (2, 4):
+def check_grouped_gguf(ctx: Ctx, tps: tuple[int, ...]) -> None:
+    """A GGUF model (Q4_0 / Q4_1 / Q8_0) at each TP of ``tps`` (at 4, each KV head is
+    replicated twice) keeps every matmul weight, the embedding and the LM head quantized,
+    split at group boundaries, and decodes the TP=1 tokens."""
+    path = os.path.join(ctx.workdir, "tiny_q.gguf")
+    if not os.path.exists(path):
+        write_tiny_gguf(path)
+    if "gguf" not in ctx.refs:
+        ref, llm = greedy(path, 1, **QUANT_ARGS)
+        assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
+        assert_grouped_split(llm.engine.runner.params, 1, (*GROUPED_LEAVES, "embed", "lm_head"))
+        ctx.refs["gguf"] = ref
+    ref = ctx.refs["gguf"]
+    for tp in tps:
         got, llm = greedy(path, tp, **QUANT_ARGS)
         assert got == ref, f"GGUF TP={tp}: {got} != TP=1 {ref}"
         assert llm.engine.model_config.num_kv_heads == max(2, tp)
@@ -156,37 +162,43 @@ def _writers():
     return checkpoint_writers
 
 
-def write_prequantized(folder: str, fmt: str, group: int = 32) -> str:
+def write_prequantized(folder: str, fmt: str, group: int = 32) -> tuple[str, str]:
     """A tiny random Llama (4 query / 2 KV heads of 16, D = 64, F = 128) in ``fmt``: "awq",
     "gptq" (the formats' published packings) or "w4a16" (compressed-tensors' own writer,
-    asymmetric groups)."""
+    symmetric groups). Returns (its folder, the folder transformers reads as the reference:
+    the same weights dequantized by the formats' own formula, or, for W4A16, the checkpoint
+    itself, which transformers decompresses)."""
     import torch
     import transformers
 
     cw = _writers()
-    path = Path(folder)
+    path, ref = Path(folder), Path(f"{folder}_float")
+    if fmt == "w4a16":
+        ref = path
     if not path.exists():
         path.mkdir(parents=True)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cw.TINY)).eval()
         if fmt == "w4a16":
-            torch.manual_seed(0)
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cw.TINY)).eval()
-            cw.write_compressed_tensors(model, path, "w4a16-asym")
+            cw.write_compressed_tensors(model, path, "w4a16")
         else:
-            cw.write_4bit_checkpoint(path, fmt, group=group)
+            weights = cw.write_4bit_checkpoint(path, fmt, group=group, model=model)
+            model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+            model.save_pretrained(ref)
         cw.write_tokenizer(path)
-    return str(path)
+    return str(path), str(ref)
 
 
-def check_grouped_prequantized(ctx: Ctx) -> None:
-    """AWQ, GPTQ and compressed-tensors W4A16 checkpoints at TP 2: every decoder matmul
-    weight kept 4-bit and split at group boundaries, greedy tokens equal to TP=1's."""
-    for fmt in ("awq", "gptq", "w4a16"):
-        path = write_prequantized(os.path.join(ctx.workdir, f"tiny_{fmt}"), fmt)
-        ref, _ = greedy(path, 1, **QUANT_ARGS)
-        assert len({t for seq in ref for t in seq}) > 3, f"{fmt}: degenerate reference {ref}"
-        got, llm = greedy(path, 2, **QUANT_ARGS)
-        assert got == ref, f"{fmt} TP=2: {got} != TP=1 {ref}"
-        assert_grouped_split(llm.engine.runner.params, 2, GROUPED_LEAVES)
+def check_grouped_prequantized(ctx: Ctx, fmt: str) -> None:
+    """An AWQ, GPTQ or compressed-tensors W4A16 checkpoint at TP 2: every decoder matmul
+    weight kept 4-bit and split at group boundaries, greedy tokens equal to transformers' own
+    over the same weights (which tests/quant checks TP=1 against)."""
+    path, ref_path = write_prequantized(os.path.join(ctx.workdir, f"tiny_{fmt}"), fmt)
+    ref = hf_greedy(ref_path)
+    assert len({t for seq in ref for t in seq}) > 3, f"{fmt}: degenerate reference {ref}"
+    got, llm = greedy(path, 2, **QUANT_ARGS)
+    assert got == ref, f"{fmt} TP=2: {got} != transformers {ref}"
+    assert_grouped_split(llm.engine.runner.params, 2, GROUPED_LEAVES)
 
 
 def check_grouped_split_refused(ctx: Ctx) -> None:
@@ -195,7 +207,7 @@ def check_grouped_split_refused(ctx: Ctx) -> None:
     through a float fallback."""
     from jaxpaged import LLM
 
-    path = write_prequantized(os.path.join(ctx.workdir, "tiny_gptq"), "gptq")
+    path, _ = write_prequantized(os.path.join(ctx.workdir, "tiny_gptq"), "gptq")
     try:
         LLM(path, tensor_parallel_size=4, show_progress=False, enforce_eager=True)
     except ValueError as e:
