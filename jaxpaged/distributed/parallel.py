@@ -205,8 +205,8 @@ def replicate_kv_heads(
             mins = None if w.mins is None else split_qkv(w.mins, head_axis)
             values = split_qkv(w.values, head_axis)
             shape = (*values.shape[:-1], w.shape[-1])
-            return GroupedWeight(
-                values, split_qkv(w.scales, head_axis), mins, shape, w.group_size, w.bits
+            return GroupedWeight(  # an act-order g_idx [L, 1, 1, 1, K] is shared by all rows
+                values, split_qkv(w.scales, head_axis), mins, shape, w.group_size, w.bits, w.g_idx
             )
         w = np.asarray(w)
         w = np.moveaxis(w, (head_axis, head_axis + 1), (0, 1))  # [Hkv, G + 2, *rest]

@@ -33,7 +33,7 @@ CHECKS = [
     "warmup_gpt2",
     "kv_int8",
     "grouped_gguf",
-    "grouped_gptq",
+    "grouped_gptq_act",
     "grouped_split_refused",
 ]
 # the rest of the families x sizes x cache dtypes matrix, with TP=1 engines beside
@@ -49,6 +49,7 @@ SLOW_CHECKS = [
     "kv_fp8",
     "grouped_gguf_tp4",
     "grouped_awq",
+    "grouped_gptq",
     "grouped_w4a16",
 ]
 

@@ -352,7 +352,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "update_weights": check_update_weights,
     "quantized_int8": check_quantized_int8,
     "grouped_gguf": lambda c: check_grouped_gguf(c, (2,)),
-    "grouped_gptq": lambda c: check_grouped_prequantized(c, "gptq"),
+    "grouped_gptq_act": lambda c: check_grouped_prequantized(c, "gptq-act"),
     "grouped_split_refused": check_grouped_split_refused,
     # the default suite: one engine per family newly split (against transformers)
     "family_gemma2": lambda c: check_family_vs_hf(c, "gemma2", (4,)),
@@ -371,6 +371,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "kv_fp8": lambda c: check_kv_8bit(c, "fp8", (2, 4)),
     "grouped_gguf_tp4": lambda c: check_grouped_gguf(c, (4,)),
     "grouped_awq": lambda c: check_grouped_prequantized(c, "awq"),
+    "grouped_gptq": lambda c: check_grouped_prequantized(c, "gptq"),
     "grouped_w4a16": lambda c: check_grouped_prequantized(c, "w4a16"),
 }
 

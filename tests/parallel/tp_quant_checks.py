@@ -121,6 +121,8 @@ def assert_grouped_split(params: Any, tp: int, paths: tuple[str, ...]) -> None:
             arrays["mins"] = w.mins
         for field, x in arrays.items():
             axis = split if split < lead else x.ndim - 1
+            if field != "values" and split >= lead and w.g_idx is not None:
+                continue  # act-order scales and mins: whole on every device
             piece = x.shape[axis] // tp
             assert piece * tp == x.shape[axis], (path, field, x.shape)
             shards = x.addressable_shards
@@ -129,7 +131,12 @@ def assert_grouped_split(params: Any, tp: int, paths: tuple[str, ...]) -> None:
                 assert s.data.shape[axis] == piece, (path, field, s.data.shape, piece)
             starts = sorted({s.index[axis].start or 0 for s in shards})
             assert starts == [i * piece for i in range(tp)], (path, field, starts)
-        if split >= lead:  # a K split: each device's values hold exactly its groups
+        if w.g_idx is not None:  # act-order: g_idx split with the values
+            axis = split if split < lead else w.g_idx.ndim - 1
+            if w.g_idx.shape[axis] > 1:
+                for s in w.g_idx.addressable_shards:
+                    assert s.data.shape[axis] == w.g_idx.shape[axis] // tp, (path, "g_idx")
+        elif split >= lead:  # a K split: each device's values hold exactly its groups
             per_device = w.in_features // tp
             assert per_device % w.group_size == 0, (path, per_device, w.group_size)
             assert w.scales.addressable_shards[0].data.shape[-1] == per_device // w.group_size
@@ -164,7 +171,7 @@ def _writers():
 
 def write_prequantized(folder: str, fmt: str, group: int = 32) -> tuple[str, str]:
     """A tiny random Llama (4 query / 2 KV heads of 16, D = 64, F = 128) in ``fmt``: "awq",
-    "gptq" (the formats' published packings) or "w4a16" (compressed-tensors' own writer,
+    "gptq", "gptq-act" (act-order; the formats' published packings) or "w4a16" (compressed-tensors' own writer,
     symmetric groups). Returns (its folder, the folder transformers reads as the reference:
     the same weights dequantized by the formats' own formula, or, for W4A16, the checkpoint
     itself, which transformers decompresses)."""
@@ -182,7 +189,10 @@ def write_prequantized(folder: str, fmt: str, group: int = 32) -> tuple[str, str
         if fmt == "w4a16":
             cw.write_compressed_tensors(model, path, "w4a16")
         else:
-            weights = cw.write_4bit_checkpoint(path, fmt, group=group, model=model)
+            act_order = fmt == "gptq-act"
+            weights = cw.write_4bit_checkpoint(
+                path, fmt.removesuffix("-act"), group=group, model=model, act_order=act_order
+            )
             model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
             model.save_pretrained(ref)
         cw.write_tokenizer(path)
@@ -190,9 +200,10 @@ def write_prequantized(folder: str, fmt: str, group: int = 32) -> tuple[str, str
 
 
 def check_grouped_prequantized(ctx: Ctx, fmt: str) -> None:
-    """An AWQ, GPTQ or compressed-tensors W4A16 checkpoint at TP 2: every decoder matmul
-    weight kept 4-bit and split at group boundaries, greedy tokens equal to transformers' own
-    over the same weights (which tests/quant checks TP=1 against)."""
+    """An AWQ, GPTQ (act-order too) or compressed-tensors W4A16 checkpoint at TP 2: every
+    decoder matmul weight kept 4-bit and split at group boundaries (act-order: its g_idx split
+    with the values, the scales whole on every device), greedy tokens equal to transformers'
+    own over the same weights (which tests/quant checks TP=1 against)."""
     path, ref_path = write_prequantized(os.path.join(ctx.workdir, f"tiny_{fmt}"), fmt)
     ref = hf_greedy(ref_path)
     assert len({t for seq in ref for t in seq}) > 3, f"{fmt}: degenerate reference {ref}"
