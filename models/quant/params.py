@@ -40,6 +40,8 @@ def check_quantization(config: ModelConfig, method: str) -> None:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
     if method == "none":
         return
+    if method == "gguf" and config.model_type in GEMMA_MODEL_TYPES:
+        return  # a Gemma 3 GGUF import's own weights (models/gguf_params.py)
     if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + BLOOM_MODEL_TYPES:
         raise ValueError(
             f"quantization={method!r} is not supported for model_type {config.model_type!r} "
