@@ -33,7 +33,6 @@ CHECKS = [
     "warmup_gpt2",
     "kv_int8",
     "grouped_gguf",
-    "grouped_gptq_act",
     "grouped_split_refused",
 ]
 # the rest of the families x sizes x cache dtypes matrix, with TP=1 engines beside
@@ -48,6 +47,7 @@ SLOW_CHECKS = [
     "kv_int8_tp4",
     "kv_fp8",
     "grouped_gguf_tp4",
+    "grouped_gptq_act",
     "grouped_awq",
     "grouped_gptq",
     "grouped_w4a16",
