@@ -51,14 +51,14 @@ def main() -> int:
 
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.engine import LLMEngine
+    from jaxpaged.kernels.cpu.backend import CpuBackend
     from jaxpaged.kernels.cpu.linear_q4 import linear_q4
-    from jaxpaged.kernels.cpu.linear_q8 import linear_q8, pack_panels_q8
     from jaxpaged.models import load_tokenizer
     from jaxpaged.models.config import ModelConfig
     from jaxpaged.models.gguf_params import has_quantized_weights, load_gguf_host_params
     from jaxpaged.models.llama import map_matmul_weights
     from jaxpaged.models.loader import load_host_params
-    from jaxpaged.models.quant import quantize_grouped, quantize_params
+    from jaxpaged.models.quant import quantize_grouped, quantize_params, weight_bytes
     from jaxpaged.models.quant.quality import first_divergence, perplexity
     from jaxpaged.models.resolve import resolve_model_folder
 
@@ -67,6 +67,7 @@ def main() -> int:
     tok = load_tokenizer(folder)
     host = load_host_params(folder, config, np.float32, progress=False)
     f32 = jax.tree.map(jnp.asarray, host)
+    f32_bytes = weight_bytes(f32)
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                 tokenize=True)["input_ids"]
@@ -96,15 +97,20 @@ def main() -> int:
         else:
             params = quantize_params(host, config, method)
         params = jax.tree.map(jnp.asarray, params)
-        if method == "int8":
-            params, linear_fn = map_matmul_weights(params, config, pack_panels_q8), linear_q8
+        nbytes = weight_bytes(params)  # before any kernel layout (which copies a tied head)
+        if method == "int8":  # as served: int8 layers in linear_q8, the float head in cpu.linear
+            weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+            backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
+            params, linear_fn = backend.pack_weights(params, weight_map), backend.kernels.linear
         parted = [
             first_divergence(params, config, q, g, linear_fn=linear_fn)
             for q, g in zip(prompts, greedy, strict=True)
         ]
         ppl = perplexity(params, config, ids, linear_fn=linear_fn)
         print(f"{method}: greedy first divergence per prompt (of {args.greedy_tokens}; None = "
-              f"never) {parted}; perplexity {ppl:.4f} ({ppl / base - 1:+.2%})", flush=True)  # fmt: skip
+              f"never) {parted}; perplexity {ppl:.4f} ({ppl / base - 1:+.2%}); weights "
+              f"{nbytes / 2**20:.1f} MiB (float32 {f32_bytes / 2**20:.1f})",
+              flush=True)  # fmt: skip
     if args.prequantized:
         for name, params in _prequantized(folder):
             parted = [

@@ -41,6 +41,7 @@ from flax import nnx
 from .config import GEMMA_MODEL_TYPES, ModelConfig, RopeScaling
 from .layers import StackedParams, apply_rope, dense_causal_attention
 from .llama import AttentionFn, Params
+from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul
 from .rope import rope_attention_factor, rope_inv_freq_at
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -207,7 +208,9 @@ def _period(windows: tuple[int | None, ...]) -> int:
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    # x [T, K], w [N, K] -> [T, N]
+    # x [T, K], w [N, K] -> [T, N]; a quantized w (a GGUF import's own) dequantized in the dot
+    if isinstance(w, QUANTIZED_WEIGHTS):
+        return quantized_matmul(x, w)
     return jnp.einsum("ti,oi->to", x, w)
 
 
@@ -281,8 +284,11 @@ class GemmaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer."""
         c = self.config
-        embed = self.embed[...]
-        x = jnp.take(embed, tokens, axis=0) * jnp.asarray(math.sqrt(c.hidden_size), embed.dtype)
+        embed = self.embed.get_value()
+        # a quantized table's rows come back in float32: the float leaves' dtype, as a float
+        # table's own
+        x = embedding_rows(embed, tokens).astype(self.final_norm[...].dtype)
+        x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
         layers = self.layers.arrays()
         windows = layer_windows(c)
         p = _period(windows)
@@ -303,9 +309,11 @@ class GemmaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
         """Vocabulary logits over the tied embedding, soft-capped if the config says so."""
-        logits = jnp.einsum(
-            "td,vd->tv", hidden, self.embed[...], preferred_element_type=jnp.float32
-        )
+        embed = self.embed.get_value()
+        if isinstance(embed, QUANTIZED_WEIGHTS):
+            logits = quantized_matmul(hidden, embed).astype(jnp.float32)
+        else:
+            logits = jnp.einsum("td,vd->tv", hidden, embed, preferred_element_type=jnp.float32)
         cap = self.config.final_soft_cap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

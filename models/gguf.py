@@ -323,7 +323,7 @@ def _write_json(path: Path, obj: Any) -> None:
 # model.safetensors (which transformers reads): "<hf name>.values", ".scales" and, 4-bit,
 # ".mins"; models/gguf_params.py loads them. The Gemma family's forward reads float weights.
 QUANTIZED_FILE = "gguf_quantized.safetensors"
-_KEPT_ARCHITECTURES = ("llama", "qwen2")
+_KEPT_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 _MATMUL_TENSORS = (
     "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
 )  # fmt: skip

@@ -20,14 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import GEMMA_MODEL_TYPES, ModelConfig
 from .gguf import QUANTIZED_FILE
 from .llama import param_shapes
 from .quant.grouped import GroupedWeight
 
 __all__ = ["GGUF_KEPT_MODEL_TYPES", "has_quantized_weights", "load_gguf_host_params"]
 
-GGUF_KEPT_MODEL_TYPES = ("llama", "qwen2")  # the GGUF imports gguf.py writes quantized
+# the GGUF imports gguf.py writes quantized whose params keep them
+GGUF_KEPT_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 
 Part = GroupedWeight | np.ndarray  # one HF tensor [rows, K]: kept quantized, or float
 
@@ -42,7 +43,12 @@ def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> 
     `GroupedWeight` where they can be (see the module docstring)."""
     from .loader import SafetensorsIndex, TensorError
 
-    if config.model_type not in GGUF_KEPT_MODEL_TYPES or config.num_experts or config.qk_norm:
+    gemma = config.model_type in GEMMA_MODEL_TYPES
+    if (
+        config.model_type not in GGUF_KEPT_MODEL_TYPES
+        or config.num_experts
+        or (config.qk_norm and not gemma)
+    ):
         raise ValueError(f"GGUF weights of model_type {config.model_type!r} are not kept quantized")
     floats = SafetensorsIndex([os.path.join(folder, "model.safetensors")])
     quant = SafetensorsIndex([os.path.join(folder, QUANTIZED_FILE)])
@@ -103,12 +109,11 @@ def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> 
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
         parts = [per_layer[i][name] for i in range(n)]
         layers[name] = _stack(parts, shapes["layers"][name], dtype)
-    layers["attn_norm"] = np.stack(
-        [read_float(f"model.layers.{i}.input_layernorm.weight") for i in range(n)]
-    )
-    layers["mlp_norm"] = np.stack(
-        [read_float(f"model.layers.{i}.post_attention_layernorm.weight") for i in range(n)]
-    )
+    norms = _GEMMA_NORMS if gemma else _LLAMA_NORMS
+    if gemma and c.qk_norm:
+        norms = {**norms, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+    for ours, theirs in norms.items():
+        layers[ours] = np.stack([read_float(f"model.layers.{i}.{theirs}.weight") for i in range(n)])
     if c.qkv_bias:
         layers["bqkv"] = np.stack(
             [
@@ -131,6 +136,16 @@ def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> 
     if not c.tie_word_embeddings:
         host["lm_head"] = _stack([([part("lm_head.weight", c.vocab_size, d)], _one)], None, dtype)
     return host
+
+
+# params leaf -> HF module of each layer's norms (models/llama.py's, models/gemma.py's)
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_GEMMA_NORMS = {
+    "attn_norm": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+    "pre_mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
 
 
 def _one(w: Any) -> Any:

@@ -8,6 +8,7 @@ what the float import uses); tests/quant/test_gguf_quant.py checks that bit for 
 
     type   bits  group  q                        scale       min
     Q8_0   8     32     int8 as stored           d           -
+    Q5_0   8     32     5-bit value - 16         d           -
     Q4_0   4     32     nibble 0..15             d           -8 * d
     Q4_1   4     32     nibble 0..15             d           m
     Q4_K   4     32     nibble 0..15             d * sc[j]   -(dmin * m[j])
@@ -43,6 +44,16 @@ def _split_halves(qs: np.ndarray) -> np.ndarray:  # uint8 [..., B] -> 0..15 [...
 def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     d = _f16(blocks[..., 0:2])
     q = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)
+    return q.reshape(*q.shape[:-2], -1), d, None, 32
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
+    """d, then the fifth bits of the block's 32 values (bit j of a little-endian uint32 for
+    value j), then their low nibbles (value j in byte j % 16, low nibble first)."""
+    d = _f16(blocks[..., 0:2])
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+    high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = (_split_halves(blocks[..., 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)
     return q.reshape(*q.shape[:-2], -1), d, None, 32
 
 
@@ -93,6 +104,7 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
 # GGML type name -> (bytes per block, inputs per block, reader)
 _READERS = {
     "Q8_0": (34, 32, _q8_0),
+    "Q5_0": (22, 32, _q5_0),  # 8-bit here: 1.125 bytes a weight against the file's 0.69
     "Q4_0": (18, 32, _q4_0),
     "Q4_1": (20, 32, _q4_1),
     "Q4_K": (144, _QK_K, _q4_k),

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .quant.matmul import QUANTIZED_WEIGHTS
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis; normalise in float32, scale in the input dtype (as HF)."""
@@ -138,8 +140,12 @@ class StackedParams(nnx.Module):
             setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
 
     def arrays(self) -> dict[str, jax.Array]:
-        """Every stacked leaf as an array, by name (what the scanned layer body reads)."""
-        return {k: jnp.asarray(v[...]) for k, v in vars(self).items() if _is_variable(v)}
+        """Every stacked leaf as an array, by name (what the scanned layer body reads); a
+        quantized weight (a GGUF import's own) as it is."""
+        leaves = {k: v.get_value() for k, v in vars(self).items() if _is_variable(v)}
+        return {
+            k: x if isinstance(x, QUANTIZED_WEIGHTS) else jnp.asarray(x) for k, x in leaves.items()
+        }
 
 
 def _is_variable(x: Any) -> bool:

@@ -31,7 +31,7 @@ from .hub import resolve_model_path
 from .llama import Params, param_shapes
 from .quant import GroupedWeight, QuantizedWeight, check_quantization, quantize_params
 from .quant.checkpoint import CheckpointQuantization, checkpoint_quantization, resolve_quantization
-from .quant.grouped import grouped_shardings
+from .quant.grouped import grouped_sharding_tree
 from .quant.prequantized import check_prequantized, finish_buffers, prequantized_reading
 from .quant.weights import METHODS
 
@@ -346,11 +346,7 @@ def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -
         if isinstance(node, GroupedWeight):  # K splits only at group boundaries
             if sharding is None:
                 return jax.tree.map(jnp.asarray, node)
-            leaves, treedef = jax.tree.flatten(node)  # values, scales, mins (if 4-bit)
-            values_sharding, group_sharding = grouped_shardings(sharding, node)
-            shards = [values_sharding] + [group_sharding] * (len(leaves) - 1)
-            placed = [jax.device_put(a, s) for a, s in zip(leaves, shards, strict=True)]
-            return jax.tree.unflatten(treedef, placed)
+            return jax.device_put(node, grouped_sharding_tree(sharding, node, prefix))
         return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
 
     return put(host, None if callable(shardings) else shardings, "")
@@ -398,10 +394,7 @@ def load_model(
         check_prequantized(config, prequantized, folder)
     elif quantization is not None:
         check_quantization(config, quantization)
-    transformed = host_transform is not None
-    if prequantized is None and _keeps_gguf_quantization(
-        folder, config, quantization, dtype, transformed
-    ):
+    if prequantized is None and _keeps_gguf_quantization(folder, config, quantization, dtype):
         host = load_gguf_host_params(folder, config, np_dtype)
     else:
         host = load_host_params(
@@ -415,23 +408,20 @@ def load_model(
 
 
 def _keeps_gguf_quantization(
-    folder: str, config: ModelConfig, quantization: str | None, dtype: str | None,
-    transformed: bool,
-) -> bool:  # fmt: skip
+    folder: str, config: ModelConfig, quantization: str | None, dtype: str | None
+) -> bool:
     """Whether to load a GGUF import's own quantized weights: asked for ("gguf"), or by
     default (None) where the folder has them, as vLLM reads a checkpoint's quantization,
-    unless a ``dtype`` is chosen (the float expansion in that dtype) or a host transform
-    applies (tensor parallelism's KV-head replication rewrites float leaves)."""
+    unless a ``dtype`` is chosen (the float expansion in that dtype)."""
     if quantization not in (None, "gguf"):
         return False
     usable = has_quantized_weights(folder) and config.model_type in GGUF_KEPT_MODEL_TYPES
-    if quantization == "gguf" and not (usable and not transformed):
-        why = "with tensor parallelism" if usable else "for this checkpoint"
+    if quantization == "gguf" and not usable:
         raise ValueError(
-            f"quantization='gguf' is not available {why} ({folder!r}): it reads the quantized "
-            "weights of a llama or qwen2 GGUF file on one device; use 'none', 'int8' or 'fp8'"
+            f"quantization='gguf' is not available for this checkpoint ({folder!r}): it reads "
+            "the quantized weights of a llama or qwen2 GGUF file; use 'none', 'int8' or 'fp8'"
         )
-    return usable and not transformed and (quantization == "gguf" or dtype is None)
+    return usable and (quantization == "gguf" or dtype is None)
 
 
 def load_tokenizer(path: str | os.PathLike):

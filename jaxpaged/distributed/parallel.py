@@ -77,7 +77,8 @@ from jaxpaged.models.config import (
 )
 from jaxpaged.models.llama import Params
 from jaxpaged.models.loader import scales_sharding
-from jaxpaged.models.quant import QuantizedWeight
+from jaxpaged.models.quant import GroupedWeight, QuantizedWeight
+from jaxpaged.models.quant.grouped import grouped_sharding_tree
 
 AXIS = "tp"
 
@@ -200,6 +201,13 @@ def replicate_kv_heads(
         # [..., Hkv, G + 2, hd, ...] -> [..., Hkv * r, G / r + 2, hd, ...]
         if isinstance(w, QuantizedWeight):  # scales [L, Hkv, G + 2, hd, 1] split alike
             return QuantizedWeight(split_qkv(w.values, head_axis), split_qkv(w.scales, head_axis))
+        if isinstance(w, GroupedWeight):  # K = D is the last axis: heads are leading axes
+            mins = None if w.mins is None else split_qkv(w.mins, head_axis)
+            values = split_qkv(w.values, head_axis)
+            shape = (*values.shape[:-1], w.shape[-1])
+            return GroupedWeight(  # an act-order g_idx [L, 1, 1, 1, K] is shared by all rows
+                values, split_qkv(w.scales, head_axis), mins, shape, w.group_size, w.bits, w.g_idx
+            )
         w = np.asarray(w)
         w = np.moveaxis(w, (head_axis, head_axis + 1), (0, 1))  # [Hkv, G + 2, *rest]
         rest = w.shape[2:]
@@ -212,7 +220,7 @@ def replicate_kv_heads(
     if "bqkv" in layers:
         layers["bqkv"] = split_qkv(layers["bqkv"], 1)  # [L, Hkv, G + 2, hd]
     wo = layers["wo"]  # [L, D, Hkv, G, hd]; query-head order is unchanged
-    wo = wo if isinstance(wo, QuantizedWeight) else np.asarray(wo)
+    wo = wo if isinstance(wo, QuantizedWeight | GroupedWeight) else np.asarray(wo)
     layers["wo"] = wo.reshape(*wo.shape[:2], hkv * r, gr, wo.shape[4])
     params["layers"] = layers
     return tp_config(config, tensor_parallel_size), params
@@ -268,6 +276,8 @@ def param_shardings(
         if isinstance(node, QuantizedWeight):  # values split as the float leaf, scales alike
             values = fn(prefix, shape)
             return QuantizedWeight(values, scales_sharding(values, node))
+        if isinstance(node, GroupedWeight):  # K split only at group boundaries
+            return grouped_sharding_tree(fn(prefix, node.shape), node, prefix)
         return fn(prefix, shape)
 
     return walk(params_or_shapes, "")

@@ -45,8 +45,9 @@ class CpuBackend:
     # with native_linear: every matmul weight is int8 with per-output scales (models/quant),
     # run by linear_q8 over q8 panels
     int8_weights: bool = False
-    # with native_linear: the matmul weights are group-wise quantized (models/quant/grouped.py)
-    # or float; each runs in its own kernel (linear_q4, or cpu.linear over panels)
+    # with native_linear: the matmul weights mix kinds, group-wise quantized
+    # (models/quant/grouped.py), int8 or float (e.g. an int8 model's float lm_head); each
+    # runs in its own kernel (linear_q4, linear_q8 over q8 panels, or cpu.linear over panels)
     grouped_weights: bool = False
     native_argmax: bool = False  # greedy sampling in cpu.argmax
     # The hidden states' dtype between layers where it is not the params' (None: theirs).
@@ -82,7 +83,7 @@ class CpuBackend:
             native_attention=native,
             native_linear=kind is not None,
             int8_weights=kind == "int8",
-            grouped_weights=kind == "grouped",
+            grouped_weights=kind == "mixed",
             native_argmax=native,
             activation_dtype="float32" if narrow else None,
             bf16_dot=features.has_bf16_dot(),
@@ -106,7 +107,7 @@ class CpuBackend:
         if not self.native_linear:
             return params
         if self.grouped_weights:
-            return map_matmul_weights(params, _pack_float_panels)
+            return map_matmul_weights(params, _pack_by_kind)
         return map_matmul_weights(params, pack_panels_q8 if self.int8_weights else cpu.pack_panels)
 
     def back_with_huge_pages(self, arrays: Iterable[jax.Array]) -> int:
@@ -139,34 +140,34 @@ def _matmul_views(params: Any, map_matmul_weights: WeightMap) -> list[tuple[int,
 
 def _linear_kind(views: list[tuple[int, int, Any, str]]) -> str | None:
     """Which native matmul runs every matmul of these `_matmul_views` (shapes and dtypes
-    only): "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized), "grouped"
-    (linear_q4 for the group-wise quantized weights, cpu.linear for float ones) or None
-    (XLA's)."""
+    only): "float" (cpu.linear), "int8" (linear_q8, every weight int8-quantized), "mixed"
+    (each weight in its kind's kernel: linear_q4 for group-wise quantized ones, linear_q8 for
+    int8 ones, cpu.linear for float ones) or None (XLA's)."""
     if not views:
         return None  # the model leaves its matmuls to XLA
-    floats_fit = all(
+    fits = all(
         n % cpu.PANEL == 0 and dtype in cpu.LINEAR_DTYPES
         for n, _, dtype, kind in views
         if kind == "float"
-    )
+    ) and all(n % cpu.PANEL == 0 and k % 2 == 0 for n, k, _, kind in views if kind == "int8")
     kinds = {kind for *_, kind in views}
-    if "grouped" in kinds and kinds <= {"grouped", "float"}:
-        return "grouped" if floats_fit else None
-    if any(n % cpu.PANEL for n, *_ in views):
+    if not fits or not kinds <= {"grouped", "int8", "float"}:
         return None
-    if kinds == {"float"} and floats_fit:
-        return "float"
-    if kinds == {"int8"} and all(k % 2 == 0 for _, k, _, _ in views):
-        return "int8"
-    return None
+    return kinds.pop() if kinds in ({"float"}, {"int8"}) else "mixed"
 
 
-def _pack_float_panels(w: Any) -> Any:
-    """A float weight in cpu.linear's panel layout; a group-wise one as it is."""
-    return w if is_grouped_weight(w) else cpu.pack_panels(w)
+def _pack_by_kind(w: Any) -> Any:
+    """A weight in its kernel's layout: float in cpu.linear's panels, int8 in linear_q8's;
+    a group-wise one as it is."""
+    if is_grouped_weight(w):
+        return w
+    return pack_panels_q8(w) if is_int8_weight(w) else cpu.pack_panels(w)
 
 
 def _linear_by_weight(x: jax.Array, w: Any, layer: Any, **fused: Any) -> jax.Array:
-    """cpu.linear's contract for params that mix group-wise quantized weights (linear_q4)
-    and float ones in panel layout (cpu.linear): chosen per weight while tracing."""
-    return (linear_q4 if is_grouped_weight(w) else cpu.linear)(x, w, layer, **fused)
+    """cpu.linear's contract for params that mix group-wise quantized weights (linear_q4),
+    int8 ones (linear_q8) and float ones in panel layout (cpu.linear): chosen per weight
+    while tracing."""
+    if is_grouped_weight(w):
+        return linear_q4(x, w, layer, **fused)
+    return (linear_q8 if is_int8_weight(w) else cpu.linear)(x, w, layer, **fused)

@@ -24,9 +24,10 @@ CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
 
 def is_grouped_weight(w: Any) -> bool:
     """Whether ``w`` is a group-wise quantized weight the kernel reads (any group size that
-    is a multiple of 16)."""
+    is a multiple of 16; consecutive groups, not act-order's ``g_idx``)."""
     group = getattr(w, "group_size", None)
-    return group is not None and hasattr(w, "scales") and group % CHUNK == 0
+    consecutive = getattr(w, "g_idx", None) is None
+    return group is not None and hasattr(w, "scales") and group % CHUNK == 0 and consecutive
 
 
 def linear_q4(

@@ -13,7 +13,7 @@ Read formats (weight-only, symmetric unless said):
   refused by name.
 
 - AWQ (AutoAWQ's "gemm" version) and GPTQ (AutoGPTQ / GPTQModel, "gptq" and "gptq_v2"
-  formats, without act-order): 4-bit weights with a scale and zero per group of inputs ->
+  formats, act-order too): 4-bit weights with a scale and zero per group of inputs ->
   ``int4``, a `GroupedWeight` (models/quant/gptq_awq.py has the layouts).
 
 Anything else with a ``quantization_config`` (bitsandbytes, Marlin, ...) is refused, naming
@@ -65,6 +65,7 @@ class CheckpointQuantization:
     group_size: int = 0  # "group": inputs per scale; -1 = all of K (one group per output)
     zero_offset: int = 0  # added to GPTQ's stored zeros (1 in its v1 format)
     symmetric: bool = True  # compressed-tensors 4-bit: False = zero points stored
+    act_order: bool = False  # GPTQ desc_act: each layer's weights carry their g_idx
 
     @property
     def grouped_bits(self) -> int:
@@ -125,7 +126,7 @@ def _awq(qc: Mapping[str, Any], folder: str) -> CheckpointQuantization:
 
 
 def _gptq(qc: Mapping[str, Any], folder: str) -> CheckpointQuantization:
-    reads = "reads 4-bit GPTQ (formats gptq and gptq_v2) without act-order"
+    reads = "reads 4-bit GPTQ (formats gptq and gptq_v2, act-order included)"
     bits = qc.get("bits")
     fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
     if bits != 4:
@@ -138,6 +139,7 @@ def _gptq(qc: Mapping[str, Any], folder: str) -> CheckpointQuantization:
         "group",
         group_size=int(qc.get("group_size", 128)),
         zero_offset=1 if fmt == "gptq" else 0,
+        act_order=bool(qc.get("desc_act", False)),
     )
 
 

@@ -12,12 +12,17 @@ values packed eight to an int32 at bit offsets 0, 4, ..., 28:
 - GPTQ: ``qweight`` int32 [K / 8, N] packed along the inputs in order (input 8r + i at nibble
   i of word r); ``qzeros`` int32 [K / G, N / 8] packed along the outputs in order, stored as
   zero - 1 in the original ("gptq", v1) format and as the zero itself in "gptq_v2";
-  ``scales`` float16 [K / G, N]; ``g_idx`` int32 [K], the group of each input. Act-order
-  checkpoints (desc_act) permute g_idx; a GroupedWeight's groups are consecutive inputs, so
-  only g_idx == k // G is read.
+  ``scales`` float16 [K / G, N]; ``g_idx`` int32 [K], the group of each input: k // G, or,
+  in act-order checkpoints (desc_act), each input's group in the order GPTQ quantized them
+  (largest Hessian diagonal first). An act-order weight keeps its values in input order and
+  its g_idx (GroupedWeight.g_idx), so the dequantization looks each input's scale and zero
+  up, as vLLM's exllama kernel does without its shuffle (a permutation of the inputs that makes
+  groups contiguous, paid back by gathering the activations before every matmul).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -75,18 +80,22 @@ def gptq_weight(
     *,
     zero_offset: int,  # 1 for the v1 ("gptq") format, 0 for "gptq_v2"
 ) -> GroupedWeight:  # [N, K]
-    """A GPTQ linear as a `GroupedWeight` (see the module docstring); ValueError for an
-    act-order g_idx."""
+    """A GPTQ linear as a `GroupedWeight` (see the module docstring); an act-order g_idx
+    (not k // group_size) is kept in it."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
+    act_order = None
     if g_idx is not None and not np.array_equal(np.asarray(g_idx), np.arange(k) // group_size):
-        raise ValueError(
-            "GPTQ act-order (desc_act): g_idx is not k // group_size, and group-wise weights "
-            "need consecutive groups; use a checkpoint quantized with desc_act=False"
-        )
+        act_order = np.asarray(g_idx).astype(np.int32).reshape(1, k)
+        if act_order.min() < 0 or act_order.max() >= k // group_size:
+            raise ValueError(
+                f"GPTQ g_idx holds groups {act_order.min()}..{act_order.max()}, outside the "
+                f"{k // group_size} groups of {k} inputs"
+            )
     q = unpack_int4_words(np.asarray(qweight).T)  # [N, K]: each output's words in input order
     zeros = unpack_int4_words(qzeros).astype(np.int16) + zero_offset  # [K / G, N]
     _check_groups("GPTQ", k, n, group_size, zeros.T.shape, scales.T.shape)
-    return _grouped(q, zeros.T, np.asarray(scales).T, group_size)
+    w = _grouped(q, zeros.T, np.asarray(scales).T, group_size)
+    return w if act_order is None else dataclasses.replace(w, g_idx=act_order)
 
 
 def _check_groups(fmt: str, k: int, n: int, g: int, zeros_shape, scales_shape) -> None:

@@ -22,6 +22,11 @@ How the formats map onto it (exactly, in float32):
 - AWQ / GPTQ: (q - z) * s = q * s + (-z * s).
 - Q8_0: 8-bit, scale = d. Q6_K: 8-bit with q - 32 stored, scale = d * sc per 16 inputs.
 
+Act-order (GPTQ's desc_act): ``g_idx`` int32 [..., K], the group of each input, whose
+leading axes are the values' or 1 (one row per layer, shared by every output), makes the groups
+arbitrary sets of inputs: w[..., n, k] = q[..., n, k] * scales[..., n, g_idx[k]] + mins[...,
+n, g_idx[k]]. None (every other format): g_idx[k] = k // G.
+
 ``shape`` (static, with the group size and the bit width: the pytree's aux data) is the shape
 of the float leaf the weight replaces, e.g. wqkv's [L, Hkv, G + 2, hd, D] or wo's
 [L, D, Hkv, G, hd], whose trailing axes multiply to K. So `reshape` to the ``linear_fn`` view
@@ -41,6 +46,7 @@ import numpy as np
 
 __all__ = [
     "GroupedWeight",
+    "grouped_sharding_tree",
     "grouped_shardings",
     "pack_nibbles",
     "quantize_grouped",
@@ -59,6 +65,7 @@ class GroupedWeight:
     shape: tuple[int, ...]  # the float weight's shape, trailing axes multiplying to K
     group_size: int  # G: consecutive inputs sharing a scale (and min)
     bits: int  # 4 or 8
+    g_idx: Any = None  # act-order: int32 [..., K], leading axes the values' or 1; else None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -76,6 +83,15 @@ class GroupedWeight:
             raise ValueError("GroupedWeight: 4-bit weights need mins, 8-bit ones take none")
         if self.mins is not None and tuple(self.mins.shape) != tuple(self.scales.shape):
             raise ValueError(f"GroupedWeight: mins {tuple(self.mins.shape)} != scales' shape")
+        if self.g_idx is not None and (
+            len(self.g_idx.shape) != len(prefix) + 1
+            or self.g_idx.shape[-1] != k
+            or any(a not in (1, b) for a, b in zip(self.g_idx.shape[:-1], prefix, strict=True))
+        ):
+            raise ValueError(
+                f"GroupedWeight: g_idx {tuple(self.g_idx.shape)} does not broadcast over values "
+                f"{tuple(self.values.shape)} with its last axis K = {k}"
+            )
         if math.prod(self.shape) != math.prod(prefix) * k or _k_axes(self.shape, k) is None:
             raise ValueError(
                 f"GroupedWeight: shape {self.shape} does not end in axes of K = {k} "
@@ -83,13 +99,14 @@ class GroupedWeight:
             )
 
     # pytree: the arrays are children, the shape and format static
-    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], tuple[Any, ...]]:
-        return (self.values, self.scales, self.mins), (self.shape, self.group_size, self.bits)
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        children = (self.values, self.scales, self.mins, self.g_idx)
+        return children, (self.shape, self.group_size, self.bits)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: tuple[Any, ...]) -> GroupedWeight:
         obj = object.__new__(cls)  # no checks: transforms pass placeholders as children
-        for name, value in zip(("values", "scales", "mins"), children, strict=True):
+        for name, value in zip(("values", "scales", "mins", "g_idx"), children, strict=True):
             object.__setattr__(obj, name, value)
         for name, value in zip(("shape", "group_size", "bits"), aux, strict=True):
             object.__setattr__(obj, name, value)
@@ -111,24 +128,36 @@ class GroupedWeight:
 
     @property
     def nbytes(self) -> int:
-        mins = 0 if self.mins is None else self.mins.nbytes
-        return int(self.values.nbytes + self.scales.nbytes + mins)
+        extra = sum(a.nbytes for a in (self.mins, self.g_idx) if a is not None)
+        return int(self.values.nbytes + self.scales.nbytes + extra)
 
-    def _with(self, values: Any, scales: Any, mins: Any, shape: tuple[int, ...]) -> GroupedWeight:
-        return GroupedWeight(values, scales, mins, tuple(shape), self.group_size, self.bits)
+    def _with(
+        self, values: Any, scales: Any, mins: Any, shape: tuple[int, ...], g_idx: Any = None
+    ) -> GroupedWeight:
+        return GroupedWeight(values, scales, mins, tuple(shape), self.group_size, self.bits, g_idx)
 
     def __getitem__(self, index: Any) -> GroupedWeight:
         """Indexes leading (stacking) axes, never the contracted ones: an int, a traced
         int32 scalar, or a tuple of them; ``None`` adds a leading axis of 1."""
+        g_idx = self.g_idx
         if index is None:
             mins = None if self.mins is None else self.mins[None]
-            return self._with(self.values[None], self.scales[None], mins, (1, *self.shape))
+            g_idx = None if g_idx is None else g_idx[None]
+            return self._with(self.values[None], self.scales[None], mins, (1, *self.shape), g_idx)
         index = index if isinstance(index, tuple) else (index,)
         lead = len(self.values.shape) - 1
         if len(index) > lead - 1 or any(isinstance(i, slice | type(None)) for i in index):
             raise ValueError(f"GroupedWeight indexes only its leading axes, got {index}")
         mins = None if self.mins is None else self.mins[index]
-        return self._with(self.values[index], self.scales[index], mins, self.shape[len(index) :])
+        if g_idx is not None:  # an axis g_idx broadcasts over takes index 0
+            g_idx = g_idx[
+                tuple(
+                    0 if n == 1 else i
+                    for i, n in zip(index, g_idx.shape[: len(index)], strict=True)
+                )
+            ]
+        shape = self.shape[len(index) :]
+        return self._with(self.values[index], self.scales[index], mins, shape, g_idx)
 
     def reshape(self, *shape: Any) -> GroupedWeight:
         """The float shape reshaped to ``shape`` (one -1 allowed), which must keep K as
@@ -142,8 +171,12 @@ class GroupedWeight:
             raise ValueError(f"GroupedWeight {self.shape}: shape {new} has no trailing K = {k}")
         prefix = new[: len(new) - k_axes]
         mins = None if self.mins is None else self.mins.reshape(*prefix, -1)
+        if self.g_idx is not None:
+            g_idx = _reshape_broadcast(self.g_idx, tuple(self.values.shape[:-1]), prefix)
+        else:
+            g_idx = None
         return self._with(
-            self.values.reshape(*prefix, -1), self.scales.reshape(*prefix, -1), mins, new
+            self.values.reshape(*prefix, -1), self.scales.reshape(*prefix, -1), mins, new, g_idx
         )
 
     def q(self) -> Any:
@@ -159,6 +192,12 @@ class GroupedWeight:
         xp = np if isinstance(self.values, np.ndarray) else jnp
         g = self.group_size
         q = xp.asarray(self.q()).astype(np.float32)
+        if self.g_idx is not None:  # act-order: each input's own group's scale and min
+            g_idx = xp.broadcast_to(xp.asarray(self.g_idx), q.shape)
+            w = q * xp.take_along_axis(xp.asarray(self.scales), g_idx, axis=-1)
+            if self.mins is not None:
+                w = w + xp.take_along_axis(xp.asarray(self.mins), g_idx, axis=-1)
+            return w.reshape(self.shape).astype(dtype)
         grouped = q.reshape(*q.shape[:-1], -1, g)
         w = grouped * xp.asarray(self.scales)[..., None]
         if self.mins is not None:
@@ -175,6 +214,23 @@ def _resolve(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     if math.prod(shape) != size:
         raise ValueError(f"cannot reshape {size} elements to {shape}")
     return shape
+
+
+def _reshape_broadcast(g_idx: Any, old: tuple[int, ...], new: tuple[int, ...]) -> Any:
+    """``g_idx`` [*g, K] (each of g one of ``old``'s leading sizes or 1) for values whose
+    leading axes go from ``old`` to ``new``: the fewest leading axes that hold its own sizes
+    and span whole leading axes of ``new`` are broadcast (e.g. [L, 1, 1, K] over [L, 2, F]
+    becomes [2L, 1, K] for the view [2L, F]), the rest stay 1."""
+    xp = np if isinstance(g_idx, np.ndarray) else jnp
+    g, k = tuple(g_idx.shape[:-1]), g_idx.shape[-1]
+    first = max((i + 1 for i, n in enumerate(g) if n != 1), default=0)
+    for m in range(first, len(old) + 1):
+        size = math.prod(old[:m])
+        for n in range(len(new) + 1):
+            if math.prod(new[:n]) == size:
+                whole = xp.broadcast_to(g_idx, (*old[:m], *g[m:], k))
+                return whole.reshape(*new[:n], *(1,) * (len(new) - n), k)
+    raise ValueError(f"g_idx {tuple(g_idx.shape)} does not fit leading axes {new}")
 
 
 def _k_axes(shape: tuple[int, ...], k: int) -> int | None:
@@ -231,14 +287,15 @@ def quantize_grouped(w: Any, in_axes: int, group_size: int, bits: int) -> Groupe
     raise ValueError(f"quantize_grouped: bits must be 4 or 8, got {bits}")
 
 
-def grouped_shardings(sharding: Any, weight: GroupedWeight) -> tuple[Any, Any]:
+def grouped_shardings(sharding: Any, weight: GroupedWeight, name: str = "") -> tuple[Any, Any]:
     """(values' sharding, scales' and mins' sharding) of ``weight`` from the sharding of
     its float leaf (a NamedSharding over ``weight.shape``; anything else is used as is).
 
     Output axes split as in the float leaf. A split of the contracted axes must be a split
     of K into contiguous pieces (only the outermost contracted axis of size > 1 may be
     split) that hold whole groups; anything else is refused with ValueError, since the
-    pieces' scales would not line up with their values."""
+    pieces' scales would not line up with their values. ``name`` (the params leaf, e.g.
+    "layers/w_down") goes into the error."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding, sharding
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
@@ -253,16 +310,42 @@ def grouped_shardings(sharding: Any, weight: GroupedWeight) -> tuple[Any, Any]:
         outer = [d for d in dims[:i] if d != 1]
         if rest or outer:
             raise ValueError(
-                f"grouped weight {weight.shape}: the sharding {sharding.spec} splits K into "
-                "pieces that are not contiguous"
+                f"grouped weight {name} {weight.shape}: the sharding {sharding.spec} splits K "
+                "into pieces that are not contiguous"
             )
         names = k_axis if isinstance(k_axis, tuple) else (k_axis,)
         parts = math.prod(sharding.mesh.shape[a] for a in names)
-        if k % parts or (k // parts) % weight.group_size:
+        # act-order: a piece's inputs belong to any groups, so every device holds all the
+        # scales and mins (pieces need only whole bytes of 4-bit values)
+        unit = weight.bits // 4 if weight.g_idx is not None else weight.group_size
+        if k % parts or (k // parts) % unit:
             raise ValueError(
-                f"grouped weight {weight.shape}: splitting K = {k} in {parts} cuts its "
-                f"groups of {weight.group_size}"
+                f"grouped weight {name} {weight.shape}: tensor parallelism splits its "
+                f"{k} inputs into {parts} pieces of {k / parts:g}, which cut its groups of "
+                f"{weight.group_size} inputs (each piece must hold whole groups; use a "
+                "tensor_parallel_size that does, or a float or per-channel quantization)"
             )
-    pspec = jax.sharding.PartitionSpec(*lead, k_axis)
-    named = jax.sharding.NamedSharding(sharding.mesh, pspec)
-    return named, named
+    values = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead, k_axis))
+    group_k = None if weight.g_idx is not None else k_axis
+    groups = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead, group_k))
+    return values, groups
+
+
+def grouped_sharding_tree(sharding: Any, weight: GroupedWeight, name: str = "") -> GroupedWeight:
+    """`grouped_shardings` as a tree of ``weight``'s structure (values', scales' and, 4-bit,
+    mins' shardings in its fields), for ``jax.device_put(weight, tree)``."""
+    values, groups = grouped_shardings(sharding, weight, name)
+    mins = None if weight.mins is None else groups
+    g_idx = None
+    if weight.g_idx is not None and isinstance(values, jax.sharding.NamedSharding):
+        spec = tuple(values.spec) + (None,) * (len(weight.values.shape) - len(values.spec))
+        kept = [
+            a if n != 1 else None for a, n in zip(spec[:-1], weight.g_idx.shape[:-1], strict=True)
+        ]
+        pspec = jax.sharding.PartitionSpec(*kept, spec[-1])  # K split as the values'
+        g_idx = jax.sharding.NamedSharding(values.mesh, pspec)
+    elif weight.g_idx is not None:
+        g_idx = values
+    return GroupedWeight.tree_unflatten(
+        (weight.shape, weight.group_size, weight.bits), (values, groups, mins, g_idx)
+    )

@@ -40,6 +40,8 @@ def check_quantization(config: ModelConfig, method: str) -> None:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
     if method == "none":
         return
+    if method == "gguf" and config.model_type in GEMMA_MODEL_TYPES:
+        return  # a Gemma 3 GGUF import's own weights (models/gguf_params.py)
     if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + BLOOM_MODEL_TYPES:
         raise ValueError(
             f"quantization={method!r} is not supported for model_type {config.model_type!r} "
@@ -48,10 +50,13 @@ def check_quantization(config: ModelConfig, method: str) -> None:
 
 
 def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str) -> dict:
-    """Host params (numpy, the `llama.param_shapes` tree) with their matmul weights
-    quantized by ``method`` ("int8" or "fp8", per output channel). Tied embeddings keep the
-    float table for the lookup and get a quantized "lm_head" of their own, since the
-    vocabulary projection is a fifth of a small model's streamed bytes."""
+    """Host params (numpy, the `llama.param_shapes` tree) with their decoder matmul weights
+    quantized by ``method`` ("int8" or "fp8", per output channel). The vocabulary projection
+    (lm_head, or the tied embedding) stays float, as vLLM's weight-only quantization at load
+    leaves it: its Fp8Config.get_quant_method (vllm/model_executor/layers/quantization/fp8.py)
+    quantizes only LinearBase layers, and the LM head is a ParallelLMHead, an embedding. The
+    logits are where the rounding costs most: on the bundled SmolLM2 a per-channel fp8 head
+    adds about as much perplexity as every decoder layer together (bench/quant_quality.py)."""
     check_quantization(config, method)
     if method == "none":
         return dict(params)
@@ -66,10 +71,7 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
     for name, in_axes in LAYER_IN_AXES.items():
         if name in layers:
             layers[name] = quantize_array(layers[name], in_axes, method)
-    out = {**params, "layers": layers}
-    head = params["lm_head"] if "lm_head" in params else params["embed"]
-    out["lm_head"] = quantize_array(head, 1, method)
-    return out
+    return {**params, "layers": layers}
 
 
 def weight_bytes(params: Any) -> int:

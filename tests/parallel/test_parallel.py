@@ -32,6 +32,8 @@ CHECKS = [
     "family_mixtral",
     "warmup_gpt2",
     "kv_int8",
+    "grouped_gguf",
+    "grouped_split_refused",
 ]
 # the rest of the families x sizes x cache dtypes matrix, with TP=1 engines beside
 SLOW_CHECKS = [
@@ -44,6 +46,11 @@ SLOW_CHECKS = [
     "warmup_gemma3",
     "kv_int8_tp4",
     "kv_fp8",
+    "grouped_gguf_tp4",
+    "grouped_gptq_act",
+    "grouped_awq",
+    "grouped_gptq",
+    "grouped_w4a16",
 ]
 
 

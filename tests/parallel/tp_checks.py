@@ -30,6 +30,11 @@ from tp_family_checks import (  # noqa: E402
     check_warmup_family,
 )
 from tp_harness import SPLIT_AXIS, Ctx, assert_sharded, greedy, leaves  # noqa: E402
+from tp_quant_checks import (  # noqa: E402
+    check_grouped_gguf,
+    check_grouped_prequantized,
+    check_grouped_split_refused,
+)
 
 # ------------------------------------------------------------------------------ checks
 
@@ -346,6 +351,9 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "smollm2_tp3": check_smollm2_tp3,
     "update_weights": check_update_weights,
     "quantized_int8": check_quantized_int8,
+    "grouped_gguf": lambda c: check_grouped_gguf(c, (2,)),
+    "grouped_gptq_act": lambda c: check_grouped_prequantized(c, "gptq-act"),
+    "grouped_split_refused": check_grouped_split_refused,
     # the default suite: one engine per family newly split (against transformers)
     "family_gemma2": lambda c: check_family_vs_hf(c, "gemma2", (4,)),
     "family_mixtral": lambda c: check_family_vs_hf(c, "mixtral", (2,)),
@@ -361,6 +369,10 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "warmup_gemma3": lambda c: check_warmup_family(c, "gemma3_text"),
     "kv_int8_tp4": lambda c: check_kv_8bit(c, "int8", (4,)),
     "kv_fp8": lambda c: check_kv_8bit(c, "fp8", (2, 4)),
+    "grouped_gguf_tp4": lambda c: check_grouped_gguf(c, (4,)),
+    "grouped_awq": lambda c: check_grouped_prequantized(c, "awq"),
+    "grouped_gptq": lambda c: check_grouped_prequantized(c, "gptq"),
+    "grouped_w4a16": lambda c: check_grouped_prequantized(c, "w4a16"),
 }
 
 

@@ -94,25 +94,39 @@ def write_compressed_tensors(model, folder: Path, scheme: str, ignore=("lm_head"
     compressor.update_config(str(folder))
 
 
-def quantize_4bit(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Asymmetric min-max 4-bit per group of inputs: (q uint8 [N, K], zeros uint8 [N, K/G],
-    float16 scales [N, K/G]) with w ~ (q - zero) * scale."""
+def act_order_g_idx(k: int, group: int, rng: np.random.Generator) -> np.ndarray:
+    """A GPTQ act-order g_idx (int32 [K]): the inputs taken in a random order (GPTQ's is by
+    decreasing Hessian diagonal), G at a time, input perm[j] in group j // G."""
+    g_idx = np.empty(k, np.int32)
+    g_idx[rng.permutation(k)] = np.arange(k) // group
+    return g_idx
+
+
+def quantize_4bit(
+    w: np.ndarray, group: int, g_idx: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min-max 4-bit per group of inputs (input k in group g_idx[k], default
+    k // group): (q uint8 [N, K], zeros uint8 [N, K/G], float16 scales [N, K/G]) with
+    w ~ (q - zero[g_idx]) * scale[g_idx]."""
     n, k = w.shape
-    groups = w.reshape(n, k // group, group)
+    g_idx = np.arange(k) // group if g_idx is None else g_idx
+    order = np.argsort(g_idx, kind="stable")  # the inputs of group 0, then of group 1, ...
+    groups = w[:, order].reshape(n, k // group, group)
     lo, hi = np.minimum(groups.min(-1), 0), np.maximum(groups.max(-1), 0)
     scales = ((hi - lo) / 15).astype(np.float16)
     s = scales.astype(np.float32)
     zeros = np.clip(np.rint(-lo / s), 0, 15).astype(np.uint8)
-    q = np.clip(np.rint(groups / s[..., None]) + zeros[..., None], 0, 15).astype(np.uint8)
-    return q.reshape(n, k), zeros, scales
+    z = zeros.astype(np.float32)
+    q = np.clip(np.rint(w / s[:, g_idx]) + z[:, g_idx], 0, 15).astype(np.uint8)
+    return q, zeros, scales
 
 
-def dequantize_4bit(q, zeros, scales, group: int) -> np.ndarray:  # float32 [N, K]
-    """The formats' own formula, (q - zero) * scale per group."""
-    n, k = q.shape
-    z = np.repeat(zeros.astype(np.float32), group, axis=1)
-    s = np.repeat(scales.astype(np.float32), group, axis=1)
-    return ((q.astype(np.float32) - z) * s).reshape(n, k)
+def dequantize_4bit(q, zeros, scales, group: int, g_idx=None) -> np.ndarray:  # float32 [N, K]
+    """The formats' own formula, (q[n, k] - zero[n, g]) * scale[n, g] with g = g_idx[k]
+    (default k // group)."""
+    g_idx = np.arange(q.shape[1]) // group if g_idx is None else g_idx
+    z, s = zeros.astype(np.float32)[:, g_idx], scales.astype(np.float32)[:, g_idx]
+    return (q.astype(np.float32) - z) * s
 
 
 def _words(nibbles: np.ndarray) -> np.ndarray:  # [R, 8C] in word order -> int32 [R, C]
@@ -139,8 +153,10 @@ def pack_awq(q, zeros, scales) -> dict[str, np.ndarray]:
     }
 
 
-def pack_gptq(q, zeros, scales, group: int, *, v1: bool = True) -> dict[str, np.ndarray]:
-    """GPTQ tensors of one linear (g_idx = k // group)."""
+def pack_gptq(
+    q, zeros, scales, group: int, *, v1: bool = True, g_idx=None
+) -> dict[str, np.ndarray]:
+    """GPTQ tensors of one linear (g_idx default k // group)."""
     n, k = q.shape
     if v1 and not zeros.all():
         raise ValueError("GPTQ v1 stores zero - 1 and cannot hold a zero point of 0")
@@ -149,33 +165,44 @@ def pack_gptq(q, zeros, scales, group: int, *, v1: bool = True) -> dict[str, np.
         "qweight": np.ascontiguousarray(_words(q).T),  # [N, K/8] -> [K/8, N]
         "qzeros": _words((stored & 0xF).astype(np.uint8).T),  # [K/G, N] -> [K/G, N/8]
         "scales": np.ascontiguousarray(scales.T),
-        "g_idx": (np.arange(k) // group).astype(np.int32),
+        "g_idx": (np.arange(k) // group if g_idx is None else g_idx).astype(np.int32),
     }
 
 
 def write_4bit_checkpoint(
-    folder: Path, fmt: str, group: int = 32, seed: int = 0, model=None
+    folder: Path, fmt: str, group: int = 32, seed: int = 0, model=None, act_order: bool = False
 ) -> dict:
     """``model`` (default: a tiny random Llama) with every decoder linear in ``fmt``
-    ("awq", "gptq" or "gptq_v2"), lm_head and the rest float. Returns the float state dict
-    of the same dequantized weights (the reference for transformers)."""
+    ("awq", "gptq" or "gptq_v2"), lm_head and the rest float; with ``act_order`` (GPTQ), in
+    desc_act's groups: one random g_idx per layer input, shared by the linears that read it
+    (q/k/v, gate/up), as GPTQ's Hessian of that input orders them alike. Returns the float
+    state dict of the same dequantized weights (the reference for transformers)."""
     if model is None:
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
     model.save_pretrained(folder)  # config, generation config; the weights are rewritten
     reference = {k: v.numpy().copy() for k, v in model.state_dict().items()}
     tensors = {}
+    rng, orders = np.random.default_rng(seed), {}
     for name, value in reference.items():
         module = name.removesuffix(".weight")
         if not module.endswith(LINEARS):
             tensors[name] = value
             continue
-        q, zeros, scales = quantize_4bit(value, group)
-        reference[name] = dequantize_4bit(q, zeros, scales, group)
+        g_idx = None
+        if act_order:  # one order per input: q/k/v share the layer's, gate/up the MLP's
+            layer, linear = module.rsplit(".", 2)[0], module.rsplit(".", 1)[1]
+            reads = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+            key = (layer, reads.get(linear, linear))
+            if key not in orders:
+                orders[key] = act_order_g_idx(value.shape[1], group, rng)
+            g_idx = orders[key]
+        q, zeros, scales = quantize_4bit(value, group, g_idx)
+        reference[name] = dequantize_4bit(q, zeros, scales, group, g_idx)
         packed = (
             pack_awq(q, zeros, scales)
             if fmt == "awq"
-            else pack_gptq(q, zeros, scales, group, v1=fmt == "gptq")
+            else pack_gptq(q, zeros, scales, group, v1=fmt == "gptq", g_idx=g_idx)
         )
         tensors.update({f"{module}.{k}": v for k, v in packed.items()})
     (folder / "model.safetensors").unlink()
@@ -185,7 +212,7 @@ def write_4bit_checkpoint(
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
               "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
     else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
               "sym": False, "checkpoint_format": fmt}  # fmt: skip
     config["quantization_config"] = qc
     (folder / "config.json").write_text(json.dumps(config))

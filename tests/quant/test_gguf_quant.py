@@ -27,7 +27,7 @@ def _blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
     """GGUF bytes of a random [rows, cols] tensor of type ``name``: quantized by the gguf
     package where it can, else random blocks with finite float16 scales."""
     qtype = GGMLQuantizationType[name]
-    if name in ("Q8_0", "Q4_0", "Q4_1"):
+    if name in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"):
         return quantize(rng.normal(0, 1, (rows, cols)).astype(np.float32), qtype)
     block, nbytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
@@ -56,7 +56,9 @@ def test_every_type_dequantizes_to_the_gguf_expansion(qtype):
     raw = _blocks(qtype, rows, cols, rng)
     w = grouped_from_blocks(raw, qtype, rows, cols)
     assert w.shape == (rows, cols)
-    assert (w.bits, w.group_size) == {"Q8_0": (8, 32), "Q6_K": (8, 16)}.get(qtype, (4, 32))
+    assert (w.bits, w.group_size) == {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q6_K": (8, 16)}.get(
+        qtype, (4, 32)
+    )
     want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
     _assert_same_numbers(w.dequantize(np.float32), want, qtype)
     with pytest.raises(ValueError, match="whole blocks"):

@@ -107,7 +107,7 @@ def test_tensor_parallel_splits_values_scales_and_mins_alike():
     with pytest.raises(ValueError, match="not contiguous"):  # an inner contracted axis
         grouped_shardings(NamedSharding(mesh, P(None, None, None, None, "tp")), w)
     small = quantize_grouped(np.zeros((8, 128), np.float32), 1, 64, 8)
-    with pytest.raises(ValueError, match="cuts its groups of 64"):  # 128 / 4 = 32 < 64
+    with pytest.raises(ValueError, match="pieces of 32, which cut its groups of 64"):
         grouped_shardings(NamedSharding(mesh, P(None, "tp")), small)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import cpu
-from jaxpaged.kernels.cpu.linear_q8 import linear_q8, pack_panels_q8
+from jaxpaged.kernels.cpu.backend import CpuBackend
 from jaxpaged.models import load_tokenizer
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import map_matmul_weights
@@ -36,8 +36,11 @@ def test_bundled_int8_tracks_float32(bundled_model_path):
     want = sequence_logits(jax.tree.map(jnp.asarray, host), config, ids)
     params = jax.tree.map(jnp.asarray, quantize_params(host, config, "int8"))
     del host
-    got = sequence_logits(map_matmul_weights(params, config, pack_panels_q8), config, ids,
-                          linear_fn=linear_q8)  # fmt: skip
+    weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+    backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
+    assert backend.native_linear  # the int8 layers in linear_q8, the float head in cpu.linear
+    got = sequence_logits(backend.pack_weights(params, weight_map), config, ids,
+                          linear_fn=backend.kernels.linear)  # fmt: skip
     base, ppl = perplexity_of(want, ids), perplexity_of(got, ids)
     agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
     print(f"int8: perplexity {ppl:.3f} vs float32 {base:.3f}, argmax agreement {agree:.3f}")

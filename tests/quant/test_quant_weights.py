@@ -100,8 +100,13 @@ def test_quantized_model_matches_its_dequantized_twin(tied, method):
     """The decoder and the logits over quantized params (XLA dequant matmuls) against the
     same model over the dequantized float weights; for int8 also the native kernel."""
     cfg = tiny_config(tie_word_embeddings=tied)
-    params = quantize_params(random_params(cfg, seed=3, scale=0.2), cfg, method)
-    assert is_quantized(params) and isinstance(params["lm_head"], QuantizedWeight)
+    floats = random_params(cfg, seed=3, scale=0.2)
+    params = quantize_params(floats, cfg, method)
+    assert is_quantized(params) and isinstance(params["layers"]["w_down"], QuantizedWeight)
+    # the vocabulary projection stays float, as vLLM leaves it: lm_head, or the tied table
+    assert ("lm_head" in params) == (not tied)
+    head = "embed" if tied else "lm_head"
+    np.testing.assert_array_equal(np.asarray(params[head]), np.asarray(floats[head]))
     tokens = jax.random.randint(jax.random.key(4), (9,), 0, cfg.vocab_size)
     positions = jnp.arange(9, dtype=jnp.int32)
 
@@ -113,9 +118,15 @@ def test_quantized_model_matches_its_dequantized_twin(tied, method):
     want = jax.jit(lambda p: run(p, None, None))(jax.tree.map(jnp.asarray, _dequantized(params)))
     got = jax.jit(lambda p: run(p, linear_xla, None))(on_device)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    if method == "int8":
-        packed = map_matmul_weights(on_device, cfg, pack_panels_q8)
-        native = jax.jit(lambda p: run(p, linear_q8, linear_q8))(packed)
+    if method == "int8":  # as CPU serving picks the kernels: int8 layers, a float head
+        from jaxpaged.kernels.cpu.backend import CpuBackend
+
+        weight_map = lambda p, fn: map_matmul_weights(p, cfg, fn)  # noqa: E731
+        backend = CpuBackend.select(on_device, weight_map, attention_backend="cpu", sharded=False)
+        assert backend.native_linear and backend.grouped_weights  # per weight: q8 and float
+        packed = backend.pack_weights(on_device, weight_map)
+        linear = backend.kernels.linear
+        native = jax.jit(lambda p: run(p, linear, linear))(packed)
         np.testing.assert_allclose(native, want, rtol=0, atol=2e-3 * np.abs(want).max())
 
 
@@ -124,6 +135,7 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
     greedily as the dequantized float model does."""
     from jaxpaged import SamplingParams
     from jaxpaged.engine import LLMEngine
+    from jaxpaged.kernels.cpu import backend as cpu_backend
 
     cfg = tiny_config(max_position_embeddings=64)
     params = random_params(cfg, seed=5, scale=0.5)
@@ -145,7 +157,8 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
             engine.close()
 
     kernels, int8 = greedy(params, quantization="int8")
-    assert kernels.linear is linear_q8
+    # int8 layers in linear_q8, the float vocabulary projection in cpu.linear
+    assert kernels.linear is cpu_backend._linear_by_weight
     _, ref = greedy(_dequantized(quantize_params(params, cfg, "int8")))
     assert int8 == ref
     with pytest.raises(ValueError, match="quantization"):
