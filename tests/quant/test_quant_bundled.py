@@ -38,7 +38,7 @@ def test_bundled_int8_tracks_float32(bundled_model_path):
     del host
     weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
     backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
-    assert backend.native_linear  # the int8 layers in linear_q8, the float head in cpu.linear
+    assert backend.native_linear and backend.int8_weights  # every matmul in linear_q8
     got = sequence_logits(backend.pack_weights(params, weight_map), config, ids,
                           linear_fn=backend.kernels.linear)  # fmt: skip
     base, ppl = perplexity_of(want, ids), perplexity_of(got, ids)

@@ -103,10 +103,12 @@ def test_quantized_model_matches_its_dequantized_twin(tied, method):
     floats = random_params(cfg, seed=3, scale=0.2)
     params = quantize_params(floats, cfg, method)
     assert is_quantized(params) and isinstance(params["layers"]["w_down"], QuantizedWeight)
-    # the vocabulary projection stays float, as vLLM leaves it: lm_head, or the tied table
-    assert ("lm_head" in params) == (not tied)
-    head = "embed" if tied else "lm_head"
-    np.testing.assert_array_equal(np.asarray(params[head]), np.asarray(floats[head]))
+    if method == "int8":  # the vocabulary projection too; a tied table stays for the lookup
+        assert isinstance(params["lm_head"], QuantizedWeight)
+    else:  # fp8 leaves the vocabulary projection float, as vLLM does: lm_head or the table
+        assert ("lm_head" in params) == (not tied)
+        head = "embed" if tied else "lm_head"
+        np.testing.assert_array_equal(np.asarray(params[head]), np.asarray(floats[head]))
     tokens = jax.random.randint(jax.random.key(4), (9,), 0, cfg.vocab_size)
     positions = jnp.arange(9, dtype=jnp.int32)
 
@@ -118,12 +120,12 @@ def test_quantized_model_matches_its_dequantized_twin(tied, method):
     want = jax.jit(lambda p: run(p, None, None))(jax.tree.map(jnp.asarray, _dequantized(params)))
     got = jax.jit(lambda p: run(p, linear_xla, None))(on_device)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    if method == "int8":  # as CPU serving picks the kernels: int8 layers, a float head
+    if method == "int8":  # as CPU serving picks the kernels: every matmul in linear_q8
         from jaxpaged.kernels.cpu.backend import CpuBackend
 
         weight_map = lambda p, fn: map_matmul_weights(p, cfg, fn)  # noqa: E731
         backend = CpuBackend.select(on_device, weight_map, attention_backend="cpu", sharded=False)
-        assert backend.native_linear and backend.grouped_weights  # per weight: q8 and float
+        assert backend.native_linear and backend.int8_weights
         packed = backend.pack_weights(on_device, weight_map)
         linear = backend.kernels.linear
         native = jax.jit(lambda p: run(p, linear, linear))(packed)
@@ -135,7 +137,6 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
     greedily as the dequantized float model does."""
     from jaxpaged import SamplingParams
     from jaxpaged.engine import LLMEngine
-    from jaxpaged.kernels.cpu import backend as cpu_backend
 
     cfg = tiny_config(max_position_embeddings=64)
     params = random_params(cfg, seed=5, scale=0.5)
@@ -157,8 +158,7 @@ def test_engine_quantizes_and_picks_the_int8_kernel():
             engine.close()
 
     kernels, int8 = greedy(params, quantization="int8")
-    # int8 layers in linear_q8, the float vocabulary projection in cpu.linear
-    assert kernels.linear is cpu_backend._linear_by_weight
+    assert kernels.linear is linear_q8
     _, ref = greedy(_dequantized(quantize_params(params, cfg, "int8")))
     assert int8 == ref
     with pytest.raises(ValueError, match="quantization"):
