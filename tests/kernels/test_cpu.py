@@ -47,9 +47,7 @@ def test_cpu_decode_batch(rng, dtype):
     """A full decode step of SmolLM2's shape: 32 sequences, contexts up to 300 tokens (a
     bfloat16 pool is read in place, its rows widened in registers)."""
     seqs = [(1, int(rng.integers(1, 300))) for _ in range(32)]
-    run_and_compare(
-        rng, seqs, hq=9, hkv=3, d=64, bs=16, dtype=dtype, backend="cpu", max_q_len=1
-    )
+    run_and_compare(rng, seqs, hq=9, hkv=3, d=64, bs=16, dtype=dtype, backend="cpu", max_q_len=1)
 
 
 @pytest.mark.parametrize("d,hq,hkv", [(40, 6, 2), (48, 3, 3), (64, 16, 2)], ids=str)
