@@ -1,7 +1,8 @@
 """Where a decode step's time differs between float32 and bfloat16 on this CPU: each native
-part of the step (the linear kernel per SmolLM2-135M projection over 30 stacked layers, the
-lm_head, write_kv + paged attention over 30 layers) timed with float32 and with bfloat16
-weights / KV pools, the two alternated call by call in one process (order flipped each pair).
+part of the step (the linear kernel per SmolLM2-135M projection over its 30 stacked layers,
+the lm_head, write_kv + paged attention over 30 layers; ``--layers`` sets fewer) timed with
+float32 and with bfloat16 weights / KV pools, the two alternated call by call in one process
+(order flipped each pair).
 
     python bench/dtype_parts.py [--rows 32] [--pairs 15] [--context 200] [--parts ...]
 
@@ -24,7 +25,6 @@ import numpy as np
 
 from jaxpaged.kernels import cpu
 
-LAYERS = 30
 D_MODEL, D_FF = 576, 1536
 HQ, HKV, HEAD_DIM, BLOCK = 9, 3, 64, 16
 # [N, K] per projection (SmolLM2-135M: fused q/k/v, o, fused gate/up, down) and the lm_head
@@ -37,10 +37,10 @@ SHAPES = {
 }
 
 
-def linear_part(name: str, dtype: jnp.dtype, rows: int) -> Callable[[], jax.Array]:
+def linear_part(name: str, dtype: jnp.dtype, rows: int, layers: int) -> Callable[[], jax.Array]:
     """A jitted pass of one projection over every layer (one layer for the lm_head)."""
     n, k = SHAPES[name]
-    layers = 1 if name == "lm_head" else LAYERS
+    layers = 1 if name == "lm_head" else layers
     rng = np.random.default_rng(0)
     w = cpu.pack_panels(jnp.asarray(rng.standard_normal((layers, n, k), np.float32) * 0.05, dtype))
     x = jnp.asarray(rng.standard_normal((rows, k), np.float32))  # [rows, K]
@@ -55,12 +55,14 @@ def linear_part(name: str, dtype: jnp.dtype, rows: int) -> Callable[[], jax.Arra
     return lambda: run(w, x)
 
 
-def attention_part(dtype: jnp.dtype, seqs: int, context: int) -> Callable[[], jax.Array]:
+def attention_part(
+    dtype: jnp.dtype, seqs: int, context: int, layers: int
+) -> Callable[[], jax.Array]:
     """write_kv of one new row per sequence, then decode attention, for every layer."""
     blocks_per_seq = (context + BLOCK) // BLOCK + 1
     nb = seqs * blocks_per_seq  # per layer
     rng = np.random.default_rng(1)
-    pool_shape = (LAYERS * nb, BLOCK, HKV, HEAD_DIM)
+    pool_shape = (layers * nb, BLOCK, HKV, HEAD_DIM)
     kp = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
     vp = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
     perm = rng.permutation(nb).astype(np.int32)  # blocks scattered over the pool, as served
@@ -80,7 +82,7 @@ def attention_part(dtype: jnp.dtype, seqs: int, context: int) -> Callable[[], ja
             )  # fmt: skip
             return (kp, vp), o.sum()
 
-        return jax.lax.scan(body, pools, jnp.arange(LAYERS, dtype=jnp.int32))
+        return jax.lax.scan(body, pools, jnp.arange(layers, dtype=jnp.int32))
 
     jitted = jax.jit(run, donate_argnums=(0,))
     state = {"pools": (kp, vp)}
@@ -100,6 +102,8 @@ def timed(fn: Callable[[], jax.Array]) -> tuple[float, float]:
 
 
 def describe(ratios: list[float]) -> str:
+    if len(ratios) == 1:
+        return f"{ratios[0]:5.2f}x"
     q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return f"{med:5.2f}x ({q1:.2f}-{q3:.2f})"
 
@@ -110,6 +114,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=32, help="rows of x = sequences decoded")
     p.add_argument("--pairs", type=int, default=15)
     p.add_argument("--context", type=int, default=200, help="tokens per sequence (attention)")
+    p.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M: 30)")
     p.add_argument("--parts", nargs="+", default=[*SHAPES, "attention"])
     args = p.parse_args()
     if not cpu.available():
@@ -120,9 +125,9 @@ def main() -> int:
     dtypes = (jnp.float32, jnp.bfloat16)
     for part in args.parts:
         fns = {
-            d: attention_part(d, args.rows, args.context)
+            d: attention_part(d, args.rows, args.context, args.layers)
             if part == "attention"
-            else linear_part(part, d, args.rows)
+            else linear_part(part, d, args.rows, args.layers)
             for d in dtypes
         }
         for d in dtypes:  # compile and warm
