@@ -40,7 +40,7 @@ def _engine(args: argparse.Namespace, dtype: str) -> Any:
 
     llm = LLM(args.model, dtype=dtype.split("-")[0], max_model_len=args.max_model_len,
               max_num_seqs=args.batch, enforce_eager=args.enforce_eager or dtype == BF16_ACT,
-              show_progress=False)  # fmt: skip
+              kv_cache_memory=args.kv_cache_memory, show_progress=False)  # fmt: skip
     if dtype == BF16_ACT:  # eager: its steps compile at first use, before the timed ones
         runner = llm.engine.runner
         runner.kernels = dataclasses.replace(runner.kernels, activation_dtype=None)
@@ -90,6 +90,8 @@ def main() -> int:
                    help="exit 1 when bfloat16's median speed-up is below X")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true", help="no warm-up (smoke tests)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="each engine's KV cache (e.g. 768MiB; default: the engine's)")  # fmt: skip
     p.add_argument("--bf16-activations", action="store_true",
                    help="also time bfloat16 with bfloat16 activations between layers")  # fmt: skip
     p.add_argument("--compare-hf", type=int, default=0, metavar="N")

@@ -180,9 +180,15 @@ inline void tile(const float* x, const W* panel, float* y, int64_t ldy, int64_t 
 // slice, at the store (four shuffles a row). Against the float32 tile's two loads a k, this
 // is one load and two ALU ops beside the 12 FMAs (the zero-extending widening it replaces
 // cost two loads, two shuffle-port extensions and two shifts a k).
+//
+// Across a panel's slices y stays in that even/odd order ("pair order"): a slice adds the
+// previous slices' sums (pair_base: y itself, or null on the first) in pair order, and only
+// the last slice puts the outputs back in order and adds the residual (null: none). The
+// shuffles then run once per tile and panel, not once per slice.
 template <int MR>
 inline void tile_bf16(const float* x, const bf16_t* panel, float* y, int64_t ldy, int64_t kc,
-                      const float* base, const char* prefetch, int64_t pf_count) {
+                      const float* pair_base, const float* residual, bool last,
+                      const char* prefetch, int64_t pf_count) {
   __m256 ev[MR], od[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) ev[m] = od[m] = _mm256_setzero_ps();
@@ -201,15 +207,24 @@ inline void tile_bf16(const float* x, const bf16_t* panel, float* y, int64_t ldy
   slice_loop(kc, prefetch, pf_count, step);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
+    float* row = y + m * ldy;
+    if (pair_base != nullptr) {
+      ev[m] = _mm256_add_ps(ev[m], _mm256_loadu_ps(pair_base + m * ldy));
+      od[m] = _mm256_add_ps(od[m], _mm256_loadu_ps(pair_base + m * ldy + 8));
+    }
+    if (!last) {
+      _mm256_storeu_ps(row, ev[m]);
+      _mm256_storeu_ps(row + 8, od[m]);
+      continue;
+    }
     // ev = [o0 o2 o4 o6 | o8 o10 o12 o14], od = [o1 o3 o5 o7 | o9 o11 o13 o15]
     const __m256 a = _mm256_unpacklo_ps(ev[m], od[m]);  // [o0..o3 | o8..o11]
     const __m256 b = _mm256_unpackhi_ps(ev[m], od[m]);  // [o4..o7 | o12..o15]
     __m256 lo = _mm256_permute2f128_ps(a, b, 0x20);    // o0..o7
     __m256 hi = _mm256_permute2f128_ps(a, b, 0x31);    // o8..o15
-    float* row = y + m * ldy;
-    if (base != nullptr) {
-      lo = _mm256_add_ps(lo, _mm256_loadu_ps(base + m * ldy));
-      hi = _mm256_add_ps(hi, _mm256_loadu_ps(base + m * ldy + 8));
+    if (residual != nullptr) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(residual + m * ldy));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(residual + m * ldy + 8));
     }
     _mm256_storeu_ps(row, lo);
     _mm256_storeu_ps(row + 8, hi);
@@ -225,10 +240,6 @@ inline void tile_rows_upto(int64_t rows, const float* x, const W* panel, float* 
   if constexpr (MR > 1)
     if (rows < MR)
       return tile_rows_upto<MR - 1>(rows, x, panel, y, ldy, kc, base, prefetch, pf_count);
-#if !defined(JAXPAGED_AVX512)
-  if constexpr (std::is_same_v<W, bf16_t>)
-    return tile_bf16<MR>(x, panel, y, ldy, kc, base, prefetch, pf_count);
-#endif
   tile<MR>(x, panel, y, ldy, kc, base, prefetch, pf_count);
 }
 
@@ -237,7 +248,24 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
                       int64_t kc, const float* base, const char* prefetch, int64_t pf_count) {
   tile_rows_upto<kMr>(rows, x, panel, y, ldy, kc, base, prefetch, pf_count);
 }
-#else
+#endif
+
+#if defined(JAXPAGED_AVX2) && !defined(JAXPAGED_AVX512)
+// tile_bf16 for a tile of 1 .. kMr rows.
+template <int MR = kMr>
+inline void tile_rows_bf16(int64_t rows, const float* x, const bf16_t* panel, float* y,
+                           int64_t ldy, int64_t kc, const float* pair_base,
+                           const float* residual, bool last, const char* prefetch,
+                           int64_t pf_count) {
+  if constexpr (MR > 1)
+    if (rows < MR)
+      return tile_rows_bf16<MR - 1>(rows, x, panel, y, ldy, kc, pair_base, residual, last,
+                                    prefetch, pf_count);
+  tile_bf16<MR>(x, panel, y, ldy, kc, pair_base, residual, last, prefetch, pf_count);
+}
+#endif
+
+#if !defined(JAXPAGED_AVX512) && !defined(JAXPAGED_AVX2)
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t ldy,
                       int64_t kc, const float* base, const char*, int64_t) {
@@ -275,30 +303,54 @@ inline void widen(const bf16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = jaxpaged::to_float(src[i]);
 }
 
+#ifndef JAXPAGED_KC_BF16
+#define JAXPAGED_KC_BF16 384
+#endif
+// The most depth of a slice of bfloat16 weights widened in registers: the same 8 KB as
+// float32's kKc.
+constexpr int64_t kKcBf16 = JAXPAGED_KC_BF16;
+
+// The depth of a panel's slices for K. bfloat16 weights widened in registers take slices of
+// the same bytes as float32's (twice the depth) with K split evenly between them: each slice
+// costs a tile its accumulators' store and reload, a short last slice (576 = 4 x 128 + 64)
+// as much as a full one.
+template <typename W>
+inline int64_t slice_depth(int64_t K) {
+  if constexpr (std::is_same_v<W, bf16_t> && kWidenInRegisters) {
+    const int64_t slices = (K + kKcBf16 - 1) / kKcBf16;
+    return std::min(kKcBf16, ((K + slices - 1) / slices + 7) / 8 * 8);
+  }
+  return kKc;
+}
+
 // Rows [m0, m0 + rows) of y, panels [p0, p1); xp: that row block packed by pack_tile.
-// residual ([M, N] like y, or null) is added in the first slice's store.
+// residual ([M, N] like y, or null) is added in the first slice's store (bfloat16 widened in
+// registers: the last's).
 //
-// bfloat16 weights read by more than one row tile are widened once per slice into an L1
-// buffer that every tile then reads as float32. Widened inside each tile instead (a zero
-// extension and a shift per 8 weights, again for every tile, in the FMA-bound loop), a
-// decode step's matmuls at 32 rows took 1.54x as long as float32's on an AVX2 EPYC; widened
-// once, 0.92x (bench/linear_dtypes.py, median of 7 alternated pairs each). A lone tile (a
-// few rows: decode at a small batch) widens in registers.
+// bfloat16 weights, where AVX-512 is there, read by more than one row tile are widened once
+// per slice into an L1 buffer that every tile then reads as float32; a lone tile (a few rows:
+// decode at a small batch) widens in registers. With AVX2 alone every tile widens in
+// registers (tile_bf16). One thread's 32-row matmuls over SmolLM2's 30 layers and its
+// lm_head, against float32's CPU time (C++ harness over this file, medians of 9-15
+// alternated rounds, load ~10): widened once per slice (a zero extension, a shift and a
+// store per 8 weights, then float32 loads) 1.09-1.11x; in registers with 128-deep slices,
+// each put back in order, 1.02-1.03x; in pair order across slices up to 384 deep, 0.98-0.99x.
 template <typename W>
 void linear_block(const float* xp, const W* w, const float* residual, float* y, int64_t K,
                   int64_t N, int64_t m0, int64_t rows, int64_t p0, int64_t p1) {
   int64_t tiles[kMaxTiles][2];
   const int64_t nt = split_rows(rows, tiles);
-  constexpr int64_t slice_lines = kKc * kNr / kLine<W>;
+  const int64_t depth = slice_depth<W>(K);
+  const int64_t slice_lines = depth * kNr / kLine<W>;
   const int64_t per_tile = (slice_lines + nt - 1) / nt;  // lines of the slice per tile
   constexpr bool kNarrow = !std::is_same_v<W, float>;
-  alignas(64) float widened[kNarrow ? kKc * kNr : 1];
+  alignas(64) float widened[kNarrow && !kWidenInRegisters ? kKc * kNr : 1];
   // panel by panel, slice by slice: the item reads its weights as one sequential stream
   for (int64_t p = p0; p < p1; ++p)
-    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-      const int64_t kc = std::min(kKc, K - k0);
+    for (int64_t k0 = 0; k0 < K; k0 += depth) {
+      const int64_t kc = std::min(depth, K - k0);
       const W* panel = w + p * K * kNr + k0 * kNr;
-      const W* pf_base = panel + kAhead * kKc * kNr;  // the stream is contiguous
+      const W* pf_base = panel + kAhead * depth * kNr;  // the stream is contiguous
       const int64_t lines = kc * kNr / kLine<W>;
       bool wide = false;
       if constexpr (kNarrow && !kWidenInRegisters) {
@@ -311,9 +363,18 @@ void linear_block(const float* xp, const W* w, const float* residual, float* y, 
         const int64_t pf_first = std::min(t * per_tile, lines);
         const int64_t pf_count = std::min(per_tile, lines - pf_first);
         const int64_t at = (m0 + tiles[t][0]) * N + p * kNr;
-        const float* base = k0 > 0 ? y + at : residual != nullptr ? residual + at : nullptr;
         const float* xt = xp + tiles[t][0] * K + k0 * tiles[t][1];
         const char* pf = reinterpret_cast<const char*>(pf_base + pf_first * kLine<W>);
+#if defined(JAXPAGED_AVX2) && !defined(JAXPAGED_AVX512)
+        if constexpr (kNarrow) {
+          const bool last = k0 + kc >= K;
+          tile_rows_bf16(tiles[t][1], xt, panel, y + at, N, kc, k0 > 0 ? y + at : nullptr,
+                         last && residual != nullptr ? residual + at : nullptr, last, pf,
+                         pf_count);
+          continue;
+        }
+#endif
+        const float* base = k0 > 0 ? y + at : residual != nullptr ? residual + at : nullptr;
         if (wide)
           tile_rows(tiles[t][1], xt, widened, y + at, N, kc, base, pf, pf_count);
         else

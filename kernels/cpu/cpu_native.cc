@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -195,6 +196,61 @@ void row_scores(const float* q, const float* const* krows, int64_t n, int64_t D,
   }
 }
 
+// bfloat16 K/V rows read straight from the pool, widened in registers: one 32-byte load
+// holds 16 values, 32-bit lane i being values 2i (low half) and 2i+1 (high half), so a shift
+// by 16 gives the even ones as float32 and a mask the odd ones. The queries and P.V
+// accumulators of a bfloat16 pool are kept in that order ("pair order": each 16 values as
+// their 8 even, then their 8 odd; pair_order), so the kernels never reorder a row; the
+// output is put back in order once per item. Against widening each block's rows into a
+// float32 buffer first (an extra store and load of every value), this reads half the bytes
+// of float32 and adds two ALU ops per 16 values beside the FMAs: write_kv + decode attention
+// over 30 layers at 32 sequences x 201 tokens (SmolLM2's heads) took 1.14-1.22x float32's
+// CPU time buffered, 0.84-0.87x in place (quartiles of 15 alternated pairs,
+// bench/dtype_parts.py, AVX2-only Zen 4 VM at load ~10).
+inline void load_pair(const uint16_t* p, __m256& even, __m256& odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// row_scores over bfloat16 keys; q in pair order, D % 16 == 0.
+template <int NQ>
+void row_scores_bf16(const float* q, const uint16_t* const* krows, int64_t n, int64_t D,
+                     float* out, Trickle* pf) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    pf->step(kTrickleScores);
+    __m256 acc[NQ][4];
+    for (int g = 0; g < NQ; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      for (int c = 0; c < 4; ++c) {
+        __m256 ke, ko;
+        load_pair(krows[j + c] + d, ke, ko);
+        for (int g = 0; g < NQ; ++g) {
+          acc[g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), ke, acc[g][c]);
+          acc[g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), ko, acc[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < NQ; ++g)
+      _mm_storeu_ps(out + g * kMaxBlockSize + j, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (; j < n; ++j) {
+    __m256 acc[NQ];
+    for (int g = 0; g < NQ; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256 ke, ko;
+      load_pair(krows[j] + d, ke, ko);
+      for (int g = 0; g < NQ; ++g) {
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), ke, acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), ko, acc[g]);
+      }
+    }
+    for (int g = 0; g < NQ; ++g) out[g * kMaxBlockSize + j] = jaxpaged::hsum(acc[g]);
+  }
+}
+
 // Float vectors of 8 lanes (AVX2) and, where the CPU has AVX-512, 16, for row_pv.
 struct Vec8 {
   using V = __m256;
@@ -223,8 +279,10 @@ struct Vec16 {
 // instead of two. On the 2-core AVX-512 machine 30 layers of decode attention (32 x 204
 // tokens) took 12.0-15.8 ms with them against 15.2-16.8 with 8 lanes (runs
 // alternated). The trickle issues kTricklePV lines per key per 8 lanes of a tile.
-template <typename Vec, int NQ, int CH>
-void row_pv(const float* p, const float* alpha, const float* const* vrows, int64_t n,
+// Over bfloat16 rows (R = uint16_t: 8 lanes, CH even, acc in pair order) each 16 values are
+// one load_pair.
+template <typename Vec, int NQ, int CH, typename R = float>
+void row_pv(const float* p, const float* alpha, const R* const* vrows, int64_t n,
             int64_t D, float* acc, Trickle* pf) {
   using V = typename Vec::V;
   constexpr int kW = Vec::kLanes;
@@ -237,7 +295,12 @@ void row_pv(const float* p, const float* alpha, const float* const* vrows, int64
     for (int64_t j = 0; j < n; ++j) {
       pf->step(kTricklePV * kW / 8);
       V v[CH];
-      for (int c = 0; c < CH; ++c) v[c] = Vec::load(vrows[j] + d0 + kW * c);
+      if constexpr (std::is_same_v<R, float>) {
+        for (int c = 0; c < CH; ++c) v[c] = Vec::load(vrows[j] + d0 + kW * c);
+      } else {
+        static_assert(kW == 8 && CH % 2 == 0, "bfloat16 rows: pairs of 8-lane vectors");
+        for (int c = 0; c < CH; c += 2) load_pair(vrows[j] + d0 + kW * c, v[c], v[c + 1]);
+      }
       for (int g = 0; g < NQ; ++g) {
         const V pg = Vec::set1(p[g * kMaxBlockSize + j]);
         for (int c = 0; c < CH; ++c) a[g][c] = Vec::fmadd(pg, v[c], a[g][c]);
@@ -277,13 +340,16 @@ void row_softmax(float* s, int64_t n, float* m, float* l, float* alpha) {
   }
 }
 
-struct RowKernels {
-  void (*scores)(const float*, const float* const*, int64_t, int64_t, float*, Trickle*) =
-      nullptr;
+// The decode-row kernels over K/V rows of element R: float (a float32 pool, or rows widened
+// into a buffer), or uint16_t (a bfloat16 pool's own rows, widened in registers).
+template <typename R>
+struct RowKernelsOf {
+  void (*scores)(const float*, const R* const*, int64_t, int64_t, float*, Trickle*) = nullptr;
   void (*softmax)(float*, int64_t, float*, float*, float*) = nullptr;
-  void (*pv)(const float*, const float*, const float* const*, int64_t, int64_t, float*,
+  void (*pv)(const float*, const float*, const R* const*, int64_t, int64_t, float*,
              Trickle*) = nullptr;
 };
+using RowKernels = RowKernelsOf<float>;
 
 // The P.V kernel for NQ queries in Vec's lanes: the widest tile of CH <= kMaxCH vectors
 // per query that divides D and keeps the NQ x CH accumulators within `regs` registers.
@@ -323,6 +389,38 @@ RowKernels row_kernels(int64_t nq, int64_t D) {
     case 6: return row_kernels_for<6>(D);
     case 7: return row_kernels_for<7>(D);
     case 8: return row_kernels_for<8>(D);
+    default: return {};
+  }
+}
+
+// The kernels over a bfloat16 pool's own rows for NQ queries: AVX2 builds (AVX-512 ones widen
+// into a buffer for their 16-lane P.V), D % 16 == 0; P.V holds up to 12 accumulators.
+template <int NQ>
+RowKernelsOf<uint16_t> row_kernels_bf16_for(int64_t D) {
+  RowKernelsOf<uint16_t> k{&row_scores_bf16<NQ>, &row_softmax<NQ>, nullptr};
+  const int64_t pairs = D / 16, cap = std::max(1, 12 / NQ) / 2;  // pairs of vectors held
+  if (cap >= 4 && pairs % 4 == 0) k.pv = &row_pv<Vec8, NQ, 8, uint16_t>;
+  else if (cap >= 2 && pairs % 2 == 0) k.pv = &row_pv<Vec8, NQ, 4, uint16_t>;
+  else k.pv = &row_pv<Vec8, NQ, 2, uint16_t>;
+  return k;
+}
+
+RowKernelsOf<uint16_t> row_kernels_bf16(int64_t nq, int64_t D) {
+#ifdef JAXPAGED_AVX512
+  const bool widen_in_registers = false;
+#else
+  const bool widen_in_registers = true;
+#endif
+  if (!widen_in_registers || D % 16 != 0) return {};
+  switch (nq) {
+    case 1: return row_kernels_bf16_for<1>(D);
+    case 2: return row_kernels_bf16_for<2>(D);
+    case 3: return row_kernels_bf16_for<3>(D);
+    case 4: return row_kernels_bf16_for<4>(D);
+    case 5: return row_kernels_bf16_for<5>(D);
+    case 6: return row_kernels_bf16_for<6>(D);
+    case 7: return row_kernels_bf16_for<7>(D);
+    case 8: return row_kernels_bf16_for<8>(D);
     default: return {};
   }
 }
@@ -521,6 +619,24 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 }
 
 #ifdef JAXPAGED_AVX2
+// dst = scale * src (n % 16 == 0) in pair order: each 16 values as the 8 even, then the 8 odd.
+inline void pair_order(const float* src, float* dst, int64_t n, float scale) {
+  for (int64_t c = 0; c < n; c += 16)
+    for (int64_t i = 0; i < 8; ++i) {
+      dst[c + i] = src[c + 2 * i] * scale;
+      dst[c + 8 + i] = src[c + 2 * i + 1] * scale;
+    }
+}
+
+// dst = scale * src (n % 16 == 0) back from pair order.
+inline void natural_order(const float* src, float* dst, int64_t n, float scale) {
+  for (int64_t c = 0; c < n; c += 16)
+    for (int64_t i = 0; i < 8; ++i) {
+      dst[c + 2 * i] = src[c + i] * scale;
+      dst[c + 2 * i + 1] = src[c + 8 + i] * scale;
+    }
+}
+
 // One work item with the vector kernels: rows [row_begin, row_end) of sequence w.seq, KV
 // heads [head_begin, head_end). Each row's G queries of a head share every K/V row read
 // (row_kernels); the rows of a prefill tile take turns on a block while it is in L1.
@@ -531,8 +647,11 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
 // A decode item's first blocks are prefetched at once, unless the item before it in a chain
 // (attend_chain) trickled them in its own last blocks: `after` holds the next item's
 // first blocks, trickled once this item's own run out.
-template <typename KV>
-void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, const float* q,
+//
+// R is the element the kernels read: float (rows widened into a buffer unless the pool is
+// float32), or uint16_t for a bfloat16 pool read in place (q and acc in pair order).
+template <typename KV, typename R = float>
+void attend_rows(const Shapes& sh, const RowKernelsOf<R>& fns, const WorkItem& w, const float* q,
                  const KV* k_pages, const KV* v_pages, const int32_t* kv_lens,
                  const int32_t* tables, const int32_t* cu_q_lens, float* out,
                  const BlockPair* after = nullptr, int64_t n_after = 0,
@@ -545,10 +664,15 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
   // State of query g of head h (relative to head_begin) of row r: index (r * H + h) * G + g.
   const int64_t NQ = rows * H * G;
   std::vector<float> qs(NQ * D), acc(NQ * D, 0.0f), m(NQ, -INFINITY), l(NQ, 0.0f);
+  constexpr bool kInPlace = std::is_same_v<R, KV>;  // rows read straight from the pool
+  constexpr bool kPairOrder = std::is_same_v<R, uint16_t>;
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = q + ((w.row_begin + r) * Hq + w.head_begin * G) * D;
     float* dst = &qs[r * H * G * D];
-    for (int64_t i = 0; i < H * G * D; ++i) dst[i] = src[i] * sh.sm_scale;
+    if constexpr (kPairOrder)
+      pair_order(src, dst, H * G * D, sh.sm_scale);
+    else
+      for (int64_t i = 0; i < H * G * D; ++i) dst[i] = src[i] * sh.sm_scale;
   }
 
   const int32_t* table = tables + static_cast<int64_t>(w.seq) * sh.max_blocks;
@@ -596,11 +720,16 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
     const int64_t kpos0 = blk * B;
     const int64_t n_keys = std::min<int64_t>(B, last_pos - kpos0 + 1);
     for (int64_t h = 0; h < H; ++h) {
-      const float* krows[kMaxBlockSize];
-      const float* vrows[kMaxBlockSize];
+      const R* krows[kMaxBlockSize];
+      const R* vrows[kMaxBlockSize];
       for (int64_t j = 0; j < n_keys; ++j) {
-        krows[j] = load_row(row_of(k_pages, phys, j, h), k_pages, sh.k_scales, &kbuf[j * D], D);
-        vrows[j] = load_row(row_of(v_pages, phys, j, h), v_pages, sh.v_scales, &vbuf[j * D], D);
+        if constexpr (kInPlace) {
+          krows[j] = row_of(k_pages, phys, j, h);
+          vrows[j] = row_of(v_pages, phys, j, h);
+        } else {
+          krows[j] = load_row(row_of(k_pages, phys, j, h), k_pages, sh.k_scales, &kbuf[j * D], D);
+          vrows[j] = load_row(row_of(v_pages, phys, j, h), v_pages, sh.v_scales, &vbuf[j * D], D);
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = pos0 + r;
@@ -633,7 +762,10 @@ void attend_rows(const Shapes& sh, const RowKernels& fns, const WorkItem& w, con
     for (int64_t qi = 0; qi < H * G; ++qi) {
       const int64_t i = r * H * G + qi;
       const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = acc[i * D + d] * inv;
+      if constexpr (kPairOrder)
+        natural_order(&acc[i * D], dst + qi * D, D, inv);
+      else
+        for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = acc[i * D + d] * inv;
     }
   }
 }
@@ -660,8 +792,8 @@ std::vector<int64_t> decode_chains(const std::vector<WorkItem>& items, const Sha
 }
 
 // Items [begin, end) in order, each handing the next its first blocks to prefetch.
-template <typename KV>
-void attend_chain(const Shapes& sh, const RowKernels& fns, const std::vector<WorkItem>& items,
+template <typename KV, typename R = float>
+void attend_chain(const Shapes& sh, const RowKernelsOf<R>& fns, const std::vector<WorkItem>& items,
                   int64_t begin, int64_t end, const float* q, const KV* k_pages,
                   const KV* v_pages, const int32_t* kv_lens, const int32_t* tables,
                   const int32_t* cu_q_lens, float* out) {
@@ -678,7 +810,7 @@ void attend_chain(const Shapes& sh, const RowKernels& fns, const std::vector<Wor
         after[n_after++] = {k_pages + table[b] * stride, v_pages + table[b] * stride};
       }
     }
-    attend_rows<KV>(sh, fns, items[i], q, k_pages, v_pages, kv_lens, tables, cu_q_lens, out,
+    attend_rows<KV, R>(sh, fns, items[i], q, k_pages, v_pages, kv_lens, tables, cu_q_lens, out,
                     after, n_after, /*first_ready=*/i > begin);
   }
 }
@@ -790,6 +922,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const void* vp = v_pages.untyped_data();
   const RowKernels vec = row_kernels(sh.group, sh.head_dim);
 #ifdef JAXPAGED_AVX2
+  const RowKernelsOf<uint16_t> vec_bf16 = row_kernels_bf16(sh.group, sh.head_dim);
   if (vec.scores != nullptr) {
     const auto chains = decode_chains(items, sh, pool.num_threads());
     jaxpaged::parallel_for(pool, static_cast<int64_t>(chains.size()) - 1, [&](int64_t c) {
@@ -800,6 +933,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       else if (eight_bit)
         attend_chain_8bit(dtype, sh, vec, items, chains[c], chains[c + 1], qp, kp, vp, lens,
                           tp, cu, o);
+      else if (vec_bf16.scores != nullptr)
+        attend_chain<uint16_t, uint16_t>(sh, vec_bf16, items, chains[c], chains[c + 1], qp,
+                                         static_cast<const uint16_t*>(kp),
+                                         static_cast<const uint16_t*>(vp), lens, tp, cu, o);
       else
         attend_chain<uint16_t>(sh, vec, items, chains[c], chains[c + 1], qp,
                                static_cast<const uint16_t*>(kp),

@@ -276,6 +276,13 @@ def test_linear_dtypes_smoke():
     assert "bf16 / f32" in proc.stdout and "of 1" in proc.stdout
 
 
+def test_dtype_parts_smoke():
+    proc = _run(["bench/dtype_parts.py", "--rows", "2", "--pairs", "1", "--layers", "2",
+                 "--context", "20", "--parts", "o", "attention"])  # fmt: skip
+    lines = [x.split() for x in proc.stdout.splitlines()]
+    assert {x[0] for x in lines if x} >= {"o", "attention"}
+
+
 def test_dtype_ab_spread_of_rounds():
     ab = _load("dtype_ab")
     s = ab.spread([4.0, 1.0, 3.0, 2.0])

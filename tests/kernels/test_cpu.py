@@ -42,11 +42,22 @@ def test_cpu_scalar_path_shapes(rng, d, hq, hkv, window):
     )  # fmt: skip
 
 
-def test_cpu_decode_batch(rng):
-    """A full decode step of SmolLM2's shape: 32 sequences, contexts up to 300 tokens."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_decode_batch(rng, dtype):
+    """A full decode step of SmolLM2's shape: 32 sequences, contexts up to 300 tokens (a
+    bfloat16 pool is read in place, its rows widened in registers)."""
     seqs = [(1, int(rng.integers(1, 300))) for _ in range(32)]
+    run_and_compare(rng, seqs, hq=9, hkv=3, d=64, bs=16, dtype=dtype, backend="cpu", max_q_len=1)
+
+
+@pytest.mark.parametrize("d,hq,hkv", [(40, 6, 2), (48, 3, 3), (64, 16, 2)], ids=str)
+def test_cpu_bfloat16_pool_row_kernels(rng, d, hq, hkv):
+    """bfloat16 pools: head_dim % 16 != 0 widens rows into a buffer (d 40); otherwise rows
+    are read in place (d 48: an odd number of 16-value pairs; a group of 8 queries); decode
+    and prefill rows, a sliding window."""
+    seqs = mixed_seqs(rng, 8, n=6)
     run_and_compare(
-        rng, seqs, hq=9, hkv=3, d=64, bs=16, dtype="float32", backend="cpu", max_q_len=1
+        rng, seqs, hq=hq, hkv=hkv, d=d, bs=8, dtype="bfloat16", backend="cpu", sliding_window=13
     )
 
 
@@ -195,8 +206,9 @@ def test_linear_bfloat16_weights_match_numpy(rng, m, x_dtype):
     np.testing.assert_array_equal(np.asarray(same), np.asarray(out.astype(x_dtype)))
 
 
-# one row tile (weights widened in registers) and several (each slice widened once, shared)
-@pytest.mark.parametrize("m", [1, 2, 8, 9, 32, 97])
+# one row tile and several per slice (AVX-512: each slice widened once, shared), remainder
+# tiles of 1-4 rows; K in one slice, two, and four (AVX2: outputs in pair order in between)
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 32, 33, 97])
 @pytest.mark.parametrize("k,n", [(576, 960), (13, 16), (1536, 48)])
 def test_linear_bfloat16_weights_every_tile_path(rng, m, k, n):
     """bfloat16 weights with a residual, for row counts that run one register tile or
