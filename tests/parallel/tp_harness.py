@@ -80,7 +80,8 @@ def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> None:
-    """Every weight and the KV pool live on n devices, split as SPLIT_AXIS says."""
+    """Every weight and the KV pool live on n devices, split as SPLIT_AXIS says (group-wise
+    quantized weights by tp_quant_checks.assert_grouped_split)."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -90,7 +91,17 @@ def assert_sharded(engine: Any, n: int, *, num_kv_heads: int, vocab: int) -> Non
     assert cfg.num_kv_heads == want_kv, (cfg.num_kv_heads, want_kv)
     mesh_devices = set(engine.mesh.devices.flat)
     assert len(mesh_devices) == n
-    for path, x in leaves(engine.runner.params).items():
+    from jaxpaged.models.quant import GroupedWeight
+
+    params = leaves(engine.runner.params)
+    grouped = tuple(path for path, x in params.items() if isinstance(x, GroupedWeight))
+    if grouped:  # kept quantized (a GGUF model): values, scales and mins split by groups
+        from tp_quant_checks import assert_grouped_split
+
+        assert_grouped_split(engine.runner.params, n, grouped)
+    for path, x in params.items():
+        if path in grouped:
+            continue
         assert isinstance(x.sharding, NamedSharding), (path, x.sharding)
         shards = x.addressable_shards
         assert {s.device for s in shards} == mesh_devices, path
