@@ -23,6 +23,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from jaxpaged.models.gguf import convert_gguf, main
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quant import GroupedWeight
+from jaxpaged.models.testing import HF_TO_GGUF_LAYER_NAMES, gguf_tensor_name
 
 Q = gguf.GGMLQuantizationType
 
@@ -106,33 +107,6 @@ def _tiny_hf_model(
     return model.eval()
 
 
-_HF_TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_HF_TO_GGUF[rest]}"
-
-
 def _write_gguf(
     path: Path,
     arch: str,
@@ -207,7 +181,7 @@ def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
             value = _llamacpp_permute(value, cfg.num_attention_heads)
         elif arch == "llama" and "k_proj" in hf_name:
             value = _llamacpp_permute(value, cfg.num_key_value_heads)
-        out[_gguf_name(hf_name)] = value
+        out[gguf_tensor_name(hf_name)] = value
     return out
 
 
@@ -303,7 +277,7 @@ def test_synthetic_quantized_roundtrip(tmp_path):
     mine = load_file(str(convert_gguf(src, tmp_path / "hf") / "model.safetensors"))
     for hf_name, t in model.state_dict().items():
         ref = t.detach().numpy()
-        kind = qtypes.get(_gguf_name(hf_name), Q.F32)
+        kind = qtypes.get(gguf_tensor_name(hf_name), Q.F32)
         got = mine[hf_name]
         assert got.dtype == np.float32 and got.shape == ref.shape, hf_name
         amax = np.abs(ref).max()
@@ -402,7 +376,10 @@ def test_k_quants_match_transformers_dequantizer(tmp_path):
 
 
 def _hf_module(gguf_name: str) -> str:
-    inverse = {v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in _HF_TO_GGUF.items()}
+    inverse = {
+        v.removesuffix(".weight"): k.removesuffix(".weight")
+        for k, v in HF_TO_GGUF_LAYER_NAMES.items()
+    }
     return inverse[gguf_name.split(".")[2]]
 
 

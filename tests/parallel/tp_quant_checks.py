@@ -27,6 +27,8 @@ def write_tiny_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
     import transformers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    from jaxpaged.models.testing import gguf_tensor_name
+
     config = transformers.Qwen2Config(
         vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
@@ -35,25 +37,6 @@ def write_tiny_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config).eval()
-    names = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.q_proj.bias": "attn_q.bias",
-        "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.bias": "attn_v.bias",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
     q = gguf.GGMLQuantizationType
     qtypes = {
         "token_embd.weight": q.Q8_0,
@@ -86,10 +69,7 @@ def write_tiny_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
     w.add_eos_token_id(259)
     w.add_add_bos_token(False)
     for hf_name, t in model.state_dict().items():
-        name = top.get(hf_name)
-        if name is None:
-            _, _, layer, rest = hf_name.split(".", 3)
-            name = f"blk.{layer}.{names[rest]}"
+        name = gguf_tensor_name(hf_name)
         value = t.detach().numpy().astype(np.float32)
         qtype = qtypes.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
         if qtype is None:
