@@ -41,7 +41,7 @@ from flax import nnx
 from .config import GEMMA_MODEL_TYPES, ModelConfig, RopeScaling
 from .layers import StackedParams, apply_rope, dense_causal_attention
 from .llama import AttentionFn, Params
-from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul
+from .quant.matmul import embedding_rows, matmul, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -207,13 +207,6 @@ def _period(windows: tuple[int | None, ...]) -> int:
     return next(p for p in range(1, n + 1) if all(windows[i] == windows[i % p] for i in range(n)))
 
 
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    # x [T, K], w [N, K] -> [T, N]; a quantized w (a GGUF import's own) dequantized in the dot
-    if isinstance(w, QUANTIZED_WEIGHTS):
-        return quantized_matmul(x, w)
-    return jnp.einsum("ti,oi->to", x, w)
-
-
 def _layer(
     x: jax.Array,  # [T, D]
     layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
@@ -229,7 +222,7 @@ def _layer(
     t, g, hd, eps = x.shape[0], c.queries_per_kv, c.head_dim, c.rms_norm_eps
     w = {k: v[layer] for k, v in layers.items()}
     h = gemma_rms_norm(x, w["attn_norm"], eps)
-    qkv = _dot(h, w["wqkv"].reshape(-1, c.hidden_size)).reshape(t, c.num_kv_heads, g + 2, hd)
+    qkv = matmul(h, w["wqkv"].reshape(-1, c.hidden_size)).reshape(t, c.num_kv_heads, g + 2, hd)
     q = qkv[:, :, :g].reshape(t, c.num_heads, hd)
     k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, hd]
     if c.qk_norm:
@@ -245,10 +238,12 @@ def _layer(
         sm_scale=c.query_pre_attn_scalar**-0.5, sliding_window=window, soft_cap=c.attn_soft_cap,
     )  # fmt: skip
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * hd)  # heads grouped by KV head
-    x = x + gemma_rms_norm(_dot(attn, w["wo"].reshape(c.hidden_size, -1)), w["post_attn_norm"], eps)
+    x = x + gemma_rms_norm(
+        matmul(attn, w["wo"].reshape(c.hidden_size, -1)), w["post_attn_norm"], eps
+    )
     h = gemma_rms_norm(x, w["pre_mlp_norm"], eps)
-    gate, up = _dot(h, w["w_gate_up"][0]), _dot(h, w["w_gate_up"][1])
-    mlp = _dot(_ACTIVATIONS[c.hidden_act](gate) * up, w["w_down"])
+    gate, up = matmul(h, w["w_gate_up"][0]), matmul(h, w["w_gate_up"][1])
+    mlp = matmul(_ACTIVATIONS[c.hidden_act](gate) * up, w["w_down"])
     return x + gemma_rms_norm(mlp, w["post_mlp_norm"], eps), cache
 
 
@@ -309,11 +304,7 @@ class GemmaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
         """Vocabulary logits over the tied embedding, soft-capped if the config says so."""
-        embed = self.embed.get_value()
-        if isinstance(embed, QUANTIZED_WEIGHTS):
-            logits = quantized_matmul(hidden, embed).astype(jnp.float32)
-        else:
-            logits = jnp.einsum("td,vd->tv", hidden, embed, preferred_element_type=jnp.float32)
+        logits = vocab_logits(hidden, self.embed.get_value())
         cap = self.config.final_soft_cap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

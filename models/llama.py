@@ -39,7 +39,7 @@ from flax import nnx
 from .config import ModelConfig
 from .layers import apply_rope, dense_causal_attention, rms_norm
 from .lora import LoraInputs, lora_delta
-from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul
+from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 
 
@@ -365,9 +365,7 @@ class LlamaForCausalLM(nnx.Module):
         w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
         if linear_fn is not None:
             return linear_fn(hidden, w[None], 0).astype(jnp.float32)
-        if isinstance(w, QUANTIZED_WEIGHTS):
-            return quantized_matmul(hidden, w).astype(jnp.float32)
-        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+        return vocab_logits(hidden, w)
 
     # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
     @staticmethod

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from .grouped import GroupedWeight
 from .weights import QuantizedWeight
 
-__all__ = ["QUANTIZED_WEIGHTS", "embedding_rows", "quantized_matmul"]
+__all__ = ["QUANTIZED_WEIGHTS", "embedding_rows", "matmul", "quantized_matmul", "vocab_logits"]
 
 QUANTIZED_WEIGHTS = (QuantizedWeight, GroupedWeight)  # what quantized_matmul takes
 
@@ -36,6 +36,26 @@ def quantized_matmul(
         return jnp.einsum("ti,oi->to", x, w.dequantize(x.dtype))
     y = jnp.einsum("ti,oi->to", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scales[:, 0].astype(jnp.float32)).astype(x.dtype)
+
+
+def matmul(
+    x: jax.Array,  # [T, K]
+    w: jax.Array | QuantizedWeight | GroupedWeight,  # [N, K]
+) -> jax.Array:  # [T, N], x's dtype
+    """x @ w.T over a float weight or a quantized one (dequantized in the dot)."""
+    if isinstance(w, QUANTIZED_WEIGHTS):
+        return quantized_matmul(x, w)
+    return jnp.einsum("ti,oi->to", x, w)
+
+
+def vocab_logits(
+    hidden: jax.Array,  # [T, D]
+    w: jax.Array | QuantizedWeight | GroupedWeight,  # [V, D]: lm_head or the tied table
+) -> jax.Array:  # float32 [T, V]
+    """Vocabulary logits in float32 over a float or quantized vocabulary projection."""
+    if isinstance(w, QUANTIZED_WEIGHTS):
+        return quantized_matmul(hidden, w).astype(jnp.float32)
+    return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
 
 
 def embedding_rows(
