@@ -419,7 +419,7 @@ def _keeps_gguf_quantization(
     if quantization == "gguf" and not usable:
         raise ValueError(
             f"quantization='gguf' is not available for this checkpoint ({folder!r}): it reads "
-            "the quantized weights of a llama or qwen2 GGUF file; use 'none', 'int8' or 'fp8'"
+            "the quantized weights of a llama, qwen2 or gemma3 GGUF file; use 'none', 'int8' or 'fp8'"
         )
     return usable and (quantization == "gguf" or dtype is None)
 
