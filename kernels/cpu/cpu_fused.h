@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
@@ -42,6 +43,21 @@ inline xla::ffi::Error ReadFusedOperands(int64_t m, int64_t k, int64_t n,
   else
     std::fill(y + rows * n, y + m * n, 0.0f);
   return xla::ffi::Error::Success();
+}
+
+// One row of x [K] after the fused gate (silu(gate) * x; gate nullptr: none) and RMSNorm
+// (norm_w nullptr: none), in float32 into out [K]: the prologue of the quantized linears,
+// which multiply a prepared row (cpu_linear_q8.cc, cpu_linear_q4.cc).
+inline void PrepareRow(const float* x, const float* gate, const float* norm_w, float eps,
+                       int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k)
+    out[k] = gate ? gate[k] / (1.0f + std::exp(-gate[k])) * x[k] : x[k];
+  if (norm_w != nullptr) {
+    float squares = 0.0f;
+    for (int64_t k = 0; k < K; ++k) squares += out[k] * out[k];
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+    for (int64_t k = 0; k < K; ++k) out[k] = norm_w[k] * (out[k] * inv);
+  }
 }
 
 }  // namespace jaxpaged

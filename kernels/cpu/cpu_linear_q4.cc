@@ -32,19 +32,6 @@ constexpr int64_t kMc = 96;   // rows per work item (float path)
 constexpr int64_t kNb = 16;   // outputs per work item (int16 path)
 constexpr int64_t kChunk = 16;  // inputs unpacked at once
 
-// A row of x after the gate and the norm (float32).
-void prepare_row(const float* x, const float* gate, const float* norm_w, float eps, int64_t K,
-                 float* out) {
-  for (int64_t k = 0; k < K; ++k)
-    out[k] = gate ? gate[k] / (1.0f + std::exp(-gate[k])) * x[k] : x[k];
-  if (norm_w != nullptr) {
-    float squares = 0.0f;
-    for (int64_t k = 0; k < K; ++k) squares += out[k] * out[k];
-    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
-    for (int64_t k = 0; k < K; ++k) out[k] = norm_w[k] * (out[k] * inv);
-  }
-}
-
 #ifdef JAXPAGED_AVX2
 struct Pair {
   __m256 lo, hi;  // inputs [k, k + 8) and [k + 8, k + 16)
@@ -318,8 +305,8 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   float* xfp = xf.data();
   const float* xp = x.typed_data();
   jaxpaged::parallel_for(pool, M, [&](int64_t r) {
-    prepare_row(xp + r * K, fused.gate ? fused.gate + r * K : nullptr, fused.norm_w, norm_eps,
-                K, xfp + r * K);
+    const float* gate = fused.gate ? fused.gate + r * K : nullptr;
+    jaxpaged::PrepareRow(xp + r * K, gate, fused.norm_w, norm_eps, K, xfp + r * K);
   });
   const int64_t row_bytes = nibbles ? K / 2 : K;
   const uint8_t* wl = static_cast<const uint8_t*>(values.untyped_data()) + layer * N * row_bytes;

@@ -45,19 +45,6 @@ inline int32_t pair(int16_t lo, int16_t hi) {
                               static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
 }
 
-// A row of x after the gate and the norm (float32), into out.
-void prepare_row(const float* x, const float* gate, const float* norm_w, float eps, int64_t K,
-                 float* out) {
-  for (int64_t k = 0; k < K; ++k)
-    out[k] = gate ? gate[k] / (1.0f + std::exp(-gate[k])) * x[k] : x[k];
-  if (norm_w != nullptr) {
-    float squares = 0.0f;
-    for (int64_t k = 0; k < K; ++k) squares += out[k] * out[k];
-    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
-    for (int64_t k = 0; k < K; ++k) out[k] = norm_w[k] * (out[k] * inv);
-  }
-}
-
 // A prepared row of x as int16 pairs, lo half first: xq[kk] = (x[2kk], x[2kk+1]) rounded to
 // x / scale, scale = max |x| / 32767 (written to *scale; 1 for a zero row).
 void quantize_row(const float* x, int64_t K, int32_t* xq, float* scale) {
@@ -288,7 +275,8 @@ ffi::Error LinearQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (xf.size() < static_cast<size_t>(M * K)) xf.resize(M * K);
   float* xfp = xf.data();
   jaxpaged::parallel_for(pool, M, [&](int64_t r) {
-    prepare_row(xp + r * K, gate ? gate + r * K : nullptr, norm_w, norm_eps, K, xfp + r * K);
+    jaxpaged::PrepareRow(xp + r * K, gate ? gate + r * K : nullptr, norm_w, norm_eps, K,
+                         xfp + r * K);
   });
 #ifdef JAXPAGED_AVX2
   if (M >= kFloatRows) {
