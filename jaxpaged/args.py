@@ -132,6 +132,17 @@ def non_negative_float(text: str) -> float:
     return v
 
 
+def stall_ratio(text: str) -> float:
+    """A float > 1 (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 1:
+        raise argparse.ArgumentTypeError(f"must be > 1, got {text}")
+    return v
+
+
 def optional_text(text: str) -> str | None:
     """The text, or None for an empty one (argparse type: '' turns the setting off)."""
     return text or None
@@ -161,9 +172,10 @@ class CliForm:
     nargs: str | None = None
 
 
-# Prefill tokens a step with decodes may carry. Measured under `vllm bench serve` (16 in flight,
-# 256-token prompts, bench/prefill_ab.py): see bench/RESULTS.md.
-DEFAULT_PREFILL_WITH_DECODES = 64
+# A step with decodes and a prompt chunk takes at most this many decode steps' time (the cap
+# measured at warm-up, jaxpaged.engine.prefill_budget). Measured under `vllm bench serve` (16
+# in flight, 256-token prompts, bench/prefill_ab.py): see bench/RESULTS.md.
+DEFAULT_PREFILL_STALL_RATIO = 3.0
 
 
 def _setting(default: Any, help: str, *flags: str, **cli: Any) -> Any:
@@ -247,10 +259,18 @@ class EngineArgs:
     max_prefill_tokens_with_decodes: int | None = _setting(
         None,
         "most prefill tokens in a step that also carries decodes, so a new prompt does not "
-        f"stall the running requests (default: {DEFAULT_PREFILL_WITH_DECODES}; "
-        "max_num_batched_tokens turns the cap off)",
+        "stall the running requests (default: measured at warm-up, see "
+        "--prefill-stall-ratio; max_num_batched_tokens turns the cap off)",
         "--max-prefill-tokens-with-decodes",
         parse=positive_int,
+    )
+    prefill_stall_ratio: float = _setting(
+        DEFAULT_PREFILL_STALL_RATIO,
+        "without --max-prefill-tokens-with-decodes: the engine times a decode step and one "
+        "with a prompt chunk at warm-up and caps the prefill tokens of a step with decodes so "
+        "that it takes at most this many decode steps' time (the inter-token latency's tail)",
+        "--prefill-stall-ratio",
+        parse=stall_ratio,
     )
     fit_prefill_to_buckets: bool = _setting(
         False,
@@ -453,15 +473,13 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None and _is_int(self.max_num_seqs):
             max_num_batched_tokens = max(512, min(2048, self.max_num_seqs))
-        prefill_cap = self.max_prefill_tokens_with_decodes
-        if prefill_cap is None:
-            prefill_cap = DEFAULT_PREFILL_WITH_DECODES
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
-            max_prefill_tokens_with_decodes=prefill_cap,
+            max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
+            prefill_stall_ratio=self.prefill_stall_ratio,
             fit_prefill_to_buckets=self.fit_prefill_to_buckets,
         )
 

@@ -113,8 +113,10 @@ class SchedulerConfig:
     plus one token per decode); ``max_num_seqs`` bounds the running requests, hence the
     sequences in one step; ``max_model_len`` bounds prompt + output of one request.
     ``max_prefill_tokens_with_decodes``: in a step that also carries decodes, the most
-    tokens its prefill chunks take together (None: the whole budget), so that a prompt
-    arriving does not hold every running decode up for the length of its prefill;
+    tokens its prefill chunks take together (None: the whole budget, or, with
+    ``prefill_stall_ratio``, what the engine measures at warm-up keeps such a step within that
+    many decode steps' time: :mod:`jaxpaged.engine.prefill_budget`), so that a prompt arriving
+    does not hold every running decode up for the length of its prefill;
     ``fit_prefill_to_buckets`` lowers that cap to end the step on a compiled size."""
 
     max_num_seqs: int = 64
@@ -122,6 +124,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = "recompute"
     max_prefill_tokens_with_decodes: int | None = None
+    prefill_stall_ratio: float | None = None
     fit_prefill_to_buckets: bool = False
 
     def __post_init__(self) -> None:
@@ -132,6 +135,11 @@ class SchedulerConfig:
         cap = self.max_prefill_tokens_with_decodes
         if cap is not None and (not _is_int(cap) or cap < 1):
             raise ValueError(f"max_prefill_tokens_with_decodes must be an int >= 1, got {cap!r}")
+        stall = self.prefill_stall_ratio
+        if stall is not None and (
+            isinstance(stall, bool) or not isinstance(stall, int | float) or not stall > 1
+        ):
+            raise ValueError(f"prefill_stall_ratio must be a number > 1, got {stall!r}")
         if not isinstance(self.fit_prefill_to_buckets, bool):
             raise ValueError(
                 f"fit_prefill_to_buckets must be a bool, got {self.fit_prefill_to_buckets!r}"

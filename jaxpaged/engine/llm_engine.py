@@ -30,6 +30,7 @@ from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
+from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.models.config import ModelConfig
@@ -203,6 +204,22 @@ class LLMEngine:
                 "warm-up compiled %d programs in %.1f s", self.warmup_programs, self.warmup_seconds
             )
         self.core.mark_compiled()
+        # measured after warm-up, on its shapes (a compilation here would count as serving's);
+        # None where the cap was given
+        self.step_costs: StepCosts | None = None
+        if (
+            scheduler_config.max_prefill_tokens_with_decodes is None
+            and scheduler_config.prefill_stall_ratio is not None
+        ):
+            cap, self.step_costs = choose_prefill_cap(
+                self.runner.execute,
+                scheduler_config,
+                num_blocks=num_blocks,
+                block_size=cache_config.block_size,
+                measure=not enforce_eager,
+            )
+            self.scheduler.set_prefill_cap(cap)
+            self.scheduler_config = self.scheduler.config
 
     # ------------------------------------------------------------ construction
     @classmethod

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -138,6 +139,11 @@ class Scheduler:
         self._prev_rows: dict[str, int] = {}
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
         self.step_sizes = tuple(step_sizes) if scheduler_config.fit_prefill_to_buckets else ()
+
+    def set_prefill_cap(self, cap: int) -> None:
+        """Sets ``max_prefill_tokens_with_decodes`` (the engine's measured cap, before any
+        request arrives)."""
+        self.config = dataclasses.replace(self.config, max_prefill_tokens_with_decodes=cap)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:

@@ -30,6 +30,7 @@ CLI_CASES = {
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "128"], 128),
     "max_prefill_tokens_with_decodes": (["--max-prefill-tokens-with-decodes", "32"], 32),
+    "prefill_stall_ratio": (["--prefill-stall-ratio", "2.5"], 2.5),
     "fit_prefill_to_buckets": (["--fit-prefill-to-buckets"], True),
     "block_size": (["--block-size", "32"], 32),
     "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),

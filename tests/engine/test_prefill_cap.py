@@ -9,7 +9,7 @@ import argparse
 import pytest
 from fake_runner import FakeRunner, check_invariants, make_request, reference_output, run
 
-from jaxpaged.args import DEFAULT_PREFILL_WITH_DECODES, EngineArgs
+from jaxpaged.args import EngineArgs
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.models.testing import tiny_config
 from jaxpaged.sched.prefill_cap import prefill_cap
@@ -134,10 +134,8 @@ def test_a_bad_cap_is_refused_by_name(bad):
 
 def test_engine_args_default_and_flag():
     cfg = tiny_config()
-    assert (
-        EngineArgs().scheduler_config(cfg).max_prefill_tokens_with_decodes
-        == DEFAULT_PREFILL_WITH_DECODES
-    )
+    # by default none: the engine measures one at warm-up (test_prefill_budget.py)
+    assert EngineArgs().scheduler_config(cfg).max_prefill_tokens_with_decodes is None
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args(["--max-prefill-tokens-with-decodes", "512"]))

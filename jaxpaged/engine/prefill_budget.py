@@ -1,0 +1,172 @@
+"""The prefill cap of steps with decodes, measured on the machine that serves.
+
+A prompt's chunk rides in a step beside the running decodes, and every one of those requests
+waits for that step: its time over a decode-only step's is the tail of the inter-token
+latency. What a chunk token costs against a decode step differs by orders of magnitude between
+platforms. On the 2-core CPU of bench/RESULTS.md a step's time follows its rows (15 decodes
+~88 ms, + 64 prompt tokens ~300 ms); on an accelerator a step is nearly flat in its rows until
+the matmuls saturate. So no one constant fits: after warm-up the engine times a decode-only
+step and the same step beside a prompt chunk, on its own weights and KV pool, fits a line
+through the two (a + b x rows) and takes the largest cap whose step is predicted within
+``prefill_stall_ratio`` decode steps. The steps write K/V into blocks no request holds yet
+(nothing has arrived), and run shapes warm-up compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+from jaxpaged.config import SchedulerConfig
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, SeqSampling
+
+__all__ = ["StepCosts", "calibration_plans", "choose_prefill_cap", "measure_step_costs"]
+
+logger = logging.getLogger(__name__)
+
+# The cap where nothing was measured (enforce_eager: no warm-up): the CPU's measured figure
+# (bench/prefill_ab.py under `vllm bench serve`, 16 in flight, 256-token prompts).
+UNMEASURED_PREFILL_CAP = 64
+# A cap never goes below one block of a typical size: a lower one would stretch a prompt
+# over so many steps that its time to first token, not the decodes' latency, dominates.
+MIN_PREFILL_CAP = 16
+CHUNK_TOKENS = 64  # prompt tokens of the measured mixed step (the cap's order on the CPU)
+CONTEXT_TOKENS = 256  # KV length of each measured decode (a short chat turn)
+REPEATS = 3  # timed pairs, after one untimed pair; the median of each kind is taken
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCosts:
+    """Two step times measured on this machine: ``decodes`` one-token sequences, each over
+    ``context`` tokens of K/V, alone (``decode_s``) and beside a ``chunk``-token prompt
+    chunk (``mixed_s``)."""
+
+    decodes: int
+    context: int
+    chunk: int
+    decode_s: float
+    mixed_s: float
+
+    @property
+    def chunk_token_s(self) -> float:
+        """What one more prompt token adds to a step (the line's slope; >= 0)."""
+        return max(0.0, self.mixed_s - self.decode_s) / self.chunk
+
+    def prefill_cap(self, stall_ratio: float, budget: int) -> int:
+        """The most prompt tokens a step with these decodes may carry so that it is predicted
+        to take at most ``stall_ratio`` decode steps: ``(ratio - 1) x decode_s / slope``,
+        within [MIN_PREFILL_CAP, budget]."""
+        allowed_s = (stall_ratio - 1.0) * self.decode_s
+        per_token = self.chunk_token_s
+        if per_token * budget <= allowed_s:
+            return budget
+        tokens = int(allowed_s / per_token + 1e-9)  # a whole quotient is not rounded down
+        return max(min(MIN_PREFILL_CAP, budget), min(budget, tokens))
+
+
+def calibration_plans(
+    *,
+    decodes: int,
+    context: int,
+    chunk: int,
+    block_size: int,
+) -> tuple[SchedulerOutput, SchedulerOutput]:
+    """A decode-only plan (``decodes`` sequences fed their token at position ``context - 1``)
+    and the same beside a ``chunk``-token prompt chunk from position 0, on disjoint blocks
+    0, 1, ... Greedy sampling; the chunk is not the prompt's last (it samples nothing)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    blocks_per_decode = -(-context // block_size)
+    seqs = []
+    for i in range(decodes):
+        first = i * blocks_per_decode
+        seqs.append(
+            ScheduledSeq(
+                request_id=f"calibration-{i}",
+                seq_id=-1 - i,
+                token_ids=(0,),
+                prev_row=-1,
+                start_pos=context - 1,
+                block_table=tuple(range(first, first + blocks_per_decode)),
+                sampling=SeqSampling(params=greedy, key_stream=i, key_counter=0, state_row=-1),
+            )
+        )
+    first = decodes * blocks_per_decode
+    prompt = ScheduledSeq(
+        request_id="calibration-prompt",
+        seq_id=-1 - decodes,
+        token_ids=(0,) * chunk,
+        prev_row=-1,
+        start_pos=0,
+        block_table=tuple(range(first, first + -(-chunk // block_size))),
+        sampling=None,
+    )
+    return SchedulerOutput(seqs=tuple(seqs)), SchedulerOutput(seqs=(*seqs, prompt))
+
+
+def measure_step_costs(
+    execute: Callable[[SchedulerOutput], RunnerOutput],
+    config: SchedulerConfig,
+    *,
+    num_blocks: int,
+    block_size: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepCosts | None:
+    """Times :func:`calibration_plans` through ``execute`` (the runner's dispatch + collect)
+    for the largest step with decodes the config allows: ``max_num_seqs - 1`` decodes (a
+    prompt arriving while the rest decode). None where no step carries both (one sequence
+    at a time, or a pool too small for the shapes)."""
+    budget = config.max_num_batched_tokens
+    decodes = min(config.max_num_seqs - 1, budget // 2)
+    chunk = min(CHUNK_TOKENS, budget - decodes)
+    context = min(CONTEXT_TOKENS, config.max_model_len - 1)
+    spare = num_blocks - -(-chunk // block_size)  # blocks left for the decodes
+    if decodes < 1 or spare < decodes:
+        return None
+    context = min(context, spare // decodes * block_size)
+    decode_plan, mixed_plan = calibration_plans(
+        decodes=decodes, context=context, chunk=chunk, block_size=block_size
+    )
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for repeat in range(REPEATS + 1):
+        for kind, plan in enumerate((decode_plan, mixed_plan)):
+            start = clock()
+            execute(plan)
+            if repeat:  # the first pair is untimed (first touches of the shapes' buffers)
+                times[kind].append(clock() - start)
+    return StepCosts(
+        decodes=decodes,
+        context=context,
+        chunk=chunk,
+        decode_s=statistics.median(times[0]),
+        mixed_s=statistics.median(times[1]),
+    )
+
+
+def choose_prefill_cap(
+    execute: Callable[[SchedulerOutput], RunnerOutput],
+    config: SchedulerConfig,
+    *,
+    num_blocks: int,
+    block_size: int,
+    measure: bool = True,
+) -> tuple[int, StepCosts | None]:
+    """The cap for ``config.prefill_stall_ratio`` from step times measured now (with
+    ``measure``), and those times; UNMEASURED_PREFILL_CAP where nothing was measured."""
+    budget = config.max_num_batched_tokens
+    costs = None
+    if measure:
+        costs = measure_step_costs(execute, config, num_blocks=num_blocks, block_size=block_size)
+    if costs is None:
+        return min(UNMEASURED_PREFILL_CAP, budget), None
+    cap = costs.prefill_cap(config.prefill_stall_ratio, budget)
+    logger.info(
+        "prefill cap: %d tokens in a step with decodes (%d decodes %.1f ms, + %d prompt tokens "
+        "%.1f ms; stall ratio %.3g)",
+        cap, costs.decodes, costs.decode_s * 1e3, costs.chunk, costs.mixed_s * 1e3,
+        config.prefill_stall_ratio,
+    )  # fmt: skip
+    return cap, costs
