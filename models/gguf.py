@@ -322,7 +322,9 @@ def _write_json(path: Path, obj: Any) -> None:
 # The quantized matmul weights also written as GroupedWeight arrays, beside the float
 # model.safetensors (which transformers reads): "<hf name>.values", ".scales" and, 4-bit,
 # ".mins"; models/gguf_params.py loads them. The Gemma family's forward reads float weights.
-QUANTIZED_FILE = "gguf_quantized.safetensors"
+# In a subfolder: vLLM's loader reads every top-level *.safetensors of a folder and fails on
+# names it does not know ("Attempted to load nested weight '...weight.scales'").
+QUANTIZED_FILE = "jaxpaged/gguf_quantized.safetensors"
 _KEPT_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 _MATMUL_TENSORS = (
     "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
@@ -383,6 +385,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     del weights
     quantized = _quantized_weights(g, arch, config)
     if quantized:
+        (out / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
         save_file(quantized, str(out / QUANTIZED_FILE), metadata={"format": "jaxpaged-grouped"})
         (out / QUANTIZED_FILE).chmod(0o644)
     _write_json(out / "config.json", config)

@@ -274,7 +274,12 @@ def test_synthetic_quantized_roundtrip(tmp_path):
         if "norm" not in n
     }
     src = _write_gguf(tmp_path / "q.gguf", "llama", model.config, tensors, qtypes)
-    mine = load_file(str(convert_gguf(src, tmp_path / "hf") / "model.safetensors"))
+    out = convert_gguf(src, tmp_path / "hf")
+    mine = load_file(str(out / "model.safetensors"))
+    # the kept-quantized copy lies in a subfolder: a loader that reads every top-level
+    # *.safetensors (vLLM's) sees the float checkpoint only
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert (out / "jaxpaged" / "gguf_quantized.safetensors").is_file()
     for hf_name, t in model.state_dict().items():
         ref = t.detach().numpy()
         kind = qtypes.get(gguf_tensor_name(hf_name), Q.F32)
