@@ -448,7 +448,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 llm.reset_prefix_cache()  # a later round must not reuse the last one's prompts
                 results[s] = run_jaxpaged(llm, jax_load_s, work)
             elif s == "vllm":
-                results[s] = run_vllm(args, work, folder)
+                try:
+                    results[s] = run_vllm(args, work, folder)
+                except RuntimeError as e:  # a peer's failure must not lose the others' figures
+                    print(f"  vllm: {e}", flush=True)
+                    continue
             elif s == "hf-static":
                 results[s] = run_hf_static(args, work, folder, tokenizer)
             else:
@@ -463,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{'seconds':>8s} {'useful tok/s':>12s} {'load s':>7s} {'warm-up s':>9s}")  # fmt: skip
     for s in systems:
         for rnd, results in enumerate(rounds):
+            if s not in results:
+                continue
             r = results[s]
             print(f"{r.system:12s} {rnd + 1:5d} {r.num_requests:8d} {r.useful_tokens:10d} "
                   f"{r.generated_tokens:10d} {r.seconds:8.1f} {r.tok_per_s:12.1f} "
@@ -478,7 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if other in results:
                 # per round: the two systems ran minutes apart, not hours; the median of the
                 # rounds is the figure to quote on a machine whose speed drifts
-                per_round = [r["jaxpaged"].tok_per_s / r[other].tok_per_s for r in rounds]
+                per_round = [
+                    r["jaxpaged"].tok_per_s / r[other].tok_per_s for r in rounds if other in r
+                ]
                 ratio = statistics.median(per_round)
                 report[f"ratio_vs_{other}"] = ratio
                 report[f"ratios_vs_{other}"] = per_round

@@ -199,6 +199,23 @@ def test_throughput_smoke(tmp_path, tiny_model):
     assert "ratio jaxpaged / hf-static" in proc.stdout and "roofline" in proc.stdout
 
 
+def test_throughput_keeps_the_figures_when_vllm_fails(tmp_path, tiny_model):
+    """A peer that fails (here a stand-in "Python" that imports vLLM but whose offline run
+    exits 1) is reported; jaxpaged's figures still come out."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-fake; exit 0; fi\nexit 1\n')
+    fake.chmod(0o755)
+    out = tmp_path / "t.json"
+    proc = _run([
+        "bench/throughput.py", "--model", tiny_model, "--num-prompts", "2", "--systems",
+        "jaxpaged", "--vllm-python", str(fake), "--min-output", "2", "--max-output", "3",
+        "--max-prompt-words", "8", "--max-model-len", "128", "--max-num-seqs", "2",
+        "--enforce-eager", "--decode-batch", "0", "--json-out", str(out),
+    ])  # fmt: skip
+    assert "vLLM's offline run failed with exit code 1" in proc.stdout
+    assert set(json.loads(out.read_text())["results"]) == {"jaxpaged"}
+
+
 def test_throughput_rejects_unknown_system():
     proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
