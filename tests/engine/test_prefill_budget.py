@@ -161,7 +161,8 @@ def test_engine_sets_the_cap_it_measured_and_compiles_nothing_for_it(tiny):
     cap = eng.scheduler.config.max_prefill_tokens_with_decodes
     assert cap == costs.prefill_cap(2.0, 128) and MIN_PREFILL_CAP <= cap <= 128
     assert eng.scheduler_config.max_prefill_tokens_with_decodes == cap
-    assert eng.get_stats().num_compilations_after_warmup == 0  # the timed steps ran warm-up's shapes
+    # the timed steps ran warm-up's shapes
+    assert eng.get_stats().num_compilations_after_warmup == 0
     assert eng.scheduler.pool.num_free_blocks == 96  # and took no block from the scheduler
     eng.add_request("a", list(range(1, 40)), SamplingParams(temperature=0, max_tokens=4))
     while eng.has_unfinished_requests():
