@@ -121,26 +121,26 @@ def positive_int(text: str) -> int:
     return v
 
 
-def non_negative_float(text: str) -> float:
-    """A float >= 0 (argparse type)."""
+def _number(text: str, ok: Callable[[float], bool], requirement: str) -> float:
+    """``text`` as a float that passes ``ok``, else an argparse error naming ``requirement``
+    (NaN passes no comparison, so it is refused too)."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
     return v
+
+
+def non_negative_float(text: str) -> float:
+    """A float >= 0 (argparse type)."""
+    return _number(text, lambda v: v >= 0, "must be >= 0")
 
 
 def stall_ratio(text: str) -> float:
     """A float > 1 (argparse type)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 1:
-        raise argparse.ArgumentTypeError(f"must be > 1, got {text}")
-    return v
+    return _number(text, lambda v: v > 1, "must be > 1")
 
 
 def optional_text(text: str) -> str | None:
@@ -150,13 +150,7 @@ def optional_text(text: str) -> str | None:
 
 def fraction(text: str) -> float:
     """A float in (0, 1] (argparse type)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
+    return _number(text, lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 
 # ------------------------------------------------------------------ the fields

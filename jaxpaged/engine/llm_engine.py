@@ -105,7 +105,6 @@ class LLMEngine:
         self.parallel_config = parallel_config
         self.model_config = model_config
         self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
         self._compiles = CompileCounter().open()
         self.lora = build_adapters(
@@ -219,7 +218,6 @@ class LLMEngine:
                 measure=not enforce_eager,
             )
             self.scheduler.set_prefill_cap(cap)
-            self.scheduler_config = self.scheduler.config
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -360,6 +358,11 @@ class LLMEngine:
         )
 
     # ---------------------------------------------------------------- requests
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's limits (with the prefill cap measured at start-up)."""
+        return self.scheduler.config
+
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
