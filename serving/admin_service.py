@@ -43,14 +43,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         except ServingError as e:
             await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
         engine = frontend.engine
-        update_from = getattr(engine, "update_weights_from", None)
-        if update_from is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "this engine cannot take new weights"
-            )
         start = time.perf_counter()
         try:
-            load_seconds = await update_from(request.path)
+            load_seconds = await engine.update_weights_from(request.path)
+        except NotImplementedError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (ValueError, OSError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}")
         total = time.perf_counter() - start

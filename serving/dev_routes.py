@@ -25,12 +25,6 @@ def add_dev_routes(app: FastAPI, frontend: Frontend) -> None:
     if not dev_mode():
         return
 
-    def engine_call(name: str):  # noqa: ANN202 - a bound method of the engine
-        fn = getattr(frontend.engine, name, None)
-        if fn is None:
-            raise InvalidRequest(f"this engine does not support {name}")
-        return fn
-
     @app.post("/sleep")
     async def sleep(request: Request) -> Response:
         frontend.check_api_key(request.headers.get("authorization"))
@@ -39,7 +33,7 @@ def add_dev_routes(app: FastAPI, frontend: Frontend) -> None:
         if level not in ("1", "2"):
             raise InvalidRequest(f"level must be 1 or 2, got {level!r}", param="level")
         try:
-            await engine_call("sleep")(int(level))
+            await frontend.engine.sleep(int(level))
         except (RuntimeError, ValueError) as e:
             raise InvalidRequest(str(e)) from e
         return Response(status_code=200)
@@ -49,7 +43,7 @@ def add_dev_routes(app: FastAPI, frontend: Frontend) -> None:
         frontend.check_api_key(request.headers.get("authorization"))
         frontend.check_ready()
         try:
-            await engine_call("wake_up")()
+            await frontend.engine.wake_up()
         except (RuntimeError, ValueError) as e:
             raise InvalidRequest(str(e)) from e
         return Response(status_code=200)
@@ -58,4 +52,4 @@ def add_dev_routes(app: FastAPI, frontend: Frontend) -> None:
     async def is_sleeping(request: Request) -> JSONResponse:
         frontend.check_api_key(request.headers.get("authorization"))
         frontend.check_ready()
-        return JSONResponse({"is_sleeping": bool(getattr(frontend.engine, "is_sleeping", False))})
+        return JSONResponse({"is_sleeping": frontend.engine.is_sleeping})

@@ -490,9 +490,8 @@ class Frontend:
         self._admitting += 1
         try:
             # the engine tokenizes and validates off the loop; a cancel meanwhile queues nothing
-            lora = {} if lora_name is None else {"lora_name": lora_name}
             stream = await engine.add_request(
-                request_id, prompt, params, output_kind=output_kind, **lora
+                request_id, prompt, params, output_kind=output_kind, lora_name=lora_name
             )
         except EngineDeadError as e:
             self.mark_failed(e)

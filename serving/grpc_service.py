@@ -11,7 +11,6 @@ while serving the call). A cancelled call or an expired deadline aborts the requ
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -218,9 +217,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prompt, params, plan = chat_prompt(frontend, request.chat, params)
                 tools = ChatTools(plan)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-            lora = {"lora_name": request.lora_name} if request.lora_name else {}
             handle = await frontend.open(
-                rid, prompt, params, output_kind=output_kind_for(stream=request.stream), **lora
+                rid,
+                prompt,
+                params,
+                output_kind=output_kind_for(stream=request.stream),
+                lora_name=request.lora_name or None,
             )
         except ServingError as e:
             await self._fail(context, e)
@@ -286,7 +288,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._fail(context, e)
         frontend.check_engine()
         info = pb.ServerInfo(
-            version=getattr(jaxpaged, "__version__", ""),
+            version=jaxpaged.__version__,
             state=frontend.phase.value,
             in_flight_requests=frontend.num_in_flight,
             max_queue_len=frontend.config.max_queue_len or 0,
@@ -300,14 +302,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             stats = engine.get_stats()  # the engine's per-step snapshot: never waits
         except Exception:  # a dead engine still answers with what it knows
             return info
-        if dataclasses.is_dataclass(stats):
-            info.num_running = stats.num_running
-            info.num_waiting = stats.num_waiting
-            info.num_swapped = stats.num_swapped
-            info.kv_cache_usage = stats.kv_cache_usage
-            info.num_kv_blocks = stats.num_kv_blocks
-            info.num_free_blocks = stats.num_free_blocks
-            info.num_preemptions = stats.num_preemptions
+        info.num_running = stats.num_running
+        info.num_waiting = stats.num_waiting
+        info.num_swapped = stats.num_swapped
+        info.kv_cache_usage = stats.kv_cache_usage
+        info.num_kv_blocks = stats.num_kv_blocks
+        info.num_free_blocks = stats.num_free_blocks
+        info.num_preemptions = stats.num_preemptions
         return info
 
 

@@ -249,12 +249,13 @@ def create_app(frontend: Frontend) -> FastAPI:
     ) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         lora = lora_of(frontend, model)  # a LoRA adapter's name, or None: the base model
-        kw = {} if lora is None else {"lora_name": lora}
         try:
             for i, prompt in enumerate(prompts):
                 rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
                 handles.append(
-                    await frontend.open(rid, prompt, params, output_kind=output_kind, **kw)
+                    await frontend.open(
+                        rid, prompt, params, output_kind=output_kind, lora_name=lora
+                    )
                 )
         except BaseException:
             await close_all(handles)

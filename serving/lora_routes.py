@@ -26,9 +26,9 @@ class NotFound(ServingError):
 
 
 def _loras(frontend: Frontend) -> dict[str, str]:
-    """Registered adapter name -> folder ({} without an engine or with LoRA off)."""
-    list_loras = getattr(frontend.engine, "list_loras", None)
-    return {} if list_loras is None else list_loras()
+    """Registered adapter name -> folder ({} before the engine is attached, or with LoRA
+    off)."""
+    return {} if frontend.engine is None else dict(frontend.engine.list_loras())
 
 
 def lora_of(frontend: Frontend, model: str | None) -> str | None:

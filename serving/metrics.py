@@ -71,15 +71,15 @@ class _EngineCollector:
     def collect(self):
         frontend = self._metrics.frontend
         engine = None if frontend is None else frontend.engine
-        stats = None
+        values: dict[str, float] = {}  # EngineStats' fields, none before the engine is there
         if engine is not None:
             try:
-                stats = engine.get_stats()
+                values = dataclasses.asdict(engine.get_stats())
             except Exception:  # a dead engine must not break /metrics
-                stats = None
+                values = {}
 
         def get(name: str) -> float:
-            return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
+            return float(values[name]) if values else 0.0
 
         gauges = [
             ("jaxpaged:num_requests_running", "Requests in the running batch.", "num_running"),

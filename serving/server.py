@@ -231,10 +231,10 @@ def kv_pool_summary(engine: EngineClient) -> list[str]:
         num_blocks = int(stats.num_kv_blocks)
     except Exception:
         return []
-    ec = dict(getattr(engine, "engine_config", {}) or {})
+    ec = engine.engine_config
     mc = engine.model_config
-    block_size = int(ec.get("block_size", 16))
-    dtype = str(ec.get("dtype", ec.get("kv_dtype", "float32"))).split(".")[-1]
+    block_size = int(ec["block_size"])
+    dtype = str(ec["dtype"])
     per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES.get(dtype, 4)
     gib = num_blocks * block_size * per_token / (1 << 30)
     max_len = int(engine.max_model_len)

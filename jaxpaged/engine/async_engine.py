@@ -22,7 +22,13 @@ from typing import Any
 from jaxpaged.engine.core import EngineStepError, asleep_message
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.lora import read_adapter
-from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
+from jaxpaged.engine.protocol import (
+    EngineAsleepError,
+    EngineDeadError,
+    EngineStats,
+    Prompt,
+    Tokenizer,
+)
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
@@ -63,8 +69,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Serves an LLMEngine's core to asyncio code (an ``EngineClient``). Create it, then
-    ``start()`` inside the loop."""
+    """Serves an LLMEngine's core to asyncio code: the ``EngineClient`` the servers use.
+    Create it, then ``start()`` inside the loop."""
 
     def __init__(
         self, engine: LLMEngine, *, on_shutdown: Callable[[], object] | None = None
@@ -84,7 +90,7 @@ class AsyncEngine:
         return self.engine.model_config
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
@@ -208,7 +214,9 @@ class AsyncEngine:
         loaded, in a worker thread, then swaps it in (:meth:`update_weights`). Returns the
         seconds the load took."""
         if self.engine.weights_from is None:
-            raise ValueError("this engine cannot load weights by path")
+            raise NotImplementedError(
+                "this engine cannot load weights by path (it was built on params in hand)"
+            )
         start = time.perf_counter()
         params = await asyncio.to_thread(self.engine.weights_from, path)
         loaded = time.perf_counter() - start
@@ -225,7 +233,7 @@ class AsyncEngine:
     async def wake_up(self) -> None:
         """Restores the KV pool; after level 2 the weights are reloaded the way they were
         loaded (in a worker thread), or RuntimeError for an engine built on params."""
-        core, reload = self._core, getattr(self.engine, "reload_weights", None)
+        core, reload = self._core, self.engine.reload_weights
         if core.sleep_level == 2 and reload is not None:
             await self.update_weights(await asyncio.to_thread(reload))
         await asyncio.wrap_future(core.call(core.wake_up))
@@ -251,8 +259,7 @@ class AsyncEngine:
 
     def list_loras(self) -> dict[str, str]:
         """Registered LoRA adapter name -> its folder."""
-        list_loras = getattr(self.engine, "list_loras", None)  # an engine without LoRA
-        return {} if list_loras is None else list_loras()
+        return self.engine.list_loras()
 
     # ----------------------------------------------------------- engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -23,8 +23,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -70,13 +70,41 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@runtime_checkable
 class DeviceRunner(Protocol):
-    """What the core needs of a runner (jaxpaged.worker.runner.Runner; fakes in tests):
-    ``dispatch`` launches a plan's step without waiting, ``collect`` waits for it."""
+    """Everything the engine (this core and the LLMEngine builder) calls on a runner:
+    jaxpaged.worker.runner.Runner, and the fakes of the tests and jaxpaged.engine.testing.
+    The step: ``dispatch`` launches a plan's step without waiting (``allowed``: sequence
+    index -> its structured-output mask [vocab] bool), ``collect`` waits for it, ``execute``
+    does both. ``warm_up`` compiles every step program. Between steps (admin calls): new
+    weights, and for sleep mode dropping the weights and freeing / restoring the KV pool.
+    tests/engine/test_device_runner.py checks each implementation member by member: a
+    member added here is added to each of them."""
 
-    def dispatch(self, plan: SchedulerOutput) -> Any: ...  # noqa: ANN401
+    def dispatch(
+        self, plan: SchedulerOutput, allowed: Mapping[int, np.ndarray] | None = None
+    ) -> Any: ...  # noqa: ANN401 - the runner's pending step, for collect
 
     def collect(self, pending: Any) -> RunnerOutput: ...  # noqa: ANN401
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
+
+    def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
+        """Compiles every program serving runs; returns (programs, seconds)."""
+        ...
+
+    def update_params(self, params: Any) -> None: ...  # noqa: ANN401 - the params pytree
+
+    def release_params(self) -> None: ...
+
+    def release_kv(self) -> int:
+        """Frees the KV pool (nothing running); returns the bytes freed."""
+        ...
+
+    def restore_kv(self) -> None: ...
+
+    @property
+    def kv_released(self) -> bool: ...
 
 
 class EngineCore:

@@ -8,11 +8,19 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["EngineAsleepError", "EngineClient", "EngineDeadError", "EngineStats", "Prompt"]
+__all__ = [
+    "EngineAsleepError",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineStats",
+    "Prompt",
+    "Tokenizer",
+]
 
 Prompt = str | Sequence[int]
 
@@ -53,21 +61,34 @@ class Tokenizer(Protocol):
 
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
 
     def apply_chat_template(self, conversation, **kwargs): ...  # noqa: ANN001, ANN003
 
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """An engine as asyncio code sees it. ``add_request`` validates (ValueError naming the
-    problem) and returns the request's stream of outputs: deltas (``DELTA``: each output
-    holds only what is new) or one final output (``FINAL_ONLY``). ``abort`` ends a request;
-    its stream then ends with finish_reason "abort". If the engine dies, every open stream
-    raises :class:`EngineDeadError` and ``dead_error`` is set."""
+    """An engine as the servers (``jaxpaged.serving``) see it: every member they use, and
+    nothing they may probe for. The real ``AsyncEngine`` and the test fakes implement all of
+    it (tests check both member by member).
 
+    Requests: ``add_request`` validates (ValueError naming the problem, a request id already
+    in use included; EngineAsleepError while asleep) and returns the request's stream of
+    outputs: deltas (``DELTA``: each output holds only what is new) or one final output
+    (``FINAL_ONLY``). ``abort`` ends a request; its stream then ends with finish_reason
+    "abort". If the engine dies, every open stream raises :class:`EngineDeadError` and
+    ``dead_error`` is set.
+
+    Admin: LoRA adapters by name (``lora_name`` on a request; ValueError for an unknown,
+    taken or unfit adapter), sleep mode (RuntimeError while requests run or when the weights
+    cannot come back), and new weights from a checkpoint path (ValueError / OSError for one
+    that cannot be loaded; NotImplementedError from an engine that cannot load by path)."""
+
+    # ---- what it serves
     @property
     def tokenizer(self) -> Tokenizer: ...
 
@@ -78,18 +99,27 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def engine_config(self) -> Mapping[str, object]: ...
+    def engine_config(self) -> Mapping[str, object]:
+        """A flat summary of the engine's settings (server info endpoints); ``block_size``
+        and ``dtype`` (the KV cache's) are always there."""
+        ...
 
+    # ---- health and life cycle
     @property
     def dead_error(self) -> BaseException | None: ...
 
     @property
     def errored(self) -> bool: ...
 
+    def get_stats(self) -> EngineStats:
+        """The latest per-step snapshot; never waits for the device."""
+        ...
+
     def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
 
+    # ---- requests
     async def add_request(
         self,
         request_id: str,
@@ -97,8 +127,33 @@ class EngineClient(Protocol):
         params: SamplingParams,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
-    def get_stats(self) -> EngineStats: ...
+    # ---- LoRA adapters
+    def list_loras(self) -> Mapping[str, str]:
+        """Registered adapter name -> its folder (empty with LoRA off)."""
+        ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Registers an adapter; False if it was registered already."""
+        ...
+
+    async def remove_lora(self, name: str) -> None: ...
+
+    # ---- sleep mode
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    async def sleep(self, level: int = 1) -> int:
+        """Frees the KV cache (level 2: the weights too); returns the bytes freed."""
+        ...
+
+    async def wake_up(self) -> None: ...
+
+    # ---- weights
+    async def update_weights_from(self, path: str) -> float:
+        """Loads a checkpoint and swaps it in between steps; returns the load's seconds."""
+        ...

@@ -15,10 +15,11 @@ alone, no cache).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxpaged.engine.testing import FakeDeviceAdmin
 from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
@@ -41,9 +42,10 @@ def reference_output(prompt: Sequence[int], num_tokens: int) -> list[int]:
     return out
 
 
-class FakeRunner:
+class FakeRunner(FakeDeviceAdmin):
     """Device pool [num_blocks, block_size] and host pool [num_host_blocks, block_size] of
-    token ids (-1 = never written), plus the positions written, to catch misplaced writes."""
+    token ids (-1 = never written), plus the positions written, to catch misplaced writes.
+    A ``DeviceRunner``: releasing the KV pool (sleep) forgets what the device pool held."""
 
     def __init__(
         self, num_blocks: int, block_size: int, num_host_blocks: int = 0, *, scheduler: Scheduler
@@ -56,30 +58,39 @@ class FakeRunner:
         self.host_tok = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.host_pos = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.steps: list[SchedulerOutput] = []
+        self.kv_bytes = self.dev_tok.nbytes + self.dev_pos.nbytes
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.collect(self.dispatch(out))
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(plan))
 
     def collect(self, pending: RunnerOutput | None) -> RunnerOutput:
         return RunnerOutput(sampled_token_ids=()) if pending is None else pending
 
-    def dispatch(self, out: SchedulerOutput) -> RunnerOutput | None:
-        self.steps.append(out)
-        for dev, host in out.blocks_to_swap_out:
+    def release_kv(self) -> int:
+        self.dev_tok[:] = -1
+        self.dev_pos[:] = -1
+        return super().release_kv()
+
+    def dispatch(
+        self, plan: SchedulerOutput, allowed: Mapping[int, np.ndarray] | None = None
+    ) -> RunnerOutput | None:
+        self.check_kv()
+        self.steps.append(plan)
+        for dev, host in plan.blocks_to_swap_out:
             self.host_tok[host] = self.dev_tok[dev]
             self.host_pos[host] = self.dev_pos[dev]
-        for host, dev in out.blocks_to_swap_in:
+        for host, dev in plan.blocks_to_swap_in:
             self.dev_tok[dev] = self.host_tok[host]
             self.dev_pos[dev] = self.host_pos[host]
         # copies are simultaneous (all sources read, then all written), like copy_blocks
-        dsts = [d for _, d in out.blocks_to_copy]
-        srcs = [s for s, _ in out.blocks_to_copy]
+        dsts = [d for _, d in plan.blocks_to_copy]
+        srcs = [s for s, _ in plan.blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "copy destinations must be distinct"
         self.dev_tok[dsts], self.dev_pos[dsts] = self.dev_tok[srcs], self.dev_pos[srcs]
         flat_tok = self.dev_tok.reshape(-1)
         flat_pos = self.dev_pos.reshape(-1)
         written: set[int] = set()
-        for s in out.seqs:
+        for s in plan.seqs:
             slots = s.slot_mapping(self.block_size)
             assert not written & set(slots), f"{s.request_id}: two sequences write one slot"
             written |= set(slots)
@@ -90,7 +101,7 @@ class FakeRunner:
             flat_tok[slots] = fed
             flat_pos[slots] = list(s.positions())
         sampled = []
-        for s in out.seqs:
+        for s in plan.seqs:
             req = self.scheduler.requests.get(s.request_id)
             bs = self.block_size
             table = np.asarray(s.block_table)

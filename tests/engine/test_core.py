@@ -38,8 +38,8 @@ class FailingRunner(TimedDeviceRunner):
 
     fail_ids: frozenset[str] = frozenset()
 
-    def dispatch(self, plan):
-        pending = super().dispatch(plan)
+    def dispatch(self, plan, allowed=None):
+        pending = super().dispatch(plan, allowed)
         if pending is None:
             return None
         done_at, out = pending

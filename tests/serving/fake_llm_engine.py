@@ -13,11 +13,12 @@ from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.engine.core import EngineCore
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.protocol import EngineStats
+from jaxpaged.engine.testing import FakeDeviceAdmin
 from jaxpaged.sched.output import RunnerOutput, SchedulerOutput
 from jaxpaged.sched.scheduler import Scheduler
 
 
-class _LetterRunner:
+class _LetterRunner(FakeDeviceAdmin):
     """A fake device for the real EngineCore: sample j of a request at output position i
     draws the letter of ``expected_text`` (the rule of the module docstring); ``busy``
     seconds of pure-Python work per dispatch hold the GIL like a real step's host side does.
@@ -31,7 +32,8 @@ class _LetterRunner:
         self.hold_at: int | None = None
         self.stall = 0.0  # seconds every collect waits
 
-    def dispatch(self, plan: SchedulerOutput) -> RunnerOutput | None:
+    def dispatch(self, plan: SchedulerOutput, allowed: object = None) -> RunnerOutput | None:
+        self.check_kv()
         end = time.monotonic() + self.busy
         while time.monotonic() < end:  # hold the GIL
             pass
@@ -51,6 +53,9 @@ class _LetterRunner:
             wait_until(lambda: bool(self.engine.aborted), timeout=30)
         time.sleep(self.stall)  # a long device step, when a test asks for one
         return pending or RunnerOutput(sampled_token_ids=())
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(plan))
 
 
 class FakeLLMEngine:
@@ -103,6 +108,14 @@ class FakeLLMEngine:
             real_abort(request_id)
 
         self.core.abort = abort
+
+    # what AsyncEngine reads of an LLMEngine's admin side: no LoRA, no weights to load
+    lora = None
+    weights_from = None
+    reload_weights = None
+
+    def list_loras(self) -> dict[str, str]:
+        return {}
 
     def hold_after(self, num_tokens: int) -> None:
         self.runner.hold_at = num_tokens

@@ -12,6 +12,12 @@ has the fewest, so samples take turns); a request holds n * ceil((prompt + longe
 1) / block_size) blocks from a pool of `num_kv_blocks`. Outputs follow the contract of
 ``jaxpaged.outputs``: DELTA (only what is new, per changed sample) or FINAL_ONLY (one
 complete output at the end).
+
+Admin, as the real engine behaves: LoRA adapters are registered by name (any non-empty
+path; a request names one with ``lora_name``, recorded in ``lora_names``), ``sleep`` is
+refused while requests are unfinished and frees one byte per KV slot, requests are refused
+while asleep, and ``update_weights_from`` takes any existing path (FileNotFoundError for
+another) and records it in ``weight_paths``.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
-from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt
+from jaxpaged.engine.core import asleep_message
+from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import (
     CompletionOutput,
@@ -432,6 +441,10 @@ class FakeAsyncEngine:
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
         self.added: list[tuple[str, list[int], SamplingParams, RequestOutputKind]] = []
+        self.lora_names: dict[str, str | None] = {}  # request id -> the adapter it named
+        self.weight_paths: list[str] = []  # checkpoints update_weights_from took
+        self._loras: dict[str, str] = {}  # registered adapter name -> path
+        self._sleep_level = 0
         self.outputs: list[RequestOutput] = []  # every output sent, in order
         self.started = False
         self.shut_down = False
@@ -485,11 +498,16 @@ class FakeAsyncEngine:
         params: SamplingParams,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if self._sleep_level:
+            raise EngineAsleepError(asleep_message(self._sleep_level))
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
         if self._loop is None:
             raise RuntimeError("start() has not been called")
+        if lora_name is not None and lora_name not in self._loras:
+            raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         req = _new_req(
             request_id,
             prompt,
@@ -502,6 +520,7 @@ class FakeAsyncEngine:
             raise ValueError(f"request_id {request_id!r} already exists")
         req.stream = _Stream()
         self.added.append((request_id, req.prompt_ids, params, output_kind))
+        self.lora_names[request_id] = lora_name
         # queued through the loop, so admission also works when called from another thread
         self._loop.call_soon_threadsafe(self._admit, req)
         return req.stream
@@ -514,6 +533,57 @@ class FakeAsyncEngine:
 
     def get_stats(self) -> EngineStats:
         return self._core.stats()
+
+    def list_loras(self) -> dict[str, str]:
+        return dict(self._loras)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        name, path = lora_request.lora_name, lora_request.lora_path
+        known = self._loras.get(name)
+        if known is not None and path in ("", known):
+            return False
+        if known is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first)")
+        if not path:
+            raise ValueError(f"LoRA adapter {name!r}: lora_path is required")
+        self._loras[name] = path
+        return True
+
+    async def remove_lora(self, name: str) -> None:
+        if name not in self._loras:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        users = sum(
+            self.lora_names.get(r.request_id) == name
+            for r in (*self._core.waiting, *self._core.running)
+        )
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
+        del self._loras[name]
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    async def sleep(self, level: int = 1) -> int:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        unfinished = len(self._core.waiting) + len(self._core.running)
+        if unfinished:
+            raise RuntimeError(
+                f"sleep: {unfinished} requests are unfinished (let them finish or abort them)"
+            )
+        freed = 0 if self._sleep_level else self._core.num_kv_blocks * self._core.block_size
+        self._sleep_level = max(self._sleep_level, level)
+        return freed
+
+    async def wake_up(self) -> None:
+        self._sleep_level = 0  # level 2: the weights "reload" from where they came
+
+    async def update_weights_from(self, path: str) -> float:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no checkpoint at {path!r}")
+        self.weight_paths.append(path)
+        return 0.0
 
     # ---- test controls ----------------------------------------------------------------------
     @property

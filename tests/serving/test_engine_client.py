@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 from collections.abc import AsyncIterator
 
 import pytest
 from fakes import FakeAsyncEngine, expected_logprob, expected_text
 
 from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats
+from jaxpaged.engine.testing import assert_implements, protocol_members
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
@@ -26,57 +26,7 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 # ---- the protocol check ---------------------------------------------------------------------
 def engine_client_members() -> dict[str, object]:
     """EngineClient's members as the protocol declares them: name -> property or function."""
-    return {name: v for name, v in vars(EngineClient).items() if not name.startswith("_")}
-
-
-def _property_problems(obj: object, cls: type, name: str) -> list[str]:
-    got = inspect.getattr_static(cls, name, None)
-    if isinstance(got, property):
-        return []
-    if not isinstance(obj, type) and name in getattr(obj, "__dict__", {}):
-        return []  # a plain instance attribute also satisfies a protocol property
-    return [f"{name}: must be a property (or, checking an instance, an attribute)"]
-
-
-def _parameter_problems(name: str, want: inspect.Signature, got: inspect.Signature) -> list[str]:
-    """Every protocol parameter exists with the same name, kind, position (if positional)
-    and default; any extra parameter of the implementation is optional."""
-    problems = []
-    want_params = [p for p in want.parameters.values() if p.name != "self"]
-    got_params = {p.name: p for p in got.parameters.values() if p.name != "self"}
-    got_order = [p.name for p in got.parameters.values() if p.name != "self"]
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    for i, p in enumerate(want_params):
-        q = got_params.get(p.name)
-        if q is None:
-            problems.append(f"{name}: no parameter {p.name!r}")
-            continue
-        if q.kind != p.kind:
-            problems.append(f"{name}: parameter {p.name!r} is {q.kind.description}, "
-                            f"the protocol's is {p.kind.description}")  # fmt: skip
-        elif p.kind in positional and got_order.index(p.name) != i:
-            problems.append(f"{name}: parameter {p.name!r} is not at position {i}")
-        if p.default is not inspect.Parameter.empty and q.default != p.default:
-            problems.append(f"{name}: parameter {p.name!r} defaults to {q.default!r}, "
-                            f"the protocol's to {p.default!r}")  # fmt: skip
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    for q in got_params.values():
-        extra = q.name not in {p.name for p in want_params}
-        if extra and q.kind not in variadic and q.default is inspect.Parameter.empty:
-            problems.append(f"{name}: extra parameter {q.name!r} has no default")
-    return problems
-
-
-def _method_problems(cls: type, name: str, want: object) -> list[str]:
-    got = inspect.getattr_static(cls, name, None)
-    if got is None:
-        return [f"{name}: missing"]
-    if isinstance(got, (staticmethod, classmethod)) or not inspect.isfunction(got):
-        return [f"{name}: must be a plain method, got {type(got).__name__}"]
-    if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(got):
-        how = "async def" if inspect.iscoroutinefunction(want) else "def (not async)"
-        return [f"{name}: must be {how}"]
-    return _parameter_problems(name, inspect.signature(want), inspect.signature(got))
+    return protocol_members(EngineClient)
 
 
 def assert_implements_engine_client(obj_or_cls: object) -> None:
@@ -85,22 +35,15 @@ def assert_implements_engine_client(obj_or_cls: object) -> None:
     properties as properties, methods async exactly where the protocol's are, with the
     protocol's parameter names, kinds, positions and defaults (``output_kind`` keyword-only,
     defaulting to DELTA)."""
-    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    problems = []
-    for name, want in engine_client_members().items():
-        if isinstance(want, property):
-            problems += _property_problems(obj_or_cls, cls, name)
-        else:
-            problems += _method_problems(cls, name, want)
-    assert not problems, f"{cls.__name__} does not implement EngineClient:\n  " + "\n  ".join(
-        problems
-    )
+    assert_implements(EngineClient, obj_or_cls)
 
 
 def test_the_protocol_has_the_members_the_check_covers():
     assert set(engine_client_members()) == {
         "tokenizer", "model_config", "max_model_len", "engine_config", "dead_error", "errored",
         "start", "shutdown", "add_request", "abort", "get_stats",
+        "list_loras", "add_lora", "remove_lora", "is_sleeping", "sleep", "wake_up",
+        "update_weights_from",
     }  # fmt: skip
 
 
@@ -313,3 +256,11 @@ def test_the_real_async_engine_implements_the_protocol():
     from jaxpaged.engine.async_engine import AsyncEngine
 
     assert_implements_engine_client(AsyncEngine)
+
+
+def test_the_fake_device_behind_the_real_async_engine_is_a_device_runner():
+    from fake_llm_engine import _LetterRunner
+
+    from jaxpaged.engine.core import DeviceRunner
+
+    assert_implements(DeviceRunner, _LetterRunner)
