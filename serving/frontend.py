@@ -266,7 +266,7 @@ class RequestHandle:
             return None
         self._closed = True
         frontend = self._frontend
-        frontend._in_flight.pop(self.request_id, None)
+        frontend._in_flight.discard(self)
         frontend._changed()
         if self.totals.finished:
             frontend.metrics.observe_finished(self.totals)
@@ -300,7 +300,9 @@ class Frontend:
         self.engine: EngineClient | None = None  # once loaded
         self.phase = Phase.LOADING
         self.failure: BaseException | None = None
-        self._in_flight: dict[str, RequestHandle] = {}
+        # open handles (by identity: the engine may reuse the id of a request whose final
+        # output is out before its handle is closed)
+        self._in_flight: set[RequestHandle] = set()
         self._listeners: list[Callable[[Phase], None]] = []
         self._background: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
@@ -355,7 +357,7 @@ class Frontend:
         """Requests being admitted or admitted and still waiting for their first token. A
         streaming request shows its first token; a FINAL_ONLY one shows nothing until it
         ends, so those are counted from the engine's waiting queue (see _final_only_waiting)."""
-        handles = list(self._in_flight.values())
+        handles = list(self._in_flight)
         unstarted = sum(1 for h in handles if h.streams_tokens and not h.started)
         final_only = sum(1 for h in handles if not h.streams_tokens and not h.finished)
         return self._admitting + unstarted + self._final_only_waiting(final_only, unstarted)
@@ -471,12 +473,10 @@ class Frontend:
     ) -> RequestHandle:
         """Admits one request to the engine (with the LoRA adapter `lora_name`, if given);
         its handle yields outputs of `output_kind`
-        (DELTA to stream, FINAL_ONLY for one complete output). Raises InvalidRequest (bad
-        prompt or params), Overloaded (queue full), Unavailable (loading, draining or engine
+        (DELTA to stream, FINAL_ONLY for one complete output). Raises InvalidRequest (the
+        engine's ValueError: a bad prompt or params, a request id in use), Overloaded (queue full), Unavailable (loading, draining or engine
         dead)."""
         self.check_ready()
-        if request_id in self._in_flight:
-            raise InvalidRequest(f"request_id {request_id!r} is already in use", param="request_id")
         limit = self.config.max_queue_len
         if limit is not None and self.num_queued >= limit:
             self.metrics.count_rejected("queue_full")
@@ -503,7 +503,7 @@ class Frontend:
         finally:
             self._admitting -= 1
         handle = RequestHandle(self, request_id, stream, arrival, output_kind)
-        self._in_flight[request_id] = handle
+        self._in_flight.add(handle)
         self._changed()
         return handle
 
@@ -536,7 +536,7 @@ class Frontend:
         force.cancel()
         if not self._in_flight:
             return 0
-        left = list(self._in_flight)
+        left = [h.request_id for h in self._in_flight]
         why = "forced" if self._force.is_set() else "shutdown timeout"
         log.warning("%s: aborting %d request(s)", why, len(left))
         for rid in left:

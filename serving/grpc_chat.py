@@ -72,8 +72,6 @@ def chat_prompt(
     frontend: Frontend, chat: pb.Chat, params: SamplingParams
 ) -> tuple[list[int], SamplingParams, ToolPlan]:
     """The chat's prompt ids, its params with a forced tool choice's grammar, and its plan."""
-    if not chat.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
     body = _request(chat)
     cfg = frontend.config
     plan = plan_tools(

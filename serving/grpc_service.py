@@ -208,8 +208,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     "input: one of text, token_ids or chat is required", param="input"
                 )
             if kind == "text":
-                if not request.text:
-                    raise InvalidRequest("prompt must not be empty", param="prompt")
                 prompt: str | list[int] = request.text
             elif kind == "token_ids":
                 prompt = list(request.token_ids.ids)

@@ -279,20 +279,16 @@ class CompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = None  # vLLM's extra field
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts of this request (a list of strings or of token-id lists means several)."""
+        """The prompts of this request (a list of strings or of token-id lists means several;
+        the engine checks each)."""
         p = self.prompt
         if isinstance(p, str):
-            out: list[str | list[int]] = [p]
-        elif not p:
+            return [p]
+        if not p:  # no prompt at all: nothing would reach the engine
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        elif isinstance(p[0], int):
-            out = [list(p)]  # type: ignore[arg-type]
-        else:
-            out = list(p)  # type: ignore[arg-type]
-        for q in out:
-            if len(q) == 0:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
-        return out
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -426,8 +422,6 @@ class ChatCompletionRequest(_SamplingFields):
     def sampling_params(self, tool_grammar: StructuredOutput | None = None) -> SamplingParams:
         """``tool_grammar``: the structured output a forced tool_choice asks for."""
         self._check_common()
-        if not self.messages:
-            raise InvalidRequest("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.prompt_logprobs is not None and self.stream:
@@ -472,8 +466,6 @@ class TokenizeRequest(_Strict):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("exactly one of prompt or messages is required", param="prompt")
-        if self.messages is not None and not self.messages:
-            raise InvalidRequest("messages must not be empty", param="messages")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input(i) for i, m in enumerate(self.messages or ())]

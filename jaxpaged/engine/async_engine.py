@@ -12,7 +12,6 @@ stream ends (an error output, then EngineDeadError), new requests are refused, a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -20,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from jaxpaged.engine.core import EngineStepError, asleep_message
+from jaxpaged.engine.input_processor import check_request_id
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.lora import read_adapter
 from jaxpaged.engine.protocol import (
@@ -153,25 +153,26 @@ class AsyncEngine:
         registered LoRA adapter it runs with."""
         if self._core.sleep_level:
             raise EngineAsleepError(asleep_message(self._core.sleep_level))
-        if lora_name is not None and lora_name not in self.list_loras():
-            raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead_error}")
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        # claimed here, on the loop, so that two adds of one id cannot both pass
+        check_request_id(request_id, self._streams)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
             request = await asyncio.to_thread(
-                self.engine.inputs.process, request_id, prompt, params, output_kind=output_kind
+                self.engine.inputs.process,
+                request_id,
+                prompt,
+                params,
+                output_kind=output_kind,
+                lora_name=lora_name,
             )
         except BaseException:  # invalid, or the caller went away while it was checked
             self._streams.pop(request_id, None)
             raise
-        if lora_name is not None:
-            request = dataclasses.replace(request, lora_name=lora_name)
         self._core.add_request(request)
         return stream
 

@@ -2,7 +2,10 @@
 step relies on, so that a request the engine cannot take is refused with a ValueError naming
 the problem (HTTP 400 / INVALID_ARGUMENT in the servers) before it reaches the engine thread.
 
-The bounds are defined once: the vocabulary and ``max_model_len`` (the model and the
+This is the one place a request is checked (the servers map its ValueError to their status
+codes; they check only the shape of their own API), the request id included:
+:func:`check_request_id` refuses an id that a front door (``LLMEngine``, ``AsyncEngine``)
+still has in use. The bounds are defined once: the vocabulary and ``max_model_len`` (the model and the
 scheduler), the KV pool's size in blocks (a request must fit the whole pool on its own),
 ``MAX_LOGPROBS`` and ``MAX_N`` (sampling_params, also the step's static sizes), and
 ``MAX_BANNED_IDS`` (the step's fixed-size list of ids that ``min_tokens`` holds back: EOS
@@ -12,7 +15,7 @@ and ``stop_token_ids``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 from jaxpaged.engine.core import EngineRequest
@@ -25,8 +28,18 @@ from jaxpaged.sampling_params import (
     validate_prompt,
 )
 from jaxpaged.worker.grammar import GrammarCompiler
+from jaxpaged.worker.lora import LoraAdapters
 
-__all__ = ["InputProcessor"]
+__all__ = ["InputProcessor", "check_request_id"]
+
+
+def check_request_id(request_id: object, in_use: Container[str] = ()) -> None:
+    """ValueError unless ``request_id`` is a non-empty string that no unfinished request of
+    the caller (``in_use``) has."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    if request_id in in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")
 
 
 class InputProcessor:
@@ -43,9 +56,11 @@ class InputProcessor:
         eos_token_ids: Sequence[int],
         logits_processors: Sequence[str] = (),
         grammars: GrammarCompiler | None = None,
+        lora: LoraAdapters | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.grammars = grammars
+        self.lora = lora  # the registered adapters a request may name (None: LoRA off)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -57,6 +72,8 @@ class InputProcessor:
         """(text, token ids) of a prompt given as text or ids; text prompts get the tokenizer's
         special tokens (BOS where the model uses one)."""
         if isinstance(prompt, str):
+            if not prompt:  # before tokenizing: a tokenizer may add BOS to nothing
+                raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
             return prompt, list(self.tokenizer.encode(prompt))
@@ -72,13 +89,18 @@ class InputProcessor:
         *,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
+        in_use: Container[str] = (),
     ) -> EngineRequest:
-        """Validates everything (ValueError naming the field) and returns the request."""
+        """Validates everything (ValueError naming the field) and returns the request.
+        ``lora_name``: a registered adapter it runs with; ``in_use``: the request ids the
+        caller has unfinished."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        check_request_id(request_id, in_use)
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora.registered):
+            raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         if not isinstance(output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         text, ids = self.tokenize(prompt)
@@ -91,6 +113,7 @@ class InputProcessor:
             params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             output_kind=output_kind,
+            lora_name=lora_name,
         )
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:

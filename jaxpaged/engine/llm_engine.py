@@ -173,6 +173,7 @@ class LLMEngine:
             num_kv_blocks=num_blocks,
             eos_token_ids=eos,
             logits_processors=[p.name for p in logits_processors],
+            lora=self.lora,
         )
         self.core = EngineCore(
             scheduler=self.scheduler,
@@ -388,10 +389,13 @@ class LLMEngine:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}")
         if self.core.sleep_level:
             raise EngineAsleepError(asleep_message(self.core.sleep_level))
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         request = self.inputs.process(
-            request_id, prompt, params, arrival_time=arrival_time, output_kind=output_kind
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            output_kind=output_kind,
+            in_use=self._live,
         )
         if lora_request is not None:
             self.add_lora(lora_request)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.engine.core import EngineCore
 from jaxpaged.engine.input_processor import InputProcessor
@@ -156,3 +158,28 @@ def test_an_abort_from_another_thread_ends_the_request_and_frees_its_blocks():
     assert long_outs[-1].outputs[0].finish_reason == "abort"
     assert sum(len(c.token_ids) for o in long_outs for c in o.outputs) < 100
     assert core.stats.num_free_blocks == 128 and not core.scheduler.requests
+
+
+class BosTokenizer(CharTokenizer):
+    """Adds a BOS token (id 1) to every text, as many models' tokenizers do."""
+
+    def encode(self, text: str) -> list[int]:
+        return [1, *super().encode(text)]
+
+
+def test_admission_checks_ids_prompts_and_adapters_in_one_place():
+    """InputProcessor.process is where a request is checked: an id the caller has in use, an
+    empty text prompt (even where the tokenizer would turn it into a BOS token) and an
+    adapter that is not registered are each a ValueError naming the problem."""
+    _, inputs, _ = make_core()
+    inputs.tokenizer = BosTokenizer()
+    params = SamplingParams(max_tokens=2)
+    assert inputs.process("a", "x", params).prompt_token_ids == (1, ord("x"))
+    with pytest.raises(ValueError, match="^prompt must not be empty"):
+        inputs.process("a", "", params)
+    with pytest.raises(ValueError, match="^request_id 'a' is already in use"):
+        inputs.process("a", "x", params, in_use={"a"})
+    with pytest.raises(ValueError, match="^request_id must be a non-empty string"):
+        inputs.process("", "x", params)
+    with pytest.raises(ValueError, match="^lora: adapter 'ad' is not loaded"):
+        inputs.process("a", "x", params, lora_name="ad")

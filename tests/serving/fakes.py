@@ -28,9 +28,10 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Container, Mapping
 
 from jaxpaged.engine.core import asleep_message
+from jaxpaged.engine.input_processor import check_request_id
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
@@ -153,14 +154,15 @@ def _new_req(
     tokenizer: FakeTokenizer,
     max_model_len: int,
     arrival: float | None = None,
+    in_use: Container[str] = (),
 ) -> _Req:
-    """Validates like the real engine (ValueError naming the problem) and builds a request."""
+    """Validates like the real engine (ValueError naming the problem; its own checks where
+    they need no model) and builds a request."""
     if not isinstance(params, SamplingParams):
         raise ValueError("params must be a SamplingParams")
+    check_request_id(request_id, in_use)
     if not isinstance(output_kind, RequestOutputKind):
         raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -444,6 +446,7 @@ class FakeAsyncEngine:
         self.lora_names: dict[str, str | None] = {}  # request id -> the adapter it named
         self.weight_paths: list[str] = []  # checkpoints update_weights_from took
         self._loras: dict[str, str] = {}  # registered adapter name -> path
+        self._live: set[str] = set()  # ids added whose final output is not out yet
         self._sleep_level = 0
         self.outputs: list[RequestOutput] = []  # every output sent, in order
         self.started = False
@@ -515,9 +518,9 @@ class FakeAsyncEngine:
             output_kind,
             tokenizer=self._core.tokenizer,
             max_model_len=self._core.max_model_len,
+            in_use=self._live,
         )
-        if self._core.find(request_id) is not None:
-            raise ValueError(f"request_id {request_id!r} already exists")
+        self._live.add(request_id)
         req.stream = _Stream()
         self.added.append((request_id, req.prompt_ids, params, output_kind))
         self.lora_names[request_id] = lora_name
@@ -601,6 +604,7 @@ class FakeAsyncEngine:
     def kill(self, error: BaseException | None = None) -> None:
         """The engine step raised: every open stream fails, later add_request too."""
         self._dead = error or RuntimeError("injected engine failure")
+        self._live.clear()
         for r in self._core.drop_all():
             r.stream.queue.put_nowait(EngineDeadError(f"engine step failed: {self._dead!r}"))
 
@@ -642,6 +646,7 @@ class FakeAsyncEngine:
         self.outputs.append(out)
         r.stream.queue.put_nowait(out)
         if out.finished:
+            self._live.discard(r.request_id)
             r.stream.queue.put_nowait(None)
 
 

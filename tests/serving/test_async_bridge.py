@@ -165,3 +165,23 @@ def test_a_request_larger_than_the_kv_pool_is_refused(server_factory):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text(
         [97, 98, 99], 20
     )
+
+
+def test_a_request_id_in_use_is_refused_by_the_engine(bridged):
+    """The engine alone checks request ids: a second request with the id of a running one is
+    INVALID_ARGUMENT naming request_id (the first goes on); once the first has ended, the id
+    may be used again."""
+    core = bridged.core
+    core.hold_after(2)
+    with GenerationClient(bridged.grpc_target) as client:
+        first = client.stream("abc", request_id="dup", max_tokens=200, ignore_eos=True)
+        next(first)
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("xyz", request_id="dup", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id 'dup' is already in use" in e.value.details()
+        first.close()
+        assert wait_until(lambda: bridged.frontend.num_in_flight == 0)
+        again = client.generate("xyz", request_id="dup", max_tokens=2)
+        assert again.text == expected_text([ord(c) for c in "xyz"], 2)
+    assert core.aborted == ["dup"]
