@@ -368,10 +368,7 @@ class Frontend:
         most `final_only`. The engine's stats lag by up to one step."""
         if not final_only or self.engine is None:
             return 0
-        try:
-            waiting = self.engine.get_stats().num_waiting
-        except Exception:  # a dead engine: admission refuses on its own
-            return 0
+        waiting = self.engine.get_stats().num_waiting
         return min(final_only, max(0, waiting - unstarted))
 
     def _changed(self) -> None:

@@ -296,10 +296,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return info
         for k, v in dict(engine.engine_config).items():
             info.engine_config[str(k)] = str(v)
-        try:
-            stats = engine.get_stats()  # the engine's per-step snapshot: never waits
-        except Exception:  # a dead engine still answers with what it knows
-            return info
+        stats = engine.get_stats()  # the latest per-step snapshot (a dead engine's last one)
         info.num_running = stats.num_running
         info.num_waiting = stats.num_waiting
         info.num_swapped = stats.num_swapped

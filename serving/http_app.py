@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxpaged.engine.protocol import Tokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from jaxpaged.serving.chat_reply import ReplyBuilder
 from jaxpaged.serving.deltas import merge_handles
@@ -89,7 +90,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
 class _Formatter:
     """Token strings and logprob blocks in OpenAI's two formats."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
 
     def token(self, token_id: int) -> str:

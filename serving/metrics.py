@@ -71,12 +71,8 @@ class _EngineCollector:
     def collect(self):
         frontend = self._metrics.frontend
         engine = None if frontend is None else frontend.engine
-        values: dict[str, float] = {}  # EngineStats' fields, none before the engine is there
-        if engine is not None:
-            try:
-                values = dataclasses.asdict(engine.get_stats())
-            except Exception:  # a dead engine must not break /metrics
-                values = {}
+        # EngineStats' fields (a dead engine's last snapshot); none before the engine is there
+        values = {} if engine is None else dataclasses.asdict(engine.get_stats())
 
         def get(name: str) -> float:
             return float(values[name]) if values else 0.0

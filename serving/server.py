@@ -226,11 +226,7 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
 
 def kv_pool_summary(engine: EngineClient) -> list[str]:
     """Start-up lines about the KV pool: blocks, GiB, sequences of max_model_len that fit."""
-    try:
-        stats = engine.get_stats()
-        num_blocks = int(stats.num_kv_blocks)
-    except Exception:
-        return []
+    num_blocks = engine.get_stats().num_kv_blocks
     ec = engine.engine_config
     mc = engine.model_config
     block_size = int(ec["block_size"])

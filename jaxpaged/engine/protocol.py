@@ -112,7 +112,8 @@ class EngineClient(Protocol):
     def errored(self) -> bool: ...
 
     def get_stats(self) -> EngineStats:
-        """The latest per-step snapshot; never waits for the device."""
+        """The latest per-step snapshot: never waits for the device and never raises (a
+        dead engine answers with its last one)."""
         ...
 
     def start(self) -> None: ...
