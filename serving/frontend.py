@@ -469,10 +469,10 @@ class Frontend:
         lora_name: str | None = None,
     ) -> RequestHandle:
         """Admits one request to the engine (with the LoRA adapter `lora_name`, if given);
-        its handle yields outputs of `output_kind`
-        (DELTA to stream, FINAL_ONLY for one complete output). Raises InvalidRequest (the
-        engine's ValueError: a bad prompt or params, a request id in use), Overloaded (queue full), Unavailable (loading, draining or engine
-        dead)."""
+        its handle yields outputs of `output_kind` (DELTA to stream, FINAL_ONLY for one
+        complete output). Raises InvalidRequest (the engine's ValueError: a bad prompt or
+        params, a request id in use), Overloaded (queue full), Unavailable (loading,
+        draining, asleep or engine dead)."""
         self.check_ready()
         limit = self.config.max_queue_len
         if limit is not None and self.num_queued >= limit:

@@ -264,3 +264,41 @@ def test_the_fake_device_behind_the_real_async_engine_is_a_device_runner():
     from jaxpaged.engine.core import DeviceRunner
 
     assert_implements(DeviceRunner, _LetterRunner)
+
+
+def _engine_uses_in_the_servers() -> tuple[set[str], list[str], list[str]]:
+    """(the members the servers' code reads as ``<...>engine.<member>``, those reads of
+    members EngineClient lacks, every getattr / hasattr / callable applied to an engine),
+    the last two as "file:line: code"."""
+    import ast
+    import pathlib
+
+    import jaxpaged.serving
+
+    members, probes = [], []
+    for path in sorted(pathlib.Path(jaxpaged.serving.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.name}:{getattr(node, 'lineno', 0)}: {ast.unparse(node)}"
+            if isinstance(node, ast.Attribute):
+                owner = ast.unparse(node.value)
+                if owner == "engine" or owner.endswith(".engine"):
+                    members.append((node.attr, where))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "callable")
+                and "engine" in ast.unparse(node.args[0])
+            ):
+                probes.append(where)
+    known = set(engine_client_members())
+    used = {attr for attr, _ in members}
+    return used, [where for attr, where in members if attr not in known], probes
+
+
+def test_the_servers_use_only_the_protocol_and_probe_nothing():
+    """Whatever a server reads of its engine is an EngineClient member (so the fakes, which
+    implement the protocol, exercise every feature), and no server looks a member up by
+    name or asks whether the engine has one."""
+    used, outside, probes = _engine_uses_in_the_servers()
+    assert {"add_request", "abort", "tokenizer", "sleep", "list_loras"} <= used  # it looks
+    assert outside == [] and probes == []
