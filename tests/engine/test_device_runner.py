@@ -10,7 +10,8 @@ from fake_runner import FakeRunner
 from test_core import FailingRunner, drive, make_core, text_of
 
 from jaxpaged.engine.core import DeviceRunner
-from jaxpaged.engine.testing import TimedDeviceRunner, assert_implements, protocol_members
+from jaxpaged.engine.protocol_check import assert_implements, protocol_members
+from jaxpaged.engine.testing import TimedDeviceRunner
 from jaxpaged.outputs import RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.runner import Runner

@@ -15,7 +15,7 @@ import pytest
 from fakes import FakeAsyncEngine, expected_logprob, expected_text
 
 from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats
-from jaxpaged.engine.testing import assert_implements, protocol_members
+from jaxpaged.engine.protocol_check import assert_implements, protocol_members
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
