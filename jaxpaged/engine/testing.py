@@ -12,10 +12,7 @@ rule (``(prompt sum + position) % vocab``), so outputs are checkable by hand.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
-
-import numpy as np
+from collections.abc import Callable
 
 from jaxpaged.sched.output import RunnerOutput, SchedulerOutput
 from jaxpaged.sched.scheduler import Scheduler
@@ -40,14 +37,14 @@ class FakeDeviceAdmin:
     a flag: ``release_kv`` frees it (reporting ``kv_bytes``), ``restore_kv`` makes it fresh
     again, and a step on a released pool fails (:meth:`check_kv`)."""
 
-    params: Any = None
+    params: object = None  # any pytree
     kv_bytes: int = 0
     _kv_released: bool = False
 
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
         return 0, 0.0
 
-    def update_params(self, params: Any) -> None:  # noqa: ANN401 - any pytree
+    def update_params(self, params: object) -> None:
         self.params = params
 
     def release_params(self) -> None:
@@ -91,9 +88,9 @@ class TimedDeviceRunner(FakeDeviceAdmin):
         self.num_steps = 0
 
     def dispatch(
-        self, plan: SchedulerOutput, allowed: Mapping[int, np.ndarray] | None = None
+        self, plan: SchedulerOutput, allowed: object = None
     ) -> tuple[float, RunnerOutput] | None:
-        self.check_kv()
+        self.check_kv()  # ``allowed`` (structured-output masks) does not change the rule
         time.sleep(self.host_seconds)  # the host's share of a step
         if not plan.seqs:
             return None

@@ -58,7 +58,6 @@ class FakeRunner(FakeDeviceAdmin):
         self.host_tok = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.host_pos = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.steps: list[SchedulerOutput] = []
-        self.kv_bytes = self.dev_tok.nbytes + self.dev_pos.nbytes
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(plan))
@@ -66,31 +65,38 @@ class FakeRunner(FakeDeviceAdmin):
     def collect(self, pending: RunnerOutput | None) -> RunnerOutput:
         return RunnerOutput(sampled_token_ids=()) if pending is None else pending
 
-    def release_kv(self) -> int:
-        self.dev_tok[:] = -1
-        self.dev_pos[:] = -1
-        return super().release_kv()
-
     def dispatch(
         self, plan: SchedulerOutput, allowed: Mapping[int, np.ndarray] | None = None
     ) -> RunnerOutput | None:
+        """Runs the plan's step at once (``allowed`` masks are not applied: the fake model
+        has no grammar requests)."""
         self.check_kv()
-        self.steps.append(plan)
-        for dev, host in plan.blocks_to_swap_out:
+        return self._step(plan)
+
+    def release_kv(self) -> int:
+        """Sleep: what the device pool held is gone."""
+        super().release_kv()
+        self.dev_tok[:] = -1
+        self.dev_pos[:] = -1
+        return self.dev_tok.nbytes + self.dev_pos.nbytes
+
+    def _step(self, out: SchedulerOutput) -> RunnerOutput | None:
+        self.steps.append(out)
+        for dev, host in out.blocks_to_swap_out:
             self.host_tok[host] = self.dev_tok[dev]
             self.host_pos[host] = self.dev_pos[dev]
-        for host, dev in plan.blocks_to_swap_in:
+        for host, dev in out.blocks_to_swap_in:
             self.dev_tok[dev] = self.host_tok[host]
             self.dev_pos[dev] = self.host_pos[host]
         # copies are simultaneous (all sources read, then all written), like copy_blocks
-        dsts = [d for _, d in plan.blocks_to_copy]
-        srcs = [s for s, _ in plan.blocks_to_copy]
+        dsts = [d for _, d in out.blocks_to_copy]
+        srcs = [s for s, _ in out.blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "copy destinations must be distinct"
         self.dev_tok[dsts], self.dev_pos[dsts] = self.dev_tok[srcs], self.dev_pos[srcs]
         flat_tok = self.dev_tok.reshape(-1)
         flat_pos = self.dev_pos.reshape(-1)
         written: set[int] = set()
-        for s in plan.seqs:
+        for s in out.seqs:
             slots = s.slot_mapping(self.block_size)
             assert not written & set(slots), f"{s.request_id}: two sequences write one slot"
             written |= set(slots)
@@ -101,7 +107,7 @@ class FakeRunner(FakeDeviceAdmin):
             flat_tok[slots] = fed
             flat_pos[slots] = list(s.positions())
         sampled = []
-        for s in plan.seqs:
+        for s in out.seqs:
             req = self.scheduler.requests.get(s.request_id)
             bs = self.block_size
             table = np.asarray(s.block_table)
