@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 
 class LayerBackend(Protocol):
     """How the model's layers run on a platform: the step's matmul and argmax kernels, the
-    weights' layout for them, and the memory the streamed weights live in."""
+    weights' layout for them, and the memory the streamed weights live in. The platform's
+    implementations of the model's shared layers (a Linear's kernel, its weight layout and
+    packing, the CPU's fused norm / SiLU gate / residual epilogue) belong here, beside them."""
 
     @property
     def kernels(self) -> StepKernels: ...

@@ -94,10 +94,10 @@ class Runner:
         self.leader = None
         self.layout = layout
         self.max_model_len = max_model_len
-        if platform.pool_format.combined != layout.combined:
+        if platform.pool_format != layout.format:
             raise ValueError(
-                f"the KV layout (combined={layout.combined}) is not the one the platform's "
-                f"{platform.attention_backend!r} attention reads"
+                f"the KV layout's format {layout.format} is not the one the platform's "
+                f"{platform.attention_backend!r} attention reads ({platform.pool_format})"
             )
         # on CPU the native kernels over weights packed into their layout and the streamed
         # weights on 2 MiB pages; elsewhere XLA's
@@ -215,7 +215,7 @@ class Runner:
             graphdef=self.graphdef,
             num_blocks=self.layout.num_blocks,
             block_size=self.layout.block_size,
-            pool_format=self.layout.format,
+            pool_format=self.platform.pool_format,
             num_logprobs=MAX_LOGPROBS,
             backend=self.platform.attention_backend,
             interpret=self.platform.interpret,

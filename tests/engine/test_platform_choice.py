@@ -33,7 +33,7 @@ def _lower(runner, **overrides):
     return step.lower(runner.params, runner.pool, runner.seq_state, runner.sampled, batch, **kwargs)
 
 
-@pytest.mark.parametrize("backend", [None, "xla", "reference"])
+@pytest.mark.parametrize("backend", [None, "xla", "reference", "pallas"])
 def test_steps_trace_attention_with_the_platforms_backend_never_none(backend, monkeypatch):
     seen = []
     attend = pool_format_module.ragged_paged_attention
@@ -49,9 +49,13 @@ def test_steps_trace_attention_with_the_platforms_backend_never_none(backend, mo
         assert chosen == backend or (backend is None and chosen in ("cpu", "xla"))
         if backend is None and cpu.available():
             assert chosen == "cpu"
+        # Pallas off a GPU: interpret mode, passed down to every call
+        interpret = backend == "pallas"
+        assert engine.platform.interpret == interpret
+        seen.clear()  # the probe's own calls, if any
         _lower(engine.runner)
         # one call per layer, each with the platform's resolved backend
-        assert seen and set(seen) == {(chosen, False)}
+        assert seen and set(seen) == {(chosen, interpret)}
     finally:
         engine.close()
 
