@@ -151,13 +151,10 @@ class Platform:
         if kernels.linear is None:
             linear = "XLA dots"
         elif isinstance(layers, CpuBackend):
-            linear = "native over packed panels: " + (
-                "q4/int8/float by weight"
-                if layers.grouped_weights
-                else "int8"
-                if layers.int8_weights
-                else "float"
-            )
+            if layers.grouped_weights:
+                linear = "native (per weight: q4 groups, int8 or float panels)"
+            else:
+                linear = f"native ({'int8' if layers.int8_weights else 'float'} panels)"
         else:
             linear = getattr(kernels.linear, "__name__", repr(kernels.linear))
         argmax = "XLA" if kernels.argmax is argmax_xla else "native"

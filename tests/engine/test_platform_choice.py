@@ -78,8 +78,8 @@ def test_the_platform_is_reported_in_one_log_line(caplog):
     (line,) = lines
     if cpu.available():
         assert line == (
-            "platform: cpu; attention cpu; KV pool K, V; linear native over packed panels: "
-            "float; argmax native; activations float32"
+            "platform: cpu; attention cpu; KV pool K, V; linear native (float panels); "
+            "argmax native; activations float32"
         )
     # the choice is logged there only, not again by the KV plan or the runner
     assert not [r for r in caplog.records if "attention path" in r.getMessage()]
