@@ -43,7 +43,8 @@ def _engine(args: argparse.Namespace, dtype: str) -> Any:
               kv_cache_memory=args.kv_cache_memory, show_progress=False)  # fmt: skip
     if dtype == BF16_ACT:  # eager: its steps compile at first use, before the timed ones
         runner = llm.engine.runner
-        runner.kernels = dataclasses.replace(runner.kernels, activation_dtype=None)
+        layers = dataclasses.replace(runner.platform.layers, activation_dtype=None)
+        runner.platform = dataclasses.replace(runner.platform, layers=layers)
     return llm
 
 

@@ -377,6 +377,11 @@ class EngineArgs:
             raise ValueError(
                 f"quantization: {self.quantization!r} is not one of {', '.join(known)}"
             )
+        backend = self.attention_backend
+        if backend is not None and backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
         object.__setattr__(
             self, "swap_space", _normalise_size("swap_space", self.swap_space, parse_gib)

@@ -4,7 +4,8 @@ Backends: "reference" (pure jnp, the semantics), "cpu" (native C++ kernel throug
 FFI, default on CPU when it builds), "xla" (gathers + einsums: the CPU fallback), "pallas"
 (Pallas Triton kernel, default on NVIDIA GPUs; `interpret=True` runs it anywhere, for tests),
 "tpu" (JAX's own TPU kernel over a combined K/V pool, default on TPUs; interpret mode off a
-TPU). The pool layout each backend reads is chosen in pool_format.py.
+TPU). An engine's backend, its pool layout and its fallbacks are chosen once, in its
+:class:`~jaxpaged.kernels.platform.Platform`; ``backend=None`` serves direct callers.
 """
 
 from __future__ import annotations
@@ -37,6 +38,39 @@ def default_backend(platform: str | None = None) -> str:
     if platform == "cpu" and cpu.available():
         return "cpu"
     return "xla"
+
+
+def fallback_reason(
+    backend: str,
+    *,
+    q_dtype,
+    kv_dtype,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    interpret: bool = False,
+) -> str | None:
+    """Why ``backend`` cannot run attention of these shapes and dtypes where the "xla" path
+    can, as far as is known without compiling (None: nothing known). The one rule behind a
+    direct caller's ``backend=None`` and an engine's Platform (kernels/platform.py).
+    ``kv_dtype``: the pool's values (int8 / float8_e4m3fn: quantized, read in ``q_dtype``)."""
+    if backend == "cpu" and not cpu.supports(q_dtype, kv_dtype):
+        return (
+            "the native kernel reads float32 or bfloat16 queries over a float32, bfloat16 or "
+            f"8-bit pool, not {jnp.dtype(q_dtype)} over {jnp.dtype(kv_dtype)}"
+        )
+    if backend == "pallas" and not interpret:
+        from .pallas_gpu import unsupported_reason
+
+        quantized = is_quantized(jnp.dtype(kv_dtype))
+        return unsupported_reason(
+            head_dim=head_dim,
+            itemsize=jnp.dtype(q_dtype if quantized else kv_dtype).itemsize,
+            block_size=block_size,
+            group_pad=1 << max(0, (num_q_heads // num_kv_heads - 1).bit_length()),
+        )
+    return None
 
 
 def validate_inputs(
@@ -195,23 +229,22 @@ def ragged_paged_attention(
         alibi_slopes=alibi_slopes,
     )
     quantized = k_scales is not None
-    if backend is None:
+    if backend is None:  # a direct caller's default; an engine passes its Platform's choice
         backend = "pallas" if interpret else default_backend()
-        if backend == "cpu" and not cpu.supports(q.dtype, k_pages.dtype):
-            backend = "xla"
-        if backend == "pallas" and not interpret:
-            from .pallas_gpu import unsupported_reason
-
-            reason = unsupported_reason(
-                head_dim=q.shape[2],
-                itemsize=(q.dtype if quantized else k_pages.dtype).itemsize,
-                block_size=k_pages.shape[1],
-                group_pad=1 << max(0, (q.shape[1] // k_pages.shape[2] - 1).bit_length()),
-            )
-            if reason is not None:
-                # traced once per program (at warm-up), so this warns once per shape
+        reason = fallback_reason(
+            backend,
+            q_dtype=q.dtype,
+            kv_dtype=k_pages.dtype,
+            num_q_heads=q.shape[1],
+            num_kv_heads=k_pages.shape[2],
+            head_dim=q.shape[2],
+            block_size=k_pages.shape[1],
+            interpret=bool(interpret),
+        )
+        if reason is not None:
+            if backend == "pallas":  # traced once per program, so this warns once per shape
                 logger.warning("Pallas attention cannot run this shape (%s): using XLA", reason)
-                backend = "xla"
+            backend = "xla"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .attention import default_backend, ragged_paged_attention
+from .attention import BACKENDS, ragged_paged_attention
 from .write_kv import write_kv, write_kv_quantized
 
 # (k_pages, v_pages), (kv_pages,) when combined, (k_pages, v_pages, k_scales, v_scales) quantized
@@ -80,7 +80,8 @@ class PoolFormat:
         *,
         num_kv_heads: int,
         sm_scale: float,
-        backend: str | None,
+        backend: str,
+        interpret: bool = False,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         max_q_len: int | None = None,
@@ -96,7 +97,7 @@ class PoolFormat:
             return ragged_paged_attention_tpu(
                 q, pool[0], kv_lens, block_tables, cu_q_lens, num_seqs,
                 num_kv_heads=num_kv_heads, sm_scale=sm_scale,
-                sliding_window=sliding_window, soft_cap=soft_cap,
+                sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
             )  # fmt: skip
         scales = dict(k_scales=pool[2], v_scales=pool[3]) if self.quantized else {}
         if alibi_slopes is not None:
@@ -104,16 +105,17 @@ class PoolFormat:
         return ragged_paged_attention(
             q, *pool[:2], kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
-            backend=backend, max_q_len=max_q_len, max_kv_len=max_kv_len, **scales,
+            backend=backend, interpret=interpret, max_q_len=max_q_len,
+            max_kv_len=max_kv_len, **scales,
         )  # fmt: skip
 
 
 SPLIT = PoolFormat(combined=False)  # separate K and V pools: every backend but "tpu"
 
 
-def pool_format(
-    backend: str | None, platform: str | None = None, *, quantized: bool = False
-) -> PoolFormat:
-    """The layout the attention ``backend`` reads (None: the platform's default backend);
-    ``quantized`` for an 8-bit KV cache (a ValueError on the "tpu" backend)."""
-    return PoolFormat(combined=(backend or default_backend(platform)) == "tpu", quantized=quantized)
+def pool_format(backend: str, *, quantized: bool = False) -> PoolFormat:
+    """The layout the attention ``backend`` (a name of BACKENDS, resolved: the engine's
+    Platform picks it) reads; ``quantized`` for an 8-bit KV cache (a ValueError on "tpu")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    return PoolFormat(combined=backend == "tpu", quantized=quantized)

@@ -1,6 +1,7 @@
-"""The KV pool an engine gets: its storage dtype, its layout for the attention backend, and
-how many blocks of it fit. Kept apart from the engine's wiring because each answer depends on
-the others (an 8-bit cache changes the layout, the layout changes the bytes per block)."""
+"""The KV pool an engine gets: its storage dtype, its layout for the platform's attention
+backend, and how many blocks of it fit. Kept apart from the engine's wiring because each
+answer depends on the others (the layout changes the bytes per block, the device's memory the
+number of blocks)."""
 
 from __future__ import annotations
 
@@ -12,64 +13,27 @@ from typing import Any
 import jax
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.kernels.kv_quant import is_quantized
-from jaxpaged.kernels.pool_format import pool_format
+from jaxpaged.kernels.platform import Platform
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.worker.kv_cache import KVLayout, device_kv_budget, kv_storage_dtype, num_blocks_for
+from jaxpaged.worker.kv_cache import KVLayout, device_kv_budget, num_blocks_for
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVPlan:
-    """What the pool stores and in which layout; ``attention_backend`` as the engine must
-    run it (tensor parallelism on TPU moves the combined layout to the XLA path)."""
+    """What the pool stores (``dtype``: kv_storage_dtype of the settings) and in which layout
+    (the ``platform``'s pool format, for its attention backend)."""
 
     model_config: ModelConfig
     block_size: int
     dtype: Any  # the pool's storage dtype
-    combined: bool  # K and V in one padded pool (kernels/pool_format.py)
-    attention_backend: str | None
+    platform: Platform
 
-    @classmethod
-    def choose(
-        cls,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        *,
-        params_dtype: str,
-        attention_backend: str | None,
-        tensor_parallel: bool,
-    ) -> KVPlan:
-        kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, params_dtype)
-        quantized_kv = is_quantized(kv_dtype)
-        # the pool's layout follows the attention backend; an 8-bit cache on the "tpu"
-        # backend is a ValueError there
-        combined_kv = pool_format(attention_backend, quantized=quantized_kv).combined
-        if combined_kv and tensor_parallel:
-            # the combined pool's padded heads do not split over devices like the model's
-            if attention_backend == "tpu":
-                raise ValueError(
-                    "attention_backend='tpu' does not support tensor_parallel_size > 1 yet; "
-                    "use attention_backend='xla' (--attention-backend xla)"
-                )
-            logger.info("tensor parallelism on TPU: the XLA attention path")
-            attention_backend, combined_kv = "xla", False
-        if combined_kv and model_config.alibi:
-            # JAX's TPU kernel takes no logit bias
-            if attention_backend == "tpu":
-                from jaxpaged.kernels.tpu import refuse_alibi
-
-                refuse_alibi(model_config.model_type)
-            logger.info("ALiBi (%s) on TPU: the XLA attention path", model_config.model_type)
-            attention_backend, combined_kv = "xla", False
-        return cls(
-            model_config=model_config,
-            block_size=cache_config.block_size,
-            dtype=kv_dtype,
-            combined=combined_kv,
-            attention_backend=attention_backend,
-        )
+    @property
+    def combined(self) -> bool:
+        """K and V in one padded pool (kernels/pool_format.py)."""
+        return self.platform.pool_format.combined
 
     def layout(self, num_blocks: int) -> KVLayout:
         c = self.model_config
@@ -97,7 +61,7 @@ class KVPlan:
         max_len = scheduler_config.max_model_len
         available = None
         if cache_config.num_kv_blocks is None and cache_config.kv_cache_memory is None:
-            if jax.local_devices()[0].platform != "cpu":
+            if self.platform.sizes_kv_from_device_memory:
                 available = device_kv_budget(
                     gpu_memory_utilization=cache_config.gpu_memory_utilization,
                     activation_bytes=activation_bytes(self.layout(-(-max_len // self.block_size))),

@@ -30,6 +30,7 @@ from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
+from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
@@ -40,7 +41,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
-from jaxpaged.worker.kv_cache import KVLayout
+from jaxpaged.worker.kv_cache import KVLayout, kv_storage_dtype
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
 from jaxpaged.worker.weights import ParamsSpec
@@ -116,12 +117,24 @@ class LLMEngine:
             num_hosts=jax.process_count(),
         )
 
-        kv = KVPlan.choose(
+        params_dtype = dtype or str(_params_dtype(params))
+        kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, params_dtype)
+        # chosen once, here; the KV plan, the runner and the step only read it
+        self.platform = engine_platform(
             model_config,
-            cache_config,
-            params_dtype=dtype or str(_params_dtype(params)),
+            params,
+            graphdef=graphdef,
+            params_dtype=params_dtype,
+            kv_dtype=kv_dtype,
+            block_size=cache_config.block_size,
             attention_backend=attention_backend,
-            tensor_parallel=self.mesh is not None,
+            mesh=self.mesh,
+        )
+        kv = KVPlan(
+            model_config=model_config,
+            block_size=cache_config.block_size,
+            dtype=kv_dtype,
+            platform=self.platform,
         )
 
         def runner_for(layout: KVLayout) -> Runner:
@@ -132,8 +145,8 @@ class LLMEngine:
                 max_num_seqs=scheduler_config.max_num_seqs,
                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                 max_model_len=scheduler_config.max_model_len,
+                platform=self.platform,
                 seed=seed,
-                attention_backend=kv.attention_backend,
                 mesh=self.mesh,
                 logits_processors=logits_processors,
                 graphdef=graphdef,
@@ -537,6 +550,7 @@ class LLMEngine:
         out: dict[str, object] = {
             "model_type": self.model_config.model_type,
             "dtype": self.layout.dtype,
+            "attention_backend": self.platform.attention_backend,
             "tensor_parallel_size": self.parallel_config.tensor_parallel_size,
             "num_kv_blocks": self.layout.num_blocks,
             "kv_cache_bytes": self.layout.num_blocks * self.layout.bytes_per_block,

@@ -23,10 +23,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
-from jaxpaged.kernels import default_backend
-from jaxpaged.kernels.platform import select_backend
+from jaxpaged.kernels.platform import Platform
+from jaxpaged.kernels.step_kernels import StepKernels
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import family_class
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -42,6 +41,7 @@ from jaxpaged.worker.kv_cache import (
 )
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.lora import LoraAdapters
+from jaxpaged.worker.model_hooks import ModelHooks
 from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput, step
 from jaxpaged.worker.weights import ParamsSpec
 
@@ -72,16 +72,17 @@ class Runner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        platform: Platform,
         seed: int = 0,
-        attention_backend: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         logits_processors: tuple[LogitsProcessor, ...] = (),
         graphdef: nnx.GraphDef | None = None,
         lora: LoraAdapters | None = None,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
-        definition (None: the Llama family over ``model_config``); ``lora``: the LoRA
-        adapters and their device slots (None: LoRA off)."""
+        definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
+        chosen by its builder (attention backend, layer kernels, weight packing); ``lora``:
+        the LoRA adapters and their device slots (None: LoRA off)."""
         self.lora = lora
         self.model_config = model_config
         # traced into the step (static); their names index them in SamplingTensors.processor
@@ -93,22 +94,17 @@ class Runner:
         self.leader = None
         self.layout = layout
         self.max_model_len = max_model_len
-        self.backend = attention_backend
-
-        # The model class's platform hooks: which weights a native matmul may repack
-        # (map_matmul_weights; without it every matmul stays XLA's) and which a step streams.
-        if graphdef is None:
-            model_class = family_class(model_config)
-        else:
-            model_class = type(nnx.merge(graphdef, params))
-        self._mapper = getattr(model_class, "map_matmul_weights", None)
-        self._streamed = getattr(model_class, "streamed_weights", jax.tree.leaves)
-        # the platform's part, chosen once: on CPU the native kernels over weights packed
-        # into their layout and the streamed weights on 2 MiB pages; elsewhere XLA's
-        self.platform = select_backend(
-            params, self._weight_map, attention_backend=attention_backend, sharded=mesh is not None
-        )
-        self.kernels = self.platform.kernels
+        if platform.pool_format != layout.format:
+            raise ValueError(
+                f"the KV layout's format {layout.format} is not the one the platform's "
+                f"{platform.attention_backend!r} attention reads ({platform.pool_format})"
+            )
+        # on CPU the native kernels over weights packed into their layout and the streamed
+        # weights on 2 MiB pages; elsewhere XLA's
+        self.platform = platform
+        # the model class's hooks: which weights a native matmul may repack, which a step
+        # streams
+        self._hooks = ModelHooks.of(model_config, params, graphdef)
         # what replacement weights must match (update_params), as given: before packing
         self.params_spec = ParamsSpec.of(params)
         self.params: Params | None = None
@@ -117,10 +113,7 @@ class Runner:
         self._install_params(self.params_spec.place(params))
         # packing may add a leaf (the tied vocabulary projection's own packed copy); a swap
         # packs the same way, so the graph definition stays valid across update_params
-        graph_for = getattr(model_class, "graphdef_for", None)
-        self.graphdef = StaticGraph(
-            graphdef if graph_for is None else graph_for(model_config, self.params)
-        )
+        self.graphdef = StaticGraph(self._hooks.graphdef_for(self.params, graphdef))
         self.buckets = BucketSet(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -133,17 +126,22 @@ class Runner:
         self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
         self.warmed_up = False
 
-    def _weight_map(self, params: Params, fn):
-        """The model class's hook: which weights a native matmul may repack (without it
-        every matmul stays XLA's)."""
-        return params if self._mapper is None else self._mapper(params, self.model_config, fn)
+    @property
+    def backend(self) -> str:
+        """The attention backend the steps run (the platform's; never None)."""
+        return self.platform.attention_backend
+
+    @property
+    def kernels(self) -> StepKernels:
+        """The matmul and argmax kernels the steps run (the platform's)."""
+        return self.platform.kernels
 
     def _install_params(self, params: Params, *, huge_pages: bool = True) -> None:
         # packed before the old weights are let go: if packing fails, the engine keeps its
         # weights (at the cost of two packed copies for a moment where the platform packs)
-        packed = self.platform.pack_weights(params, self._weight_map)
+        packed = self.platform.pack_weights(params, self._hooks.weight_map)
         if huge_pages:
-            self.huge_page_bytes = self.platform.back_with_huge_pages(self._streamed(packed))
+            self.huge_page_bytes = self.platform.back_with_huge_pages(self._hooks.streamed(packed))
         else:
             self.huge_page_bytes = 0
         self.params = packed
@@ -217,9 +215,10 @@ class Runner:
             graphdef=self.graphdef,
             num_blocks=self.layout.num_blocks,
             block_size=self.layout.block_size,
-            pool_format=self.layout.format,
+            pool_format=self.platform.pool_format,
             num_logprobs=MAX_LOGPROBS,
-            backend=self.backend,
+            backend=self.platform.attention_backend,
+            interpret=self.platform.interpret,
             mesh=self.mesh,
             kernels=self.kernels,
             logits_processors=self.logits_processors,
@@ -508,22 +507,6 @@ class Runner:
             jax.block_until_ready(self._run(batch, bucket))
             bar.update()
 
-    def _fall_back_to_xla(self, error: Exception) -> bool:
-        """After a Pallas attention program failed to compile: serve with the XLA attention
-        path instead (one warning naming the cause). False where the XLA path would not help
-        (another backend failed, or the pool is laid out for a different kernel)."""
-        backend = self.backend or default_backend()
-        if backend != "pallas" or self.layout.combined:
-            return False
-        logger.warning(
-            "the Pallas attention kernel failed to compile (%s: %s); serving with the XLA "
-            "attention path instead (--attention-backend xla skips this attempt)",
-            type(error).__name__,
-            str(error).strip().splitlines()[0][:300] if str(error).strip() else "",
-        )
-        self.backend = "xla"
-        return True
-
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
         """Compiles every step bucket, the sampler-state row fill and the block-move sizes now, so
         serving never compiles. Returns (programs, seconds)."""
@@ -532,13 +515,9 @@ class Runner:
         moves = pow2_ladder(1, self._max_move)
         total = len(buckets) + 1 + len(moves) * (3 if swap else 1)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
-        try:
-            self._compile_buckets(buckets, bar)
-        except Exception as error:
-            if not self._fall_back_to_xla(error):
-                raise
-            bar.reset()
-            self._compile_buckets(buckets, bar)
+        # the platform's attention compiled once already (its probe, for Pallas): a failure
+        # here stops the start-up
+        self._compile_buckets(buckets, bar)
         if self.lora is not None:
             self.lora.warm_up()
         # row 0 is free while nothing runs: filling it with nothing leaves it as it was

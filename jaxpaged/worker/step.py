@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.distributed.parallel import replicate_on, shard_attention
+from jaxpaged.kernels import BACKENDS
 from jaxpaged.kernels.pool_format import SPLIT, PoolFormat
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
 from jaxpaged.models.llama import Params
@@ -131,6 +132,7 @@ def prompt_logprobs(
         "pool_format",
         "num_logprobs",
         "backend",
+        "interpret",
         "max_q_len",
         "max_kv_len",
         "mesh",
@@ -150,8 +152,9 @@ def step(
     num_blocks: int,
     block_size: int,
     num_logprobs: int,
+    backend: str,
     pool_format: PoolFormat = SPLIT,
-    backend: str | None = None,
+    interpret: bool = False,
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
@@ -168,7 +171,14 @@ def step(
     ``mesh`` (tensor parallelism) the attention runs per device on its heads under shard_map,
     and logits and outputs are gathered whole onto every device. ``lora_weights`` (LoRA on:
     site -> A [L, S, r', in], B [L, S, out, r'], see jaxpaged.models.lora) add each row's
-    adapter (``batch.lora_slots``) to the projections it targets."""
+    adapter (``batch.lora_slots``) to the projections it targets. ``backend`` and
+    ``interpret``: the attention kernel as the engine's Platform chose it (a name, never None:
+    the step never leaves the choice to trace time)."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"step: backend must be a resolved attention backend of {BACKENDS} (the engine's "
+            f"Platform.attention_backend), got {backend!r}"
+        )
     model = nnx.merge(graphdef.graphdef, params)
     default_scale = model.config.head_dim**-0.5
     layer_slots = num_blocks * block_size
@@ -190,6 +200,7 @@ def step(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             backend=backend,
+            interpret=interpret,
             max_q_len=max_q_len,
             max_kv_len=max_kv_len,
             **({"alibi_slopes": slopes[0]} if slopes else {}),

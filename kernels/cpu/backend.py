@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from .. import cpu
-from ..attention import default_backend
 from ..step_kernels import StepKernels, argmax_xla
 from . import features, host_malloc, huge_pages
 from .linear_q4 import is_grouped_weight, linear_q4
@@ -67,15 +66,17 @@ class CpuBackend:
         params: Any,
         map_matmul_weights: WeightMap,
         *,
-        attention_backend: str | None,
+        attention_backend: str,
         sharded: bool,
     ) -> CpuBackend:
-        """The kernels for these params. The native ones run where the "cpu" attention
-        backend is in use (asked for, or the default where the kernels build) on one device
+        """The kernels for these params. The native ones run with the "cpu" attention backend
+        (asked for, or the default where the kernels build: the Platform resolves it) on one device
         (sharded weights take XLA's SPMD dots). The native matmul also needs float32 or
         bfloat16 weights, or int8-quantized ones with an even K, with every output size a
         multiple of its panel width."""
-        native = not sharded and (attention_backend or default_backend("cpu")) == "cpu"
+        if attention_backend is None:
+            raise ValueError("CpuBackend.select needs a resolved attention backend, got None")
+        native = not sharded and attention_backend == "cpu"
         views = _matmul_views(params, map_matmul_weights) if native and cpu.available() else []
         kind = _linear_kind(views)
         narrow = kind == "float" and {dtype for _, _, dtype, _ in views} != {jnp.dtype(jnp.float32)}

@@ -13,7 +13,7 @@ import pytest
 from jaxpaged.kernels import cpu
 from jaxpaged.kernels.cpu.backend import CpuBackend
 from jaxpaged.kernels.cpu.features import has_bf16_dot
-from jaxpaged.kernels.platform import XlaBackend, select_backend
+from jaxpaged.kernels.platform import AttentionShape, XlaBackend, choose_platform
 from jaxpaged.kernels.step_kernels import StepKernels
 from jaxpaged.models.llama import compute_logits, forward, linear_xla, map_matmul_weights
 from jaxpaged.models.testing import random_params, tiny_config
@@ -29,13 +29,21 @@ def _weight_map(cfg):
 
 
 def _backend(params, cfg, attention_backend=None, *, sharded=False, platform="cpu"):
-    return select_backend(
+    """The layer implementation of the platform an engine over ``params`` gets."""
+    dtype = jnp.dtype(jax.tree.leaves(params)[0].dtype).name
+    shape = AttentionShape(
+        num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        block_size=16, kv_dtype=dtype, q_dtype=dtype,
+    )  # fmt: skip
+    return choose_platform(
         params,
         _weight_map(cfg),
+        device=platform,
         attention_backend=attention_backend,
-        sharded=sharded,
-        platform=platform,
-    )
+        shape=shape,
+        tensor_parallel=sharded,
+        probe=lambda *args: None,
+    ).layers
 
 
 def _pack(params, cfg):

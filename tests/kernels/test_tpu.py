@@ -109,6 +109,10 @@ def test_engine_on_the_tpu_backend_matches_the_cpu_engine():
 
     engine, tokens = greedy("tpu")
     assert engine.layout.combined and len(engine.runner.pool) == 1
+    # the platform chose JAX's kernel in TPU interpret mode (a CPU), for the steps to run
+    platform = engine.platform
+    assert (platform.attention_backend, platform.interpret) == ("tpu", True)
+    assert engine.runner._step_kwargs()["interpret"] is True
     assert tokens == greedy(None)[1]
     assert all(len(t) == 4 for t in tokens.values())
 

@@ -146,16 +146,19 @@ def test_unsupported_option_is_refused_by_name():
 
 
 def test_tpu_backend_refuses_alibi_naming_the_model():
-    from jaxpaged.engine.kv_plan import KVPlan
+    from jaxpaged.engine.platform_choice import engine_platform
 
     config = ModelConfig.from_hf_dict(_hf_config().to_dict())
     with pytest.raises(ValueError, match=r"'bloom'.*ALiBi.*'tpu'"):
-        KVPlan.choose(
+        engine_platform(
             config,
-            _cache_config(),
+            {},  # the "tpu" backend packs no weights: none are read
+            graphdef=None,
             params_dtype="float32",
+            kv_dtype="float32",
+            block_size=_cache_config().block_size,
             attention_backend="tpu",
-            tensor_parallel=False,
+            mesh=None,
         )
 
 
