@@ -26,8 +26,8 @@ from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
 from jaxpaged.kernels import default_backend
 from jaxpaged.kernels.platform import select_backend
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import family_class
 from jaxpaged.models.llama import Params
+from jaxpaged.models.registry import family_of
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
@@ -98,7 +98,7 @@ class Runner:
         # The model class's platform hooks: which weights a native matmul may repack
         # (map_matmul_weights; without it every matmul stays XLA's) and which a step streams.
         if graphdef is None:
-            model_class = family_class(model_config)
+            model_class = family_of(model_config).module
         else:
             model_class = type(nnx.merge(graphdef, params))
         self._mapper = getattr(model_class, "map_matmul_weights", None)

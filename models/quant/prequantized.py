@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from ..config import ModelConfig
+from ..registry import family_of
 from .checkpoint import CheckpointQuantization
 from .gptq_awq import awq_weight, gptq_weight, unpack_int4_words
 from .grouped import GroupedWeight, pack_nibbles
@@ -53,14 +54,13 @@ _LEAF_MODULES = {
 
 
 def check_prequantized(config: ModelConfig, quant: CheckpointQuantization, folder: str) -> None:
-    """ValueError, before any weight is read, for a model family whose pre-quantized
-    checkpoints are not read (its layout code reads float tensors only)."""
-    family = config.model_type
-    if family in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + ("phi3",):
+    """ValueError, before any weight is read, for a model whose family declares that its
+    pre-quantized checkpoints are not read."""
+    reason = family_of(config).refusal("prequantized", config)
+    if reason is not None:
         raise ValueError(
-            f"checkpoint {folder!r}: pre-quantized ({quant.format_name}) {family} checkpoints "
-            "are not read (the Llama family without fused projections only); load its float "
-            "checkpoint instead"
+            f"checkpoint {folder!r}: pre-quantized ({quant.format_name}) {config.model_type} "
+            f"checkpoints are not read: {reason}"
         )
 
 
