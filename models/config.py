@@ -133,6 +133,11 @@ class ModelConfig:
     alibi: bool = False
     # BLOOM's apply_residual_connection_post_layernorm: residuals taken after the norms
     residual_post_norm: bool = False
+    # Granite's scalars on the Llama layer (models/granite.py); the defaults change nothing
+    embedding_multiplier: float = 1.0  # the token embeddings are scaled by it
+    residual_multiplier: float = 1.0  # each block's output is scaled by it before the add
+    attention_multiplier: float | None = None  # the attention scale (None: head_dim ** -0.5)
+    logits_scaling: float = 1.0  # the vocabulary logits are divided by it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None

@@ -25,6 +25,12 @@ every matmul to `linear_fn(x, w, index, norm=None, silu_gate=None, residual=None
 stacked weight, so the engine can run decode steps' few-row matmuls in a native CPU kernel that
 reads each layer's weight in place, applies the norm or the MLP's activation as it packs x and
 adds the skip connection as it stores the product.
+
+The module is also the family's declaration (``FAMILY``, models/family.py): its config.json
+parsing, its safetensors and GGUF weight names, its tensor-parallel split and the features
+it refuses. Granite (models/granite.py) is declared on this layer, through the four
+``ModelConfig`` scalars it reads (embedding, residual and attention multipliers, logits
+scaling).
 """
 
 from __future__ import annotations
@@ -181,17 +187,19 @@ def _layer(
     q = apply_rope(q, positions, inv_freq, rope_attention_factor(c))
     k = apply_rope(k, positions, inv_freq, rope_attention_factor(c))
 
-    window = {} if c.sliding_window is None else {"sliding_window": c.sliding_window}
-    attn, cache = attention_fn(q, k, v, layer, cache, **window)  # [T, Hq, hd]
+    options = {} if c.sliding_window is None else {"sliding_window": c.sliding_window}
+    if c.attention_multiplier is not None:  # Granite's attention scale
+        options["sm_scale"] = c.attention_multiplier
+    attn, cache = attention_fn(q, k, v, layer, cache, **options)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
-    x = linear_fn(attn, w["wo"], layer, residual=x)
-    if lora is not None:
-        x = x + lora_delta(attn, lora, "o", layer)
+    o_delta = None if lora is None else lora_delta(attn, lora, "o", layer)
+    x = _residual_add(x, linear_fn, attn, w["wo"], layer, o_delta, c.residual_multiplier)
 
     if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype;
         # the engine refuses LoRA for MoE models
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
-        return x + _moe_mlp(h, layers, layer, c).astype(x.dtype), cache
+        out = _moe_mlp(h, layers, layer, c).astype(x.dtype)
+        return x + out * jnp.asarray(c.residual_multiplier, x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
@@ -199,10 +207,32 @@ def _layer(
     if lora is not None:
         gate = gate + lora_delta(x, lora, "gate", layer, norm=mlp_norm)
         up = up + lora_delta(x, lora, "up", layer, norm=mlp_norm)
-    x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
-    if lora is not None:
-        x = x + lora_delta(up, lora, "down", layer, silu_gate=gate)
+    down_delta = None if lora is None else lora_delta(up, lora, "down", layer, silu_gate=gate)
+    x = _residual_add(
+        x, linear_fn, up, w["w_down"], layer, down_delta, c.residual_multiplier, silu_gate=gate
+    )
     return x, cache
+
+
+def _residual_add(
+    residual: jax.Array,  # [T, N]
+    linear_fn: LinearFn,
+    x: jax.Array,  # [T, K]
+    w: jax.Array,  # [L, N, K]
+    index: jax.Array | int,  # int32 []
+    delta: jax.Array | None,  # [T, N]: the LoRA term of the same product
+    multiplier: float,  # Granite's residual_multiplier
+    **options: Any,
+) -> jax.Array:  # [T, N]
+    """``residual + multiplier * (x @ w[index].T + delta)``; with multiplier 1 the add is
+    ``linear_fn``'s fused epilogue."""
+    if multiplier == 1.0:
+        out = linear_fn(x, w, index, residual=residual, **options)
+        return out if delta is None else out + delta
+    out = linear_fn(x, w, index, **options)
+    if delta is not None:
+        out = out + delta
+    return residual + out * jnp.asarray(multiplier, out.dtype)
 
 
 def _moe_mlp(
@@ -293,6 +323,8 @@ class LlamaForCausalLM(nnx.Module):
         linear_fn = linear_fn or linear_xla
         # a quantized table's rows come out float32: back to the params' dtype
         x = embedding_rows(self.embed.get_value(), tokens).astype(self.final_norm[...].dtype)
+        if config.embedding_multiplier != 1.0:  # Granite
+            x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
         if activation_dtype is not None:
             x = x.astype(activation_dtype)
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
@@ -316,11 +348,15 @@ class LlamaForCausalLM(nnx.Module):
         *,
         linear_fn: LinearFn | None = None,
     ) -> jax.Array:
-        """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``)."""
+        """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``), divided
+        by ``config.logits_scaling``."""
         w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
         if linear_fn is not None:
-            return linear_fn(hidden, w[None], 0).astype(jnp.float32)
-        return vocab_logits(hidden, w)
+            logits = linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        else:
+            logits = vocab_logits(hidden, w)
+        scaling = self.config.logits_scaling  # Granite divides the logits by it
+        return logits if scaling == 1.0 else logits / scaling
 
     # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
     @staticmethod

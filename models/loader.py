@@ -1,10 +1,11 @@
-"""Load a Hugging Face Llama-family checkpoint (safetensors) into the stacked params pytree.
+"""Load a Hugging Face checkpoint (safetensors) into its family's stacked params pytree.
 
-Tensors are read straight from the safetensors files (memory-mapped, header parsed here, so
-bfloat16 needs no torch), fused into the layout of `llama.param_shapes` on the host (HF
-weights are [out, in] like the params, so this only reshapes and stacks), then put on the
-device once per leaf by `put_on_device`, the single place where a per-leaf sharding (tensor
-parallelism) is applied.
+Tensors are read straight from the safetensors files (memory-mapped, safetensors_index.py, so
+bfloat16 needs no torch), fused by the family's weight-name mapping (its
+``ModelFamily.load_host_params``, found by models/registry.py) into the layout of its
+``param_shapes`` on the host (HF weights are [out, in] like the params, so this only
+reshapes and stacks), then put on the device once per leaf by `put_on_device`, the single
+place where a per-leaf sharding (tensor parallelism) is applied.
 
 Default dtype (`dtype=None`): on an accelerator (GPU/TPU) the checkpoint's half dtype
 (`torch_dtype` bfloat16 or float16), otherwise bfloat16; on CPU always float32, because XLA's
@@ -183,7 +184,7 @@ def load_model(
     host_transform: HostTransform | None = None,
     quantization: str | None = None,
 ) -> tuple[ModelConfig, Params]:
-    """Load a Llama-family model from a local folder or a hub id: (config, params on device).
+    """Load a model of any family from a local folder or a hub id: (config, params on device).
 
     `dtype` is "float32", "bfloat16", "float16" or None (see the module docstring).
     `host_transform(config, host_params) -> (config, host_params)` rewrites the host arrays

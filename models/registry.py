@@ -31,6 +31,7 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "Gemma2ForCausalLM": "gemma",
         "Gemma3ForCausalLM": "gemma",
         "BloomForCausalLM": "bloom",
+        "GraniteForCausalLM": "granite",
     }
 )
 # Architectures and model types that name a model jaxpaged knows and does not run, and why

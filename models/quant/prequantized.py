@@ -44,7 +44,8 @@ __all__ = [
     "prequantized_reading",
 ]
 
-# stacked leaf -> the HF modules of one layer that fill it (the Llama family, not phi3)
+# stacked leaf -> the HF modules of one layer that fill it: the Llama layout's, which the
+# families that do not refuse "prequantized" share (Llama without phi3, Granite)
 _LEAF_MODULES = {
     "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "wo": ("self_attn.o_proj",),
@@ -309,12 +310,10 @@ def prequantized_reading(
     float (a leaf quantized only in part is dequantized, so that it is the checkpoint's
     weights exactly; vLLM too runs a checkpoint's ignored modules in float)."""
     check_prequantized(config, quant, folder)
-    from ..llama import param_shapes
-
     marker = "." + quant.marker
     kept = {"lm_head.weight"} if "lm_head" + marker in st else set()
     layers: dict[str, Any] = {}
-    for name, shape in param_shapes(config)["layers"].items():
+    for name, shape in family_of(config).param_shapes(config)["layers"].items():
         modules = [
             f"model.layers.{i}.{module}"
             for i in range(config.num_layers)
