@@ -1,5 +1,5 @@
-"""Flax NNX models (the Llama family; your own, docs/models.md), their safetensors/hub loader
-and the bundled model."""
+"""Flax NNX models (the families models/registry.py finds by architecture; your own,
+docs/models.md), their safetensors/hub loader and the bundled model."""
 
 from __future__ import annotations
 
