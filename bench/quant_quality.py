@@ -54,16 +54,16 @@ def main() -> int:
     from jaxpaged.kernels.cpu.backend import CpuBackend
     from jaxpaged.kernels.cpu.linear_q4 import linear_q4
     from jaxpaged.models import load_tokenizer
-    from jaxpaged.models.config import ModelConfig
     from jaxpaged.models.gguf_params import has_quantized_weights, load_gguf_host_params
     from jaxpaged.models.llama import map_matmul_weights
     from jaxpaged.models.loader import load_host_params
     from jaxpaged.models.quant import quantize_grouped, quantize_params, weight_bytes
     from jaxpaged.models.quant.quality import first_divergence, perplexity
+    from jaxpaged.models.registry import family_of, load_config
     from jaxpaged.models.resolve import resolve_model_folder
 
     folder = str(resolve_model_folder(args.model))
-    config = ModelConfig.from_pretrained(folder)
+    config = load_config(folder)
     tok = load_tokenizer(folder)
     host = load_host_params(folder, config, np.float32, progress=False)
     f32 = jax.tree.map(jnp.asarray, host)
@@ -86,7 +86,10 @@ def main() -> int:
     for method in methods:
         linear_fn = None
         if method == "gguf":
-            params, linear_fn = load_gguf_host_params(folder, config, np.float32), linear_q4
+            params, linear_fn = (
+                load_gguf_host_params(folder, config, np.float32, family_of(config)),
+                linear_q4,
+            )
         elif method == "g4":  # every matmul weight, as params.quantize_params picks them
             layers = dict(host["layers"])
             for name, in_axes in {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}.items():

@@ -21,7 +21,7 @@ from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
 from jaxpaged.llm import LLM
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params
+from jaxpaged.models.types import Params
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.weights import ParamsSpec

@@ -20,18 +20,23 @@ with one query per KV head ([L, Hkv, G + 2, hd, D], G = 1), so tensor parallelis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .gpt import layer_norm
+from .family import ModelFamily
+from .gpt import FLOAT_FAMILY_REFUSALS, layer_norm
 from .layers import StackedParams, alibi_slopes, dense, dense_causal_attention
-from .llama import AttentionFn, Params
+from .types import AttentionFn, Params, TensorReader
+
+
+def parse_config(d: Mapping) -> ModelConfig:
+    return ModelConfig(**bloom_config_fields(d))
 
 
 def bloom_config_fields(d: Mapping) -> dict[str, Any]:
@@ -160,9 +165,7 @@ class BloomForCausalLM(nnx.Module):
 
 
 def load_host_params(
-    read: Callable[[str, tuple[int, ...]], np.ndarray],
-    config: ModelConfig,
-    dtype: np.dtype,
+    read: TensorReader, config: ModelConfig, layers: dict[str, Any]
 ) -> dict[str, Any]:
     """The params tree from HF tensors; ``read(name, shape)`` checks each one's presence and
     shape. Names without the ``transformer.`` prefix (a BloomModel checkpoint, as the
@@ -172,7 +175,6 @@ def load_host_params(
     q = h * hd
     shapes = param_shapes(c)
     top = "transformer." if _has(read, "transformer.word_embeddings.weight") else ""
-    layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
     for i in range(c.num_layers):
         L = {k: v[i] for k, v in layers.items()}  # views into layer i
         p = f"{top}h.{i}."
@@ -206,3 +208,39 @@ def load_host_params(
 def _has(read: Any, name: str) -> bool:
     st = getattr(read, "st", None)
     return st is None or name in st
+
+
+# ------------------------------------------------------------------- family
+
+# Megatron split (distributed/parallel.py): the fused attention over heads (the Llama
+# family's layout with G = 1), the plain MLP column- then row-parallel over F
+SPLIT_AXES: Mapping[str, int] = MappingProxyType(
+    {
+        "layers/wqkv": 1,
+        "layers/bqkv": 1,
+        "layers/wo": 2,
+        "layers/w_fc": 1,
+        "layers/b_fc": 1,
+        "layers/w_proj": 2,
+        "embed": 0,
+        "lm_head": 0,
+    }
+)
+
+
+def _refused(config: ModelConfig) -> Mapping[str, str]:
+    del config
+    return FLOAT_FAMILY_REFUSALS
+
+
+FAMILY = ModelFamily(
+    name="bloom",
+    architectures=("BloomForCausalLM",),
+    model_types=("bloom",),
+    parse_config=parse_config,
+    module=BloomForCausalLM,
+    param_shapes=param_shapes,
+    load_host_params=load_host_params,
+    split_axes=SPLIT_AXES,
+    refused=_refused,
+)

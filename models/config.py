@@ -1,25 +1,12 @@
-"""Architecture description of a Llama-family model, read from a Hugging Face config.json."""
+"""The architecture description every family's forward reads (`ModelConfig`), and the
+rotary scaling it may carry. Parsing a config.json is the family's own (models/registry.py
+finds the family; each family module parses its config)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Mapping
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
-# decoders with learned absolute positions, LayerNorm and a plain MLP (models/gpt.py)
-GPT_MODEL_TYPES = ("gpt2", "opt")
-# (1 + w) RMSNorms, post norms, soft caps, local and global layers (models/gemma.py)
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-# ALiBi attention biases instead of positions, LayerNorms, fused per-head qkv (models/bloom.py)
-BLOOM_MODEL_TYPES = ("bloom",)
-SUPPORTED_MODEL_TYPES = (
-    *LLAMA_MODEL_TYPES,
-    *GPT_MODEL_TYPES,
-    *GEMMA_MODEL_TYPES,
-    *BLOOM_MODEL_TYPES,
-)
 # the model_type of a model of your own (docs/models.md): never read from a checkpoint
 CUSTOM_MODEL_TYPE = "custom"
 
@@ -110,25 +97,6 @@ class RopeScaling:
         )
 
 
-# MoE families (Qwen3-MoE's count is num_experts, saved by transformers 5 as num_local_experts)
-_MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
-
-
-def _check_qwen3_moe(d: Mapping) -> None:
-    """ValueError naming a Qwen3-MoE option jaxpaged does not run: dense MLP layers among
-    the sparse ones."""
-    if d.get("decoder_sparse_step", 1) != 1:
-        raise ValueError(
-            f"unsupported qwen3_moe option decoder_sparse_step={d['decoder_sparse_step']} "
-            "(dense MLP layers between the sparse ones); jaxpaged runs 1"
-        )
-    if d.get("mlp_only_layers"):
-        raise ValueError(
-            f"unsupported qwen3_moe option mlp_only_layers={list(d['mlp_only_layers'])} "
-            "(dense MLP layers); jaxpaged runs []"
-        )
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Everything the forward pass needs to know about the architecture; hashable so it can be
@@ -165,16 +133,16 @@ class ModelConfig:
     alibi: bool = False
     # BLOOM's apply_residual_connection_post_layernorm: residuals taken after the norms
     residual_post_norm: bool = False
+    # Granite's scalars on the Llama layer (models/granite.py); the defaults change nothing
+    embedding_multiplier: float = 1.0  # the token embeddings are scaled by it
+    residual_multiplier: float = 1.0  # each block's output is scaled by it before the add
+    attention_multiplier: float | None = None  # the attention scale (None: head_dim ** -0.5)
+    logits_scaling: float = 1.0  # the vocabulary logits are divided by it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in (*SUPPORTED_MODEL_TYPES, CUSTOM_MODEL_TYPE):
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -184,91 +152,3 @@ class ModelConfig:
     @property
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping) -> ModelConfig:
-        """Accepts both transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`)."""
-        model_type = d.get("model_type")
-        if model_type == "gemma3":
-            raise ValueError(
-                "unsupported model_type 'gemma3' (Gemma3ForConditionalGeneration, with a vision "
-                "tower); jaxpaged runs the text-only gemma3_text (Gemma3ForCausalLM)"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if model_type in GPT_MODEL_TYPES:
-            from .gpt import gpt_config_fields
-
-            return cls(**gpt_config_fields(d))
-        if model_type in GEMMA_MODEL_TYPES:
-            from .gemma import gemma_config_fields
-
-            return cls(**gemma_config_fields(d))
-        if model_type in BLOOM_MODEL_TYPES:
-            from .bloom import bloom_config_fields
-
-            return cls(**bloom_config_fields(d))
-        num_heads = d["num_attention_heads"]
-        hidden = d["hidden_size"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "original_max_position_embeddings" in d:  # Phi-3 keeps it beside rope_scaling
-            rope = {
-                "original_max_position_embeddings": d["original_max_position_embeddings"],
-                **rope,
-            }
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        max_pos = d.get("max_position_embeddings", 2048)
-        windowed = ("mistral", "phi3", "mixtral")
-        window = d.get("sliding_window") if model_type in windowed else None
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
-            raise ValueError(
-                f"unsupported {model_type} option use_sliding_window=True (sliding window "
-                "attention on the layers from max_window_layers on)"
-            )
-        if model_type == "qwen3_moe":
-            _check_qwen3_moe(d)
-        scaling = RopeScaling.from_hf_dict(rope, max_pos)
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=d[
-                "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
-            ],
-            num_layers=d["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_window=int(window) if window else None,
-            num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0)
-            if model_type in _MOE_MODEL_TYPES
-            else 0,
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
-            # Mixtral always renormalizes; Qwen3-MoE as its config says (transformers: False)
-            norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-        )
-
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike) -> ModelConfig:
-        path = os.path.join(folder, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no config.json in model folder {os.fspath(folder)!r}")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))

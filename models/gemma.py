@@ -31,19 +31,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from .config import GEMMA_MODEL_TYPES, ModelConfig, RopeScaling
+from .config import ModelConfig, RopeScaling
+from .family import GgufLayout, GgufMetadata, ModelFamily
 from .layers import StackedParams, apply_rope, dense_causal_attention
-from .llama import AttentionFn, Params
 from .quant.matmul import embedding_rows, matmul, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
+from .types import AttentionFn, Params, TensorReader
 
+MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -53,6 +55,10 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 # ------------------------------------------------------------------- config
+
+
+def parse_config(d: Mapping) -> ModelConfig:
+    return ModelConfig(**gemma_config_fields(d))
 
 
 def gemma_config_fields(d: Mapping) -> dict[str, Any]:
@@ -251,9 +257,7 @@ class GemmaForCausalLM(nnx.Module):
     """Gemma 2 and Gemma 3 (text); the state is the params tree of the module docstring."""
 
     def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
-        if config.model_type not in GEMMA_MODEL_TYPES or len(config.layer_types) != (
-            config.num_layers
-        ):
+        if config.model_type not in MODEL_TYPES or len(config.layer_types) != (config.num_layers):
             raise ValueError("GemmaForCausalLM needs a gemma2 / gemma3_text config")
         self.config = config
         shapes = param_shapes(config)
@@ -320,9 +324,7 @@ _NORMS = {
 
 
 def load_host_params(
-    read: Callable[[str, tuple[int, ...]], np.ndarray],
-    config: ModelConfig,
-    dtype: np.dtype,
+    read: TensorReader, config: ModelConfig, layers: dict[str, Any]
 ) -> dict[str, Any]:
     """The params tree from HF tensors; ``read(name, shape)`` checks presence and shape."""
     c = config
@@ -336,7 +338,6 @@ def load_host_params(
         c.intermediate_size,
     )
     shapes = param_shapes(c)
-    layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         L = {k: v[i] for k, v in layers.items()}  # views into layer i
@@ -375,3 +376,115 @@ def forward(
 ) -> tuple[jax.Array, Any]:
     """`GemmaForCausalLM.__call__` over a params tree: final-normed hidden states [T, D]."""
     return GemmaForCausalLM.from_params(config, params)(tokens, positions, attention_fn, cache)
+
+
+# ------------------------------------------------------------------- family
+
+# Megatron split (distributed/parallel.py): the Llama family's layout; the extra norms are
+# replicated
+SPLIT_AXES: Mapping[str, int] = MappingProxyType(
+    {
+        "layers/wqkv": 1,
+        "layers/wo": 2,
+        "layers/w_gate_up": 2,
+        "layers/w_down": 2,
+        "embed": 0,
+    }
+)
+# llama.cpp's Gemma 3 per-layer tensor names -> transformers' (ffn_norm is the pre-MLP one)
+GGUF_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    }
+)
+_GGUF_NORMS = MappingProxyType(
+    {
+        **{ours: theirs for ours, theirs in _NORMS.items()},
+        "q_norm": "self_attn.q_norm",
+        "k_norm": "self_attn.k_norm",
+    }
+)
+
+
+def _gguf_config(g: GgufMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 config.json holds beyond the Llama fields. GGUF stores neither the layer
+    pattern, the local rope base nor the attention scale: llama.cpp fixes them (one global
+    layer in six, base 10000, head_dim ** -0.5 except 27B's (hidden / heads) ** -0.5), and so
+    does transformers' Gemma3TextConfig, whose defaults this writes out."""
+    n = config["num_hidden_layers"]
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    scalar = config["hidden_size"] // heads if n == 62 else head_dim  # 27B: 62 layers
+    window = g.scalar("gemma3.attention.sliding_window", required=False)
+    return {
+        **{k: v for k, v in config.items() if k != "hidden_act"},  # Gemma's: hidden_activation
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": None if window is None else int(window),
+        "layer_types": _gguf_layer_types(g, n),
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def _gguf_layer_types(g: GgufMetadata, n: int) -> list[str]:
+    """Sliding or full attention per layer: the file's sliding_window_pattern (a period, or
+    one flag per layer, True for sliding) if it has one, else one full layer in six."""
+    pattern = g.scalar("gemma3.attention.sliding_window_pattern", required=False, default=6)
+    if not isinstance(pattern, list):
+        pattern = [(i + 1) % int(pattern) for i in range(n)]
+    elif len(pattern) != n:
+        raise ValueError(
+            f"GGUF file {g.path}: sliding_window_pattern lists {len(pattern)} of {n} layers"
+        )
+    sliding = [bool(x) for x in pattern]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _refused(config: ModelConfig) -> Mapping[str, str]:
+    refused = {
+        "quantization": "its forward reads float (or GGUF-quantized) weights in its own "
+        "matmuls (int8 and fp8 weights run through the Llama family's linear_fn only)",
+        "lora": "the LoRA terms are wired into the Llama family's forward only",
+        "prequantized": "its weight mapping reads float tensors only; load its float "
+        "checkpoint instead",
+    }
+    if config.model_type != "gemma3_text":
+        refused["gguf_quantized"] = "jaxpaged imports Gemma 3 GGUF files only"
+    return refused
+
+
+FAMILY = ModelFamily(
+    name="gemma",
+    architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+    model_types=MODEL_TYPES,
+    parse_config=parse_config,
+    module=GemmaForCausalLM,
+    param_shapes=param_shapes,
+    load_host_params=load_host_params,
+    split_axes=SPLIT_AXES,
+    gguf=(
+        GgufLayout(
+            architecture="gemma3",
+            model_type="gemma3_text",
+            hf_architecture="Gemma3ForCausalLM",
+            layer_tensors=GGUF_LAYER_TENSORS,
+            plus_one_norms=True,  # llama.cpp's converter stores 1 + w
+            layer_norms=_GGUF_NORMS,
+            config_fields=_gguf_config,
+        ),
+    ),
+    refused=_refused,
+)

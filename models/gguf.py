@@ -24,17 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from .family import GgufLayout
 from .gguf_quant import KEPT_QUANTIZED_TYPES, grouped_from_blocks
 from .gguf_tokenizer import build_tokenizer, eos_ids
-
-# Model families this importer knows: GGUF architecture -> (HF model_type, HF architecture class).
-SUPPORTED_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
-# Gemma's norms scale by (1 + weight); llama.cpp's converter stores 1 + weight
-_PLUS_ONE_NORMS = ("gemma3",)
+from .registry import families
 
 # Tensor types we dequantize. All are implemented in numpy by the `gguf` package (maintained
 # alongside llama.cpp); the K-quants are there because most published GGUFs are Q4_K_M.
@@ -54,28 +47,6 @@ SUPPORTED_TENSOR_TYPES = (
     "Q6_K",
 )
 
-# GGUF per-layer tensor name -> Hugging Face module name (inside model.layers.N).
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 normalizes before and after attention and the MLP (ffn_norm is the pre-MLP one)
-_GEMMA3_LAYER_TENSORS = {
-    **_LAYER_TENSORS,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_ARCH_LAYER_TENSORS = {"gemma3": _GEMMA3_LAYER_TENSORS}  # the rest: _LAYER_TENSORS
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -94,6 +65,16 @@ class _Gguf:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    # what a family's GgufLayout.config_fields reads (models/family.py GgufMetadata)
+    def scalar(self, key: str, *, required: bool = True, default: Any = None) -> Any:
+        return _scalar(self, key, required=required, default=default)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensors
+
+    def float_tensor(self, name: str) -> np.ndarray:
+        return _dequantize(self.tensors[name])
 
 
 def _read(gguf_path: Path) -> _Gguf:
@@ -141,48 +122,23 @@ def _scalar(g: _Gguf, key: str, *, required: bool = True, default: Any = None) -
     return default
 
 
-def _architecture(g: _Gguf) -> str:
+def _layouts() -> dict[str, GgufLayout]:
+    """GGUF architecture -> the layout a family declares for it."""
+    return {layout.architecture: layout for f in families() for layout in f.gguf}
+
+
+def _architecture(g: _Gguf) -> GgufLayout:
     arch = _scalar(g, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    layouts = _layouts()
+    if arch not in layouts:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(layouts))}"
         )
-    return arch
+    return layouts[arch]
 
 
-def _llama3_rope_scaling(g: _Gguf, arch: str, head_dim: int, theta: float) -> dict | None:
-    """Recover Llama 3.1 rope scaling, which llama.cpp stores only as the `rope_freqs` tensor
-    (per-frequency divisors), by matching it against the parameters Meta published."""
-    if "rope_freqs.weight" not in g.tensors:
-        return None
-    factors = _dequantize(g.tensors["rope_freqs.weight"]).reshape(-1)
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
-        for low, high, original in ((1.0, 4.0, 8192),):
-            low_wl, high_wl = original / low, original / high
-            smooth = (original / wavelen - low) / (high - low)
-            expect = np.where(
-                wavelen < high_wl,
-                1.0,
-                np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)),
-            )
-            if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-4):
-                return {
-                    "rope_type": "llama3",
-                    "factor": factor,
-                    "low_freq_factor": low,
-                    "high_freq_factor": high,
-                    "original_max_position_embeddings": original,
-                }
-    raise ValueError(
-        f"GGUF tensor 'rope_freqs.weight' of {g.path} matches no known llama3 rope scaling"
-    )
-
-
-def _config(g: _Gguf, arch: str) -> dict[str, Any]:
-    model_type, hf_class = SUPPORTED_ARCHITECTURES[arch]
+def _config(g: _Gguf, layout: GgufLayout) -> dict[str, Any]:
+    arch = layout.architecture
     embed = g.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"GGUF file {g.path} has no tensor 'token_embd.weight'")
@@ -196,8 +152,8 @@ def _config(g: _Gguf, arch: str) -> dict[str, Any]:
     theta = float(_scalar(g, f"{arch}.rope.freq_base", required=False, default=10000.0))
     tied = "output.weight" not in g.tensors
     config: dict[str, Any] = {
-        "architectures": [hf_class],
-        "model_type": model_type,
+        "architectures": [layout.hf_architecture],
+        "model_type": layout.model_type,
         "vocab_size": int(embed.shape[1]),
         "hidden_size": hidden,
         "intermediate_size": int(_scalar(g, f"{arch}.feed_forward_length")),
@@ -217,13 +173,8 @@ def _config(g: _Gguf, arch: str) -> dict[str, Any]:
         "bos_token_id": _scalar(g, "tokenizer.ggml.bos_token_id", required=False),
         "eos_token_id": _scalar(g, "tokenizer.ggml.eos_token_id", required=False),
     }
-    if arch == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
-        config["rope_scaling"] = _llama3_rope_scaling(g, arch, head_dim, theta)
-    if arch == "gemma3":
-        del config["hidden_act"]  # Gemma's is hidden_activation
-        config.update(_gemma3_config(g, config))
+    if layout.config_fields is not None:  # what the family's config.json holds beyond these
+        config = layout.config_fields(g, config)
     scaling_type = _scalar(g, f"{arch}.rope.scaling.type", required=False)
     if scaling_type in ("linear", "yarn") and config["rope_scaling"] is None:
         config["rope_scaling"] = {
@@ -239,41 +190,7 @@ def _config(g: _Gguf, arch: str) -> dict[str, Any]:
     return config
 
 
-def _gemma3_config(g: _Gguf, config: Mapping[str, Any]) -> dict[str, Any]:
-    """What a Gemma 3 config.json holds beyond the Llama fields. GGUF stores neither the layer
-    pattern, the local rope base nor the attention scale: llama.cpp fixes them (one global
-    layer in six, base 10000, head_dim ** -0.5 except 27B's (hidden / heads) ** -0.5), and so
-    does transformers' Gemma3TextConfig, whose defaults this writes out."""
-    n = config["num_hidden_layers"]
-    heads, head_dim = config["num_attention_heads"], config["head_dim"]
-    scalar = config["hidden_size"] // heads if n == 62 else head_dim  # 27B: 62 layers
-    window = _scalar(g, "gemma3.attention.sliding_window", required=False)
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": scalar,
-        "sliding_window": None if window is None else int(window),
-        "layer_types": _gemma3_layer_types(g, n),
-        "rope_local_base_freq": 10000.0,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-    }
-
-
-def _gemma3_layer_types(g: _Gguf, n: int) -> list[str]:
-    """Sliding or full attention per layer: the file's sliding_window_pattern (a period, or
-    one flag per layer, True for sliding) if it has one, else one full layer in six."""
-    pattern = _scalar(g, "gemma3.attention.sliding_window_pattern", required=False, default=6)
-    if not isinstance(pattern, list):
-        pattern = [(i + 1) % int(pattern) for i in range(n)]
-    elif len(pattern) != n:
-        raise ValueError(
-            f"GGUF file {g.path}: sliding_window_pattern lists {len(pattern)} of {n} layers"
-        )
-    sliding = [bool(x) for x in pattern]
-    return ["sliding_attention" if s else "full_attention" for s in sliding]
-
-
-def _hf_tensor_name(name: str, arch: str = "llama") -> str | None:
+def _hf_tensor_name(name: str, layout: GgufLayout) -> str | None:
     """HF name of a GGUF tensor; None for tensors that are folded into config.json."""
     if name == "rope_freqs.weight":
         return None
@@ -281,31 +198,29 @@ def _hf_tensor_name(name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     m = _LAYER_RE.match(name)
-    layer_tensors = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
-    if m and m.group(2) in layer_tensors:
-        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layout.layer_tensors:
+        return f"model.layers.{m.group(1)}.{layout.layer_tensors[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in this importer")
 
 
-def _weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _weights(g: _Gguf, layout: GgufLayout, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, tensor in g.tensors.items():
-        hf_name = _hf_tensor_name(name, arch)
+        hf_name = _hf_tensor_name(name, layout)
         if hf_name is None:
             continue
         w = _dequantize(tensor)
-        if arch in _PLUS_ONE_NORMS and name.endswith("norm.weight"):
+        if layout.plus_one_norms and name.endswith("norm.weight"):
             w = w - 1  # float32, as transformers' GGUF loader undoes it
-        # llama.cpp permutes q/k rows only for the Llama architecture (Qwen2's converter does not).
-        if arch == "llama" and ".attn_q." in name:
+        if layout.permuted_qk and ".attn_q." in name:
             w = _unpermute_rows(w, config["num_attention_heads"])
-        elif arch == "llama" and ".attn_k." in name:
+        elif layout.permuted_qk and ".attn_k." in name:
             w = _unpermute_rows(w, config["num_key_value_heads"])
         out[hf_name] = np.ascontiguousarray(w)
     n_layers = config["num_hidden_layers"]
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(n_layers):
-        for module in _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS).values():
+        for module in layout.layer_tensors.values():
             required.append(f"model.layers.{i}.{module}.weight")
     missing = [n for n in required if n not in out]
     if missing:
@@ -325,19 +240,18 @@ def _write_json(path: Path, obj: Any) -> None:
 # In a subfolder: vLLM's loader reads every top-level *.safetensors of a folder and fails on
 # names it does not know ("Attempted to load nested weight '...weight.scales'").
 QUANTIZED_FILE = "jaxpaged/gguf_quantized.safetensors"
-_KEPT_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 _MATMUL_TENSORS = (
     "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
 )  # fmt: skip
 
 
-def _quantized_weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _quantized_weights(
+    g: _Gguf, layout: GgufLayout, config: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
     """The matmul weights (and token embedding and output) whose GGUF type is kept quantized
     (gguf_quant.py), as the arrays of their `GroupedWeight`, rows in HF order."""
     from gguf import GGMLQuantizationType
 
-    if arch not in _KEPT_ARCHITECTURES:
-        return {}
     out: dict[str, np.ndarray] = {}
     for name, tensor in g.tensors.items():
         m = _LAYER_RE.match(name)
@@ -351,11 +265,11 @@ def _quantized_weights(g: _Gguf, arch: str, config: Mapping[str, Any]) -> dict[s
         w = grouped_from_blocks(tensor.data, qtype, rows, cols)
         arrays = {"values": w.values, "scales": w.scales, "mins": w.mins}
         heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(kind)
-        hf_name = _hf_tensor_name(name, arch)
+        hf_name = _hf_tensor_name(name, layout)
         for part, a in arrays.items():
             if a is None:
                 continue
-            if arch == "llama" and heads is not None:
+            if layout.permuted_qk and heads is not None:
                 a = _unpermute_rows(a, config[heads])
             out[f"{hf_name}.{part}"] = np.ascontiguousarray(a)
     return out
@@ -374,16 +288,16 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(f"gguf_path {str(gguf_path)!r} is not a file")
     out = Path(out_dir)
     g = _read(gguf_path)
-    arch = _architecture(g)
-    config = _config(g, arch)
+    layout = _architecture(g)
+    config = _config(g, layout)
     tokenizer, special = build_tokenizer(g)
-    weights = _weights(g, arch, config)
+    weights = _weights(g, layout, config)
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
     del weights
-    quantized = _quantized_weights(g, arch, config)
+    quantized = _quantized_weights(g, layout, config)
     if quantized:
         (out / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
         save_file(quantized, str(out / QUANTIZED_FILE), metadata={"format": "jaxpaged-grouped"})

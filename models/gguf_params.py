@@ -3,7 +3,9 @@
 The folder written by gguf.convert_gguf holds the float expansion (model.safetensors) and
 the quantized matmul weights (gguf.QUANTIZED_FILE). This reads the norms and biases from the
 first and every matmul weight, the token embedding and the output projection from the second,
-stacked into `llama.param_shapes`' tree like loader.load_host_params' float leaves.
+stacked into the family's ``param_shapes`` tree like loader.load_host_params' float
+leaves (the Llama family's and Gemma's matmul layout; the family's GGUF layout names the
+norms).
 
 A stacked leaf is kept quantized only when all its parts (every layer's q, k and v for
 wqkv) share one format (bits and group size); otherwise, as for a part whose GGUF type is not
@@ -20,15 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from .config import GEMMA_MODEL_TYPES, ModelConfig
+from .config import ModelConfig
+from .family import ModelFamily
 from .gguf import QUANTIZED_FILE
-from .llama import param_shapes
 from .quant.grouped import GroupedWeight
+from .safetensors_index import SafetensorsIndex, TensorError
 
-__all__ = ["GGUF_KEPT_MODEL_TYPES", "has_quantized_weights", "load_gguf_host_params"]
-
-# the GGUF imports gguf.py writes quantized whose params keep them
-GGUF_KEPT_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
+__all__ = ["has_quantized_weights", "load_gguf_host_params"]
 
 Part = GroupedWeight | np.ndarray  # one HF tensor [rows, K]: kept quantized, or float
 
@@ -38,18 +38,18 @@ def has_quantized_weights(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, QUANTIZED_FILE))
 
 
-def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> dict[str, Any]:
-    """Host params of the GGUF import in ``folder``: float leaves in ``dtype``, matmul leaves
-    `GroupedWeight` where they can be (see the module docstring)."""
-    from .loader import SafetensorsIndex, TensorError
-
-    gemma = config.model_type in GEMMA_MODEL_TYPES
-    if (
-        config.model_type not in GGUF_KEPT_MODEL_TYPES
-        or config.num_experts
-        or (config.qk_norm and not gemma)
-    ):
-        raise ValueError(f"GGUF weights of model_type {config.model_type!r} are not kept quantized")
+def load_gguf_host_params(
+    folder: str, config: ModelConfig, dtype: np.dtype, family: ModelFamily
+) -> dict[str, Any]:
+    """Host params of the GGUF import in ``folder`` (a model of ``family``): float leaves in
+    ``dtype``, matmul leaves `GroupedWeight` where they can be (see the module docstring)."""
+    reason = family.refusal("gguf_quantized", config)
+    layout = next((g for g in family.gguf if g.model_type == config.model_type), None)
+    if reason is not None or layout is None:
+        raise ValueError(
+            f"GGUF weights of model_type {config.model_type!r} are not kept quantized: "
+            f"{reason or 'its family declares no GGUF layout for it'}"
+        )
     floats = SafetensorsIndex([os.path.join(folder, "model.safetensors")])
     quant = SafetensorsIndex([os.path.join(folder, QUANTIZED_FILE)])
 
@@ -78,7 +78,7 @@ def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> 
         c.queries_per_kv,
         c.num_kv_heads,
     )
-    shapes = param_shapes(c)
+    shapes = family.param_shapes(c)
     n = c.num_layers
 
     def qkv_rows(q: Any, k: Any, v: Any) -> Any:  # [Hq*hd | Hkv*hd | Hkv*hd, X] -> [rows, X]
@@ -109,10 +109,7 @@ def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> 
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
         parts = [per_layer[i][name] for i in range(n)]
         layers[name] = _stack(parts, shapes["layers"][name], dtype)
-    norms = _GEMMA_NORMS if gemma else _LLAMA_NORMS
-    if gemma and c.qk_norm:
-        norms = {**norms, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
-    for ours, theirs in norms.items():
+    for ours, theirs in layout.layer_norms.items():
         layers[ours] = np.stack([read_float(f"model.layers.{i}.{theirs}.weight") for i in range(n)])
     if c.qkv_bias:
         layers["bqkv"] = np.stack(
@@ -136,16 +133,6 @@ def load_gguf_host_params(folder: str, config: ModelConfig, dtype: np.dtype) -> 
     if not c.tie_word_embeddings:
         host["lm_head"] = _stack([([part("lm_head.weight", c.vocab_size, d)], _one)], None, dtype)
     return host
-
-
-# params leaf -> HF module of each layer's norms (models/llama.py's, models/gemma.py's)
-_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-_GEMMA_NORMS = {
-    "attn_norm": "input_layernorm",
-    "post_attn_norm": "post_attention_layernorm",
-    "pre_mlp_norm": "pre_feedforward_layernorm",
-    "post_mlp_norm": "post_feedforward_layernorm",
-}
 
 
 def _one(w: Any) -> Any:

@@ -16,16 +16,17 @@ transposed at load):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
+from .family import ModelFamily
 from .layers import StackedParams, dense, dense_causal_attention
-from .llama import AttentionFn, Params
+from .types import AttentionFn, Params, TensorReader
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
@@ -33,6 +34,10 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
 }
+
+
+def parse_config(d: Mapping) -> ModelConfig:
+    return ModelConfig(**gpt_config_fields(d))
 
 
 def gpt_config_fields(d: Mapping) -> dict[str, Any]:
@@ -195,16 +200,13 @@ class GPTForCausalLM(nnx.Module):
 
 
 def load_host_params(
-    read: Callable[[str, tuple[int, ...]], np.ndarray],
-    config: ModelConfig,
-    dtype: np.dtype,
+    read: TensorReader, config: ModelConfig, layers: dict[str, Any]
 ) -> dict[str, Any]:
     """The params tree from HF tensors; ``read(name, shape)`` checks each one's presence and
     shape (GPT-2's Conv1D weights are read [in, out] and transposed)."""
     c = config
     d, f, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
     shapes = param_shapes(c)
-    layers = {k: np.empty(s, dtype=dtype) for k, s in shapes["layers"].items()}
     gpt2 = c.model_type == "gpt2"
     for i in range(c.num_layers):
         L = {k: v[i] for k, v in layers.items()}  # views into layer i
@@ -258,3 +260,51 @@ def load_host_params(
     if not c.tie_word_embeddings:
         host["lm_head"] = read("lm_head.weight", shapes["lm_head"])
     return host
+
+
+# ------------------------------------------------------------------- family
+
+# Megatron split (distributed/parallel.py): wqkv [L, 3, Hq*hd, D] and bqkv over Hq*hd (whole
+# heads), wo over Hq*hd, the MLP over F; biases of the row-parallel layers, the LayerNorms
+# and the learned positions replicated
+SPLIT_AXES: Mapping[str, int] = MappingProxyType(
+    {
+        "layers/wqkv": 2,
+        "layers/bqkv": 2,
+        "layers/wo": 2,
+        "layers/w_fc": 1,
+        "layers/b_fc": 1,
+        "layers/w_proj": 2,
+        "embed": 0,
+        "lm_head": 0,
+    }
+)
+# what the biased, plain-MLP families (GPT-2, OPT, BLOOM) do not have, and why
+FLOAT_FAMILY_REFUSALS: Mapping[str, str] = MappingProxyType(
+    {
+        "quantization": "its forward reads float weights in its own einsums (int8 and fp8 "
+        "weights run through the Llama family's linear_fn only)",
+        "lora": "the LoRA terms are wired into the Llama family's forward only",
+        "prequantized": "its weight mapping reads float tensors only; load its float "
+        "checkpoint instead",
+        "gguf_quantized": "jaxpaged imports no GGUF layout of this family",
+    }
+)
+
+
+def _refused(config: ModelConfig) -> Mapping[str, str]:
+    del config
+    return FLOAT_FAMILY_REFUSALS
+
+
+FAMILY = ModelFamily(
+    name="gpt",
+    architectures=("GPT2LMHeadModel", "OPTForCausalLM"),
+    model_types=("gpt2", "opt"),
+    parse_config=parse_config,
+    module=GPTForCausalLM,
+    param_shapes=param_shapes,
+    load_host_params=load_host_params,
+    split_axes=SPLIT_AXES,
+    refused=_refused,
+)

@@ -9,14 +9,13 @@ params dtype with float32 accumulation.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from .quant.matmul import QUANTIZED_WEIGHTS
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -133,20 +132,21 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
 
 class StackedParams(nnx.Module):
     """A family's per-layer leaves, each one nnx.Param stacked over layers [L, ...], so the
-    forward scans over them."""
+    decoder is one ``lax.scan`` and a native matmul reads layer l of a weight in place.
+    ``ones``: the leaves that start at one (norm scales); the rest start at zero."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], dtype: Any, *, ones: Collection[str] = ()
+    ) -> None:
         for name, shape in shapes.items():
-            setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+            init = jnp.ones if name in ones else jnp.zeros
+            setattr(self, name, nnx.Param(init(shape, dtype)))
 
     def arrays(self) -> dict[str, jax.Array]:
-        """Every stacked leaf as an array, by name (what the scanned layer body reads); a
-        quantized weight (a GGUF import's own) as it is."""
-        leaves = {k: v.get_value() for k, v in vars(self).items() if _is_variable(v)}
+        """Every stacked leaf by name as device arrays (host arrays cannot take the scan's
+        traced index); a quantized weight keeps its type, its arrays made device arrays."""
         return {
-            k: x if isinstance(x, QUANTIZED_WEIGHTS) else jnp.asarray(x) for k, x in leaves.items()
+            k: jax.tree.map(jnp.asarray, v.get_value())
+            for k, v in vars(self).items()
+            if isinstance(v, nnx.Variable)
         }
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)

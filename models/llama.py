@@ -25,67 +25,32 @@ every matmul to `linear_fn(x, w, index, norm=None, silu_gate=None, residual=None
 stacked weight, so the engine can run decode steps' few-row matmuls in a native CPU kernel that
 reads each layer's weight in place, applies the norm or the MLP's activation as it packs x and
 adds the skip connection as it stores the product.
+
+The module is also the family's declaration (``FAMILY``, models/family.py): its config.json
+parsing, its safetensors and GGUF weight names, its tensor-parallel split and the features
+it refuses. Granite (models/granite.py) is declared on this layer, through the four
+``ModelConfig`` scalars it reads (embedding, residual and attention multipliers, logits
+scaling).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from .config import ModelConfig
-from .layers import apply_rope, dense_causal_attention, rms_norm
+from .config import ModelConfig, RopeScaling
+from .family import GgufLayout, GgufMetadata, ModelFamily
+from .layers import StackedParams, apply_rope, dense_causal_attention, rms_norm
 from .lora import LoraInputs, lora_delta
 from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
-
-
-class AttentionFn(Protocol):
-    """Attention of one layer over the new tokens and whatever ``cache`` holds: the paged
-    engine writes k and v into its KV pool and runs ragged paged attention; a dense forward
-    uses `dense_causal_attention`."""
-
-    def __call__(
-        self,
-        q: jax.Array,  # [T, Hq, hd]
-        k: jax.Array,  # [T, Hkv, hd]
-        v: jax.Array,  # [T, Hkv, hd]
-        layer: jax.Array | int,  # int32 []
-        cache: Any,
-        *,
-        sm_scale: float | None = None,  # None: hd ** -0.5
-        sliding_window: int | None = None,  # attend to the last this-many positions only
-        soft_cap: float | None = None,
-        alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi biases (models/bloom.py)
-    ) -> tuple[jax.Array, Any]:  # (out [T, Hq, hd], cache)
-        ...
-
-
-Params = dict[str, Any]
-
-
-class RMSNorm(NamedTuple):
-    """An RMSNorm for `linear_fn` to apply to x's rows before the product."""
-
-    weight: jax.Array  # [K]
-    eps: float
-
-
-class LinearFn(Protocol):
-    def __call__(
-        self,
-        x: jax.Array,  # [T, K]
-        w: jax.Array,  # [L, N, K] stacked [out, in] weights, or a quant.QuantizedWeight
-        index: jax.Array | int,  # int32 []
-        *,
-        norm: RMSNorm | None = None,
-        silu_gate: jax.Array | None = None,  # [T, K]
-        residual: jax.Array | None = None,  # [T, N]
-    ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ w[index].T  [T, N]
-        ...
+from .types import AttentionFn, LinearFn, Params, RMSNorm, TensorReader
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:
@@ -222,17 +187,19 @@ def _layer(
     q = apply_rope(q, positions, inv_freq, rope_attention_factor(c))
     k = apply_rope(k, positions, inv_freq, rope_attention_factor(c))
 
-    window = {} if c.sliding_window is None else {"sliding_window": c.sliding_window}
-    attn, cache = attention_fn(q, k, v, layer, cache, **window)  # [T, Hq, hd]
+    options = {} if c.sliding_window is None else {"sliding_window": c.sliding_window}
+    if c.attention_multiplier is not None:  # Granite's attention scale
+        options["sm_scale"] = c.attention_multiplier
+    attn, cache = attention_fn(q, k, v, layer, cache, **options)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
-    x = linear_fn(attn, w["wo"], layer, residual=x)
-    if lora is not None:
-        x = x + lora_delta(attn, lora, "o", layer)
+    o_delta = None if lora is None else lora_delta(attn, lora, "o", layer)
+    x = _residual_add(x, linear_fn, attn, w["wo"], layer, o_delta, c.residual_multiplier)
 
     if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype;
         # the engine refuses LoRA for MoE models
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
-        return x + _moe_mlp(h, layers, layer, c).astype(x.dtype), cache
+        out = _moe_mlp(h, layers, layer, c).astype(x.dtype)
+        return x + out * jnp.asarray(c.residual_multiplier, x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
     gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
@@ -240,10 +207,32 @@ def _layer(
     if lora is not None:
         gate = gate + lora_delta(x, lora, "gate", layer, norm=mlp_norm)
         up = up + lora_delta(x, lora, "up", layer, norm=mlp_norm)
-    x = linear_fn(up, w["w_down"], layer, silu_gate=gate, residual=x)
-    if lora is not None:
-        x = x + lora_delta(up, lora, "down", layer, silu_gate=gate)
+    down_delta = None if lora is None else lora_delta(up, lora, "down", layer, silu_gate=gate)
+    x = _residual_add(
+        x, linear_fn, up, w["w_down"], layer, down_delta, c.residual_multiplier, silu_gate=gate
+    )
     return x, cache
+
+
+def _residual_add(
+    residual: jax.Array,  # [T, N]
+    linear_fn: LinearFn,
+    x: jax.Array,  # [T, K]
+    w: jax.Array,  # [L, N, K]
+    index: jax.Array | int,  # int32 []
+    delta: jax.Array | None,  # [T, N]: the LoRA term of the same product
+    multiplier: float,  # Granite's residual_multiplier
+    **options: Any,
+) -> jax.Array:  # [T, N]
+    """``residual + multiplier * (x @ w[index].T + delta)``; with multiplier 1 the add is
+    ``linear_fn``'s fused epilogue."""
+    if multiplier == 1.0:
+        out = linear_fn(x, w, index, residual=residual, **options)
+        return out if delta is None else out + delta
+    out = linear_fn(x, w, index, **options)
+    if delta is not None:
+        out = out + delta
+    return residual + out * jnp.asarray(multiplier, out.dtype)
 
 
 def _moe_mlp(
@@ -290,7 +279,8 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         shapes = param_shapes(config)
         self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
-        self.layers = _StackedLayers(shapes["layers"], dtype)
+        norms = [name for name in shapes["layers"] if name.endswith("norm")]
+        self.layers = StackedParams(shapes["layers"], dtype, ones=norms)
         self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
         if not config.tie_word_embeddings if lm_head is None else lm_head:
             self.lm_head = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
@@ -333,15 +323,12 @@ class LlamaForCausalLM(nnx.Module):
         linear_fn = linear_fn or linear_xla
         # a quantized table's rows come out float32: back to the params' dtype
         x = embedding_rows(self.embed.get_value(), tokens).astype(self.final_norm[...].dtype)
+        if config.embedding_multiplier != 1.0:  # Granite
+            x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
         if activation_dtype is not None:
             x = x.astype(activation_dtype)
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-        # host arrays can't take a traced index
-        layers = {
-            k: jax.tree.map(jnp.asarray, v.get_value())
-            for k, v in vars(self.layers).items()
-            if _is_param(v)
-        }
+        layers = self.layers.arrays()
 
         def body(carry, layer):
             x, cache = carry
@@ -361,11 +348,15 @@ class LlamaForCausalLM(nnx.Module):
         *,
         linear_fn: LinearFn | None = None,
     ) -> jax.Array:
-        """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``)."""
+        """Vocabulary logits [T, V] in float32 (tied embeddings reuse ``embed``), divided
+        by ``config.logits_scaling``."""
         w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
         if linear_fn is not None:
-            return linear_fn(hidden, w[None], 0).astype(jnp.float32)
-        return vocab_logits(hidden, w)
+            logits = linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        else:
+            logits = vocab_logits(hidden, w)
+        scaling = self.config.logits_scaling  # Granite divides the logits by it
+        return logits if scaling == 1.0 else logits / scaling
 
     # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
     @staticmethod
@@ -377,21 +368,6 @@ class LlamaForCausalLM(nnx.Module):
     @staticmethod
     def streamed_weights(params: Params) -> list[jax.Array]:
         return streamed_weights(params)
-
-
-class _StackedLayers(nnx.Module):
-    """Every decoder layer's weights, stacked on a leading L axis (one nnx.Param per leaf of
-    ``param_shapes(config)["layers"]``), so the decoder is one ``lax.scan`` and a native
-    matmul reads layer l of a weight in place."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: Any) -> None:
-        for name, shape in shapes.items():
-            init = jnp.ones if name.endswith("norm") else jnp.zeros
-            setattr(self, name, nnx.Param(init(shape, dtype)))
-
-
-def _is_param(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def forward(
@@ -424,3 +400,336 @@ def compute_logits(
     """`LlamaForCausalLM.compute_logits` over a params tree: float32 logits [T, V]."""
     model = LlamaForCausalLM.from_params(config, params)
     return model.compute_logits(hidden, linear_fn=linear_fn)
+
+
+# ------------------------------------------------------------------- config
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+# MoE families (Qwen3-MoE's count is num_experts, saved by transformers 5 as num_local_experts)
+_MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+
+
+def _check_qwen3_moe(d: Mapping) -> None:
+    """ValueError naming a Qwen3-MoE option jaxpaged does not run: dense MLP layers among
+    the sparse ones."""
+    if d.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"unsupported qwen3_moe option decoder_sparse_step={d['decoder_sparse_step']} "
+            "(dense MLP layers between the sparse ones); jaxpaged runs 1"
+        )
+    if d.get("mlp_only_layers"):
+        raise ValueError(
+            f"unsupported qwen3_moe option mlp_only_layers={list(d['mlp_only_layers'])} "
+            "(dense MLP layers); jaxpaged runs []"
+        )
+
+
+def config_fields(d: Mapping) -> dict[str, Any]:
+    """ModelConfig fields of a Llama-family config.json, transformers 4 (`rope_theta`,
+    `rope_scaling`) or 5 (`rope_parameters`); ValueError naming an option jaxpaged does not
+    run. Families built on this layout (models/granite.py) start from these fields."""
+    model_type = d.get("model_type")
+    num_heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if "original_max_position_embeddings" in d:  # Phi-3 keeps it beside rope_scaling
+        rope = {
+            "original_max_position_embeddings": d["original_max_position_embeddings"],
+            **rope,
+        }
+    rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    max_pos = d.get("max_position_embeddings", 2048)
+    windowed = ("mistral", "phi3", "mixtral")
+    window = d.get("sliding_window") if model_type in windowed else None
+    if d.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
+        raise ValueError(
+            f"unsupported {model_type} option use_sliding_window=True (sliding window "
+            "attention on the layers from max_window_layers on)"
+        )
+    if model_type == "qwen3_moe":
+        _check_qwen3_moe(d)
+    scaling = RopeScaling.from_hf_dict(rope, max_pos)
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dict(
+        model_type=model_type,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d[
+            "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+        ],
+        num_layers=d["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=d.get("num_key_value_heads") or num_heads,
+        head_dim=d.get("head_dim") or hidden // num_heads,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        sliding_window=int(window) if window else None,
+        num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0)
+        if model_type in _MOE_MODEL_TYPES
+        else 0,
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        # Mixtral always renormalizes; Qwen3-MoE as its config says (transformers: False)
+        norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+    )
+
+
+def parse_config(d: Mapping) -> ModelConfig:
+    return ModelConfig(**config_fields(d))
+
+
+# ------------------------------------------------------------------- loading
+
+
+def hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """HF name -> expected shape of layer i's tensors."""
+    c = config
+    p = f"model.layers.{i}."
+    d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    names = {
+        p + "input_layernorm.weight": (d,),
+        p + "self_attn.q_proj.weight": (c.num_heads * hd, d),
+        p + "self_attn.k_proj.weight": (c.num_kv_heads * hd, d),
+        p + "self_attn.v_proj.weight": (c.num_kv_heads * hd, d),
+        p + "self_attn.o_proj.weight": (d, c.num_heads * hd),
+        p + "post_attention_layernorm.weight": (d,),
+        p + "mlp.gate_proj.weight": (f, d),
+        p + "mlp.up_proj.weight": (f, d),
+        p + "mlp.down_proj.weight": (d, f),
+    }
+    if c.num_experts:  # Mixtral: a router and E experts (w1 gate, w3 up, w2 down)
+        del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
+        del names[p + "mlp.down_proj.weight"]
+        moe, (gate, up, down) = _moe_names(c)
+        names[p + moe + "gate.weight"] = (c.num_experts, d)
+        for e in range(c.num_experts):
+            names[p + moe + f"experts.{e}.{gate}.weight"] = (f, d)
+            names[p + moe + f"experts.{e}.{up}.weight"] = (f, d)
+            names[p + moe + f"experts.{e}.{down}.weight"] = (d, f)
+    if c.model_type == "phi3":  # q, k, v fused in one projection; gate and up in another
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del names[p + f"self_attn.{name}.weight"]
+        del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
+        names[p + "self_attn.qkv_proj.weight"] = ((c.num_heads + 2 * c.num_kv_heads) * hd, d)
+        names[p + "mlp.gate_up_proj.weight"] = (2 * f, d)
+    if c.qkv_bias:
+        names[p + "self_attn.q_proj.bias"] = (c.num_heads * hd,)
+        names[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * hd,)
+        names[p + "self_attn.v_proj.bias"] = (c.num_kv_heads * hd,)
+    if c.qk_norm:
+        names[p + "self_attn.q_norm.weight"] = (hd,)
+        names[p + "self_attn.k_norm.weight"] = (hd,)
+    return names
+
+
+def _moe_names(config: ModelConfig) -> tuple[str, tuple[str, str, str]]:
+    """The sparse MLP's module prefix in a layer and its experts' gate, up and down names."""
+    if config.model_type == "mixtral":
+        return "block_sparse_moe.", ("w1", "w3", "w2")
+    return "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _fill_layer(out: dict[str, Any], i: int, read: TensorReader, config: ModelConfig) -> None:
+    """Write layer i of the stacked, fused host arrays from its HF tensors."""
+    c = config
+    p = f"model.layers.{i}."
+    shapes = hf_layer_tensors(c, i)
+    g, hkv, hd, d = c.queries_per_kv, c.num_kv_heads, c.head_dim, c.hidden_size
+    r = lambda n: read(p + n, shapes[p + n])
+
+    out["attn_norm"][i] = r("input_layernorm.weight")
+    out["mlp_norm"][i] = r("post_attention_layernorm.weight")
+    if c.model_type == "phi3":
+        qkv = r("self_attn.qkv_proj.weight")  # rows: q heads, then k heads, then v heads
+        q_rows, kv_rows = c.num_heads * hd, hkv * hd
+        wq, wk, wv = np.split(qkv, [q_rows, q_rows + kv_rows])
+        wg, wu = np.split(r("mlp.gate_up_proj.weight"), 2)  # gate rows, then up rows
+    else:
+        wq, wk, wv = (r(f"self_attn.{n}_proj.weight") for n in "qkv")
+    wqkv = out["wqkv"][i]  # [Hkv, G + 2, hd, D]
+    wqkv[:, :g] = wq.reshape(hkv, g, hd, d)
+    wqkv[:, g] = wk.reshape(hkv, hd, d)
+    wqkv[:, g + 1] = wv.reshape(hkv, hd, d)
+    if c.qkv_bias:
+        bqkv = out["bqkv"][i]  # [Hkv, G + 2, hd]
+        bqkv[:, :g] = r("self_attn.q_proj.bias").reshape(hkv, g, hd)
+        bqkv[:, g] = r("self_attn.k_proj.bias").reshape(hkv, hd)
+        bqkv[:, g + 1] = r("self_attn.v_proj.bias").reshape(hkv, hd)
+    if c.qk_norm:
+        out["q_norm"][i] = r("self_attn.q_norm.weight")
+        out["k_norm"][i] = r("self_attn.k_norm.weight")
+    out["wo"][i] = r("self_attn.o_proj.weight").reshape(d, hkv, g, hd)
+    if c.num_experts:
+        moe, (gate, up, down) = _moe_names(c)
+        out["router"][i] = r(moe + "gate.weight")
+        for e in range(c.num_experts):
+            expert = f"{moe}experts.{e}."
+            out["w_experts_gate_up"][i, e, 0] = r(expert + gate + ".weight")
+            out["w_experts_gate_up"][i, e, 1] = r(expert + up + ".weight")
+            out["w_experts_down"][i, e] = r(expert + down + ".weight")
+        return
+    if c.model_type != "phi3":
+        wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")
+    out["w_gate_up"][i, 0] = wg
+    out["w_gate_up"][i, 1] = wu
+    out["w_down"][i] = r("mlp.down_proj.weight")
+
+
+def load_host_params(
+    read: TensorReader, config: ModelConfig, layers: dict[str, Any]
+) -> dict[str, Any]:
+    """The params tree from HF tensors: ``layers`` (the stacked buffers of
+    ``param_shapes(config)["layers"]``, float or a pre-quantized checkpoint's) filled in
+    place, the embedding, final norm and vocabulary projection read."""
+    for i in range(config.num_layers):
+        _fill_layer(layers, i, read, config)
+    d, v = config.hidden_size, config.vocab_size
+    host: dict[str, Any] = {
+        "embed": read("model.embed_tokens.weight", (v, d)),
+        "layers": layers,
+        "final_norm": read("model.norm.weight", (d,)),
+    }
+    if not config.tie_word_embeddings:
+        host["lm_head"] = read("lm_head.weight", (v, d))
+    return host
+
+
+# ------------------------------------------------------------------- family
+
+# Megatron split over the params layout above (distributed/parallel.py): q/k/v and the
+# output projection by KV heads, the MLP by F, the vocabulary by V
+SPLIT_AXES: Mapping[str, int] = MappingProxyType(
+    {
+        "layers/wqkv": 1,
+        "layers/bqkv": 1,
+        "layers/wo": 2,
+        "layers/w_gate_up": 2,
+        "layers/w_down": 2,
+        "layers/w_experts_gate_up": 3,
+        "layers/w_experts_down": 3,
+        "embed": 0,
+        "lm_head": 0,
+    }
+)
+
+# llama.cpp's per-layer tensor names -> transformers' (convert_hf_to_gguf.py)
+GGUF_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+_GGUF_NORMS = MappingProxyType(
+    {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+)
+
+
+def _gguf_config(g: GgufMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """A Llama GGUF file's biases and Llama 3.1 rope scaling."""
+    return {
+        **config,
+        "attention_bias": g.has_tensor("blk.0.attn_q.bias"),
+        "mlp_bias": g.has_tensor("blk.0.ffn_up.bias"),
+        "rope_scaling": _gguf_rope_scaling(g, config["head_dim"], config["rope_theta"]),
+    }
+
+
+def _gguf_rope_scaling(g: GgufMetadata, head_dim: int, theta: float) -> dict | None:
+    """Recover Llama 3.1 rope scaling, which llama.cpp stores only as the `rope_freqs` tensor
+    (per-frequency divisors), by matching it against the parameters Meta published."""
+    if not g.has_tensor("rope_freqs.weight"):
+        return None
+    factors = g.float_tensor("rope_freqs.weight").reshape(-1)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        for low, high, original in ((1.0, 4.0, 8192),):
+            low_wl, high_wl = original / low, original / high
+            smooth = (original / wavelen - low) / (high - low)
+            expect = np.where(
+                wavelen < high_wl,
+                1.0,
+                np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+            )
+            if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-4):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": original,
+                }
+    raise ValueError(
+        f"GGUF tensor 'rope_freqs.weight' of {g.path} matches no known llama3 rope scaling"
+    )
+
+
+def _refused(config: ModelConfig) -> dict[str, str]:
+    refused = {}
+    if config.num_experts:
+        refused["lora"] = "LoRA on mixture-of-experts models is not supported"
+        refused["gguf_quantized"] = "a mixture-of-experts GGUF import is read as floats"
+    if config.model_type == "phi3":
+        refused["prequantized"] = (
+            "its fused qkv_proj and gate_up_proj are read as floats only; load its float "
+            "checkpoint instead"
+        )
+    if config.model_type not in ("llama", "qwen2") or config.qk_norm:
+        refused.setdefault("gguf_quantized", "no GGUF layout of this model type is read quantized")
+    return refused
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ),  # fmt: skip
+    model_types=MODEL_TYPES,
+    parse_config=parse_config,
+    module=LlamaForCausalLM,
+    param_shapes=param_shapes,
+    load_host_params=load_host_params,
+    split_axes=SPLIT_AXES,
+    gguf=(
+        GgufLayout(
+            architecture="llama",
+            model_type="llama",
+            hf_architecture="LlamaForCausalLM",
+            layer_tensors=GGUF_LAYER_TENSORS,
+            permuted_qk=True,  # llama.cpp permutes q/k rows for this architecture only
+            layer_norms=_GGUF_NORMS,
+            config_fields=_gguf_config,
+        ),
+        GgufLayout(
+            architecture="qwen2",
+            model_type="qwen2",
+            hf_architecture="Qwen2ForCausalLM",
+            layer_tensors=GGUF_LAYER_TENSORS,
+            layer_norms=_GGUF_NORMS,
+        ),
+    ),
+    refused=_refused,
+)

@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from .config import ModelConfig
-from .llama import AttentionFn
+from .types import AttentionFn
 
 
 @runtime_checkable

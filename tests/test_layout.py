@@ -1,6 +1,7 @@
-"""The package's shape: module-level imports form no cycle, and dependencies point one way
-(serving -> engine -> sched and worker -> models and kernels; sched imports no JAX; kernels
-import nothing else of jaxpaged's). Read from the sources with ``ast``, so nothing is imported."""
+"""The package's shape: imports form no cycle, not even through imports inside functions,
+and dependencies point one way (serving -> engine -> sched and worker -> models and kernels;
+sched imports no JAX; kernels import nothing else of jaxpaged's). Read from the sources with
+``ast``, so nothing is imported."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """jaxpaged modules imported by ``name`` when it is imported (module level only: imports
-    inside functions run later and cannot form an import-time cycle)."""
+def _imports(name: str, path: Path, known: set[str], *, in_functions: bool) -> set[str]:
+    """jaxpaged modules imported by ``name``: at module level, and with ``in_functions``
+    also inside functions and the modules it imports by name (``importlib.import_module``
+    over a table of module names, as models/registry.py does). An import inside a function
+    forms no import-time cycle, but it is a dependency all the same: a cycle through one
+    only waits for the first call."""
     tree = ast.parse(path.read_text())
     is_package = path.name == "__init__.py"
     found: set[str] = set()
@@ -39,7 +43,9 @@ def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
         if target and target != name:
             found.add(target)
 
-    for node in tree.body:
+    nodes = ast.walk(tree) if in_functions else tree.body
+    by_name = False
+    for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name)
@@ -52,17 +58,25 @@ def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = f"{pkg}.{base}" if base else pkg
             for alias in node.names:
                 add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+        elif isinstance(node, ast.Attribute) and node.attr == "import_module":
+            by_name = True
+    if by_name:  # every string of the module that names a module, absolute or in its package
+        package = name if is_package else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for target in (node.value, f"{package}.{node.value}"):
+                    if target in known and target != name:
+                        found.add(target)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, in_functions: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    return {m: _top_level_imports(m, p, known) for m, p in modules.items()}
+    return {m: _imports(m, p, known, in_functions=in_functions) for m, p in modules.items()}
 
 
-def test_no_import_cycles():
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1 = on the stack, 2 = done
     stack: list[str] = []
     cycles = []
@@ -84,11 +98,41 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_no_import_cycles_through_imports_inside_functions():
+    cycles = _cycles(_graph(in_functions=True))
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    """The check fails on a cycle hidden in a function-level import (as models/config.py
+    <-> models/gpt.py once was) and on one through a by-name import."""
+    pkg = tmp_path / "fake"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "c.py").write_text(
+        "import importlib\nT = {'k': 'd'}\ndef g(m):\n    return importlib.import_module(m)\n"
+    )
+    (pkg / "d.py").write_text("from .c import T\n")
+    monkeypatch.setitem(ROOTS, "jaxpaged.fake", pkg)
+    cycles = _cycles(_graph(in_functions=True))
+    assert ["jaxpaged.fake.a", "jaxpaged.fake.b", "jaxpaged.fake.a"] in cycles
+    assert ["jaxpaged.fake.c", "jaxpaged.fake.d", "jaxpaged.fake.c"] in cycles
+    assert not any("jaxpaged.fake.a" in c for c in _cycles(_graph()))
+
+
 def _imports_of(prefix: str) -> dict[str, set[str]]:
-    return {m: deps for m, deps in _graph().items() if m == prefix or m.startswith(prefix + ".")}
+    graph = _graph(in_functions=True)
+    return {m: deps for m, deps in graph.items() if m == prefix or m.startswith(prefix + ".")}
 
 
 def test_sched_is_plain_python():

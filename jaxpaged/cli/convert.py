@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from jaxpaged.distributed.orbax import MARKER, numpy_dtype, save_params
-from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.registry import load_config
 
 _SKIP_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf")
 
@@ -33,7 +33,7 @@ def convert(
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"OUT: {out!r} exists and is not empty; choose a new folder")
     folder = resolve_model_folder(model)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_config(folder)
     if dtype is None:
         dtype = config.torch_dtype if config.torch_dtype in DTYPES else "float32"
     numpy_dtype(dtype)

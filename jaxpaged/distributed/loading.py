@@ -16,7 +16,8 @@ from jaxpaged.distributed.parallel import (
     replicate_kv_heads,
 )
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import Params
+from jaxpaged.models.registry import load_config
+from jaxpaged.models.types import Params
 
 
 def load_params(
@@ -43,7 +44,7 @@ def load_params(
     if mesh is None:
         return load_model(folder, dtype=dtype, progress=progress, quantization=quantization)
     n = mesh_size(mesh)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_config(folder)
     kv_replication(config, n)  # fail before reading any weight
 
     def transform(cfg: ModelConfig, host: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:

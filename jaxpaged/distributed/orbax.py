@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxpaged.distributed import parallel
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import family_param_shapes as param_shapes
-from jaxpaged.models.llama import Params
+from jaxpaged.models.registry import family_of, load_config
+from jaxpaged.models.types import Params
 
 MARKER = "jaxpaged_orbax.json"
 PARAMS_DIR = "params"
@@ -96,14 +96,14 @@ def restore(
 
     folder = os.path.abspath(os.fspath(folder))
     marker = _read_marker(folder)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_config(folder)
     if dtype is None:
         dtype = "float32" if jax.default_backend() == "cpu" else marker["dtype"]
     np_dtype = numpy_dtype(dtype)
     n = parallel.mesh_size(mesh)
     on_host = parallel.kv_replication(config, n) > 1  # KV leaves need rewriting first
     run_config = parallel.tp_config(config, n)
-    run_shapes = param_shapes(run_config)
+    run_shapes = family_of(run_config).param_shapes(run_config)
     shard_fn = (
         parallel.param_sharding_fn(mesh, config)
         if mesh is not None
@@ -117,7 +117,7 @@ def restore(
             sharding=shard_fn(path, shape), global_shape=tuple(shape), dtype=np_dtype
         )
 
-    args = _walk(param_shapes(config), restore_arg)
+    args = _walk(family_of(config).param_shapes(config), restore_arg)
     restored = ocp.PyTreeCheckpointer().restore(os.path.join(folder, PARAMS_DIR), restore_args=args)
     if not on_host:
         return config, restored

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -68,58 +67,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.config import (
-    BLOOM_MODEL_TYPES,
-    GEMMA_MODEL_TYPES,
-    GPT_MODEL_TYPES,
-    LLAMA_MODEL_TYPES,
-    ModelConfig,
-)
-from jaxpaged.models.llama import Params
+from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.loader import scales_sharding
 from jaxpaged.models.quant import GroupedWeight, QuantizedWeight
 from jaxpaged.models.quant.grouped import grouped_sharding_tree
+from jaxpaged.models.registry import check_feature, family_for_model_type
+from jaxpaged.models.types import Params
 
 AXIS = "tp"
 
-# Axis of each leaf that is split over the mesh, per family layout (absent: replicated).
-# Vocabulary-sized leaves are split only when N divides V (see `leaf_spec`).
-_LLAMA_SPLIT_AXIS: Mapping[str, int] = MappingProxyType(
-    {
-        "layers/wqkv": 1,
-        "layers/bqkv": 1,
-        "layers/wo": 2,
-        "layers/w_gate_up": 2,
-        "layers/w_down": 2,
-        "layers/w_experts_gate_up": 3,
-        "layers/w_experts_down": 3,
-        # the plain (non-gated) MLP of models/bloom.py: column- then row-parallel
-        "layers/w_fc": 1,
-        "layers/b_fc": 1,
-        "layers/w_proj": 2,
-        "embed": 0,
-        "lm_head": 0,
-    }
-)
-_GPT_SPLIT_AXIS: Mapping[str, int] = MappingProxyType(
-    {
-        "layers/wqkv": 2,
-        "layers/bqkv": 2,
-        "layers/wo": 2,
-        "layers/w_fc": 1,
-        "layers/b_fc": 1,
-        "layers/w_proj": 2,
-        "embed": 0,
-        "lm_head": 0,
-    }
-)
-# the families whose weights jaxpaged knows how to split
-TP_MODEL_TYPES = (
-    *LLAMA_MODEL_TYPES,
-    *BLOOM_MODEL_TYPES,
-    *GEMMA_MODEL_TYPES,
-    *GPT_MODEL_TYPES,
-)
+# Each family declares the axis of each leaf that is split over the mesh (its
+# ``ModelFamily.split_axes``); vocabulary-sized leaves are split only when N divides V (see
+# `leaf_spec`).
 _VOCAB_LEAVES = ("embed", "lm_head")
 # the pool arrays' split: the KV-head axis (trailing axes unnamed, so replicated whole)
 _POOL_SPEC = P(None, None, AXIS)
@@ -155,11 +114,8 @@ def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
     """How many copies of each KV head N devices need (1 = plain split); ValueError naming
     the config field when N cannot split the model."""
     n, c = tensor_parallel_size, config
-    if n > 1 and c.model_type not in TP_MODEL_TYPES:
-        raise ValueError(
-            f"tensor_parallel_size={n}: tensor parallelism supports the model types "
-            f"{', '.join(TP_MODEL_TYPES)}, not model_type {c.model_type!r}"
-        )
+    if n > 1:
+        check_feature(c, "tensor_parallel", f"tensor_parallel_size={n}")
     if c.num_heads % n:
         raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}")
     if c.intermediate_size % n:
@@ -231,8 +187,8 @@ def replicate_kv_heads(
 
 def split_axes(model_type: str) -> Mapping[str, int]:
     """Leaf path -> the axis N devices split (leaves absent are replicated), for the params
-    layout of ``model_type``'s family."""
-    return _GPT_SPLIT_AXIS if model_type in GPT_MODEL_TYPES else _LLAMA_SPLIT_AXIS
+    layout of ``model_type``'s family, as the family declares it."""
+    return family_for_model_type(model_type).split_axes
 
 
 def leaf_spec(

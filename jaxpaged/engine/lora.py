@@ -15,8 +15,7 @@ from typing import Any
 from jaxpaged.config import LoraConfig
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import family_class
-from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.registry import check_feature
 from jaxpaged.worker.lora import LoraAdapters
 
 __all__ = ["LoRARequest", "build_adapters", "read_adapter"]
@@ -35,12 +34,9 @@ def build_adapters(
     a model or setting LoRA does not support, or an adapter that does not fit."""
     if not config.enable_lora:
         return None
-    if own_model or family_class(model_config) is not LlamaForCausalLM:
-        raise ValueError(
-            f"enable_lora: LoRA is supported for the Llama family only, not {model_config.model_type!r}"
-        )
-    if model_config.num_experts:
-        raise ValueError("enable_lora: LoRA on mixture-of-experts models is not supported")
+    if own_model:
+        raise ValueError("enable_lora: LoRA is not supported for a model of your own")
+    check_feature(model_config, "lora", "enable_lora")
     if tensor_parallel_size > 1:
         raise ValueError("enable_lora: not supported with tensor_parallel_size > 1 yet")
     if num_hosts > 1:

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import family_class
+from jaxpaged.models.registry import family_of
 
 __all__ = ["ModelHooks"]
 
@@ -30,7 +30,7 @@ class ModelHooks:
         """The hooks of a jaxpaged family (``graphdef`` None) or of the model ``graphdef``
         describes."""
         model_class = (
-            family_class(model_config) if graphdef is None else type(nnx.merge(graphdef, params))
+            family_of(model_config).module if graphdef is None else type(nnx.merge(graphdef, params))
         )
         return cls(model_config, model_class)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import BLOOM_MODEL_TYPES, GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from ..config import ModelConfig
+from ..registry import check_feature
 from .grouped import GroupedWeight
 from .weights import METHODS, QuantizedWeight, quantize_array
 
@@ -40,13 +41,9 @@ def check_quantization(config: ModelConfig, method: str) -> None:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
     if method == "none":
         return
-    if method == "gguf" and config.model_type in GEMMA_MODEL_TYPES:
-        return  # a Gemma 3 GGUF import's own weights (models/gguf_params.py)
-    if config.model_type in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + BLOOM_MODEL_TYPES:
-        raise ValueError(
-            f"quantization={method!r} is not supported for model_type {config.model_type!r} "
-            "(the Llama family only)"
-        )
+    # "gguf": a GGUF import's own weights (models/gguf_params.py), which the family reads
+    feature = "gguf_quantized" if method == "gguf" else "quantization"
+    check_feature(config, feature, f"quantization={method!r}")
 
 
 def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str) -> dict:

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import GEMMA_MODEL_TYPES, GPT_MODEL_TYPES, ModelConfig
+from ..config import ModelConfig
+from ..registry import family_of
 from .checkpoint import CheckpointQuantization
 from .gptq_awq import awq_weight, gptq_weight, unpack_int4_words
 from .grouped import GroupedWeight, pack_nibbles
@@ -43,7 +44,8 @@ __all__ = [
     "prequantized_reading",
 ]
 
-# stacked leaf -> the HF modules of one layer that fill it (the Llama family, not phi3)
+# stacked leaf -> the HF modules of one layer that fill it: the Llama layout's, which the
+# families that do not refuse "prequantized" share (Llama without phi3, Granite)
 _LEAF_MODULES = {
     "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "wo": ("self_attn.o_proj",),
@@ -53,14 +55,13 @@ _LEAF_MODULES = {
 
 
 def check_prequantized(config: ModelConfig, quant: CheckpointQuantization, folder: str) -> None:
-    """ValueError, before any weight is read, for a model family whose pre-quantized
-    checkpoints are not read (its layout code reads float tensors only)."""
-    family = config.model_type
-    if family in GPT_MODEL_TYPES + GEMMA_MODEL_TYPES + ("phi3",):
+    """ValueError, before any weight is read, for a model whose family declares that its
+    pre-quantized checkpoints are not read."""
+    reason = family_of(config).refusal("prequantized", config)
+    if reason is not None:
         raise ValueError(
-            f"checkpoint {folder!r}: pre-quantized ({quant.format_name}) {family} checkpoints "
-            "are not read (the Llama family without fused projections only); load its float "
-            "checkpoint instead"
+            f"checkpoint {folder!r}: pre-quantized ({quant.format_name}) {config.model_type} "
+            f"checkpoints are not read: {reason}"
         )
 
 
@@ -309,12 +310,10 @@ def prequantized_reading(
     float (a leaf quantized only in part is dequantized, so that it is the checkpoint's
     weights exactly; vLLM too runs a checkpoint's ignored modules in float)."""
     check_prequantized(config, quant, folder)
-    from ..llama import param_shapes
-
     marker = "." + quant.marker
     kept = {"lm_head.weight"} if "lm_head" + marker in st else set()
     layers: dict[str, Any] = {}
-    for name, shape in param_shapes(config)["layers"].items():
+    for name, shape in family_of(config).param_shapes(config)["layers"].items():
         modules = [
             f"model.layers.{i}.{module}"
             for i in range(config.num_layers)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..llama import LinearFn, compute_logits, forward
+from ..llama import compute_logits, forward
+from ..types import LinearFn
 
 __all__ = ["first_divergence", "perplexity", "perplexity_of", "sequence_logits"]
 

@@ -15,8 +15,9 @@ from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.kernels import cpu
-from jaxpaged.models import ModelConfig, load_model
+from jaxpaged.models import load_model
 from jaxpaged.models.bloom import BloomForCausalLM
+from jaxpaged.models.registry import parse_config
 from jaxpaged.worker.compile_counter import CompileCounter
 
 VOCAB = 320
@@ -142,13 +143,13 @@ def test_greedy_through_the_paged_engine(built, backend):
 def test_unsupported_option_is_refused_by_name():
     d = _hf_config(slow_but_exact=True, pretraining_tp=2).to_dict()
     with pytest.raises(ValueError, match="slow_but_exact"):
-        ModelConfig.from_hf_dict(d)
+        parse_config(d)
 
 
 def test_tpu_backend_refuses_alibi_naming_the_model():
     from jaxpaged.engine.platform_choice import engine_platform
 
-    config = ModelConfig.from_hf_dict(_hf_config().to_dict())
+    config = parse_config(_hf_config().to_dict())
     with pytest.raises(ValueError, match=r"'bloom'.*ALiBi.*'tpu'"):
         engine_platform(
             config,

@@ -17,8 +17,9 @@ import transformers
 from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models import ModelConfig, load_model
+from jaxpaged.models import load_model
 from jaxpaged.models.gemma import GemmaForCausalLM
+from jaxpaged.models.registry import parse_config
 
 VOCAB = 256
 SEQ = 24
@@ -153,13 +154,13 @@ def test_unsupported_options_are_refused_by_name(extra, named):
         num_attention_heads=2,
     )  # fmt: skip
     with pytest.raises(ValueError, match=named):
-        ModelConfig.from_hf_dict({**base, **extra})
+        parse_config({**base, **extra})
 
 
 def test_layer_pattern_from_older_configs():
     """transformers 4's Gemma 3 config.json: sliding_window_pattern and rope_local_base_freq
     in place of layer_types and per-type rope_parameters."""
-    config = ModelConfig.from_hf_dict(
+    config = parse_config(
         dict(
             model_type="gemma3_text", vocab_size=32, hidden_size=16, intermediate_size=32,
             num_hidden_layers=7, num_attention_heads=2, head_dim=8, sliding_window=4,
@@ -176,7 +177,7 @@ def test_tensor_parallel_split_rules():
     heads replicated past their count, a clear error where heads do not divide."""
     from jaxpaged.distributed.parallel import kv_replication
 
-    config = ModelConfig.from_hf_dict(FAMILIES["gemma2"]().config.to_dict())
+    config = parse_config(FAMILIES["gemma2"]().config.to_dict())
     assert (kv_replication(config, 2), kv_replication(config, 4)) == (1, 2)
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         kv_replication(config, 3)
@@ -186,4 +187,4 @@ def test_dynamic_rope_is_refused():
     d = FAMILIES["gemma2"]().config.to_dict()
     d["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="gemma2 rope type 'dynamic'"):
-        ModelConfig.from_hf_dict(d)
+        parse_config(d)

@@ -14,8 +14,9 @@ from flax import nnx
 
 import jaxpaged
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models import ModelConfig, load_model
+from jaxpaged.models import load_model
 from jaxpaged.models.gpt import GPTForCausalLM
+from jaxpaged.models.registry import parse_config
 
 VOCAB = 320
 SEQ = 24
@@ -167,7 +168,7 @@ def test_unsupported_options_are_refused_by_name(extra, named):
         num_attention_heads=2, n_head=2, ffn_dim=32,
     )  # fmt: skip
     with pytest.raises(ValueError, match=named):
-        ModelConfig.from_hf_dict({**base, **extra})
+        parse_config({**base, **extra})
 
 
 def test_tensor_parallel_split_rules():
@@ -177,7 +178,7 @@ def test_tensor_parallel_split_rules():
 
     from jaxpaged.distributed.parallel import kv_replication, leaf_spec
 
-    config = ModelConfig.from_hf_dict(FAMILIES["opt"]().config.to_dict())
+    config = parse_config(FAMILIES["opt"]().config.to_dict())
     assert kv_replication(config, 2) == 1
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         kv_replication(config, 3)

@@ -17,7 +17,8 @@ import transformers
 
 import jaxpaged
 from jaxpaged import SamplingParams
-from jaxpaged.models import ModelConfig, compute_logits, dense_causal_attention, forward, load_model
+from jaxpaged.models import compute_logits, dense_causal_attention, forward, load_model
+from jaxpaged.models.registry import parse_config
 
 TINY = dict(
     vocab_size=256,
@@ -307,4 +308,4 @@ def test_unsupported_options_are_refused_by_name(extra, named):
         num_attention_heads=2,
     )
     with pytest.raises(ValueError, match=named):
-        ModelConfig.from_hf_dict({**d, **extra})
+        parse_config({**d, **extra})

@@ -16,7 +16,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from jaxpaged.models import (
-    ModelConfig,
     ModelNotFoundError,
     TensorError,
     compute_logits,
@@ -27,6 +26,7 @@ from jaxpaged.models import (
     resolve_model_path,
 )
 from jaxpaged.models.loader import load_host_params
+from jaxpaged.models.registry import load_config, parse_config
 
 TINY = dict(
     vocab_size=256,
@@ -129,13 +129,13 @@ def test_rope_theta_in_either_config_style():
     old.update(rope_theta=500000.0, rope_scaling=scaling)
     new = {k: v for k, v in base.items() if k not in ("rope_theta", "rope_scaling")}
     new["rope_parameters"] = {**scaling, "rope_theta": 500000.0}
-    a, b = ModelConfig.from_hf_dict(old), ModelConfig.from_hf_dict(new)
+    a, b = parse_config(old), parse_config(new)
     assert a == b and a.rope_theta == 500000.0 and a.rope_scaling.factor == 4.0
 
 
 def test_put_on_device_places_each_leaf_with_its_sharding(qwen2):
     _, single, _ = qwen2
-    config = ModelConfig.from_pretrained(single)
+    config = load_config(single)
     host = load_host_params(single, config, np.dtype(np.float32), progress=False)
     device = jax.devices()[0]
     seen = {}

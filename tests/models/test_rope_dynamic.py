@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models import ModelConfig
+from jaxpaged.models.registry import parse_config
 from jaxpaged.models.rope import rope_inv_freq_at
 
 CONTEXT = 16  # max_position_embeddings: the length past which dynamic rescales
@@ -43,7 +43,7 @@ def test_frequencies_match_transformers(seq_len: int) -> None:
     hf = _hf_config()
     want, scale = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=seq_len)
     assert scale == 1.0
-    config = ModelConfig.from_hf_dict(hf.to_dict())
+    config = parse_config(hf.to_dict())
     assert config.rope_scaling.rope_type == "dynamic"
     positions = np.arange(seq_len, dtype=np.int32)[-3:]
     got = rope_inv_freq_at(config, positions, np.full(positions.shape, seq_len, np.int32))

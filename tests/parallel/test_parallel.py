@@ -43,6 +43,7 @@ SLOW_CHECKS = [
     "full_gemma3",
     "full_mixtral",
     "full_qwen3_moe",
+    "full_granite",
     "warmup_gemma3",
     "kv_int8_tp4",
     "kv_fp8",

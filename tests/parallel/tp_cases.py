@@ -96,6 +96,19 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             norm_std=2.0,
         ),  # fmt: skip
     ),
+    # the Llama layout with Granite's four scalars (models/granite.py), far from 1
+    "granite": (
+        "GraniteConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.4,
+            logits_scaling=2.5,
+        ),  # fmt: skip
+    ),
     # 4 experts, top 2: F of every expert split
     "mixtral": (
         "MixtralConfig",

@@ -366,6 +366,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "full_gemma3": lambda c: check_family_vs_hf(c, "gemma3_text", (2,), with_tp1=True),
     "full_mixtral": lambda c: check_family_vs_hf(c, "mixtral", (2, 4), with_tp1=True),
     "full_qwen3_moe": lambda c: check_family_vs_hf(c, "qwen3_moe", (2,), with_tp1=True),
+    "full_granite": lambda c: check_family_vs_hf(c, "granite", (2, 4), with_tp1=True),
     "warmup_gemma3": lambda c: check_warmup_family(c, "gemma3_text"),
     "kv_int8_tp4": lambda c: check_kv_8bit(c, "int8", (4,)),
     "kv_fp8": lambda c: check_kv_8bit(c, "fp8", (2, 4)),

@@ -16,11 +16,11 @@ import pytest
 from jaxpaged.kernels import cpu
 from jaxpaged.kernels.cpu.backend import CpuBackend
 from jaxpaged.models import load_tokenizer
-from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import map_matmul_weights
 from jaxpaged.models.loader import load_host_params
 from jaxpaged.models.quant import quantize_params
 from jaxpaged.models.quant.quality import perplexity_of, sequence_logits
+from jaxpaged.models.registry import load_config
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
 
@@ -30,7 +30,7 @@ TEXT_TOKENS = 256
 
 
 def test_bundled_int8_tracks_float32(bundled_model_path):
-    config = ModelConfig.from_pretrained(bundled_model_path)
+    config = load_config(bundled_model_path)
     host = load_host_params(bundled_model_path, config, np.float32, progress=False)
     ids = load_tokenizer(bundled_model_path)(TEXT.read_text())["input_ids"][:TEXT_TOKENS]
     want = sequence_logits(jax.tree.map(jnp.asarray, host), config, ids)

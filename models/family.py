@@ -1,0 +1,93 @@
+"""What a model family declares about itself (`ModelFamily`), so that the loader,
+quantization, tensor parallelism, LoRA and the GGUF code ask the declaration instead of
+testing the family's name. Each family module (llama.py, gpt.py, gemma.py, bloom.py,
+granite.py) defines one ``FAMILY``; models/registry.py finds it by architecture."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import numpy as np
+
+from .config import ModelConfig
+from .types import Params, TensorReader
+
+# The features a family may refuse, each checked in one place:
+# "tensor_parallel" (distributed/parallel.py), "lora" (engine/lora.py), "quantization"
+# (int8 / fp8 at load, quant/params.py), "prequantized" (AWQ, GPTQ, compressed-tensors
+# checkpoints, loader.py), "gguf_quantized" (a GGUF import's own quantized weights,
+# gguf_params.py).
+FEATURES = ("tensor_parallel", "lora", "quantization", "prequantized", "gguf_quantized")
+
+
+class GgufMetadata(Protocol):
+    """What a family's GGUF config reader sees of a GGUF file (models/gguf.py)."""
+
+    path: Path
+
+    def scalar(self, key: str, *, required: bool = True, default: Any = None) -> Any:
+        """A metadata value (ValueError naming the key if required and absent)."""
+        ...
+
+    def has_tensor(self, name: str) -> bool: ...
+
+    def float_tensor(self, name: str) -> np.ndarray:  # float32, HF layout [out, in]
+        ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GgufLayout:
+    """How one llama.cpp GGUF architecture maps onto a family's Hugging Face names (for
+    models/gguf.py, which writes a GGUF file out as a Hugging Face folder, and
+    models/gguf_params.py, which reads its quantized weights back)."""
+
+    architecture: str  # general.architecture in the GGUF file ("llama", "qwen2", "gemma3")
+    model_type: str  # the config.json model_type the import gets
+    hf_architecture: str  # and its architectures entry
+    layer_tensors: Mapping[str, str]  # GGUF per-layer tensor -> HF module in model.layers.N
+    plus_one_norms: bool = False  # llama.cpp stores the norms' (1 + w) (Gemma's RMSNorms)
+    permuted_qk: bool = False  # llama.cpp interleaved the rotary halves of q and k rows
+    # params leaf -> HF module of each layer's norms, read as floats beside the quantized
+    # matmul weights (gguf_params.py)
+    layer_norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    # (the file, the config.json fields every architecture has) -> the family's config.json
+    # fields: what it reads beyond those (None: nothing)
+    config_fields: Callable[[GgufMetadata, dict[str, Any]], dict[str, Any]] | None = None
+
+
+def _no_refusals(config: ModelConfig) -> Mapping[str, str]:
+    del config
+    return {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """One family: the Hugging Face architectures and model types it serves, how it reads
+    a config.json and a checkpoint, its NNX module, its tensor-parallel layout, and the
+    features it refuses, each with the reason."""
+
+    name: str
+    architectures: tuple[str, ...]  # config.json "architectures" entries it serves
+    model_types: tuple[str, ...]  # config.json "model_type" values it accepts
+    parse_config: Callable[[Mapping[str, Any]], ModelConfig]  # ValueError naming an option
+    module: type  # the NNX module: module(config, dtype=...), see models/protocol.py
+    param_shapes: Callable[[ModelConfig], dict[str, Any]]  # the params tree's shapes
+    # the safetensors weight names: (read, config, stacked layer buffers to fill) -> host
+    # params (the buffers are ``param_shapes(config)["layers"]``'s, float or quantized)
+    load_host_params: Callable[[TensorReader, ModelConfig, dict[str, Any]], Params]
+    # tensor parallelism: params leaf path ("layers/wqkv") -> the axis N devices split
+    # (absent: replicated); vocabulary leaves split only when N divides V
+    split_axes: Mapping[str, int]
+    gguf: tuple[GgufLayout, ...] = ()  # the GGUF architectures it imports
+    # feature (one of FEATURES) -> why this config cannot have it; absent: supported
+    refused: Callable[[ModelConfig], Mapping[str, str]] = _no_refusals
+
+    def refusal(self, feature: str, config: ModelConfig) -> str | None:
+        """Why ``config`` cannot have ``feature`` (None: it can)."""
+        if feature not in FEATURES:
+            raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
+        return self.refused(config).get(feature)

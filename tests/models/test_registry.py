@@ -1,0 +1,77 @@
+"""The family registry: lookup by config.json ``architectures`` (model_type only without
+them), the static table and the families' own declarations agreeing, and refusals that
+name the setting, the model type and the family's reason."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import pytest
+
+from jaxpaged.models.family import FEATURES
+from jaxpaged.models.registry import (
+    ARCHITECTURES,
+    check_feature,
+    families,
+    family_for_hf_config,
+    family_of,
+    parse_config,
+    supported_model_types,
+)
+from jaxpaged.models.testing import tiny_config
+
+LLAMA_FIELDS = dict(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=2,
+)  # fmt: skip
+
+
+def test_table_and_declarations_agree():
+    assert isinstance(ARCHITECTURES, MappingProxyType)  # static: no register() to mutate
+    declared = {a: f.name for f in families() for a in f.architectures}
+    assert declared == dict(ARCHITECTURES)
+    types = [t for f in families() for t in f.model_types]
+    assert len(types) == len(set(types)) == len(supported_model_types())
+    for family in families():
+        for model_type in family.model_types:
+            config = tiny_config(model_type=model_type)
+            assert family_of(config) is family
+            assert set(family.refused(config)) <= set(FEATURES), family.name
+        for layout in family.gguf:
+            assert layout.model_type in family.model_types
+
+
+def test_architectures_decide_and_model_type_is_the_fallback():
+    qwen2 = parse_config({**LLAMA_FIELDS, "architectures": ["Qwen2ForCausalLM"],
+                          "model_type": "qwen2"})  # fmt: skip
+    assert qwen2.qkv_bias and family_of(qwen2).name == "llama"
+    # an unknown entry before a known one is skipped, as vLLM tries each
+    both = {**LLAMA_FIELDS, "architectures": ["MyWrapper", "LlamaForCausalLM"],
+            "model_type": "llama"}  # fmt: skip
+    assert family_for_hf_config(both).name == "llama"
+    assert parse_config({**LLAMA_FIELDS, "model_type": "mistral"}).model_type == "mistral"
+    with pytest.raises(ValueError, match=r"architecture 'GPTNeoXForCausalLM'; supported: Llama"):
+        parse_config({**LLAMA_FIELDS, "architectures": ["GPTNeoXForCausalLM"],
+                      "model_type": "llama"})  # fmt: skip
+    # the architecture's family must accept the model type
+    with pytest.raises(ValueError, match=r"model_type 'gemma2'; supported: llama, mistral"):
+        parse_config({**LLAMA_FIELDS, "architectures": ["LlamaForCausalLM"],
+                      "model_type": "gemma2"})  # fmt: skip
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*vision tower"):
+        parse_config({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
+    with pytest.raises(ValueError, match="comes with its own module"):
+        family_of(tiny_config(model_type="custom"))
+
+
+def test_refusals_name_setting_model_type_and_reason():
+    check_feature(tiny_config(), "lora", "enable_lora")  # the Llama family: supported
+    moe = dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4)
+    with pytest.raises(ValueError, match=r"^enable_lora is not supported for model_type "
+                       r"'mixtral' \(llama family\): LoRA on mixture-of-experts"):  # fmt: skip
+        check_feature(moe, "lora", "enable_lora")
+    with pytest.raises(ValueError, match=r"'gpt2' \(gpt family\): the LoRA terms"):
+        check_feature(tiny_config(model_type="gpt2"), "lora", "enable_lora")
+    check_feature(tiny_config(model_type="custom"), "lora", "enable_lora")  # yours: not ours
+    with pytest.raises(ValueError, match="unknown feature 'speculative'"):
+        family_of(tiny_config()).refusal("speculative", tiny_config())
