@@ -51,8 +51,8 @@ class TimedDeviceRunner:
         self._prompt_sums: dict[str, int] = {}  # per request in the batch: its token rule's base
 
     def dispatch(self, plan: SchedulerOutput) -> tuple[float, RunnerOutput] | None:
-        if self.host_seconds:
-            time.sleep(self.host_seconds)  # the host's share of a step
+        if self.host_seconds and plan.seqs:
+            time.sleep(self.host_seconds)  # the host's share of a step (building its batch)
         if self.host_work is not None:
             self.host_work(plan)
         sums = self._prompt_sums
