@@ -165,7 +165,9 @@ def host_ms_per_step(num_seqs: int, context: int, max_context: int, steps: int) 
     """Host ms per decode step of the EngineCore with ``num_seqs`` requests of ``context``
     prompt tokens decoding (``max_context`` sizes the engine, so every context runs the same
     shapes)."""
-    max_len = max_context + steps + 16
+    # none may finish before the last one has prefilled (one or two steps each)
+    max_tokens = 2 * num_seqs + steps + 8
+    max_len = max_context + max_tokens
     config = SchedulerConfig(
         max_num_seqs=num_seqs, max_num_batched_tokens=16384, max_model_len=max_len
     )
@@ -179,7 +181,7 @@ def host_ms_per_step(num_seqs: int, context: int, max_context: int, steps: int) 
         eos_token_ids=(),
         num_kv_blocks=num_blocks,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_seqs):
         core.add_request(
             EngineRequest(

@@ -41,6 +41,13 @@ sampled tokens and ends requests on token-based conditions (EOS after ``min_toke
 ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``). Stop strings are the
 engine's output processing: it calls :meth:`finish`. :meth:`abort` ends a request in any state.
 
+What crosses to the runner is what changed: a request's settings once, in the plan that
+brings it into the runner's batch (``SchedulerOutput.new_requests``: first scheduled, or
+scheduled again after a preemption), then per step its tokens and the block ids that changed
+in its table (the pool notes them), and the ids of the requests that left the batch
+(``finished_request_ids``, ``preempted_request_ids``). A plan that only drops requests still
+has work: the runner must hear of it before a later plan reuses their rows.
+
 Sampler state: a running request with repetition / presence / frequency penalties or
 ``min_tokens`` holds a row of the runner's on-device sampler state (``state_row``: token
 counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
