@@ -194,7 +194,10 @@ def host_ms_per_step(num_seqs: int, context: int, max_context: int, steps: int) 
             )
         )
     requests = scheduler.requests
-    while len(requests) < num_seqs or any(not r.output_token_ids for r in requests.values()):
+    core.step()
+    if len(requests) != num_seqs:
+        raise RuntimeError("the scheduler refused requests (see the log)")
+    while any(not r.output_token_ids for r in requests.values()):
         core.step()  # prefills: not timed
     for _ in range(3):
         core.step()

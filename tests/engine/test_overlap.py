@@ -90,7 +90,8 @@ def decode_host_work(context: int, num_seqs: int = 16, steps: int = 16) -> list[
     token ids, block ids, new requests; block-table entries written into the persistent
     arrays; elements of the step's host arrays). ``num_seqs`` requests of ``context`` prompt
     tokens, on an engine sized for the longest context tested."""
-    block_size, max_len = 16, 1024 + 64
+    max_tokens = steps + 64  # none finishes in the timed steps (leaving clears a row)
+    block_size, max_len = 16, 1024 + max_tokens
     config = SchedulerConfig(
         max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_model_len=max_len
     )
@@ -131,8 +132,7 @@ def decode_host_work(context: int, num_seqs: int = 16, steps: int = 16) -> list[
         eos_token_ids=(),
         num_kv_blocks=num_blocks,
     )
-    # none finishes in the timed steps (a request leaving clears its row: one slice)
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_seqs):
         core.add_request(
             EngineRequest(
@@ -145,8 +145,11 @@ def decode_host_work(context: int, num_seqs: int = 16, steps: int = 16) -> list[
             )
         )
     requests = scheduler.requests
-    while len(requests) < num_seqs or any(not r.output_token_ids for r in requests.values()):
+    core.step()
+    assert len(requests) == num_seqs  # every request admitted
+    while any(not r.output_token_ids for r in requests.values()):
         core.step()  # the prefills
+    assert len(requests) == num_seqs  # none finished
     record.clear()
     for _ in range(steps):
         core.step()
