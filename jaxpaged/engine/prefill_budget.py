@@ -22,9 +22,15 @@ from collections.abc import Callable
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, SeqSampling
+from jaxpaged.sched.output import NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
 
-__all__ = ["StepCosts", "calibration_plans", "choose_prefill_cap", "measure_step_costs"]
+__all__ = [
+    "StepCosts",
+    "calibration_cleanup",
+    "calibration_plans",
+    "choose_prefill_cap",
+    "measure_step_costs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ MIN_PREFILL_CAP = 16
 CHUNK_TOKENS = 64  # prompt tokens of the measured mixed step (the cap's order on the CPU)
 CONTEXT_TOKENS = 256  # KV length of each measured decode (a short chat turn)
 REPEATS = 3  # timed pairs, after one untimed pair; the median of each kind is taken
+CALIBRATION_PROMPT = "calibration-prompt"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,34 +84,50 @@ def calibration_plans(
 ) -> tuple[SchedulerOutput, SchedulerOutput]:
     """A decode-only plan (``decodes`` sequences fed their token at position ``context - 1``)
     and the same beside a ``chunk``-token prompt chunk from position 0, on disjoint blocks
-    0, 1, ... Greedy sampling; the chunk is not the prompt's last (it samples nothing)."""
+    0, 1, ... Greedy sampling; the chunk is not the prompt's last (it samples nothing). Each
+    plan brings its requests into the runner's batch afresh (their data and whole tables), so
+    either can run any number of times, in any order; :func:`calibration_cleanup` then
+    drops them."""
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     blocks_per_decode = -(-context // block_size)
-    seqs = []
+    seqs, new = [], []
     for i in range(decodes):
         first = i * blocks_per_decode
+        rid = f"calibration-{i}"
+        new.append(NewRequestData(request_id=rid, seq_id=-1 - i, params=greedy, key_stream=i))
         seqs.append(
             ScheduledSeq(
-                request_id=f"calibration-{i}",
+                request_id=rid,
                 seq_id=-1 - i,
                 token_ids=(0,),
                 prev_row=-1,
                 start_pos=context - 1,
-                block_table=tuple(range(first, first + blocks_per_decode)),
-                sampling=SeqSampling(params=greedy, key_stream=i, key_counter=0, state_row=-1),
+                new_block_ids=tuple(range(first, first + blocks_per_decode)),
+                key_counter=0,
             )
         )
     first = decodes * blocks_per_decode
+    prompt_data = NewRequestData(
+        request_id=CALIBRATION_PROMPT, seq_id=-1 - decodes, params=greedy, key_stream=decodes
+    )
     prompt = ScheduledSeq(
-        request_id="calibration-prompt",
+        request_id=CALIBRATION_PROMPT,
         seq_id=-1 - decodes,
         token_ids=(0,) * chunk,
         prev_row=-1,
         start_pos=0,
-        block_table=tuple(range(first, first + -(-chunk // block_size))),
-        sampling=None,
+        new_block_ids=tuple(range(first, first + -(-chunk // block_size))),
     )
-    return SchedulerOutput(seqs=tuple(seqs)), SchedulerOutput(seqs=(*seqs, prompt))
+    return (
+        SchedulerOutput(seqs=tuple(seqs), new_requests=tuple(new)),
+        SchedulerOutput(seqs=(*seqs, prompt), new_requests=(*new, prompt_data)),
+    )
+
+
+def calibration_cleanup(plans: tuple[SchedulerOutput, ...]) -> SchedulerOutput:
+    """The plan that drops the calibration requests from the runner's batch."""
+    ids = dict.fromkeys(d.request_id for p in plans for d in p.new_requests)
+    return SchedulerOutput(finished_request_ids=tuple(ids))
 
 
 def measure_step_costs(
@@ -137,6 +160,7 @@ def measure_step_costs(
             execute(plan)
             if repeat:  # the first pair is untimed (first touches of the shapes' buffers)
                 times[kind].append(clock() - start)
+    execute(calibration_cleanup((decode_plan, mixed_plan)))
     return StepCosts(
         decodes=decodes,
         context=context,

@@ -3,7 +3,8 @@ shares (:class:`FakeDeviceAdmin`), and a device with a fixed step time, for meas
 engine loop's overlap (``tests/engine/test_overlap.py`` and ``bench/overlap.py``).
 
 :class:`TimedDeviceRunner` behaves like the real runner seen from the host: ``dispatch``
-returns at once after ``host_seconds`` of host work (building the batch), the device runs
+returns at once after ``host_seconds`` of host work (building the batch; or the runner's own
+host work, ``host_work``: e.g. its persistent batch's update and step inputs), the device runs
 the steps one after another, each ``device_seconds`` long, starting when it is dispatched or
 when the previous one ends, and ``collect`` waits for the step's end. Its tokens are a fixed
 rule (``(prompt sum + position) % vocab``), so outputs are checkable by hand.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from jaxpaged.sched.output import RunnerOutput, SchedulerOutput
 from jaxpaged.sched.scheduler import Scheduler
@@ -78,29 +80,39 @@ class TimedDeviceRunner(FakeDeviceAdmin):
         host_seconds: float,
         vocab: int = 1000,
         clock: Callable[[], float] = time.perf_counter,
+        host_work: Callable[[SchedulerOutput], Any] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.host_work = host_work
         self.device_seconds = device_seconds
         self.host_seconds = host_seconds
         self.vocab = vocab
         self.clock = clock
         self._device_free_at = 0.0
         self.num_steps = 0
+        self._prompt_sums: dict[str, int] = {}  # per request in the batch: its token rule's base
 
     def dispatch(
         self, plan: SchedulerOutput, allowed: object = None
     ) -> tuple[float, RunnerOutput] | None:
         self.check_kv()  # ``allowed`` (structured-output masks) does not change the rule
-        time.sleep(self.host_seconds)  # the host's share of a step
+        if self.host_seconds and plan.seqs:
+            time.sleep(self.host_seconds)  # the host's share of a step (building its batch)
+        if self.host_work is not None:
+            self.host_work(plan)
+        sums = self._prompt_sums
+        for rid in (*plan.finished_request_ids, *plan.preempted_request_ids):
+            sums.pop(rid, None)
+        for data in plan.new_requests:  # summed once per request, not per step
+            sums[data.request_id] = sum(self.scheduler.requests[data.request_id].prompt_token_ids)
         if not plan.seqs:
             return None
         tokens = []
         for s in plan.seqs:
-            if s.sampling is None:
+            if not s.do_sample:
                 tokens.append(-1)
                 continue
-            prompt = self.scheduler.requests[s.request_id].prompt_token_ids
-            tokens.append((sum(prompt) + s.sampling.key_counter) % self.vocab)
+            tokens.append((sums[s.request_id] + s.key_counter) % self.vocab)
         start = max(self.clock(), self._device_free_at)
         self._device_free_at = start + self.device_seconds
         self.num_steps += 1

@@ -10,6 +10,9 @@ copy / swap lists this module returns.
   token-slice function) and read a table back with :meth:`block_table`. :meth:`free` and
   :meth:`free_host` drop every entry of the id, so a later request that reuses the id starts
   clean; the caller must call one of them whenever a request ends or is preempted.
+* **Changes.** The pool notes, per request, the first entry of its table changed since the
+  caller last took its changes (:meth:`take_block_changes`): a plan sends the runner those
+  entries only, not the whole table.
 * **Ref counts.** A device block is held by every request whose table names it. Free blocks
   (ref 0) sit in two lists: *uncached* ones (no known content, reused first) and *cached*
   ones (a full block registered in the prefix cache), reused least-recently-freed first. A
@@ -104,6 +107,8 @@ class BlockPool:
         self._req_to_host: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}  # keys of its full blocks, memoised
         self._num_registered: dict[str, int] = {}  # leading blocks offered to the cache
+        # first entry of its table changed since take_block_changes (absent: none)
+        self._changed_from: dict[str, int] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -129,7 +134,7 @@ class BlockPool:
         bs = self.block_size
         empty: dict[int, int] = {}
         for request_id, n in computed:
-            table = self.block_table(request_id)
+            table = self.req_to_blocks.get(request_id, ())  # read only: no copy
             for i in range(n // bs, len(table)):
                 b = table[i]
                 empty[b] = min(empty.get(b, bs), bs - min(bs, max(0, n - i * bs)))
@@ -153,6 +158,23 @@ class BlockPool:
         """The request's device block ids, logical block order (a snapshot)."""
         return tuple(self.req_to_blocks.get(request_id, ()))
 
+    def take_block_changes(
+        self, request_id: str, *, whole: bool = False
+    ) -> tuple[int, tuple[int, ...]]:
+        """``(start, ids)``: the request's table from its first entry changed since the last
+        call on (every entry with ``whole``), ``start`` = the table's length and ``ids`` empty
+        when nothing changed; the table is ``start + len(ids)`` long. Forgets the change."""
+        table = self.req_to_blocks.get(request_id, ())
+        start = self._changed_from.pop(request_id, len(table))
+        if whole:
+            start = 0
+        return start, tuple(table[start:])
+
+    def _changed(self, request_id: str, index: int) -> None:
+        old = self._changed_from.get(request_id)
+        if old is None or index < old:
+            self._changed_from[request_id] = index
+
     def num_blocks_of(self, request_id: str) -> int:
         """Device blocks the request holds."""
         return len(self.req_to_blocks.get(request_id, ()))
@@ -166,6 +188,7 @@ class BlockPool:
         return (
             set(self.req_to_blocks)
             | set(self._req_to_host)
+            | set(self._changed_from)
             | set(self._req_hashes)
             | set(self._num_registered)
         )
@@ -211,6 +234,7 @@ class BlockPool:
         for b in reversed(self.req_to_blocks.pop(request_id, ())):
             self._decref(b)
         self._num_registered.pop(request_id, None)
+        self._changed_from.pop(request_id, None)
 
     # --------------------------------------------------------- prefix caching
     def block_hashes(
@@ -334,6 +358,7 @@ class BlockPool:
         if not self.can_allocate(request_id, num_computed_tokens, num_new_tokens, prefix_blocks):
             return None
         table = self.req_to_blocks.setdefault(request_id, [])
+        first_changed = len(table)
         for b in prefix_blocks:
             self._incref(b)
             table.append(b)
@@ -349,12 +374,15 @@ class BlockPool:
                 copies.append((b, nb))
                 self._decref(b)
                 table[i] = nb
+                first_changed = min(first_changed, i)
             elif self._hash[b] is not None:  # about to be rewritten: no longer a clean key
                 self._uncache(b)
             if self._num_registered.get(request_id, 0) > i:
                 self._num_registered[request_id] = i
         while len(table) < end_block:
             table.append(self._take())
+        if first_changed < len(table):
+            self._changed(request_id, first_changed)
         return copies
 
     def fork(
@@ -373,6 +401,7 @@ class BlockPool:
         for b in blocks:
             self._incref(b)
         self.req_to_blocks[child_id] = list(blocks)
+        self._changed(child_id, 0)
         n_full = num_tokens // self.block_size
         self._req_hashes[child_id] = self._req_hashes.get(parent_id, [])[:n_full]
         registered = min(self._num_registered.get(parent_id, 0), n_full)
@@ -425,6 +454,7 @@ class BlockPool:
             raise RuntimeError("swap_in: not enough free device blocks")
         pairs = [(h, self._take()) for h in host]
         self.req_to_blocks[request_id] = [b for _, b in pairs]
+        self._changed(request_id, 0)
         self._host_pending.extend(self._req_to_host.pop(request_id, ()))
         return pairs
 

@@ -1,7 +1,15 @@
 """What the scheduler hands the other layers, as plain data: the plan of a step
 (:class:`SchedulerOutput` of :class:`ScheduledSeq`), what the runner reports back
 (:class:`RunnerOutput`) and what a step changed per request (:class:`RequestUpdate`). No
-live ``Request`` crosses: ids, positions, block ids and a sampling snapshot."""
+live ``Request`` crosses: ids, positions, block ids and sampling settings.
+
+The plan says what changed, not the whole batch (vLLM v1's ``NewRequestData`` /
+``CachedRequestData``): a request's settings cross once, as :class:`NewRequestData`, in the
+plan that first schedules it (and again after a preemption); its block table crosses as the
+ids that changed since the previous plan (``ScheduledSeq.new_block_ids``); the runner keeps
+both in its persistent batch until the request's id comes back in ``finished_request_ids``
+or ``preempted_request_ids``. So a plan's size follows what the step feeds and changes, not
+the batch's context lengths."""
 
 from __future__ import annotations
 
@@ -13,49 +21,58 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.block_pool import CopyPair
 
 __all__ = [
+    "NewRequestData",
     "StateRowInit",
     "RequestUpdate",
     "RunnerOutput",
     "ScheduledSeq",
     "SchedulerOutput",
     "SchedulerStats",
-    "SeqSampling",
 ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SeqSampling:
-    """How a sequence samples its next token in this step (a snapshot: plain values)."""
+class NewRequestData:
+    """What the runner keeps of a request while it is in the batch, sent once: in the plan
+    that schedules it for the first time, or first again after a preemption. None of it
+    changes while the request stays in the batch."""
 
+    request_id: str
+    seq_id: int  # engine-unique: tells a request from a later one that reuses its id
     params: SamplingParams
     key_stream: int  # sample index (seeded) or the request's engine-unique stream (unseeded)
-    key_counter: int  # output tokens sampled before this one
-    state_row: int  # row of the request's on-device sampler state; -1 = none
+    state_row: int = -1  # row of the request's on-device sampler state; -1 = none
+    lora_slot: int = 0  # the device slot of its LoRA adapter (0 = none)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScheduledSeq:
     """One sequence's share of a step: feed ``token_ids`` at positions
     ``start_pos .. start_pos + num_tokens - 1`` (writing their K/V first), attending to
-    ``kv_len`` cached positions through ``block_table``. A decode whose token the host has not
-    seen yet feeds row ``prev_row`` of the previous step's sampled tokens instead
-    (``token_ids`` then holds one placeholder)."""
+    ``kv_len`` cached positions through the request's block table, which the runner keeps:
+    this step changes its entries from ``block_start`` on to ``new_block_ids`` (new blocks,
+    or a copy-on-write copy replacing a shared one; the whole table for a request new to the
+    batch), leaving it ``block_start + len(new_block_ids)`` long; no ids, no change. A decode
+    whose token the host has not seen yet feeds row ``prev_row`` of the previous step's
+    sampled tokens instead (``token_ids`` then holds one placeholder)."""
 
     request_id: str
     seq_id: int  # engine-unique: tells a request from a later one that reuses its id
     token_ids: tuple[int, ...]
     prev_row: int  # -1: token_ids are the input; >= 0: the previous step's sampled row
     start_pos: int
-    block_table: tuple[int, ...]  # device block ids; covers positions [0, kv_len)
-    sampling: SeqSampling | None  # None: a non-final prefill chunk (its logits are not needed)
+    new_block_ids: tuple[int, ...] = ()  # the table's entries from block_start on
+    block_start: int = 0
+    # >= 0: the sequence samples, and this many output tokens were sampled before this one
+    # (its random stream's counter); -1: a non-final prefill chunk (no logits needed)
+    key_counter: int = -1
     # prompt_logprobs: the prompt token after each of the first len() fed positions
     prompt_targets: tuple[int, ...] = ()
     prompt_top_k: int = 0  # top logprobs wanted with each
-    lora_slot: int = 0  # the device slot of its LoRA adapter (0 = none)
 
     @property
     def do_sample(self) -> bool:
-        return self.sampling is not None
+        return self.key_counter >= 0
 
     @property
     def num_tokens(self) -> int:
@@ -76,10 +93,11 @@ class ScheduledSeq:
             f"do_sample={self.do_sample})"
         )
 
-    def slot_mapping(self, block_size: int) -> list[int]:
-        """KV slot of each fed token: block_table[pos // bs] * bs + pos % bs."""
-        t = self.block_table
-        return [t[p // block_size] * block_size + p % block_size for p in self.positions()]
+    def apply_blocks(self, table: list[int]) -> None:
+        """Applies this step's block-table change to ``table`` (the request's, in place)."""
+        if self.new_block_ids:
+            del table[self.block_start :]
+            table.extend(self.new_block_ids)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,11 +116,14 @@ class StateRowInit:
 class SchedulerOutput:
     """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
     (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
-    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``state_rows_to_init``,
-    then runs ``seqs``. Run it even when ``seqs`` is empty but a list is not
-    (:attr:`has_work`)."""
+    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``state_rows_to_init``;
+    drops ``finished_request_ids`` and ``preempted_request_ids`` from its batch, adds
+    ``new_requests``, applies each sequence's block-table change, then runs ``seqs``. Run it
+    even when ``seqs`` is empty but a list is not (:attr:`has_work`)."""
 
     seqs: tuple[ScheduledSeq, ...] = ()
+    # requests that join the runner's batch in this step (each also has an entry in seqs)
+    new_requests: tuple[NewRequestData, ...] = ()
     blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
     blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
     blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
@@ -130,6 +151,8 @@ class SchedulerOutput:
             or self.blocks_to_swap_in
             or self.blocks_to_copy
             or self.state_rows_to_init
+            or self.finished_request_ids
+            or self.preempted_request_ids
         )
 
 

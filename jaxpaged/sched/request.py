@@ -13,7 +13,8 @@ differ in ``request_id`` and ``sample_index`` (0..n-1). The scheduler prefills t
 once and forks the others from it (they share every prompt block, copy-on-write).
 
 The scheduler owns every mutable field and never hands a Request to another layer: what it
-tells the runner and the engine is plain data (``ScheduledSeq``, ``RequestUpdate``).
+tells the runner and the engine is plain data (``NewRequestData``, ``ScheduledSeq``,
+``RequestUpdate``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sched.output import ScheduledSeq, SeqSampling
+from jaxpaged.sched.output import NewRequestData, ScheduledSeq
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
@@ -209,11 +210,29 @@ class Request:
             or bool(sp.logit_bias)
         )
 
+    def new_request_data(self) -> NewRequestData:
+        """What the runner keeps of it while it is in the batch (sent once per stay)."""
+        sp = self.sampling_params
+        return NewRequestData(
+            request_id=self.request_id,
+            seq_id=self.arrival_order,
+            params=sp,
+            key_stream=self.sample_index if sp.seed is not None else self.rng_stream,
+            state_row=self.state_row,
+            lora_slot=self.lora_slot,
+        )
+
     def scheduled_seq(
-        self, start: int, n: int, *, prev_rows: Mapping[str, int], block_table: Sequence[int]
+        self,
+        start: int,
+        n: int,
+        *,
+        prev_rows: Mapping[str, int],
+        block_changes: tuple[int, Sequence[int]],
     ) -> ScheduledSeq:
         """The plan entry feeding tokens ``start .. start + n``; ``prev_rows``: the rows of
-        the last planned step's samples, for a decode of the token still in flight."""
+        the last planned step's samples, for a decode of the token still in flight;
+        ``block_changes``: (first changed entry, the table from there) of its block table."""
         end = start + n
         prev_row = -1
         if end > self.num_tokens:  # feeds the token in flight: a decode of it alone
@@ -226,24 +245,16 @@ class Request:
             token_ids: tuple[int, ...] = (0,)
         else:
             token_ids = tuple(self.token_ids_slice(start, end))
-        sampling = None
-        if end == self.num_total_tokens:
-            sp = self.sampling_params
-            sampling = SeqSampling(
-                params=sp,
-                key_stream=self.sample_index if sp.seed is not None else self.rng_stream,
-                key_counter=self.num_generated,
-                state_row=self.state_row,
-            )
+        block_start, new_block_ids = block_changes
         return ScheduledSeq(
             request_id=self.request_id,
             seq_id=self.arrival_order,
             token_ids=token_ids,
             prev_row=prev_row,
             start_pos=start,
-            block_table=block_table,
-            sampling=sampling,
+            new_block_ids=tuple(new_block_ids),
+            block_start=block_start,
+            key_counter=self.num_generated if end == self.num_total_tokens else -1,
             prompt_targets=self.prompt_logprob_targets(start, end),
             prompt_top_k=self.sampling_params.prompt_logprobs or 0,
-            lora_slot=self.lora_slot,
         )

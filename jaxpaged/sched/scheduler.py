@@ -41,6 +41,13 @@ sampled tokens and ends requests on token-based conditions (EOS after ``min_toke
 ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``). Stop strings are the
 engine's output processing: it calls :meth:`finish`. :meth:`abort` ends a request in any state.
 
+What crosses to the runner is what changed: a request's settings once, in the plan that
+brings it into the runner's batch (``SchedulerOutput.new_requests``: first scheduled, or
+scheduled again after a preemption), then per step its tokens and the block ids that changed
+in its table (the pool notes them), and the ids of the requests that left the batch
+(``finished_request_ids``, ``preempted_request_ids``). A plan that only drops requests still
+has work: the runner must hear of it before a later plan reuses their rows.
+
 Sampler state: a running request with repetition / presence / frequency penalties or
 ``min_tokens`` holds a row of the runner's on-device sampler state (``state_row``: token
 counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
@@ -64,18 +71,19 @@ from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
 from jaxpaged.sched.lora_slots import LoraSlots
 from jaxpaged.sched.output import (
+    NewRequestData,
     RequestUpdate,
     RunnerOutput,
     ScheduledSeq,
     SchedulerOutput,
     SchedulerStats,
-    SeqSampling,
     StateRowInit,
 )
 from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.request import Request, RequestStatus
 
 __all__ = [
+    "NewRequestData",
     "StateRowInit",
     "RequestUpdate",
     "RunnerOutput",
@@ -83,7 +91,6 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "SchedulerStats",
-    "SeqSampling",
 ]
 
 
@@ -137,6 +144,9 @@ class Scheduler:
         self._free_state_rows = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         # rows of the last planned step's sampled tokens: request id -> row
         self._prev_rows: dict[str, int] = {}
+        # ids in the runner's batch: sent as NewRequestData and not yet sent as finished or
+        # preempted (the runner keeps their settings and block tables)
+        self._in_batch: set[str] = set()
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
         self.step_sizes = tuple(step_sizes) if scheduler_config.fit_prefill_to_buckets else ()
 
@@ -254,6 +264,7 @@ class Scheduler:
             if not group:
                 del self._groups[request.parent_id]
         self._finished_ids.append(request.request_id)
+        self._in_batch.discard(request.request_id)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -273,6 +284,7 @@ class Scheduler:
         preempted: list[str] = []
         row_inits: list[StateRowInit] = []
         lora_loads: list[tuple[int, str]] = []
+        new_requests: list[NewRequestData] = []
 
         def room() -> int:  # tokens the next chunk may take
             if not decodes:
@@ -282,7 +294,15 @@ class Scheduler:
         def emit(req: Request, start: int, n: int) -> None:
             nonlocal budget, prefilled, decodes
             decodes, prefilled = (decodes + 1, prefilled) if n == 1 else (decodes, prefilled + n)
-            seqs.append(self._scheduled_seq(req, start, n))
+            rid = req.request_id
+            new = rid not in self._in_batch
+            if new:  # joins the runner's batch: its settings and whole table cross once
+                self._in_batch.add(rid)
+                new_requests.append(req.new_request_data())
+            changes = self.pool.take_block_changes(rid, whole=new)
+            seqs.append(
+                req.scheduled_seq(start, n, prev_rows=self._prev_rows, block_changes=changes)
+            )
             scheduled.append(req)
             fed[req.request_id] = n
             req.num_computed_tokens = start + n
@@ -387,6 +407,7 @@ class Scheduler:
         self.stats.num_steps += 1
         return SchedulerOutput(
             seqs=tuple(seqs),
+            new_requests=tuple(new_requests),
             blocks_to_swap_out=tuple(swap_out),
             blocks_to_swap_in=tuple(swap_in),
             blocks_to_copy=tuple(copies),
@@ -401,10 +422,6 @@ class Scheduler:
         return (
             req.num_generated >= req.max_tokens or req.num_total_tokens >= self.config.max_model_len
         )
-
-    def _scheduled_seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
-        block_table = self.pool.block_table(req.request_id)
-        return req.scheduled_seq(start, n, prev_rows=self._prev_rows, block_table=block_table)
 
     def _admit(
         self, req: Request, budget: int, held: list[Request], fed: dict[str, int]
@@ -484,6 +501,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> list[CopyPair]:
         """Takes a running request off the device; returns its swap-out pairs (if any)."""
         self.running.remove(victim)
+        self._in_batch.discard(victim.request_id)
         self._release_state_row(victim)
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1

@@ -1,9 +1,11 @@
 """Runner: owns the device state (params, KV pool, per-sequence sampler state, the last step's
-sampled tokens), pads each scheduled step into a shape bucket (:mod:`jaxpaged.worker.buckets`)
-and dispatches the jitted step without waiting for it.
+sampled tokens) and the persistent batch (:mod:`jaxpaged.worker.input_batch`: each running
+request's block table and sampling settings, kept on the host between steps), pads each
+scheduled step into a shape bucket (:mod:`jaxpaged.worker.buckets`) and dispatches the jitted
+step without waiting for it.
 
 ``dispatch(plan)`` applies the plan's block swaps and copies and its sampler-state row fills,
-builds the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
+applies its changes to the persistent batch, builds the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
 device works. ``collect(pending)`` waits for that step and returns what it sampled. The engine
 dispatches step N+1 before it collects step N, so the device never waits for the host: a
 decode whose token the host has not seen yet reads it from the previous step's output on the
@@ -32,6 +34,7 @@ from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROB
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
+from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_cache import (
     KVLayout,
     copy_blocks,
@@ -121,6 +124,16 @@ class Runner:
             block_size=layout.block_size,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
+        # the running requests' block tables and sampling settings, updated from each plan
+        self.input_batch = InputBatch(
+            max_rows=max_num_seqs,
+            max_blocks=self.buckets.full_blocks,
+            block_size=layout.block_size,
+            vocab_size=model_config.vocab_size,
+            engine_key_data=self.engine_key_data,
+            processor_names=self.processor_names,
+            lora=lora is not None,
+        )
         self._create_kv_state()
         # swapped-out blocks: host slot -> one [L, *page] array per pool array
         self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
@@ -242,64 +255,12 @@ class Runner:
         bucket: Bucket,
         allowed: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[StepBatch, dict[int, str]]:
-        """Host-side padding of one step into ``bucket`` (numpy; one transfer per array), and
-        the sequences whose sampling settings could not be filled (index -> reason: they ride
-        as padding rows and their requests fail; the others are unaffected). ``allowed``:
-        sequence index -> its structured-output mask (int32 [ceil(V / 32)])."""
-        t, s, b = bucket.num_tokens, bucket.num_seqs, bucket.max_blocks
-        bs = self.layout.block_size
-        tokens = np.zeros(t, np.int32)
-        prev_rows = np.full(t, -1, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
-        kv_lens = np.zeros(s, np.int32)
-        tables = np.zeros((s, b), np.int32)
-        cu = np.zeros(s + 1, np.int32)
-        sample_rows = np.zeros(s, np.int32)
-        prompt_targets = np.full(t, -1, np.int32)
-        lora_slots = None if self.lora is None else np.zeros(t, np.int32)
-        row = 0
-        for i, seq in enumerate(seqs):
-            n = seq.num_tokens
-            prompt_targets[row : row + len(seq.prompt_targets)] = seq.prompt_targets
-            pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
-            table = np.asarray(seq.block_table, np.int32)
-            tokens[row : row + n] = seq.token_ids
-            if lora_slots is not None:
-                lora_slots[row : row + n] = seq.lora_slot
-            prev_rows[row] = seq.prev_row  # only a one-token decode is ever fed this way
-            positions[row : row + n] = pos
-            slots[row : row + n] = table[pos // bs] * bs + pos % bs
-            nb = min(len(table), b)
-            tables[i, :nb] = table[:nb]
-            kv_lens[i] = seq.kv_len
-            row += n
-            cu[i + 1] = row
-            sample_rows[i] = row - 1
-        cu[len(seqs) + 1 :] = row
-        sampling, failed = sampler.build_sampling_tensors(
-            [seq.sampling for seq in seqs],
-            s,
-            vocab_size=self.model_config.vocab_size,
-            engine_key_data=self.engine_key_data,
-            processor_names=self.processor_names,
-            allowed=allowed,
-        )
-        batch = StepBatch(
-            tokens=tokens,
-            prev_rows=prev_rows,
-            positions=positions,
-            slot_mapping=slots,
-            kv_lens=kv_lens,
-            block_tables=tables,
-            cu_q_lens=cu,
-            num_seqs=np.array([len(seqs)], np.int32),
-            sample_rows=sample_rows,
-            sampling=sampling,
-            prompt_targets=prompt_targets,
-            lora_slots=lora_slots,
-        )
-        return batch, failed
+        """Host-side padding of one step into ``bucket`` from the persistent batch (numpy;
+        one transfer per array), and the sequences whose sampling settings could not be
+        filled (index -> reason: they ride as padding rows and their requests fail; the
+        others are unaffected). ``allowed``: sequence index -> its structured-output mask
+        (int32 [ceil(V / 32)]). The sequences' requests must be in the batch."""
+        return self.input_batch.prepare(seqs, bucket, allowed)
 
     def _lora_kwargs(self) -> dict[str, object]:
         return {} if self.lora is None else {"lora_weights": self.lora.slots}
@@ -330,14 +291,13 @@ class Runner:
             self._init_state_row(init)
         for slot, name in plan.lora_loads:
             self.lora.write_slot(slot, name)
+        self.input_batch.update(plan)
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
         batch, failed_rows = self.build_batch(plan.seqs, bucket, allowed)
         out = self._run(batch, bucket)
-        wanted = tuple(
-            None if s.sampling is None else s.sampling.params.logprobs for s in plan.seqs
-        )
+        wanted = self.input_batch.logprobs_wanted(plan.seqs)
         prompt_wanted = _prompt_wanted(plan.seqs)
         # start the device->host copies now: they run as soon as the step is done
         some = any(w is not None for w in wanted) or any(prompt_wanted)

@@ -2,8 +2,10 @@
 
 The "KV cache" is a numpy array of token ids, one slot per (block, offset): the fake writes
 each fed token (and its position) into its slot, applies the plan's swap-out, swap-in and
-copy lists in the runner's order first, and then "attends": it reads positions
-``0 .. kv_len - 1`` back through the block table, asserts they hold exactly the request's
+copy lists in the runner's order first, keeps each request's block table from the plans'
+changes in the runner's persistent batch (:class:`jaxpaged.worker.input_batch.PersistentBatch`,
+so a wrong or missed block-table change is caught here), and then "attends": it reads positions
+``0 .. kv_len - 1`` back through that block table, asserts they hold exactly the request's
 tokens (the host's, then, for a token the host has not seen yet, what the fake model makes of
 the context), and samples ``next_token(those tokens)``. Like the real runner it can run
 overlapped: ``dispatch`` a step before ``collect``-ing the previous one, a decode fed from the
@@ -22,6 +24,7 @@ import numpy as np
 from jaxpaged.engine.testing import FakeDeviceAdmin
 from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxpaged.worker.input_batch import PersistentBatch
 
 VOCAB = 1000
 
@@ -58,6 +61,10 @@ class FakeRunner(FakeDeviceAdmin):
         self.host_tok = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.host_pos = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.steps: list[SchedulerOutput] = []
+        cfg = scheduler.config
+        self.batch = PersistentBatch(
+            max_rows=cfg.max_num_seqs, max_blocks=-(-cfg.max_model_len // block_size)
+        )
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(plan))
@@ -93,11 +100,19 @@ class FakeRunner(FakeDeviceAdmin):
         srcs = [s for s, _ in out.blocks_to_copy]
         assert len(set(dsts)) == len(dsts), "copy destinations must be distinct"
         self.dev_tok[dsts], self.dev_pos[dsts] = self.dev_tok[srcs], self.dev_pos[srcs]
+        self.batch.update(out)
         flat_tok = self.dev_tok.reshape(-1)
         flat_pos = self.dev_pos.reshape(-1)
         written: set[int] = set()
+        bs = self.block_size
         for s in out.seqs:
-            slots = s.slot_mapping(self.block_size)
+            table = self.batch.block_table(s.request_id)
+            assert len(table) == -(-s.kv_len // bs), f"{s.request_id}: table vs kv_len"
+            req = self.scheduler.requests.get(s.request_id)
+            if req is not None and req.arrival_order == s.seq_id:
+                pool_table = self.scheduler.pool.block_table(s.request_id)
+                assert tuple(table.tolist()) == pool_table, f"{s.request_id}: stale table"
+            slots = [int(table[p // bs]) * bs + p % bs for p in s.positions()]
             assert not written & set(slots), f"{s.request_id}: two sequences write one slot"
             written |= set(slots)
             fed = list(s.token_ids)
@@ -109,8 +124,7 @@ class FakeRunner(FakeDeviceAdmin):
         sampled = []
         for s in out.seqs:
             req = self.scheduler.requests.get(s.request_id)
-            bs = self.block_size
-            table = np.asarray(s.block_table)
+            table = self.batch.block_table(s.request_id)
             pos = np.arange(s.kv_len)
             slots = table[pos // bs] * bs + pos % bs
             cached = flat_tok[slots].tolist()
@@ -210,7 +224,8 @@ def check_invariants_during_step(sched: Scheduler, out: SchedulerOutput) -> None
             assert s.kv_len == req.num_total_tokens - 1 and req.num_inflight >= 1
         else:  # a prefill chunk that stops short of the end
             assert s.kv_len < req.num_total_tokens
-        assert len(s.block_table) == -(-s.kv_len // sched.block_size)
+        table = sched.pool.block_table(s.request_id)  # the runner's copy: FakeRunner checks
+        assert len(table) == -(-s.kv_len // sched.block_size)
         assert (s.prev_row >= 0) == (s.start_pos >= req.num_tokens)  # fed the unseen token
 
 

@@ -20,8 +20,6 @@ def _seq(n_tokens: int) -> ScheduledSeq:
         token_ids=(1,) * n_tokens,
         prev_row=-1,
         start_pos=0,
-        block_table=(),
-        sampling=None,
     )
 
 

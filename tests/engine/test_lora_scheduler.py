@@ -38,7 +38,7 @@ def test_requests_wait_for_a_slot_and_slots_are_reused():
     assert done == {rid: reference_output(p, 4) for rid, p in prompts.items()}
     first = plans[0]
     # b1 waits: the one slot is held by adapter a's requests; the others go ahead
-    assert {s.request_id: s.lora_slot for s in first.seqs} == {"a1": 1, "n1": 0, "a2": 1}
+    assert {d.request_id: d.lora_slot for d in first.new_requests} == {"a1": 1, "n1": 0, "a2": 1}
     assert first.lora_loads == ((1, "a"),)
     loads = [load for plan in plans for load in plan.lora_loads]
     assert loads == [(1, "a"), (1, "b")]  # a loaded once for both of its requests

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
@@ -16,6 +18,8 @@ from jaxpaged.outputs import RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.request import Request
 from jaxpaged.sched.scheduler import Scheduler
+from jaxpaged.worker.buckets import BucketSet
+from jaxpaged.worker.input_batch import InputBatch
 
 STEPS = 16
 
@@ -78,3 +82,92 @@ def test_loop_time_per_step_is_the_longer_of_device_and_host(device, host):
     longer, shorter = max(device, host), min(device, host)
     assert longer * 0.95 <= per_step < longer + 0.5 * shorter, (per_step, serial)
     assert serial - per_step > 0.5 * shorter, (per_step, serial)
+
+
+def decode_host_work(context: int, num_seqs: int = 16, steps: int = 16) -> list[tuple[int, ...]]:
+    """Per decode step of the real EngineCore on the fake device, with the runner's host work
+    (its persistent batch's update and step inputs): (ints the plan carries for the batch:
+    token ids, block ids, new requests; block-table entries written into the persistent
+    arrays; elements of the step's host arrays). ``num_seqs`` requests of ``context`` prompt
+    tokens, on an engine sized for the longest context tested."""
+    max_tokens = steps + 64  # none finishes in the timed steps (leaving clears a row)
+    block_size, max_len = 16, 1024 + max_tokens
+    config = SchedulerConfig(
+        max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_model_len=max_len
+    )
+    num_blocks = num_seqs * -(-max_len // block_size)
+    scheduler = Scheduler(config, CacheConfig(block_size=block_size), num_blocks=num_blocks)
+    buckets = BucketSet(
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_len,
+        block_size=block_size,
+    )
+    batch = InputBatch(
+        max_rows=num_seqs,
+        max_blocks=buckets.full_blocks,
+        block_size=block_size,
+        vocab_size=1000,
+        engine_key_data=np.zeros(2, np.uint32),
+    )
+    record: list[tuple[int, ...]] = []
+
+    def host_work(plan):
+        written = batch.entries_written
+        batch.update(plan)
+        elements = 0
+        if plan.seqs:
+            step, _ = batch.prepare(plan.seqs, buckets.pick(plan.seqs))
+            elements = sum(np.asarray(a).size for a in jax.tree.leaves(step))
+        carried = len(plan.new_requests) + sum(
+            len(s.token_ids) + len(s.new_block_ids) for s in plan.seqs
+        )
+        record.append((carried, batch.entries_written - written, elements))
+
+    runner = TimedDeviceRunner(scheduler, device_seconds=0.0, host_seconds=0.0, host_work=host_work)
+    core = EngineCore(
+        scheduler=scheduler,
+        runner=runner,
+        tokenizer=None,
+        eos_token_ids=(),
+        num_kv_blocks=num_blocks,
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_seqs):
+        core.add_request(
+            EngineRequest(
+                request_id=f"r{i}",
+                prompt=None,
+                prompt_token_ids=(i + 1,) + (3,) * (context - 1),
+                params=params,
+                arrival_time=0.0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+        )
+    requests = scheduler.requests
+    core.step()
+    assert len(requests) == num_seqs  # every request admitted
+    while any(not r.output_token_ids for r in requests.values()):
+        core.step()  # the prefills
+    assert len(requests) == num_seqs  # none finished
+    record.clear()
+    for _ in range(steps):
+        core.step()
+    return record
+
+
+def test_host_work_per_decode_step_does_not_grow_with_context():
+    """The plan carries one token per decode and only the block ids that changed, and the
+    persistent batch writes only those: 64 or 1024 tokens of context, a decode step's host
+    work is the same. (Rebuilding the batch every step sent and copied every request's whole
+    block table: 4 against 64 entries per request per step here.)"""
+    short, long = decode_host_work(64), decode_host_work(1024)
+    for record in (short, long):
+        assert len(record) == 16
+        for carried, written, _ in record:
+            # one token each, at most one new block each (16 decodes, block size 16)
+            assert carried <= 2 * 16 and written <= 16
+    # 16 decode steps cross one block boundary per request whatever the context
+    assert sum(r[1] for r in short) == sum(r[1] for r in long) == 16
+    assert sum(r[0] for r in short) == sum(r[0] for r in long) == 16 * 16 + 16
+    assert [r[2] for r in short] == [r[2] for r in long]  # the same step shapes

@@ -82,14 +82,20 @@ def test_measured_costs_and_plans_on_a_fake_clock():
     # 3x a 80 ms decode step allows 160 ms more: 40 tokens
     assert got.prefill_cap(3.0, 512) == 40
     decode, mixed = device.plans[0], device.plans[1]
-    assert len(device.plans) == 8 and all(p in (decode, mixed) for p in device.plans)
+    assert len(device.plans) == 9 and all(p in (decode, mixed) for p in device.plans[:8])
+    # the last plan drops every calibration request from the runner's batch
+    cleanup = device.plans[-1]
+    assert not cleanup.seqs and set(cleanup.finished_request_ids) == {
+        s.request_id for s in mixed.seqs
+    }
     assert [s.num_tokens for s in mixed.seqs] == [1] * 15 + [64]
     assert mixed.seqs[:15] == decode.seqs
+    assert [d.request_id for d in mixed.new_requests] == [s.request_id for s in mixed.seqs]
     for s in decode.seqs:
         assert s.kv_len == CONTEXT_TOKENS and s.do_sample
-        assert len(s.block_table) == CONTEXT_TOKENS // 16
+        assert s.block_start == 0 and len(s.new_block_ids) == CONTEXT_TOKENS // 16
     assert mixed.seqs[-1].start_pos == 0 and not mixed.seqs[-1].do_sample
-    blocks = [b for s in mixed.seqs for b in s.block_table]
+    blocks = [b for s in mixed.seqs for b in s.new_block_ids]
     assert len(set(blocks)) == len(blocks) and max(blocks) < 400  # disjoint, in the pool
 
 
@@ -102,7 +108,7 @@ def test_sizes_follow_the_config_and_the_pool():
     got = measure_step_costs(device.execute, small, num_blocks=20, block_size=4, clock=device.clock)
     assert got.context == 20
     _, mixed = calibration_plans(decodes=3, context=20, chunk=13, block_size=4)
-    assert max(b for s in mixed.seqs for b in s.block_table) == 18  # 15 + 4 blocks
+    assert max(b for s in mixed.seqs for b in s.new_block_ids) == 18  # 15 + 4 blocks
     # no step carries decodes and a chunk: one sequence at a time, or no room in the pool
     one = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
     assert measure_step_costs(device.execute, one, num_blocks=64, block_size=4) is None

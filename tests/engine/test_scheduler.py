@@ -347,8 +347,10 @@ def test_n_samples_fork_the_prompt_blocks(prompt_len):
         s = by_id[f"g-{i}"]
         # forked: only the last prompt token is recomputed, into a private copy
         assert (s.start_pos, s.token_ids, s.do_sample) == (prompt_len - 1, (prompt[-1],), True)
-        assert list(s.block_table[:-1]) == leader_table[:-1]
-        assert s.block_table[-1] != leader_table[-1]
+        # a new request's whole table crosses: the leader's blocks, a private last one
+        assert (s.block_start, s.new_block_ids[:-1]) == (0, tuple(leader_table[:-1]))
+        assert s.new_block_ids[-1] != leader_table[-1]
+        assert runner.batch.block_table(s.request_id).tolist() == list(s.new_block_ids)
         assert reqs[i].num_cached_tokens == prompt_len - 1
     copies = out.blocks_to_copy
     assert len(copies) == 2 and all(src == leader_table[-1] for src, _ in copies)

@@ -49,14 +49,16 @@ def test_penalty_rows_are_handed_out_filled_and_reused():
     sched.add_request(make_request("plain", [6, 7], max_tokens=2))
     sched.add_request(make_request("p1", [8, 9], max_tokens=3, frequency_penalty=0.5))
     inits, rows_in_use = [], []
+    state_row = {}  # request id -> its state row, as the plan that brought it in said
 
     def on_step(plan, ups):
         inits.extend(plan.state_rows_to_init)
-        rows = [s.sampling.state_row for s in plan.seqs if s.do_sample]
+        state_row.update((d.request_id, d.state_row) for d in plan.new_requests)
+        rows = [state_row[s.request_id] for s in plan.seqs if s.do_sample]
         rows_in_use.append(sorted(r for r in rows if r >= 0))
         for s in plan.seqs:
             if s.do_sample and s.request_id == "plain":
-                assert s.sampling.state_row == -1
+                assert state_row[s.request_id] == -1
 
     done = run(sched, runner, on_step=on_step)
     assert set(done) == {"p0", "plain", "p1"}

@@ -40,10 +40,10 @@ class _LetterRunner(FakeDeviceAdmin):
         sampled = []
         for s in plan.seqs:
             req = self.engine.core.scheduler.requests[s.request_id]
-            if s.sampling is None:
+            if not s.do_sample:
                 sampled.append(-1)
                 continue
-            i, j = s.sampling.key_counter, req.sample_index
+            i, j = s.key_counter, req.sample_index
             sampled.append(ord("a") + (sum(req.prompt_token_ids) + i + j) % 26)
         self.num_tokens += sum(s.do_sample for s in plan.seqs)
         return RunnerOutput(sampled_token_ids=sampled) if plan.seqs else None
