@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: serve test install install-dev lint format proto
+.PHONY: serve test test-full install install-dev lint format proto
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -29,6 +29,10 @@ serve: install
 test: install-dev
 	$(PY) -m pytest -q --ignore=tests/serving $(PYTEST_ARGS)
 	$(PY) -m pytest -q tests/serving $(PYTEST_ARGS)
+
+# also the long matrices (JAXPAGED_TEST_FULL=1: README, "The two commands")
+test-full:
+	JAXPAGED_TEST_FULL=1 $(MAKE) test
 
 lint: install-dev
 	$(PY) -m ruff check .

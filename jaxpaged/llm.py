@@ -220,6 +220,17 @@ class LLM:
         (an engine that loaded its model reloads it when none are given)."""
         self.engine.wake_up(params)
 
+    def close(self) -> None:
+        """Releases the engine's compiled programs, KV pool and weights (see
+        :meth:`LLMEngine.close`); also on leaving ``with LLM(...) as llm:``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_metrics(self) -> dict[str, float | int]:
         """Engine counters: preemptions, prefix cache, KV usage and waste, compilations."""
         s = self.engine.get_stats()

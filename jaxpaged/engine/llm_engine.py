@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,6 +109,8 @@ class LLMEngine:
         self.cache_config = cache_config
         self.tokenizer = tokenizer
         self._compiles = CompileCounter().open()
+        # JAX's listeners are process-wide: an engine dropped unclosed stops counting too
+        weakref.finalize(self, self._compiles.close)
         self.lora = build_adapters(
             lora_config or LoraConfig(),
             model_config,
@@ -562,9 +565,15 @@ class LLMEngine:
         return out
 
     def close(self) -> None:
+        """Releases what the engine holds: its compiled programs, KV pool and weights (their
+        device memory goes unless the caller holds the weights too), the compile counter and
+        the step log. The engine cannot step afterwards; its metrics stay readable. Closing
+        twice is harmless; an engine dropped without closing releases the same when it is
+        collected."""
         self._compiles.close()
         if self.core.step_log is not None:
             self.core.step_log.close()
+        self.runner.close()
 
 
 def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessor, ...]:

@@ -24,6 +24,7 @@ import numpy as np
 from jaxpaged.kernels.kv_quant import KV_QUANT_DTYPES, is_quantized
 from jaxpaged.kernels.pool_format import PoolFormat
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.worker.engine_jit import engine_jit
 
 # (k, v), each [L * num_blocks, block_size, Hkv, hd]; or (kv,) when combined; or
 # (k, v, k_scales, v_scales) for an 8-bit pool, scales [L * num_blocks, block_size, Hkv]
@@ -190,7 +191,7 @@ def configure_device_memory(gpu_memory_utilization: float) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{gpu_memory_utilization:.3f}")
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "sharding"))
+@functools.partial(engine_jit, static_argnames=("layout", "sharding"))
 def create_pool(*, layout: KVLayout, sharding: jax.sharding.Sharding | None = None) -> KVPool:
     """Born on the device (and with its sharding), never staged through the host."""
     pool = []
@@ -207,7 +208,7 @@ def layer_rows(block_ids: jax.Array, *, num_layers: int, num_blocks: int) -> jax
     return block_ids[None, :] + num_blocks * jnp.arange(num_layers, dtype=block_ids.dtype)[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("num_layers", "num_blocks"), donate_argnums=(0,))
+@functools.partial(engine_jit, static_argnames=("num_layers", "num_blocks"), donate_argnums=(0,))
 def copy_blocks(
     pool: KVPool,
     src: jax.Array,  # [N] int32 logical block ids; padding entries are -1
@@ -224,7 +225,7 @@ def copy_blocks(
     return tuple(p.at[dst_rows].set(p[src_rows], mode="drop") for p in pool)
 
 
-@functools.partial(jax.jit, static_argnames=("num_layers", "num_blocks"))
+@functools.partial(engine_jit, static_argnames=("num_layers", "num_blocks"))
 def gather_blocks(
     pool: KVPool,
     block_ids: jax.Array,  # [N] int32; padding entries are -1 (gathers block 0, ignored)
@@ -237,7 +238,7 @@ def gather_blocks(
     return tuple(p[rows] for p in pool)
 
 
-@functools.partial(jax.jit, static_argnames=("num_layers", "num_blocks"), donate_argnums=(0,))
+@functools.partial(engine_jit, static_argnames=("num_layers", "num_blocks"), donate_argnums=(0,))
 def scatter_blocks(
     pool: KVPool,
     block_ids: jax.Array,  # [N] int32; padding entries are -1 (not written)

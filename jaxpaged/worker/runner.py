@@ -35,17 +35,12 @@ from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, S
 from jaxpaged.worker import sampler
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
 from jaxpaged.worker.input_batch import InputBatch
-from jaxpaged.worker.kv_cache import (
-    KVLayout,
-    copy_blocks,
-    create_pool,
-    gather_blocks,
-    scatter_blocks,
-)
+from jaxpaged.worker.kv_cache import KVLayout
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.lora import LoraAdapters
 from jaxpaged.worker.model_hooks import ModelHooks
-from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput, step
+from jaxpaged.worker.programs import EnginePrograms
+from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
@@ -105,6 +100,8 @@ class Runner:
         # on CPU the native kernels over weights packed into their layout and the streamed
         # weights on 2 MiB pages; elsewhere XLA's
         self.platform = platform
+        # jitted for this runner alone: its compiled programs go when it closes or is dropped
+        self.programs = EnginePrograms()
         # the model class's hooks: which weights a native matmul may repack, which a step
         # streams
         self._hooks = ModelHooks.of(model_config, params, graphdef)
@@ -162,7 +159,7 @@ class Runner:
     def _create_kv_state(self) -> None:
         """The KV pool, the sampler state rows and the last sampled tokens, all zero."""
         layout, mesh = self.layout, self.mesh
-        self.pool = create_pool(
+        self.pool = self.programs.create_pool(
             layout=layout, sharding=None if mesh is None else kv_pool_sharding(mesh)
         )
         # one sampler-state row per running request at most; the scheduler hands them out
@@ -215,6 +212,14 @@ class Runner:
         shapes, so the compiled programs still apply."""
         self._create_kv_state()
 
+    def close(self) -> None:
+        """Frees the KV pool and sampler state and drops the weights and the compiled
+        programs; the runner cannot step afterwards. Nothing may be running."""
+        if self.pool is not None:
+            self.release_kv()
+        self.release_params()
+        self.programs.close()
+
     @property
     def kv_released(self) -> bool:
         return self.pool is None
@@ -242,7 +247,7 @@ class Runner:
         free on the device (the "profiling step" of KV sizing, without running it)."""
         bucket = max(self.buckets.all(), key=lambda b: (b.num_tokens, b.max_blocks))
         batch, _ = self.build_batch([], bucket)
-        lowered = step.lower(
+        lowered = self.programs.step.lower(
             self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
             **self._step_kwargs(),
         )  # fmt: skip
@@ -271,7 +276,7 @@ class Runner:
             kwargs.update(max_q_len=1)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
-        out, self.pool, self.seq_state = step(
+        out, self.pool, self.seq_state = self.programs.step(
             self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
             **kwargs,
         )  # fmt: skip
@@ -374,7 +379,7 @@ class Runner:
     def fill_state_row(self, arrays: tuple[np.ndarray, ...]) -> None:
         """The device call of a state-row fill (followers of a multi-host run too);
         ``arrays`` as :meth:`state_row_arrays` makes them."""
-        self.seq_state = sampler.init_state_row(self.seq_state, *arrays)
+        self.seq_state = self.programs.init_state_row(self.seq_state, *arrays)
 
     # ------------------------------------------------------------ block moves
     def _padded(self, ids: Sequence[int]) -> np.ndarray:
@@ -416,7 +421,7 @@ class Runner:
         dst: np.ndarray,  # int32 [N] destination block ids
     ) -> None:
         """The device call of a block copy (followers of a multi-host run too)."""
-        self.pool = copy_blocks(
+        self.pool = self.programs.copy_blocks(
             self.pool,
             src,
             dst,
@@ -428,7 +433,7 @@ class Runner:
         # waits for the steps already dispatched: the blocks hold what they wrote
         dev, host = zip(*pairs, strict=True)
         arrays = jax.device_get(
-            gather_blocks(
+            self.programs.gather_blocks(
                 self.pool,
                 self._padded(dev),
                 num_layers=self.layout.num_layers,
@@ -448,7 +453,7 @@ class Runner:
         for i, slot in enumerate(host):
             for a, block in zip(arrays, self._host_blocks.pop(slot), strict=True):
                 a[:, i] = block
-        self.pool = scatter_blocks(
+        self.pool = self.programs.scatter_blocks(
             self.pool,
             ids,
             arrays,
@@ -486,12 +491,12 @@ class Runner:
         for n in moves:
             none = np.full(n, -1, np.int32)
             dims = dict(num_layers=self.layout.num_layers, num_blocks=self.layout.num_blocks)
-            self.pool = copy_blocks(self.pool, none, none, **dims)
+            self.pool = self.programs.copy_blocks(self.pool, none, none, **dims)
             bar.update()
             if swap:
-                arrays = jax.device_get(gather_blocks(self.pool, none, **dims))
+                arrays = jax.device_get(self.programs.gather_blocks(self.pool, none, **dims))
                 bar.update()
-                self.pool = scatter_blocks(self.pool, none, tuple(arrays), **dims)
+                self.pool = self.programs.scatter_blocks(self.pool, none, tuple(arrays), **dims)
                 bar.update()
         jax.block_until_ready((self.pool, self.seq_state))
         bar.close()

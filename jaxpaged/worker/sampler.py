@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from jaxpaged.sampling_params import MAX_PROCESSOR_ARGS
+from jaxpaged.worker.engine_jit import engine_jit
 from jaxpaged.worker.logits_processors import apply_logits_processors
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
@@ -133,7 +134,7 @@ def _drop_padding(ids: jax.Array, size: int) -> jax.Array:
     return jnp.where(ids < 0, size, ids)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(engine_jit, donate_argnums=(0,))
 def init_state_row(
     state: SeqState,
     row: jax.Array,  # int32 []

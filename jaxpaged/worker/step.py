@@ -19,6 +19,7 @@ from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
 from jaxpaged.models.llama import Params
 from jaxpaged.models.lora import LoraInputs
 from jaxpaged.worker import sampler
+from jaxpaged.worker.engine_jit import engine_jit
 from jaxpaged.worker.kv_cache import KVPool
 from jaxpaged.worker.logits_processors import LogitsProcessor
 
@@ -124,7 +125,7 @@ def prompt_logprobs(
 
 
 @functools.partial(
-    jax.jit,
+    engine_jit,
     static_argnames=(
         "graphdef",
         "num_blocks",

@@ -2,9 +2,10 @@
 SmolLM2: each prints what its vLLM original prints, from real generations.
 
 As written, each example loads SmolLM2 and warms up every shape bucket of its engine. The
-offline and OpenAI-client examples run in every suite; the tensor-parallel (3 simulated
-devices, ~9 minutes on a loaded 2-core machine) and swap-space (~2.5 minutes) examples run
-with JAXPAGED_TEST_EXAMPLES=1."""
+OpenAI-client example runs in every suite; the offline one (every bucket of a default
+engine, ~3 minutes on a loaded 2-core machine; test_llm_e2e generates offline on SmolLM2),
+the tensor-parallel (3 simulated devices, ~9 minutes) and swap-space (~2.5 minutes) ones
+run with JAXPAGED_TEST_EXAMPLES=1 or JAXPAGED_TEST_FULL=1."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 minutes_long = pytest.mark.skipif(
-    os.environ.get("JAXPAGED_TEST_EXAMPLES") != "1",
+    "1" not in (os.environ.get("JAXPAGED_TEST_EXAMPLES"), os.environ.get("JAXPAGED_TEST_FULL")),
     reason="this example as written takes minutes; set JAXPAGED_TEST_EXAMPLES=1",
 )
 
@@ -46,6 +47,7 @@ def _generations(stdout: str) -> dict[str, str]:
     return {ast.literal_eval(p): ast.literal_eval(t) for p, t in LINE.findall(stdout)}
 
 
+@minutes_long
 def test_offline_inference():
     printed = _generations(_run("offline_inference.py"))
     assert list(printed) == [

@@ -11,7 +11,9 @@ from jaxpaged import SamplingParams
 from jaxpaged.models.testing import random_params, tiny_config
 from jaxpaged.worker.compile_counter import CompileCounter
 
-SETTINGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=24)
+# four warm-up step programs per engine (decode 1, 2; mixed 16, 32): the second prompt is
+# prefilled in two chunks
+SETTINGS = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 7], list(range(3, 40))]
 
@@ -36,7 +38,7 @@ def test_generator_reuses_its_engine_across_calls():
         assert got1 == want1 and got0 == want0 and want0 != want1
         # other settings: another engine, the first one closed (max_engines=1)
         jaxpaged.generate(PROMPTS[:1], GREEDY, params=p0, config=config, generator=gen,
-                          **{**SETTINGS, "num_kv_blocks": 20})  # fmt: skip
+                          **{**SETTINGS, "num_kv_blocks": 20, "enforce_eager": True})  # fmt: skip
         assert gen.engines_built == 2
         assert llm.engine._compiles._open is False
     with pytest.raises(ValueError, match="max_engines"):

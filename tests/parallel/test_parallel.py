@@ -99,12 +99,13 @@ def test_bundled_smollm2_tp3(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    os.environ.get("JAXPAGED_TEST_TP_MATRIX") != "1", reason="set JAXPAGED_TEST_TP_MATRIX=1"
+    "1" not in (os.environ.get("JAXPAGED_TEST_FULL"), os.environ.get("JAXPAGED_TEST_TP_MATRIX")),
+    reason="the full matrix: set JAXPAGED_TEST_FULL=1",
 )
 def test_tensor_parallel_matrix(tmp_path) -> None:
     """Every family tensor parallelism splits at TP 2 / 4 against TP=1 and transformers, and
     both 8-bit KV caches (~8 minutes on 2 busy cores: run only when asked,
-    JAXPAGED_TEST_TP_MATRIX=1)."""
+    JAXPAGED_TEST_FULL=1 or JAXPAGED_TEST_TP_MATRIX=1)."""
     found, log = _run_checks(tmp_path, SLOW_CHECKS)
     failed = {c: found.get(c, "did not run") for c in SLOW_CHECKS if found.get(c) != "ok"}
     assert not failed, f"{failed}\n{log}"

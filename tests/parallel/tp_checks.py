@@ -151,12 +151,12 @@ def check_warmup_no_recompile(ctx: Ctx) -> None:
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     m = llm.get_metrics()
+    assert all(p.sharding.is_equivalent_to(want, 4) for p in runner.pool), runner.pool[0].sharding
     llm.engine.close()
     assert [len(o.outputs) for o in outs] == [1, 2, 1]
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [12] * 4
     assert m["num_preemptions"] >= 1, m  # the swap path ran
     assert m["num_compilations_after_warmup"] == 0, m
-    assert all(p.sharding.is_equivalent_to(want, 4) for p in runner.pool), runner.pool[0].sharding
 
 
 def check_orbax(ctx: Ctx) -> None:

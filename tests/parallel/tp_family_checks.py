@@ -91,9 +91,9 @@ def check_warmup_family(ctx: Ctx, family: str) -> None:
     llm = LLM(ctx.model(family), tensor_parallel_size=2, block_size=8, show_progress=False, **kw)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     m = llm.get_metrics()
-    llm.engine.close()
     cfg = llm.engine.model_config  # no KV heads replicated at TP 2 in these models
     assert_sharded(llm.engine, 2, num_kv_heads=cfg.num_kv_heads, vocab=cfg.vocab_size)
+    llm.engine.close()
     got = [list(o.outputs[0].token_ids) for o in outs]
     want = hf_greedy(ctx.model(family), prompts, 8)
     assert got == want, f"{family} TP=2 warmed up: {got} != transformers {want}"

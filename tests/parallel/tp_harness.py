@@ -66,7 +66,8 @@ def greedy(model: str, tp: int, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw: An
     llm = LLM(model, tensor_parallel_size=tp, show_progress=False, **args)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    llm.engine.close()
+    # not closed: callers inspect its weights and pool (closing frees them); dropping the
+    # LLM releases the same
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
