@@ -30,7 +30,7 @@ test: install-dev
 	$(PY) -m pytest -q --ignore=tests/serving $(PYTEST_ARGS)
 	$(PY) -m pytest -q tests/serving $(PYTEST_ARGS)
 
-# also the long matrices (JAXPAGED_TEST_FULL=1: README, "The two commands")
+# also the long matrices (JAXPAGED_TEST_FULL=1: docs/development.md)
 test-full:
 	JAXPAGED_TEST_FULL=1 $(MAKE) test
 

@@ -1,9 +1,14 @@
-"""Machine peaks (matmul FLOP/s, memory read bandwidth) and the roofline of one decode step.
+"""Machine peaks (matmul FLOP/s, memory read bandwidth), the roofline of one decode step and
+the useful FLOPs of a prefill.
 
 A decode step of S sequences must at least (a) read every weight once and the K/V of every
 cached token once, and (b) do ~2 FLOPs per weight per sequence plus the attention dot
 products. Its roofline time is the larger of bytes / bandwidth and FLOPs / matmul peak,
 both measured on this machine in the same run (``python bench/roofline.py`` prints them).
+
+FLOPs of prefilling a prompt of L tokens: 2 x (matmul parameters of every layer) per token,
+the lm_head once (only the last position is sampled), and causal attention, q.k and p.v over
+the L(L+1)/2 visible pairs: 2 x layers x heads x head_dim x L(L+1) in all.
 """
 
 from __future__ import annotations
@@ -156,8 +161,19 @@ def decode_step_cost(config: Any, context_lens: Sequence[int], *, dtype_bytes: i
     )
 
 
+def prefill_flops(config: Any, prompt_len: int) -> float:
+    """Useful FLOPs of prefilling one ``prompt_len``-token prompt (see the module docstring)."""
+    c = config
+    n = param_count(c)
+    matmuls = 2.0 * (prompt_len * c.num_layers * n["layer_matmul"] + n["lm_head"])
+    attention = 2.0 * c.num_layers * c.num_heads * c.head_dim * prompt_len * (prompt_len + 1)
+    return matmuls + attention
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--matmul-n", type=int, default=2048)
     p.add_argument("--bandwidth-mib", type=int, default=512)
     p.add_argument("--no-jax", action="store_true")

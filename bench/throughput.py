@@ -2,7 +2,7 @@
 
     python bench/throughput.py [--model M] [--dtype float32] [--num-prompts 32]
         [--batch-size 8] [--seed 0] [--systems jaxpaged,hf-static,hf-cb] [--jsonl FILE]
-        [--rounds 1]
+        [--rounds 1] [--vllm-python VENV/bin/python] [--prefill-lengths 256 1024]
 
 Systems, all greedy, EOS ignored, the same token ids:
   jaxpaged   LLM.generate (continuous batching over the paged KV pool)
@@ -22,6 +22,12 @@ machine's speed drifts over minutes, for every system alike. With jaxpaged in --
 also times pure-decode steps at batch 32 inside the engine and prints them next to this
 machine's roofline, in --decode-rounds rounds with the peaks measured right after each
 round's steps (the ratio quoted is the median of the rounds').
+
+``--prefill-lengths L ...`` then prefills, for each L, ``--prefill-repeats`` fresh random
+L-token prompts alone (``max_tokens=1``) and prints the time to the first token against the
+matmul peak measured before and after (useful FLOPs: roofline.prefill_flops). A prompt longer
+than the step budget (``--max-num-batched-tokens``) is prefilled in chunks, one step each:
+the figure is what a request sees, chunking included.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common import BenchRequest, load_jsonl_workload, make_workload
-from roofline import MachinePeaks, decode_step_cost, measure_peaks
+from roofline import MachinePeaks, decode_step_cost, measure_peaks, param_count, prefill_flops
 from vllm_peer import check_vllm_python, compare_greedy, describe_agreement, run_offline
 
 SYSTEMS = ("jaxpaged", "hf-static", "hf-cb", "vllm")
@@ -90,6 +96,7 @@ def build_jaxpaged(args: argparse.Namespace) -> tuple[Any, float]:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         show_progress=False,
         **process_owner_args(),  # measured as served: malloc tuned, compiled programs cached
@@ -347,6 +354,62 @@ def _decode_step_report(
     }
 
 
+def time_prefills(llm: Any, prompt_len: int, repeats: int, seed: int) -> list[float]:
+    """Seconds from add_request to the first token of ``repeats`` fresh random prompts."""
+    import numpy as np
+
+    from jaxpaged import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(repeats):
+        prompt = rng.integers(100, vocab - 100, prompt_len).tolist()  # no prefix-cache hits
+        engine.add_request(f"p{prompt_len}-{i}-{seed}", prompt, params)
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _prefill_report(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each of ``--prefill-lengths`` prefilled alone against the matmul peak (the larger of
+    the peaks measured before and after: this VM's speed drifts)."""
+
+    def peak() -> float:
+        if args.peaks_small:
+            return measure_peaks(matmul_n=256, bandwidth_mib=16, repeats=2).matmul_flops
+        return measure_peaks(matmul_n=2048, repeats=3).matmul_flops
+
+    cfg = llm.engine.model_config
+    budget = llm.engine.scheduler_config.max_num_batched_tokens
+    peak_before = peak()
+    time_prefills(llm, min(args.prefill_lengths), 1, seed=99)  # first-use costs out
+    timed = [(n, time_prefills(llm, n, args.prefill_repeats, seed=n)) for n in args.prefill_lengths]
+    peak_after = peak()
+    top = max(peak_before, peak_after)
+    print(f"prefill alone: {cfg.num_layers} layers, {param_count(cfg)['total'] / 1e6:.0f}M "
+          f"parameters, {args.dtype}; step budget {budget} tokens; matmul peak "
+          f"{peak_before / 1e9:.0f} GFLOP/s before, {peak_after / 1e9:.0f} after")  # fmt: skip
+    print("| prompt | steps | time ms (median, range) | tok/s | GFLOP per token | GFLOP/s "
+          "| share of the matmul peak |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for length, times in timed:
+        t = statistics.median(times)
+        flops = prefill_flops(cfg, length)
+        row = {"prompt_len": length, "steps": -(-length // budget), "median_s": t,
+               "seconds": times, "flops": flops, "peak_flops": top, "share": flops / t / top}  # fmt: skip
+        rows.append(row)
+        print(f"| {length} | {row['steps']} | {t * 1e3:.0f} ({min(times) * 1e3:.0f}-"
+              f"{max(times) * 1e3:.0f}) | {length / t:.0f} | {flops / length / 1e9:.3f} | "
+              f"{flops / t / 1e9:.1f} | {row['share']:.0%} |")  # fmt: skip
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -372,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
     p.add_argument("--decode-rounds", type=int, default=5,
                    help="decode step timing rounds, each with its own peak measurement")  # fmt: skip
+    p.add_argument("--prefill-lengths", type=int, nargs="+", default=[], metavar="L",
+                   help="also time L-token prompts prefilled alone against the matmul peak")  # fmt: skip
+    p.add_argument("--prefill-repeats", type=int, default=5, help="prompts per prefill length")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="jaxpaged's step token budget (default: the engine's)")  # fmt: skip
     p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for HF")
     p.add_argument("--enforce-eager", action="store_true", help="jaxpaged: no warm-up (smoke)")
     p.add_argument("--hf-cb-warmup", action=argparse.BooleanOptionalAction, default=True)
@@ -403,6 +471,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if min(args.num_prompts, args.batch_size, args.rounds, args.decode_rounds) < 1:
         print("--num-prompts, --batch-size, --rounds and --decode-rounds must be >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    if args.prefill_lengths and "jaxpaged" not in systems:
+        print("--prefill-lengths times jaxpaged: add it to --systems", file=sys.stderr)
+        return 2
+    if args.prefill_lengths and (
+        min(args.prefill_lengths) < 1
+        or args.prefill_repeats < 1
+        or (args.max_model_len and max(args.prefill_lengths) >= args.max_model_len)
+    ):
+        print("--prefill-lengths must be >= 1 and below --max-model-len, --prefill-repeats >= 1",
               file=sys.stderr)  # fmt: skip
         return 2
 
@@ -502,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if llm is not None and args.decode_batch > 0:
         report["decode_step"] = _decode_step_report(llm, work, args)
+    if llm is not None and args.prefill_lengths:
+        report["prefill"] = _prefill_report(llm, args)
     report["load_avg_end"] = os.getloadavg()
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

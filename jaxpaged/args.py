@@ -168,7 +168,7 @@ class CliForm:
 
 # A step with decodes and a prompt chunk takes at most this many decode steps' time (the cap
 # measured at warm-up, jaxpaged.engine.prefill_budget). Measured under `vllm bench serve` (16
-# in flight, 256-token prompts, bench/prefill_ab.py): see bench/RESULTS.md.
+# in flight, 256-token prompts): see bench/RESULTS.md.
 DEFAULT_PREFILL_STALL_RATIO = 3.0
 
 

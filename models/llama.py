@@ -5,7 +5,7 @@ as one `lax.scan` (compile time independent of depth) and the tree shards and do
 Matmul weights are stored [out, in] (the orientation of HF's nn.Linear), and every projection
 is a 2-D dot contracting the weight's last (minor) axis: on XLA:CPU that is 20-45% faster than
 [in, out] for the few-row dots of decoding, and even with it for prefill-sized ones
-(bench/weight_layout.py).
+(measured side by side).
 
     {"embed": [V, D],
      "layers": {"attn_norm": [L, D],
@@ -97,8 +97,8 @@ def linear_xla(
     residual: jax.Array | None = None,  # [T, N]
 ) -> jax.Array:  # [T, N]
     """(residual +) norm(silu(silu_gate) * x) @ w[index].T as one 2-D dot contracting both
-    minor axes (multi-axis einsums and [in, out] weights are slower for few rows on XLA:CPU;
-    bench/weight_layout.py)."""
+    minor axes (multi-axis einsums and [in, out] weights are slower for few rows on XLA:CPU:
+    measured side by side)."""
     if silu_gate is not None:
         x = jax.nn.silu(silu_gate) * x
     if norm is not None:

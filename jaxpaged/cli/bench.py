@@ -11,7 +11,14 @@ from pathlib import Path
 
 __all__ = ["bench_dir", "benchmarks", "main"]
 
-_NOT_BENCHMARKS = ("common",)  # helpers the scripts import
+# helpers the scripts import, and the scripts bench/vllm_peer.py runs under vLLM's own Python
+_NOT_BENCHMARKS = (
+    "common",
+    "accelerator_kernels",
+    "vllm_peer",
+    "vllm_offline",
+    "vllm_bench_client",
+)
 
 
 def bench_dir() -> Path | None:

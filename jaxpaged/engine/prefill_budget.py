@@ -35,7 +35,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # The cap where nothing was measured (enforce_eager: no warm-up): the CPU's measured figure
-# (bench/prefill_ab.py under `vllm bench serve`, 16 in flight, 256-token prompts).
+# (under `vllm bench serve`, 16 in flight, 256-token prompts: bench/RESULTS.md).
 UNMEASURED_PREFILL_CAP = 64
 # A cap never goes below one block of a typical size: a lower one would stretch a prompt
 # over so many steps that its time to first token, not the decodes' latency, dominates.

@@ -1,7 +1,7 @@
 """Structured output on the host: grammars compiled with llguidance, one matcher per sampling
 sequence, and the packed allowed-token bitmask of each sequence's next token.
 
-Why llguidance (measured on the bundled SmolLM2 tokenizer, 49152 tokens; BUILD.md has the
+Why llguidance (measured on the bundled SmolLM2 tokenizer, 49152 tokens; docs/install.md has the
 figures): it needs nothing but numpy (xgrammar needs torch, triton and transformers), a
 nested JSON schema compiles in ~14 ms (xgrammar ~50 ms), and a mask costs ~10-70 us a token
 (xgrammar ~5 us), well under the step's own time.

@@ -6,7 +6,7 @@
 // panel p holds outputs 16p .. 16p+15, one contiguous row of 16 floats per k. A 6 x 16 tile
 // of y then costs, per k, two weight loads and six broadcasts of x for 12 FMAs, so the FMA
 // units set the pace; the dot form over [out, in] rows needed 15 loads per 12 FMAs and a
-// horizontal sum per output, and ran at about half of this (bench/weight_layout.py).
+// horizontal sum per output, and ran at about half of this (measured side by side).
 // With AVX-512 a panel row is one 16-lane vector and the tile is 8 x 16: one weight load and
 // eight broadcasts for 8 FMAs of 16 lanes.
 //

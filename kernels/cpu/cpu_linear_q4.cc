@@ -69,7 +69,7 @@ inline float q_at(const uint8_t* row, int64_t k, int bits) {
 // the float32 panel kernel's mix (cpu_linear.cc). Its sums stay in registers over the whole
 // K and are stored transposed once. The dot-product tile it replaced (per 16 k: 2 loads per
 // output and per row, 8-lane sums reduced at the end) was load-bound: at 32 rows, 1.35-1.5x
-// float32's time per layer shape (bench/quant_shapes.py).
+// float32's time per SmolLM2 layer shape (measured, 30 cold layers a call).
 constexpr int64_t kTo = 6;   // outputs per register tile (broadcast weights)
 constexpr int64_t kTv = 2;   // 8-row vectors of x per register tile (tile_t has 1 or 2)
 constexpr int64_t kTm = 8 * kTv;  // rows per register tile

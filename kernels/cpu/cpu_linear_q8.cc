@@ -148,7 +148,7 @@ void block(const int32_t* x32, const float* xs, const int8_t* w, const float* ws
 #ifdef JAXPAGED_AVX2
 // The float path, from kFloatRows rows on. vpmaddwd multiplies 16 int16 pairs per
 // instruction but issues at half the rate of an 8-lane FMA on this AVX2 EPYC, so it does no
-// more multiply-accumulates per cycle (bench/mac_peak.py: 0.84-1.08x), and its 4-row tile
+// more multiply-accumulates per cycle (measured: 0.84-1.08x of FMA's), and its 4-row tile
 // (a 6-row one spills: vpmaddwd has no accumulating form, so each product needs a register)
 // runs at 0.83-0.87x of the FMA peak from L1 where the float32 6 x 16 tile runs at 0.9-1.0x.
 // So a slice of a panel is widened once to float32 into L1, in panel order [kc, 16], and

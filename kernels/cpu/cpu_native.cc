@@ -205,8 +205,8 @@ void row_scores(const float* q, const float* const* krows, int64_t n, int64_t D,
 // float32 buffer first (an extra store and load of every value), this reads half the bytes
 // of float32 and adds two ALU ops per 16 values beside the FMAs: write_kv + decode attention
 // over 30 layers at 32 sequences x 201 tokens (SmolLM2's heads) took 1.14-1.22x float32's
-// CPU time buffered, 0.84-0.87x in place (quartiles of 15 alternated pairs,
-// bench/dtype_parts.py, AVX2-only Zen 4 VM at load ~10).
+// CPU time buffered, 0.84-0.87x in place (measured: quartiles of 15 alternated pairs, AVX2-only
+// Zen 4 VM at load ~10).
 inline void load_pair(const uint16_t* p, __m256& even, __m256& odd) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
