@@ -30,7 +30,9 @@ class ModelHooks:
         """The hooks of a jaxpaged family (``graphdef`` None) or of the model ``graphdef``
         describes."""
         model_class = (
-            family_of(model_config).module if graphdef is None else type(nnx.merge(graphdef, params))
+            family_of(model_config).module
+            if graphdef is None
+            else type(nnx.merge(graphdef, params))
         )
         return cls(model_config, model_class)
 
