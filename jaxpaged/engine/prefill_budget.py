@@ -144,7 +144,8 @@ def measure_step_costs(
     at a time, or a pool too small for the shapes)."""
     budget = config.max_num_batched_tokens
     decodes = min(config.max_num_seqs - 1, budget // 2)
-    chunk = min(CHUNK_TOKENS, budget - decodes)
+    # a prompt chunk no longer than a sequence may be (its block table's width)
+    chunk = min(CHUNK_TOKENS, budget - decodes, config.max_model_len)
     context = min(CONTEXT_TOKENS, config.max_model_len - 1)
     spare = num_blocks - -(-chunk // block_size)  # blocks left for the decodes
     if decodes < 1 or spare < decodes:

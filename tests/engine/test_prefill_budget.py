@@ -109,6 +109,10 @@ def test_sizes_follow_the_config_and_the_pool():
     assert got.context == 20
     _, mixed = calibration_plans(decodes=3, context=20, chunk=13, block_size=4)
     assert max(b for s in mixed.seqs for b in s.new_block_ids) == 18  # 15 + 4 blocks
+    # a chunk is never longer than a sequence may be (the runner's block tables are that wide)
+    short = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=8)
+    got = measure_step_costs(device.execute, short, num_blocks=64, block_size=4, clock=device.clock)
+    assert (got.chunk, got.context) == (8, 7)
     # no step carries decodes and a chunk: one sequence at a time, or no room in the pool
     one = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
     assert measure_step_costs(device.execute, one, num_blocks=64, block_size=4) is None
