@@ -530,7 +530,9 @@ def test_cancel_deadline_and_disconnect_free_blocks_quickly(real):
     with GenerationClient(real.grpc_target) as client:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
-            list(client.stream("Count from one to one hundred:", timeout=3.0, **long))
+            # 480 tokens outlast a 1 s deadline at batch 1 (200 tokens once finished inside 3 s)
+            fill = {**long, "max_tokens": 480}
+            list(client.stream("Count from one to one hundred:", timeout=1.0, **fill))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         steps = _steps(real)
         assert wait_until(lambda: _free(real) == free0, 30)
