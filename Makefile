@@ -23,12 +23,13 @@ install-dev: .venv/.installed-dev
 serve: install
 	$(PY) -m jaxpaged.serve $(ARGS)
 
-# Two processes: one pytest process holding every test's engines and compiled programs
-# aborted inside XLA's compiler near its end (tests/serving/test_lora_serving.py, twice),
-# where the same tests pass in a process of their own.
+# Two pytest workers (pytest-xdist; a test module stays on one worker, so its shared engines
+# are built once): most of a cold run is XLA compiling, one program per process at a time,
+# so two workers on two cores finish well before one process (figures in
+# docs/development.md). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install-dev
-	$(PY) -m pytest -q --ignore=tests/serving $(PYTEST_ARGS)
-	$(PY) -m pytest -q tests/serving $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # also the long matrices (JAXPAGED_TEST_FULL=1: docs/development.md)
 test-full:
