@@ -86,8 +86,8 @@ class SamplerOutput(NamedTuple):
 
 
 class SamplingRow(Protocol):
-    """What :func:`build_sampling_tensors` reads of each sampling sequence (the scheduler's
-    ``SeqSampling``)."""
+    """What :func:`build_sampling_tensors` reads of each sampling sequence (the persistent
+    batch's rows, worker/input_batch.py)."""
 
     params: Any  # duck-typed SamplingParams
     key_stream: int  # sample index (seeded rows) or engine-unique stream (unseeded)
