@@ -57,5 +57,6 @@ FAMILY = ModelFamily(
     param_shapes=llama.param_shapes,
     load_host_params=llama.load_host_params,
     split_axes=llama.SPLIT_AXES,
+    matmul_weights=llama.MATMUL_WEIGHTS,
     refused=_refused,
 )
