@@ -88,6 +88,11 @@ class ModelFamily:
     matmul_weights: Mapping[str, int] = dataclasses.field(
         default_factory=lambda: MappingProxyType({})
     )
+    # pre-quantized checkpoints (quant/prequantized.py): "layers" leaf -> the HF modules of
+    # one layer (``model.layers.N.<module>``) whose quantized weights fill it. Empty: none
+    prequantized_modules: Mapping[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
     gguf: tuple[GgufLayout, ...] = ()  # the GGUF architectures it imports
     # feature (one of FEATURES) -> why this config cannot have it; absent: supported
     refused: Callable[[ModelConfig], Mapping[str, str]] = _no_refusals

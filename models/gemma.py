@@ -469,6 +469,16 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
 MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType(
     {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
 )
+# a pre-quantized checkpoint's modules of one layer that fill each stacked leaf (the Llama
+# family's names)
+PREQUANTIZED_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "wo": ("self_attn.o_proj",),
+        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+        "w_down": ("mlp.down_proj",),
+    }
+)
 # llama.cpp's Gemma 3 per-layer tensor names -> transformers' (ffn_norm is the pre-MLP one)
 GGUF_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
     {
@@ -534,8 +544,6 @@ def _gguf_layer_types(g: GgufMetadata, n: int) -> list[str]:
 def _refused(config: ModelConfig) -> Mapping[str, str]:
     refused = {
         "lora": "the LoRA terms are wired into the Llama family's forward only",
-        "prequantized": "its weight mapping reads float tensors only; load its float "
-        "checkpoint instead",
     }
     if config.model_type != "gemma3_text":
         refused["gguf_quantized"] = "jaxpaged imports Gemma 3 GGUF files only"
@@ -552,6 +560,7 @@ FAMILY = ModelFamily(
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
     matmul_weights=MATMUL_WEIGHTS,
+    prequantized_modules=PREQUANTIZED_MODULES,
     gguf=(
         GgufLayout(
             architecture="gemma3",

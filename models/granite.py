@@ -58,5 +58,6 @@ FAMILY = ModelFamily(
     load_host_params=llama.load_host_params,
     split_axes=llama.SPLIT_AXES,
     matmul_weights=llama.MATMUL_WEIGHTS,
+    prequantized_modules=llama.PREQUANTIZED_MODULES,
     refused=_refused,
 )

@@ -587,6 +587,16 @@ MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType(
     {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
 )
 
+# a pre-quantized checkpoint's modules of one layer that fill each stacked leaf
+PREQUANTIZED_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "wo": ("self_attn.o_proj",),
+        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+        "w_down": ("mlp.down_proj",),
+    }
+)
+
 # llama.cpp's per-layer tensor names -> transformers' (convert_hf_to_gguf.py)
 GGUF_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
     {
@@ -679,6 +689,7 @@ FAMILY = ModelFamily(
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
     matmul_weights=MATMUL_WEIGHTS,
+    prequantized_modules=PREQUANTIZED_MODULES,
     gguf=(
         GgufLayout(
             architecture="llama",

@@ -43,15 +43,6 @@ __all__ = [
     "prequantized_reading",
 ]
 
-# stacked leaf -> the HF modules of one layer that fill it: the Llama layout's, which the
-# families that do not refuse "prequantized" share (Llama without phi3, Granite)
-_LEAF_MODULES = {
-    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "wo": ("self_attn.o_proj",),
-    "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "w_down": ("mlp.down_proj",),
-}
-
 
 def check_prequantized(config: ModelConfig, quant: CheckpointQuantization, folder: str) -> None:
     """ValueError, before any weight is read, for a model whose family declares that its
@@ -317,7 +308,7 @@ def prequantized_reading(
         modules = [
             f"model.layers.{i}.{module}"
             for i in range(config.num_layers)
-            for module in _LEAF_MODULES.get(name, ())
+            for module in family.prequantized_modules.get(name, ())
         ]
         if modules and all(m + marker in st for m in modules):
             layers[name] = StackedBuffer.empty(shape, family.matmul_weights[name], quant)
