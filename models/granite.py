@@ -58,4 +58,5 @@ FAMILY = ModelFamily(
     load_host_params=llama.load_host_params,
     split_axes=llama.SPLIT_AXES,
     refused=_refused,
+    lora=llama.lora_layout,
 )

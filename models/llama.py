@@ -45,9 +45,17 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig, RopeScaling
-from .family import GgufLayout, GgufMetadata, ModelFamily
+from .family import (
+    GgufLayout,
+    GgufMetadata,
+    LoraLayout,
+    LoraModule,
+    LoraPiece,
+    LoraSite,
+    ModelFamily,
+)
 from .layers import StackedParams, apply_rope, dense_causal_attention, rms_norm
-from .lora import LoraInputs, lora_delta
+from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, LinearFn, Params, RMSNorm, TensorReader
@@ -196,7 +204,7 @@ def _layer(
     x = _residual_add(x, linear_fn, attn, w["wo"], layer, o_delta, c.residual_multiplier)
 
     if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype;
-        # the engine refuses LoRA for MoE models
+        # LoRA has the attention sites only (lora_layout)
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
         out = _moe_mlp(h, layers, layer, c).astype(x.dtype)
         return x + out * jnp.asarray(c.residual_multiplier, x.dtype), cache
@@ -681,10 +689,53 @@ def _gguf_rope_scaling(g: GgufMetadata, head_dim: int, theta: float) -> dict | N
     )
 
 
+def lora_layout(config: ModelConfig) -> LoraLayout:
+    """The LoRA sites of `_layer` and the PEFT modules that fill them (models/lora.py):
+    qkv (q_proj, k_proj, v_proj as three rank blocks, rows in the fused wqkv order; Phi-3's
+    fused qkv_proj as one), o (o_proj), gate, up and down (gate_proj, up_proj, down_proj;
+    Phi-3's gate_up_proj fills gate and up). A mixture-of-experts model has the attention
+    sites only: its experts are parameters PEFT targets with ``target_parameters``
+    (refused by name)."""
+    c = config
+    d, f, hd, hkv, g = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.head_dim,
+        c.num_kv_heads,
+        c.queries_per_kv,
+    )
+    q_out = c.num_heads * hd
+    fused = np.arange(hkv * (g + 2) * hd).reshape(hkv, g + 2, hd)  # wqkv's output rows
+    q_rows, k_rows, v_rows = (fused[:, :g].reshape(-1), fused[:, g].reshape(-1),
+                              fused[:, g + 1].reshape(-1))  # fmt: skip
+    sites = {"qkv": LoraSite(d, fused.size, parts=3), "o": LoraSite(q_out, d)}
+    modules = {"self_attn.o_proj": LoraModule(q_out, d, (LoraPiece("o"),))}
+    if c.model_type == "phi3":
+        qkv_rows = np.concatenate([q_rows, k_rows, v_rows])
+        modules["self_attn.qkv_proj"] = LoraModule(
+            d, qkv_rows.size, (LoraPiece("qkv", 0, qkv_rows),)
+        )
+    else:
+        for part, (name, rows) in enumerate(
+            (("q_proj", q_rows), ("k_proj", k_rows), ("v_proj", v_rows))
+        ):
+            modules[f"self_attn.{name}"] = LoraModule(d, rows.size, (LoraPiece("qkv", part, rows),))
+    if not c.num_experts:
+        sites |= {"gate": LoraSite(d, f), "up": LoraSite(d, f), "down": LoraSite(f, d)}
+        modules["mlp.down_proj"] = LoraModule(f, d, (LoraPiece("down"),))
+        if c.model_type == "phi3":
+            first, second = np.arange(2 * f), np.arange(2 * f) - f  # gate rows, then up rows
+            gate = LoraPiece("gate", 0, np.where(first < f, first, -1))
+            modules["mlp.gate_up_proj"] = LoraModule(d, 2 * f, (gate, LoraPiece("up", 0, second)))
+        else:
+            modules["mlp.gate_proj"] = LoraModule(d, f, (LoraPiece("gate"),))
+            modules["mlp.up_proj"] = LoraModule(d, f, (LoraPiece("up"),))
+    return LoraLayout(layer_prefix="model.layers.{}.", sites=sites, modules=modules)
+
+
 def _refused(config: ModelConfig) -> dict[str, str]:
     refused = {}
     if config.num_experts:
-        refused["lora"] = "LoRA on mixture-of-experts models is not supported"
         refused["gguf_quantized"] = "a mixture-of-experts GGUF import is read as floats"
     if config.model_type == "phi3":
         refused["prequantized"] = (
@@ -732,4 +783,5 @@ FAMILY = ModelFamily(
         ),
     ),
     refused=_refused,
+    lora=lora_layout,
 )
