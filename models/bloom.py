@@ -29,9 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
-from .family import ModelFamily
+from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
 from .gpt import FLOAT_FAMILY_REFUSALS, layer_norm
 from .layers import StackedParams, alibi_slopes, dense, dense_causal_attention
+from .lora_term import LoraInputs, lora_delta
 from .types import AttentionFn, Params, TensorReader
 
 
@@ -129,7 +130,11 @@ class BloomForCausalLM(nnx.Module):
         positions: jax.Array,  # int32 [T]: unused (ALiBi needs only the kernel's positions)
         attention_fn: AttentionFn = dense_causal_attention,
         cache: Any = None,
+        *,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
+        """Final-normed hidden states [T, D] and the cache threaded through every layer;
+        ``lora`` adds each token's adapter term after the matmuls it targets."""
         del positions
         c = self.config
         eps, post = c.rms_norm_eps, c.residual_post_norm
@@ -143,12 +148,24 @@ class BloomForCausalLM(nnx.Module):
             w = jax.tree.map(lambda a: a[layer], layers)
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
             qkv = jnp.einsum("ti,hcdi->thcd", y, w["wqkv"]) + w["bqkv"]  # [T, H, 3, hd]
+            if lora is not None:  # after the base product, on the same input
+                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(qkv.shape)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
             out = jnp.einsum("thd,ohd->to", attn.astype(x.dtype), w["wo"]) + w["bo"]
+            if lora is not None:
+                out = out + lora_delta(
+                    attn.astype(x.dtype).reshape(out.shape[0], -1), lora, "o", layer
+                )
             x = (y if post else x) + out
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            mlp = dense(bloom_gelu(dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
+            fc = dense(y, w["w_fc"], w["b_fc"])
+            if lora is not None:
+                fc = fc + lora_delta(y, lora, "fc", layer)
+            fc = bloom_gelu(fc)
+            mlp = dense(fc, w["w_proj"], w["b_proj"])
+            if lora is not None:
+                mlp = mlp + lora_delta(fc, lora, "proj", layer)
             x = (y if post else x) + mlp
             return (x, cache), None
 
@@ -228,6 +245,31 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
 )
 
 
+def lora_layout(config: ModelConfig) -> LoraLayout:
+    """The LoRA sites of the forward and the PEFT modules that fill them (models/lora.py):
+    qkv (query_key_value, rows as wqkv [H, 3, hd]), o (self_attention.dense), fc
+    (mlp.dense_h_to_4h) and proj (mlp.dense_4h_to_h)."""
+    d, f = config.hidden_size, config.intermediate_size
+    q = config.num_heads * config.head_dim
+    sites = {
+        "qkv": LoraSite(d, 3 * q),
+        "o": LoraSite(q, d),
+        "fc": LoraSite(d, f),
+        "proj": LoraSite(f, d),
+    }
+    names = {
+        "self_attention.query_key_value": "qkv",
+        "self_attention.dense": "o",
+        "mlp.dense_h_to_4h": "fc",
+        "mlp.dense_4h_to_h": "proj",
+    }
+    modules = {
+        name: LoraModule(sites[site].in_features, sites[site].out_features, (LoraPiece(site),))
+        for name, site in names.items()
+    }
+    return LoraLayout(layer_prefix="transformer.h.{}.", sites=sites, modules=modules)
+
+
 def _refused(config: ModelConfig) -> Mapping[str, str]:
     del config
     return FLOAT_FAMILY_REFUSALS
@@ -243,4 +285,5 @@ FAMILY = ModelFamily(
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
     refused=_refused,
+    lora=lora_layout,
 )

@@ -41,6 +41,8 @@ from flax import nnx
 from .config import ModelConfig, RopeScaling
 from .family import GgufLayout, GgufMetadata, ModelFamily
 from .layers import StackedParams, apply_rope, dense_causal_attention
+from .llama import lora_layout
+from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import embedding_rows, matmul, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, Params, TensorReader
@@ -223,12 +225,16 @@ def _layer(
     config: ModelConfig,
     window: int | None,
     attention_fn: AttentionFn,
+    lora: LoraInputs | None = None,
 ) -> tuple[jax.Array, Any]:
     c = config
     t, g, hd, eps = x.shape[0], c.queries_per_kv, c.head_dim, c.rms_norm_eps
     w = {k: v[layer] for k, v in layers.items()}
     h = gemma_rms_norm(x, w["attn_norm"], eps)
-    qkv = matmul(h, w["wqkv"].reshape(-1, c.hidden_size)).reshape(t, c.num_kv_heads, g + 2, hd)
+    qkv = matmul(h, w["wqkv"].reshape(-1, c.hidden_size))
+    if lora is not None:  # after the base product, on the same input
+        qkv = qkv + lora_delta(h, lora, "qkv", layer)
+    qkv = qkv.reshape(t, c.num_kv_heads, g + 2, hd)
     q = qkv[:, :, :g].reshape(t, c.num_heads, hd)
     k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, hd]
     if c.qk_norm:
@@ -244,12 +250,19 @@ def _layer(
         sm_scale=c.query_pre_attn_scalar**-0.5, sliding_window=window, soft_cap=c.attn_soft_cap,
     )  # fmt: skip
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * hd)  # heads grouped by KV head
-    x = x + gemma_rms_norm(
-        matmul(attn, w["wo"].reshape(c.hidden_size, -1)), w["post_attn_norm"], eps
-    )
+    o = matmul(attn, w["wo"].reshape(c.hidden_size, -1))
+    if lora is not None:
+        o = o + lora_delta(attn, lora, "o", layer)
+    x = x + gemma_rms_norm(o, w["post_attn_norm"], eps)
     h = gemma_rms_norm(x, w["pre_mlp_norm"], eps)
     gate, up = matmul(h, w["w_gate_up"][0]), matmul(h, w["w_gate_up"][1])
-    mlp = matmul(_ACTIVATIONS[c.hidden_act](gate) * up, w["w_down"])
+    if lora is not None:
+        gate = gate + lora_delta(h, lora, "gate", layer)
+        up = up + lora_delta(h, lora, "up", layer)
+    act = _ACTIVATIONS[c.hidden_act](gate) * up
+    mlp = matmul(act, w["w_down"])
+    if lora is not None:
+        mlp = mlp + lora_delta(act, lora, "down", layer)
     return x + gemma_rms_norm(mlp, w["post_mlp_norm"], eps), cache
 
 
@@ -280,8 +293,11 @@ class GemmaForCausalLM(nnx.Module):
         positions: jax.Array,  # int32 [T]
         attention_fn: AttentionFn = dense_causal_attention,
         cache: Any = None,
+        *,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
-        """Final-normed hidden states [T, D] and the cache threaded through every layer."""
+        """Final-normed hidden states [T, D] and the cache threaded through every layer;
+        ``lora`` adds each token's adapter term after the matmuls it targets."""
         c = self.config
         embed = self.embed.get_value()
         # a quantized table's rows come back in float32: the float leaves' dtype, as a float
@@ -291,7 +307,7 @@ class GemmaForCausalLM(nnx.Module):
         layers = self.layers.arrays()
         windows = layer_windows(c)
         p = _period(windows)
-        run = dict(config=c, attention_fn=attention_fn)
+        run = dict(config=c, attention_fn=attention_fn, lora=lora)
 
         def period(carry, first):  # layers first .. first + p - 1, unrolled
             x, cache = carry
@@ -457,7 +473,6 @@ def _refused(config: ModelConfig) -> Mapping[str, str]:
     refused = {
         "quantization": "its forward reads float (or GGUF-quantized) weights in its own "
         "matmuls (int8 and fp8 weights run through the Llama family's linear_fn only)",
-        "lora": "the LoRA terms are wired into the Llama family's forward only",
         "prequantized": "its weight mapping reads float tensors only; load its float "
         "checkpoint instead",
     }
@@ -475,6 +490,7 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
+    lora=lora_layout,  # the Llama family's sites and PEFT module names
     gguf=(
         GgufLayout(
             architecture="gemma3",

@@ -21,11 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .family import ModelFamily
+from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
 from .layers import StackedParams, dense, dense_causal_attention
+from .lora_term import LoraInputs, lora_delta
 from .types import AttentionFn, Params, TensorReader
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -167,7 +169,11 @@ class GPTForCausalLM(nnx.Module):
         positions: jax.Array,  # int32 [T]
         attention_fn: AttentionFn = dense_causal_attention,
         cache: Any = None,
+        *,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
+        """Final-normed hidden states [T, D] and the cache threaded through every layer;
+        ``lora`` adds each token's adapter term after the matmuls it targets."""
         c = self.config
         eps, act = c.rms_norm_eps, ACTIVATIONS[c.hidden_act]
         t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
@@ -180,11 +186,24 @@ class GPTForCausalLM(nnx.Module):
             w = jax.tree.map(lambda a: a[layer], layers)
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
             qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, Hq*hd]
+            if lora is not None:  # after the base product, on the same input
+                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(t, 3, -1).transpose(1, 0, 2)
             q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
             attn, cache = attention_fn(q, k, v, layer, cache)
-            x = x + dense(attn.astype(x.dtype).reshape(t, h * hd), w["wo"], w["bo"])
+            attn = attn.astype(x.dtype).reshape(t, h * hd)
+            o = dense(attn, w["wo"], w["bo"])
+            if lora is not None:
+                o = o + lora_delta(attn, lora, "o", layer)
+            x = x + o
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            x = x + dense(act(dense(y, w["w_fc"], w["b_fc"])), w["w_proj"], w["b_proj"])
+            fc = dense(y, w["w_fc"], w["b_fc"])
+            if lora is not None:
+                fc = fc + lora_delta(y, lora, "fc", layer)
+            fc = act(fc)
+            mlp = dense(fc, w["w_proj"], w["b_proj"])
+            if lora is not None:
+                mlp = mlp + lora_delta(fc, lora, "proj", layer)
+            x = x + mlp
             return (x, cache), None
 
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
@@ -279,12 +298,43 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
         "lm_head": 0,
     }
 )
+
+
+def lora_layout(config: ModelConfig) -> LoraLayout:
+    """The LoRA sites of the forward and the PEFT modules that fill them (models/lora.py):
+    qkv (rows q, k, v as wqkv [3, Hq*hd]: GPT-2's fused Conv1D c_attn as one rank block,
+    OPT's q_proj, k_proj, v_proj as three), o (attn.c_proj / self_attn.out_proj), fc
+    (mlp.c_fc / fc1) and proj (mlp.c_proj / fc2)."""
+    c = config
+    d, f, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    gpt2 = c.model_type == "gpt2"
+    sites = {
+        "qkv": LoraSite(d, 3 * q, parts=1 if gpt2 else 3),
+        "o": LoraSite(q, d),
+        "fc": LoraSite(d, f),
+        "proj": LoraSite(f, d),
+    }
+    if gpt2:
+        modules = {"attn.c_attn": LoraModule(d, 3 * q, (LoraPiece("qkv"),))}
+        names = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    else:
+        modules = {
+            f"self_attn.{name}_proj": LoraModule(d, q, (LoraPiece("qkv", i, i * q + np.arange(q)),))
+            for i, name in enumerate("qkv")
+        }
+        names = ("self_attn.out_proj", "fc1", "fc2")
+    for name, site in zip(names, ("o", "fc", "proj"), strict=True):
+        s = sites[site]
+        modules[name] = LoraModule(s.in_features, s.out_features, (LoraPiece(site),))
+    prefix = "transformer.h.{}." if gpt2 else "model.decoder.layers.{}."
+    return LoraLayout(layer_prefix=prefix, sites=sites, modules=modules, conv1d=gpt2)
+
+
 # what the biased, plain-MLP families (GPT-2, OPT, BLOOM) do not have, and why
 FLOAT_FAMILY_REFUSALS: Mapping[str, str] = MappingProxyType(
     {
         "quantization": "its forward reads float weights in its own einsums (int8 and fp8 "
         "weights run through the Llama family's linear_fn only)",
-        "lora": "the LoRA terms are wired into the Llama family's forward only",
         "prequantized": "its weight mapping reads float tensors only; load its float "
         "checkpoint instead",
         "gguf_quantized": "jaxpaged imports no GGUF layout of this family",
@@ -307,4 +357,5 @@ FAMILY = ModelFamily(
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
     refused=_refused,
+    lora=lora_layout,
 )

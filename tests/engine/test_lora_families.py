@@ -1,4 +1,4 @@
-"""Multi-LoRA on the Llama family's fused and mixture-of-experts variants against transformers + PEFT, on tiny random models.
+"""Multi-LoRA on every family against transformers + PEFT, on tiny random models.
 
 Per family, two random PEFT adapters are saved as PEFT saves them: ``all-linear`` (full
 module paths) and a few module names limited to one layer (``layers_to_transform``). One
@@ -45,6 +45,70 @@ FAMILIES = {
         ),
         ["qkv_proj", "gate_up_proj"],
     ),
+    # a period (S, F) scanned, then one layer unrolled; soft caps that clip
+    "gemma2": (
+        lambda: transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(
+                **_GEMMA_SHAPE, attn_logit_softcapping=2.0, final_logit_softcapping=3.0
+            )
+        ),
+        ["q_proj", "down_proj"],
+    ),
+    "gemma3": (
+        lambda: transformers.Gemma3ForCausalLM(
+            transformers.Gemma3TextConfig(**_GEMMA_SHAPE, layer_types=[S, F, S])
+        ),
+        ["v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    # Conv1D modules (PEFT saves fan_in_fan_out=True); "c_proj" names attn's and mlp's
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=128,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=128,
+                initializer_range=0.1,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        ["c_attn", "c_proj"],
+    ),  # fmt: skip
+    "opt": (
+        lambda: transformers.OPTForCausalLM(
+            transformers.OPTConfig(
+                vocab_size=128,
+                hidden_size=64,
+                num_hidden_layers=2,
+                ffn_dim=96,
+                num_attention_heads=4,
+                max_position_embeddings=128,
+                word_embed_proj_dim=64,
+                init_std=0.1,
+                pad_token_id=1,
+                bos_token_id=2,
+                eos_token_id=2,
+            )
+        ),
+        ["v_proj", "fc1"],
+    ),  # fmt: skip
+    "bloom": (
+        lambda: transformers.BloomForCausalLM(
+            transformers.BloomConfig(
+                vocab_size=128,
+                hidden_size=48,
+                n_layer=2,
+                n_head=6,
+                initializer_range=0.2,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=3,
+            )
+        ),
+        ["query_key_value", "dense_4h_to_h"],
+    ),  # fmt: skip
     "mixtral": (
         lambda: transformers.MixtralForCausalLM(
             transformers.MixtralConfig(
@@ -103,7 +167,7 @@ def family(request, tmp_path_factory):
     name = request.param
     make, some = FAMILIES[name]
     root = tmp_path_factory.mktemp(name)
-    torch.manual_seed(0)
+    torch.manual_seed(list(FAMILIES).index(name))
     base = str(root / "base")
     make().save_pretrained(base)
     paths = {"all": str(root / "all"), "some": str(root / "some")}

@@ -99,7 +99,7 @@ def test_refusals_name_setting_model_type_and_reason():
     # a family that declares no LoRA sites refuses LoRA, saying so
     bare = dataclasses.replace(family_of(tiny_config()), lora=None)
     assert bare.refusal("lora", tiny_config()) == "the family declares no LoRA sites"
-    for model_type in ("granite", "phi3"):
+    for model_type in ("gpt2", "opt", "bloom", "gemma2", "gemma3_text", "granite", "phi3"):
         check_feature(tiny_config(model_type=model_type), "lora", "enable_lora")
     check_feature(tiny_config(model_type="custom"), "lora", "enable_lora")  # yours: not ours
     with pytest.raises(ValueError, match="unknown feature 'speculative'"):
