@@ -63,12 +63,14 @@ class GgufLayout:
 class LoraSite:
     """One place in a decoder layer's forward that adds a LoRA term after its base
     product: its input and output widths, and how many rank blocks its A stacks (the
-    Llama family's fused q/k/v site has three, one per PEFT module, so each keeps its own
-    A). The site's arrays per layer: A [parts * max_rank, in], B [out, parts * max_rank]."""
+    A). The site's arrays per layer: A [parts * max_rank, in], B [out, parts * max_rank].
+    An experts site (``experts`` > 1) holds one rank block per expert, A [E * max_rank, in]
+    and B [out, E * max_rank], and adds expert e's term to expert e's product."""
 
     in_features: int
     out_features: int
     parts: int = 1
+    experts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +87,15 @@ class LoraPiece:
 @dataclasses.dataclass(frozen=True)
 class LoraModule:
     """One PEFT-targetable linear of a decoder layer: its Hugging Face shape (as PEFT's
-    lora_A [r, in] and lora_B [out, r] have it) and the site pieces it fills."""
+    lora_A [r, in] and lora_B [out, r] have it) and the site pieces it fills. A stack of
+    ``experts`` weights (a parameter PEFT targets with ``target_parameters``) has lora_A
+    [E * r, in] (rows expert-major) and lora_B [out, r * E] (columns rank-major), as PEFT's
+    ParamWrapper saves them."""
 
     in_features: int
     out_features: int
     pieces: tuple[LoraPiece, ...]
+    experts: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +110,11 @@ class LoraLayout:
     layer_prefix: str
     sites: Mapping[str, LoraSite]
     modules: Mapping[str, LoraModule]
+    # weights that are no linear module, by parameter path inside the layer
+    # ("mlp.experts.gate_up_proj"), as PEFT's ``target_parameters`` names them
+    parameters: Mapping[str, LoraModule] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
     conv1d: bool = False
 
 

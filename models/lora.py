@@ -53,7 +53,6 @@ _PREFIX = "base_model.model."  # PEFT's prefix of the base model's parameter nam
 _REFUSED_OPTIONS = (
     "use_dora",
     "modules_to_save",
-    "target_parameters",
     "trainable_token_indices",
     "lora_bias",
     "layer_replication",
@@ -77,11 +76,13 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
 
 
 def site_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[tuple, tuple]]:
-    """(A shape, B shape) of every site, per layer: A [parts * r', in], B [out, parts * r']."""
-    return {
-        name: ((s.parts * max_rank, s.in_features), (s.out_features, s.parts * max_rank))
-        for name, s in lora_layout(config).sites.items()
-    }
+    """(A shape, B shape) of every site, per layer: A [parts * r', in], B [out, parts * r']
+    (experts sites: E * r' for parts * r')."""
+    shapes = {}
+    for name, s in lora_layout(config).sites.items():
+        width = s.parts * s.experts * max_rank
+        shapes[name] = ((width, s.in_features), (s.out_features, width))
+    return shapes
 
 
 class LoraWeights(NamedTuple):
@@ -145,6 +146,7 @@ def _plan(
     if cfg.get("fan_in_fan_out") and not layout.conv1d:
         refused.append("fan_in_fan_out=True (for Conv1D modules; this model's are nn.Linear)")
     targets = cfg.get("target_modules")
+    params = cfg.get("target_parameters") or []
     paths = {
         layout.layer_prefix.format(i) + module: (i, module)
         for i in range(num_layers)
@@ -177,8 +179,23 @@ def _plan(
             if p in targets
             or (any(p.endswith("." + t) for t in targets) and _targets_layer(cfg, p))
         ]
-    else:
+    elif targets is not None or not params:
         refused.append(f"target_modules={targets!r} (give module names, paths or a regex)")
+    if params and not layout.parameters:
+        refused.append(f"target_parameters={params!r}{_WHY['target_parameters']}")
+    elif params:  # matched as PEFT does: a path equal to it or ending in "." + it
+        weights = {
+            layout.layer_prefix.format(i) + name: (i, name)
+            for i in range(num_layers)
+            for name in layout.parameters
+        }
+        unknown = [t for t in params if not any(p == t or p.endswith("." + t) for p in weights)]
+        if unknown:
+            refused.append(
+                f"target_parameters {unknown} (supported: {', '.join(layout.parameters)})"
+            )
+        paths |= weights
+        chosen += [p for p in weights if p in params or any(p.endswith("." + t) for t in params)]
     rank = int(cfg["r"])
     alpha = cfg.get("lora_alpha", 8)  # PEFT's default
     plan: dict[tuple[int, str], tuple[int, float]] = {}
@@ -223,12 +240,51 @@ def load_peft_adapter(
         for (i, module) in plan
         for ab in "AB"
     }
+    # a targeted parameter's module ("...mlp.experts") -> (layer, module path in the layer);
+    # PEFT nests one wrapper per targeted parameter of a module, its tensors under
+    # "<module>(.base_layer)*.lora_A.weight", told apart here by their shapes
+    wrapped_modules = {
+        f"{_PREFIX}{layout.layer_prefix.format(i)}{name.rpartition('.')[0]}": (
+            i,
+            name.rpartition(".")[0],
+        )
+        for (i, name) in plan
+        if name in layout.parameters
+    }
     per_module: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    wrapped: dict[tuple[int, str], dict[str, dict[str, np.ndarray]]] = {}
     for key, value in load_file(weights_file).items():
-        if key not in keys:
+        if key in keys:
+            i, module, ab = keys[key]
+            per_module.setdefault((i, module), {})[ab] = value
+            continue
+        m = re.fullmatch(r"(.*?)((?:\.base_layer)*)\.lora_([AB])\.weight", key)
+        if m is None or m.group(1) not in wrapped_modules:
             raise ValueError(f"{where}: unsupported tensor {key!r}")
-        i, module, ab = keys[key]
-        per_module.setdefault((i, module), {})[ab] = value
+        nest = wrapped.setdefault(wrapped_modules[m.group(1)], {})
+        nest.setdefault(m.group(2), {})[m.group(3)] = value
+    for (layer, name), (rank, _) in plan.items():
+        spec = layout.parameters.get(name)
+        if spec is None:
+            continue
+        module = name.rpartition(".")[0]
+        want_a = (spec.experts * rank, spec.in_features)
+        want_b = (spec.out_features, spec.experts * rank)
+        nest = wrapped.get((layer, module), {})
+        fits = [d for d, pair in nest.items() if pair.get("A", np.empty(0)).shape == want_a
+                and pair.get("B", np.empty(0)).shape == want_b]  # fmt: skip
+        if len(fits) != 1:
+            raise ValueError(
+                f"{where}: layer {layer} {name}: {len(fits)} lora_A {want_a} / lora_B "
+                f"{want_b} pairs under {module} (want one)"
+            )
+        per_module[(layer, name)] = nest.pop(fits[0])
+    for (layer, module), nest in wrapped.items():
+        if nest:
+            raise ValueError(
+                f"{where}: layer {layer} {module}: lora tensors of no targeted parameter "
+                f"({sorted(nest)})"
+            )
     out = {
         site: (np.zeros((n, *a), np.float32), np.zeros((n, *b), np.float32))
         for site, (a, b) in site_shapes(config, max_rank).items()
@@ -238,8 +294,9 @@ def load_peft_adapter(
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None:
             raise ValueError(f"{where}: layer {layer} {module} lacks lora_A or lora_B")
-        spec = layout.modules[module]
-        want_a, want_b = (rank, spec.in_features), (spec.out_features, rank)
+        spec = layout.modules.get(module) or layout.parameters[module]
+        e = spec.experts
+        want_a, want_b = (e * rank, spec.in_features), (spec.out_features, e * rank)
         if a.shape != want_a or b.shape != want_b:
             raise ValueError(
                 f"{where}: layer {layer} {module} has A {a.shape}, B {b.shape}; "
@@ -247,6 +304,14 @@ def load_peft_adapter(
             )
         a = a.astype(np.float32)
         b = b.astype(np.float32) * scale
+        if e > 1:  # A rows (expert, rank); B columns (rank, expert) -> (expert, rank)
+            a = a.reshape(e, rank, -1)
+            b = b.reshape(-1, rank, e).transpose(0, 2, 1)
+            for piece in spec.pieces:
+                sa, sb = out[piece.site]
+                sa[layer].reshape(e, max_rank, -1)[:, :rank] = a
+                sb[layer].reshape(-1, e, max_rank)[:, :, :rank] = b
+            continue
         for piece in spec.pieces:
             sa, sb = out[piece.site]
             cols = slice(piece.part * max_rank, piece.part * max_rank + rank)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .layers import rms_norm
 
-__all__ = ["LoraInputs", "lora_delta"]
+__all__ = ["LoraInputs", "lora_delta", "lora_expert_delta"]
 
 
 class LoraInputs(NamedTuple):
@@ -52,5 +52,35 @@ def lora_delta(
 
     def none(_):
         return jnp.zeros((x.shape[0], b.shape[1]), x.dtype)
+
+    return jax.lax.cond(lora.active, term, none, None)
+
+
+def lora_expert_delta(
+    x: jax.Array,  # [T, in] (every expert's input) or [T, E, in] (each expert's own)
+    lora: LoraInputs,
+    site: str,
+    layer: jax.Array | int,  # int32 []
+    num_experts: int,
+) -> jax.Array:  # [T, E, out]
+    """Each token's adapter term for every expert of an experts site: expert e's
+    ``B_e @ A_e @ x_e`` (A [S, E * r', in] and B [S, out, E * r'], expert-major), masked to
+    the token's slot as in `lora_delta`; zeros when no token has an adapter."""
+    a_all, b_all = lora.weights[site]
+    a, b = a_all[layer], b_all[layer]
+    num_slots, e = a.shape[0], num_experts
+    a = a.reshape(num_slots, e, -1, a.shape[-1])  # [S, E, r', in]
+    b = b.reshape(num_slots, b.shape[1], e, -1)  # [S, out, E, r']
+
+    def term(_):
+        spec = "ti,seri->tser" if x.ndim == 2 else "tei,seri->tser"
+        xa = jnp.einsum(spec, x, a, preferred_element_type=jnp.float32)
+        mine = lora.slots[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None]  # [T, S]
+        xa = jnp.where(mine[:, :, None, None], xa, 0.0).astype(x.dtype)
+        out = jnp.einsum("tser,soer->teo", xa, b, preferred_element_type=jnp.float32)
+        return out.astype(x.dtype)
+
+    def none(_):
+        return jnp.zeros((x.shape[0], e, b.shape[1]), x.dtype)
 
     return jax.lax.cond(lora.active, term, none, None)

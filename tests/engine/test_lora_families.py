@@ -4,14 +4,16 @@ Per family, two random PEFT adapters are saved as PEFT saves them: ``all-linear`
 module paths) and a few module names limited to one layer (``layers_to_transform``). One
 engine batch mixes requests on each adapter and on none; every greedy output must equal
 what PEFT's model generates with that adapter (or the base model without one). Mixture-of-
-experts models take the attention sites (their first adapter names the four attention
-projections): PEFT's ``all-linear`` on them also targets the experts' and the router's
-weights (``target_parameters``), which is refused by name.
+experts models: PEFT's ``all-linear`` there also targets the router's and the experts'
+weights (``target_parameters``, as transformers 5 holds them); a parameter jaxpaged does not
+map is refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import peft
 import pytest
@@ -171,8 +173,7 @@ def family(request, tmp_path_factory):
     base = str(root / "base")
     make().save_pretrained(base)
     paths = {"all": str(root / "all"), "some": str(root / "some")}
-    every = ["q_proj", "k_proj", "v_proj", "o_proj"] if name in MOE else "all-linear"
-    _save_adapter(base, paths["all"], 1, target_modules=every)
+    _save_adapter(base, paths["all"], 1, target_modules="all-linear")
     _save_adapter(base, paths["some"], 2, target_modules=some, layers_to_transform=[1])
     want = {
         (adapter, i): _peft_greedy(base, paths.get(adapter), p)
@@ -188,7 +189,7 @@ def test_mixed_batch_equals_peft(family):
     engine = LLMEngine.from_params(
         config, params, max_model_len=64, max_num_seqs=8, num_kv_blocks=24,
         show_progress=False, enforce_eager=True, enable_lora=True, max_loras=2,
-        max_lora_rank=4, lora_modules=paths,
+        max_lora_rank=8, lora_modules=paths,
     )  # fmt: skip
     try:
         llm = LLM.from_engine(engine)
@@ -210,13 +211,27 @@ def test_mixed_batch_equals_peft(family):
         engine.close()
 
 
-def test_all_linear_on_experts_is_refused_by_name(family, tmp_path):
-    name, base, _, _ = family
+def test_experts_terms_matter_and_unknown_parameter_is_refused(family, tmp_path):
+    """The router's and experts' terms change PEFT's output (so the mixed batch above, equal
+    to it, computes them); a target parameter jaxpaged does not map is refused by name."""
+    name, base, paths, want = family
     if name not in MOE:
         pytest.skip("not a mixture-of-experts model")
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(paths["all"], tmp_path / "attention")
+    weights = load_file(os.path.join(paths["all"], "adapter_model.safetensors"))
+    weights = {k: v * 0 if ".mlp." in k else v for k, v in weights.items()}
+    save_file(weights, tmp_path / "attention" / "adapter_model.safetensors")
+    attention_only = [_peft_greedy(base, str(tmp_path / "attention"), p) for p in PROMPTS]
+    assert attention_only != [want["all", i] for i in range(len(PROMPTS))]
     config, _ = load_model(base, dtype="float32", progress=False)
-    _save_adapter(base, str(tmp_path / "all"), 3, target_modules="all-linear")
-    with open(tmp_path / "all" / "adapter_config.json") as f:
-        assert "gate_up_proj" in json.load(f)["target_parameters"]  # as PEFT saved it
-    with pytest.raises(ValueError, match=r"not supported by jaxpaged: target_parameters=\["):
-        load_peft_adapter(tmp_path / "all", config, max_rank=4, dtype="float32")
+    with open(os.path.join(paths["all"], "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert "gate_up_proj" in cfg["target_parameters"]  # PEFT's all-linear targets the experts
+    shutil.copytree(paths["all"], tmp_path / "bad")
+    cfg["target_parameters"].append("mlp.shared_expert_gate.weight")
+    with open(tmp_path / "bad" / "adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"target_parameters \['mlp.shared_expert_gate.weight'\]"):
+        load_peft_adapter(tmp_path / "bad", config, max_rank=4, dtype="float32")

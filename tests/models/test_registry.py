@@ -55,10 +55,11 @@ def test_lora_layouts_fill_their_sites():
             continue
         layout = family.lora(config)
         filled = {site: [] for site in layout.sites}
-        for name, module in layout.modules.items():
+        for name, module in {**layout.modules, **layout.parameters}.items():
             for piece in module.pieces:
                 site = layout.sites[piece.site]
                 assert 0 <= piece.part < site.parts and module.in_features == site.in_features
+                assert module.experts == site.experts, name
                 rows = np.arange(module.out_features) if piece.rows is None else piece.rows
                 assert rows.shape == (module.out_features,), name
                 filled[piece.site] += [(piece.part, r) for r in rows[rows >= 0]]
