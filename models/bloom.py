@@ -16,11 +16,15 @@ HF's fused ``query_key_value`` weight [3 * D, D] holds its output rows per head 
 of hd rows each: ``wqkv`` is that weight reshaped, and it is the Llama family's fused layout
 with one query per KV head ([L, Hkv, G + 2, hd, D], G = 1), so tensor parallelism splits
 ``wqkv``, ``bqkv`` and ``wo`` over heads by the same table (distributed/parallel.py).
+
+Every matmul goes to ``linear_fn(x, w, index)`` over the stacked weight (default
+`linear.linear_xla`; the CPU platform's native kernel reads layer ``index`` in place), the
+bias added after it, the residual after the bias, as transformers does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -31,9 +35,11 @@ from flax import nnx
 from .config import ModelConfig
 from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
 from .gpt import FLOAT_FAMILY_REFUSALS, layer_norm
-from .layers import StackedParams, alibi_slopes, dense, dense_causal_attention
+from .layers import StackedParams, alibi_slopes, dense_causal_attention
+from .linear import linear_xla, map_matmul_views, streamed_weights
 from .lora_term import LoraInputs, lora_delta
-from .types import AttentionFn, Params, TensorReader
+from .quant.matmul import vocab_logits
+from .types import AttentionFn, LinearFn, Params, TensorReader
 
 
 def parse_config(d: Mapping) -> ModelConfig:
@@ -109,12 +115,38 @@ def bloom_gelu(x: jax.Array) -> jax.Array:
     return x * 0.5 * (1.0 + jnp.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
 
 
-class BloomForCausalLM(nnx.Module):
-    """BLOOM; the state is the params tree of the module docstring."""
+def _matmul_views(layers: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The stacked matmul weights as the [L, out, in] views that ``linear_fn`` receives
+    (free reshapes): wqkv [L, H*3*hd, D], wo [L, D, H*hd], w_fc [L, F, D], w_proj [L, D, F]."""
+    n, d = config.num_layers, config.hidden_size
+    views = {"wqkv": layers["wqkv"].reshape(n, -1, d), "wo": layers["wo"].reshape(n, d, -1)}
+    return {**views, "w_fc": layers["w_fc"], "w_proj": layers["w_proj"]}
 
-    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
+
+def map_matmul_weights(
+    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+) -> Params:
+    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
+    (`linear.map_matmul_views`: the vocabulary projection as "lm_head" [1, V, D], even when
+    tied)."""
+    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
+
+
+class BloomForCausalLM(nnx.Module):
+    """BLOOM; the state is the params tree of the module docstring.
+
+    ``lm_head``: whether the state holds its own vocabulary projection (default: unless the
+    embeddings are tied; int8 weights and packed params add one even when tied)."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: Any = jnp.float32, lm_head: bool | None = None
+    ) -> None:
         self.config = config
         shapes = param_shapes(config)
+        if lm_head is not None:
+            shapes.pop("lm_head", None)
+            if lm_head:
+                shapes["lm_head"] = shapes["embed"]
         self.layers = StackedParams(shapes["layers"], dtype)
         for name, shape in shapes.items():
             if name != "layers":
@@ -122,7 +154,8 @@ class BloomForCausalLM(nnx.Module):
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
-        return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+        has_head = "lm_head" in params
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config, lm_head=has_head)))
 
     def __call__(
         self,
@@ -131,41 +164,49 @@ class BloomForCausalLM(nnx.Module):
         attention_fn: AttentionFn = dense_causal_attention,
         cache: Any = None,
         *,
+        linear_fn: LinearFn | None = None,
+        activation_dtype: Any = None,
         lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
+        ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
+        hidden states' dtype between layers (None: the params').
         ``lora`` adds each token's adapter term after the matmuls it targets."""
         del positions
         c = self.config
+        linear_fn = linear_fn or linear_xla
         eps, post = c.rms_norm_eps, c.residual_post_norm
+        t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
         slopes = jnp.asarray(alibi_slopes(c.num_heads))  # float32 [H], a constant of the program
         x = jnp.take(self.embed[...], tokens, axis=0)
         x = layer_norm(x, self.embed_ln_w[...], self.embed_ln_b[...], eps)
+        if activation_dtype is not None:
+            x = x.astype(activation_dtype)
         layers = self.layers.arrays()
 
         def body(carry, layer):
             x, cache = carry
-            w = jax.tree.map(lambda a: a[layer], layers)
+            # norms and biases sliced to the layer; matmul weights go to linear_fn whole
+            w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
+            m = _matmul_views(layers, c)
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
-            qkv = jnp.einsum("ti,hcdi->thcd", y, w["wqkv"]) + w["bqkv"]  # [T, H, 3, hd]
+            qkv = linear_fn(y, m["wqkv"], layer).reshape(t, h, 3, hd) + w["bqkv"]  # [T, H, 3, hd]
             if lora is not None:  # after the base product, on the same input
-                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(qkv.shape)
+                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(t, h, 3, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
-            out = jnp.einsum("thd,ohd->to", attn.astype(x.dtype), w["wo"]) + w["bo"]
+            out = linear_fn(attn.astype(x.dtype).reshape(t, h * hd), m["wo"], layer) + w["bo"]
             if lora is not None:
-                out = out + lora_delta(
-                    attn.astype(x.dtype).reshape(out.shape[0], -1), lora, "o", layer
-                )
+                out = out + lora_delta(attn.astype(x.dtype).reshape(t, h * hd), lora, "o", layer)
             x = (y if post else x) + out
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            fc = dense(y, w["w_fc"], w["b_fc"])
+            fc = linear_fn(y, m["w_fc"], layer) + w["b_fc"]
             if lora is not None:
                 fc = fc + lora_delta(y, lora, "fc", layer)
-            fc = bloom_gelu(fc)
-            mlp = dense(fc, w["w_proj"], w["b_proj"])
+            act = bloom_gelu(fc)
+            mlp = linear_fn(act, m["w_proj"], layer) + w["b_proj"]
             if lora is not None:
-                mlp = mlp + lora_delta(fc, lora, "proj", layer)
+                mlp = mlp + lora_delta(act, lora, "proj", layer)
             x = (y if post else x) + mlp
             return (x, cache), None
 
@@ -173,9 +214,27 @@ class BloomForCausalLM(nnx.Module):
         (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
         return layer_norm(x, self.final_ln_w[...], self.final_ln_b[...], eps), cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
-        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]
-        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+    def compute_logits(
+        self,
+        hidden: jax.Array,  # [S, D]
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> jax.Array:  # float32 [S, V]
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
+        if linear_fn is not None:
+            return linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        return vocab_logits(hidden, w)
+
+    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
+    @staticmethod
+    def map_matmul_weights(
+        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+    ) -> Params:
+        return map_matmul_weights(params, config, fn)
+
+    @staticmethod
+    def streamed_weights(params: Params) -> list[jax.Array]:
+        return streamed_weights(params)
 
 
 # ------------------------------------------------------------------- loading
@@ -228,6 +287,9 @@ def _has(read: Any, name: str) -> bool:
 
 
 # ------------------------------------------------------------------- family
+
+# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
+MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType({"wqkv": 1, "wo": 2, "w_fc": 1, "w_proj": 1})
 
 # Megatron split (distributed/parallel.py): the fused attention over heads (the Llama
 # family's layout with G = 1), the plain MLP column- then row-parallel over F
@@ -284,6 +346,7 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
+    matmul_weights=MATMUL_WEIGHTS,
     refused=_refused,
     lora=lora_layout,
 )

@@ -141,6 +141,17 @@ class ModelFamily:
     # tensor parallelism: params leaf path ("layers/wqkv") -> the axis N devices split
     # (absent: replicated); vocabulary leaves split only when N divides V
     split_axes: Mapping[str, int]
+    # the matmul weights its forward runs through ``linear_fn``: "layers" leaf -> how many
+    # trailing axes its matmul contracts (a config without a leaf skips it); int8 / fp8
+    # quantize these per output channel (quant/params.py). Empty: none
+    matmul_weights: Mapping[str, int] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # pre-quantized checkpoints (quant/prequantized.py): "layers" leaf -> the HF modules of
+    # one layer (``model.layers.N.<module>``) whose quantized weights fill it. Empty: none
+    prequantized_modules: Mapping[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
     gguf: tuple[GgufLayout, ...] = ()  # the GGUF architectures it imports
     # feature (one of FEATURES) -> why this config cannot have it; absent: supported
     refused: Callable[[ModelConfig], Mapping[str, str]] = _no_refusals

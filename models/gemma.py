@@ -18,7 +18,13 @@ The state is a params tree with the layers stacked on a leading L axis, matmul w
                 "post_attn_norm", "pre_mlp_norm": [L, D],
                 "w_gate_up": [L, 2, F, D], "w_down": [L, D, F],
                 "post_mlp_norm": [L, D]},
-     "final_norm": [D]}                           # the vocabulary projection is "embed"
+     "final_norm": [D],
+     "lm_head": [V, D]}     # absent (the projection is "embed") unless int8 or packed added it
+
+Every matmul goes to ``linear_fn(x, w, index)`` over the stacked weight (default
+`linear.linear_xla`; the CPU platform's native kernel reads layer ``index`` in place), as in
+the Llama family, with no fused norm or residual: Gemma's norms scale by (1 + weight) and
+its post-norms sit between the product and the residual add.
 
 The kernels take the sliding window as a static argument, so the decoder scans over periods
 of the layer pattern (Gemma 2: local, global; Gemma 3: five local, one global) with the
@@ -41,11 +47,12 @@ from flax import nnx
 from .config import ModelConfig, RopeScaling
 from .family import GgufLayout, GgufMetadata, ModelFamily
 from .layers import StackedParams, apply_rope, dense_causal_attention
+from .linear import linear_xla, map_matmul_views, streamed_weights
 from .llama import lora_layout
 from .lora_term import LoraInputs, lora_delta
-from .quant.matmul import embedding_rows, matmul, vocab_logits
+from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
-from .types import AttentionFn, Params, TensorReader
+from .types import AttentionFn, LinearFn, Params, TensorReader
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -215,6 +222,28 @@ def _period(windows: tuple[int | None, ...]) -> int:
     return next(p for p in range(1, n + 1) if all(windows[i] == windows[i % p] for i in range(n)))
 
 
+def _matmul_views(layers: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
+    (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
+    of layer l at 2l, up at 2l + 1), w_down [L, D, F]."""
+    n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
+    return {
+        "wqkv": layers["wqkv"].reshape(n, -1, d),
+        "wo": layers["wo"].reshape(n, d, -1),
+        "w_gate_up": layers["w_gate_up"].reshape(2 * n, f, d),
+        "w_down": layers["w_down"],
+    }
+
+
+def map_matmul_weights(
+    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+) -> Params:
+    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
+    (`linear.map_matmul_views`: the vocabulary projection, the tied embedding, as its own
+    "lm_head" [1, V, D])."""
+    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
+
+
 def _layer(
     x: jax.Array,  # [T, D]
     layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
@@ -225,13 +254,16 @@ def _layer(
     config: ModelConfig,
     window: int | None,
     attention_fn: AttentionFn,
+    linear_fn: LinearFn,
     lora: LoraInputs | None = None,
 ) -> tuple[jax.Array, Any]:
     c = config
     t, g, hd, eps = x.shape[0], c.queries_per_kv, c.head_dim, c.rms_norm_eps
-    w = {k: v[layer] for k, v in layers.items()}
+    # norms sliced to the layer; matmul weights go to linear_fn whole, read in place
+    w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
+    m = _matmul_views(layers, c)
     h = gemma_rms_norm(x, w["attn_norm"], eps)
-    qkv = matmul(h, w["wqkv"].reshape(-1, c.hidden_size))
+    qkv = linear_fn(h, m["wqkv"], layer)
     if lora is not None:  # after the base product, on the same input
         qkv = qkv + lora_delta(h, lora, "qkv", layer)
     qkv = qkv.reshape(t, c.num_kv_heads, g + 2, hd)
@@ -250,26 +282,33 @@ def _layer(
         sm_scale=c.query_pre_attn_scalar**-0.5, sliding_window=window, soft_cap=c.attn_soft_cap,
     )  # fmt: skip
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * hd)  # heads grouped by KV head
-    o = matmul(attn, w["wo"].reshape(c.hidden_size, -1))
+    o = linear_fn(attn, m["wo"], layer)
     if lora is not None:
         o = o + lora_delta(attn, lora, "o", layer)
     x = x + gemma_rms_norm(o, w["post_attn_norm"], eps)
     h = gemma_rms_norm(x, w["pre_mlp_norm"], eps)
-    gate, up = matmul(h, w["w_gate_up"][0]), matmul(h, w["w_gate_up"][1])
+    gate = linear_fn(h, m["w_gate_up"], 2 * layer)
+    up = linear_fn(h, m["w_gate_up"], 2 * layer + 1)
     if lora is not None:
         gate = gate + lora_delta(h, lora, "gate", layer)
         up = up + lora_delta(h, lora, "up", layer)
     act = _ACTIVATIONS[c.hidden_act](gate) * up
-    mlp = matmul(act, w["w_down"])
+    mlp = linear_fn(act, m["w_down"], layer)
     if lora is not None:
         mlp = mlp + lora_delta(act, lora, "down", layer)
     return x + gemma_rms_norm(mlp, w["post_mlp_norm"], eps), cache
 
 
 class GemmaForCausalLM(nnx.Module):
-    """Gemma 2 and Gemma 3 (text); the state is the params tree of the module docstring."""
+    """Gemma 2 and Gemma 3 (text); the state is the params tree of the module docstring.
 
-    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
+    ``lm_head``: whether the state holds the vocabulary projection's own copy besides the
+    tied embedding (int8 weights quantize it, a native matmul packs it: see
+    `map_matmul_weights`)."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: Any = jnp.float32, lm_head: bool = False
+    ) -> None:
         if config.model_type not in MODEL_TYPES or len(config.layer_types) != (config.num_layers):
             raise ValueError("GemmaForCausalLM needs a gemma2 / gemma3_text config")
         self.config = config
@@ -277,10 +316,13 @@ class GemmaForCausalLM(nnx.Module):
         self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
         self.layers = StackedParams(shapes["layers"], dtype)
         self.final_norm = nnx.Param(jnp.zeros(shapes["final_norm"], dtype))
+        if lm_head:
+            self.lm_head = nnx.Param(jnp.zeros(shapes["embed"], dtype))
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
-        return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+        has_head = "lm_head" in params
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config, lm_head=has_head)))
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: Params) -> GemmaForCausalLM:
@@ -294,9 +336,14 @@ class GemmaForCausalLM(nnx.Module):
         attention_fn: AttentionFn = dense_causal_attention,
         cache: Any = None,
         *,
+        linear_fn: LinearFn | None = None,
+        activation_dtype: Any = None,
         lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
+        ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
+        hidden states' dtype between layers (None: the params'), e.g. float32 where a
+        ``linear_fn`` computes bfloat16 weights in float32.
         ``lora`` adds each token's adapter term after the matmuls it targets."""
         c = self.config
         embed = self.embed.get_value()
@@ -304,10 +351,14 @@ class GemmaForCausalLM(nnx.Module):
         # table's own
         x = embedding_rows(embed, tokens).astype(self.final_norm[...].dtype)
         x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
+        if activation_dtype is not None:
+            x = x.astype(activation_dtype)
         layers = self.layers.arrays()
         windows = layer_windows(c)
         p = _period(windows)
-        run = dict(config=c, attention_fn=attention_fn, lora=lora)
+        run = dict(
+            config=c, attention_fn=attention_fn, linear_fn=linear_fn or linear_xla, lora=lora
+        )
 
         def period(carry, first):  # layers first .. first + p - 1, unrolled
             x, cache = carry
@@ -322,11 +373,32 @@ class GemmaForCausalLM(nnx.Module):
             x, cache = _layer(x, layers, i, positions, cache, window=windows[i], **run)
         return gemma_rms_norm(x, self.final_norm[...], c.rms_norm_eps), cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
-        """Vocabulary logits over the tied embedding, soft-capped if the config says so."""
-        logits = vocab_logits(hidden, self.embed.get_value())
+    def compute_logits(
+        self,
+        hidden: jax.Array,  # [S, D]
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> jax.Array:  # float32 [S, V]
+        """Vocabulary logits over the tied embedding (or its own copy, "lm_head"),
+        soft-capped if the config says so."""
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
+        if linear_fn is not None:
+            logits = linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        else:
+            logits = vocab_logits(hidden, w)
         cap = self.config.final_soft_cap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
+    @staticmethod
+    def map_matmul_weights(
+        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+    ) -> Params:
+        return map_matmul_weights(params, config, fn)
+
+    @staticmethod
+    def streamed_weights(params: Params) -> list[jax.Array]:
+        return streamed_weights(params)
 
 
 # ------------------------------------------------------------------- loading
@@ -389,9 +461,14 @@ def forward(
     config: ModelConfig,
     attention_fn: AttentionFn = dense_causal_attention,
     cache: Any = None,
+    linear_fn: LinearFn | None = None,
+    activation_dtype: Any = None,
 ) -> tuple[jax.Array, Any]:
     """`GemmaForCausalLM.__call__` over a params tree: final-normed hidden states [T, D]."""
-    return GemmaForCausalLM.from_params(config, params)(tokens, positions, attention_fn, cache)
+    return GemmaForCausalLM.from_params(config, params)(
+        tokens, positions, attention_fn, cache, linear_fn=linear_fn,
+        activation_dtype=activation_dtype,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------- family
@@ -405,6 +482,20 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
         "layers/w_gate_up": 2,
         "layers/w_down": 2,
         "embed": 0,
+    }
+)
+# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
+MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType(
+    {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
+)
+# a pre-quantized checkpoint's modules of one layer that fill each stacked leaf (the Llama
+# family's names)
+PREQUANTIZED_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "wo": ("self_attn.o_proj",),
+        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+        "w_down": ("mlp.down_proj",),
     }
 )
 # llama.cpp's Gemma 3 per-layer tensor names -> transformers' (ffn_norm is the pre-MLP one)
@@ -470,12 +561,7 @@ def _gguf_layer_types(g: GgufMetadata, n: int) -> list[str]:
 
 
 def _refused(config: ModelConfig) -> Mapping[str, str]:
-    refused = {
-        "quantization": "its forward reads float (or GGUF-quantized) weights in its own "
-        "matmuls (int8 and fp8 weights run through the Llama family's linear_fn only)",
-        "prequantized": "its weight mapping reads float tensors only; load its float "
-        "checkpoint instead",
-    }
+    refused = {}
     if config.model_type != "gemma3_text":
         refused["gguf_quantized"] = "jaxpaged imports Gemma 3 GGUF files only"
     return refused
@@ -491,6 +577,8 @@ FAMILY = ModelFamily(
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
     lora=lora_layout,  # the Llama family's sites and PEFT module names
+    matmul_weights=MATMUL_WEIGHTS,
+    prequantized_modules=PREQUANTIZED_MODULES,
     gguf=(
         GgufLayout(
             architecture="gemma3",

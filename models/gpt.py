@@ -11,6 +11,11 @@ transposed at load):
                 "w_fc": [L, F, D], "b_fc": [L, F], "w_proj": [L, D, F], "b_proj": [L, D]},
      "final_ln_w", "final_ln_b": [D],
      "lm_head": [V, D]}                      # absent when tied (both families' default)
+
+Every matmul goes to ``linear_fn(x, w, index)`` over the stacked weight (default
+`linear.linear_xla`; the CPU platform's native kernel reads layer ``index`` in place), the
+bias added after it. The LayerNorms are not the RMSNorm ``linear_fn`` may fuse, and the
+residual is added after the bias, as transformers does.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from flax import nnx
 
 from .config import ModelConfig
 from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
-from .layers import StackedParams, dense, dense_causal_attention
+from .layers import StackedParams, dense_causal_attention
+from .linear import linear_xla, map_matmul_views, streamed_weights
 from .lora_term import LoraInputs, lora_delta
-from .types import AttentionFn, Params, TensorReader
+from .quant.matmul import vocab_logits
+from .types import AttentionFn, LinearFn, Params, TensorReader
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
@@ -148,12 +155,40 @@ def layer_norm(
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-class GPTForCausalLM(nnx.Module):
-    """GPT-2 and OPT; the state is the params tree of the module docstring."""
+def _matmul_views(layers: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
+    (free reshapes): wqkv [3L, Hq*hd, D] (q, k, v of layer l at 3l, 3l + 1, 3l + 2: three
+    dots, so tensor parallelism's split of Hq*hd stays whole), wo [L, D, Hq*hd], w_fc
+    [L, F, D], w_proj [L, D, F]."""
+    n, d, q = config.num_layers, config.hidden_size, config.num_heads * config.head_dim
+    views = {name: layers[name] for name in ("wo", "w_fc", "w_proj")}
+    return {"wqkv": layers["wqkv"].reshape(3 * n, q, d), **views}
 
-    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32) -> None:
+
+def map_matmul_weights(
+    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+) -> Params:
+    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
+    (`linear.map_matmul_views`: the vocabulary projection as "lm_head" [1, V, D], even when
+    tied)."""
+    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
+
+
+class GPTForCausalLM(nnx.Module):
+    """GPT-2 and OPT; the state is the params tree of the module docstring.
+
+    ``lm_head``: whether the state holds its own vocabulary projection (default: unless the
+    embeddings are tied; int8 weights and packed params add one even when tied)."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: Any = jnp.float32, lm_head: bool | None = None
+    ) -> None:
         self.config = config
         shapes = param_shapes(config)
+        if lm_head is not None:
+            shapes.pop("lm_head", None)
+            if lm_head:
+                shapes["lm_head"] = shapes["embed"]
         self.layers = StackedParams(shapes["layers"], dtype)
         for name, shape in shapes.items():
             if name != "layers":
@@ -161,7 +196,8 @@ class GPTForCausalLM(nnx.Module):
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
-        return nnx.graphdef(nnx.eval_shape(lambda: cls(config)))
+        has_head = "lm_head" in params
+        return nnx.graphdef(nnx.eval_shape(lambda: cls(config, lm_head=has_head)))
 
     def __call__(
         self,
@@ -170,49 +206,79 @@ class GPTForCausalLM(nnx.Module):
         attention_fn: AttentionFn = dense_causal_attention,
         cache: Any = None,
         *,
+        linear_fn: LinearFn | None = None,
+        activation_dtype: Any = None,
         lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
+        ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
+        hidden states' dtype between layers (None: the params').
         ``lora`` adds each token's adapter term after the matmuls it targets."""
         c = self.config
+        linear_fn = linear_fn or linear_xla
         eps, act = c.rms_norm_eps, ACTIVATIONS[c.hidden_act]
         t, h, hd = tokens.shape[0], c.num_heads, c.head_dim
         x = jnp.take(self.embed[...], tokens, axis=0)
         x = x + jnp.take(self.pos_embed[...], positions + c.position_offset, axis=0)
+        if activation_dtype is not None:
+            x = x.astype(activation_dtype)
         layers = self.layers.arrays()
 
         def body(carry, layer):
             x, cache = carry
-            w = jax.tree.map(lambda a: a[layer], layers)
+            # norms and biases sliced to the layer; matmul weights go to linear_fn whole
+            w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
+            m = _matmul_views(layers, c)
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
-            qkv = jnp.einsum("ti,coi->cto", y, w["wqkv"]) + w["bqkv"][:, None]  # [3, T, Hq*hd]
-            if lora is not None:  # after the base product, on the same input
-                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(t, 3, -1).transpose(1, 0, 2)
-            q, k, v = (qkv[i].reshape(t, h, hd) for i in range(3))
+            q, k, v = (
+                (linear_fn(y, m["wqkv"], 3 * layer + i) + w["bqkv"][i]).reshape(t, h, hd)
+                for i in range(3)
+            )
+            if lora is not None:  # after the base products, on the same input
+                delta = lora_delta(y, lora, "qkv", layer).reshape(t, 3, h, hd)
+                q, k, v = q + delta[:, 0], k + delta[:, 1], v + delta[:, 2]
             attn, cache = attention_fn(q, k, v, layer, cache)
             attn = attn.astype(x.dtype).reshape(t, h * hd)
-            o = dense(attn, w["wo"], w["bo"])
+            o = linear_fn(attn, m["wo"], layer) + w["bo"]
             if lora is not None:
                 o = o + lora_delta(attn, lora, "o", layer)
             x = x + o
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            fc = dense(y, w["w_fc"], w["b_fc"])
+            fc = linear_fn(y, m["w_fc"], layer) + w["b_fc"]
             if lora is not None:
                 fc = fc + lora_delta(y, lora, "fc", layer)
-            fc = act(fc)
-            mlp = dense(fc, w["w_proj"], w["b_proj"])
+            y = act(fc)
+            proj = linear_fn(y, m["w_proj"], layer) + w["b_proj"]
             if lora is not None:
-                mlp = mlp + lora_delta(fc, lora, "proj", layer)
-            x = x + mlp
+                proj = proj + lora_delta(y, lora, "proj", layer)
+            x = x + proj
             return (x, cache), None
 
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
         return layer_norm(x, self.final_ln_w[...], self.final_ln_b[...], eps), cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [S, D] -> float32 [S, V]
-        w = (self.lm_head if hasattr(self, "lm_head") else self.embed)[...]
-        return jnp.einsum("td,vd->tv", hidden, w, preferred_element_type=jnp.float32)
+    def compute_logits(
+        self,
+        hidden: jax.Array,  # [S, D]
+        *,
+        linear_fn: LinearFn | None = None,
+    ) -> jax.Array:  # float32 [S, V]
+        w = (self.lm_head if hasattr(self, "lm_head") else self.embed).get_value()  # [V, D]
+        if linear_fn is not None:
+            return linear_fn(hidden, w[None], 0).astype(jnp.float32)
+        return vocab_logits(hidden, w)
+
+    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
+    @staticmethod
+    def map_matmul_weights(
+        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
+    ) -> Params:
+        return map_matmul_weights(params, config, fn)
+
+    @staticmethod
+    def streamed_weights(params: Params) -> list[jax.Array]:
+        return streamed_weights(params)
 
 
 # ------------------------------------------------------------------- loading
@@ -298,6 +364,8 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
         "lm_head": 0,
     }
 )
+# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
+MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType({"wqkv": 1, "wo": 1, "w_fc": 1, "w_proj": 1})
 
 
 def lora_layout(config: ModelConfig) -> LoraLayout:
@@ -333,8 +401,6 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
 # what the biased, plain-MLP families (GPT-2, OPT, BLOOM) do not have, and why
 FLOAT_FAMILY_REFUSALS: Mapping[str, str] = MappingProxyType(
     {
-        "quantization": "its forward reads float weights in its own einsums (int8 and fp8 "
-        "weights run through the Llama family's linear_fn only)",
         "prequantized": "its weight mapping reads float tensors only; load its float "
         "checkpoint instead",
         "gguf_quantized": "jaxpaged imports no GGUF layout of this family",
@@ -356,6 +422,7 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
+    matmul_weights=MATMUL_WEIGHTS,
     refused=_refused,
     lora=lora_layout,
 )

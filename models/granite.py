@@ -57,6 +57,8 @@ FAMILY = ModelFamily(
     param_shapes=llama.param_shapes,
     load_host_params=llama.load_host_params,
     split_axes=llama.SPLIT_AXES,
+    matmul_weights=llama.MATMUL_WEIGHTS,
+    prequantized_modules=llama.PREQUANTIZED_MODULES,
     refused=_refused,
     lora=llama.lora_layout,
 )

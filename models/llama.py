@@ -55,8 +55,9 @@ from .family import (
     ModelFamily,
 )
 from .layers import StackedParams, apply_rope, dense_causal_attention, rms_norm
+from .linear import linear_xla, map_matmul_views, streamed_weights
 from .lora_term import LoraInputs, lora_delta, lora_expert_delta
-from .quant.matmul import QUANTIZED_WEIGHTS, embedding_rows, quantized_matmul, vocab_logits
+from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, LinearFn, Params, RMSNorm, TensorReader
 
@@ -95,29 +96,6 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def linear_xla(
-    x: jax.Array,  # [T, K]
-    w: jax.Array,  # [L, N, K]: a stack of [out, in] weights
-    index: jax.Array | int,  # int32 []: which of the L
-    *,
-    norm: RMSNorm | None = None,
-    silu_gate: jax.Array | None = None,  # [T, K]
-    residual: jax.Array | None = None,  # [T, N]
-) -> jax.Array:  # [T, N]
-    """(residual +) norm(silu(silu_gate) * x) @ w[index].T as one 2-D dot contracting both
-    minor axes (multi-axis einsums and [in, out] weights are slower for few rows on XLA:CPU:
-    measured side by side)."""
-    if silu_gate is not None:
-        x = jax.nn.silu(silu_gate) * x
-    if norm is not None:
-        x = rms_norm(x, norm.weight, norm.eps)
-    if isinstance(w, QUANTIZED_WEIGHTS):  # dequantized in or just before the dot (quant/matmul.py)
-        y = quantized_matmul(x, w[index])
-    else:
-        y = jnp.einsum("ti,oi->to", x, w[index])
-    return y if residual is None else residual + y
-
-
 def _matmul_views(layers: dict[str, jax.Array], config: ModelConfig) -> dict[str, jax.Array]:
     """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
     (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
@@ -134,28 +112,9 @@ def map_matmul_weights(
     params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
 ) -> Params:
     """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
-    ([L', out, in]; the vocabulary projection as [1, V, D], stored as "lm_head" even when
-    tied, since the embedding lookup needs the original). For kernels that want their own
-    layout of the same shape (kernels.cpu.pack_panels); such params only work with the
-    ``linear_fn`` that expects that layout."""
-    layers = dict(params["layers"])
-    for name, view in _matmul_views(layers, config).items():
-        layers[name] = fn(view).reshape(layers[name].shape)
-    out = {**params, "layers": layers}
-    out["lm_head"] = fn(_vocab_projection(params)[None])[0]
-    return out
-
-
-def streamed_weights(params: Params) -> list[jax.Array]:
-    """The arrays every decode step reads in full: each layer's weights and norms and the
-    vocabulary projection (not the embedding table, of which a step reads a few rows, unless
-    it doubles as the projection)."""
-    return [*jax.tree.leaves(params["layers"]), *jax.tree.leaves(_vocab_projection(params))]
-
-
-def _vocab_projection(params: Params) -> jax.Array:  # [V, D]
-    # "lm_head" is absent for tied embeddings unless map_matmul_weights added its own copy
-    return params["lm_head"] if "lm_head" in params else params["embed"]
+    (`linear.map_matmul_views`: [L', out, in], and the vocabulary projection as [1, V, D],
+    stored as "lm_head" even when tied)."""
+    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
 
 
 def _layer(
@@ -640,6 +599,22 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
     }
 )
 
+# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts;
+# the MoE router and experts run in XLA einsums of their own and stay float
+MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType(
+    {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
+)
+
+# a pre-quantized checkpoint's modules of one layer that fill each stacked leaf
+PREQUANTIZED_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "wo": ("self_attn.o_proj",),
+        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+        "w_down": ("mlp.down_proj",),
+    }
+)
+
 # llama.cpp's per-layer tensor names -> transformers' (convert_hf_to_gguf.py)
 GGUF_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
     {
@@ -791,6 +766,8 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
+    matmul_weights=MATMUL_WEIGHTS,
+    prequantized_modules=PREQUANTIZED_MODULES,
     gguf=(
         GgufLayout(
             architecture="llama",

@@ -1,6 +1,7 @@
-"""Quantize a Llama-family params tree at load: every matmul weight that ``linear_fn``
-receives becomes a `QuantizedWeight`; norms, biases, the embedding table, the MoE router
-and experts (XLA einsums of their own) stay float."""
+"""Quantize a params tree at load: every matmul weight its family declares
+(`ModelFamily.matmul_weights`: the leaves its forward passes to ``linear_fn``) becomes a
+`QuantizedWeight`; norms, biases, the embedding tables, the MoE router and experts (XLA
+einsums of their own) stay float."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..registry import check_feature
+from ..config import CUSTOM_MODEL_TYPE, ModelConfig
+from ..registry import check_feature, family_of
 from .grouped import GroupedWeight
 from .weights import METHODS, QuantizedWeight, quantize_array
 
@@ -20,9 +21,6 @@ __all__ = ["QUANTIZATIONS", "check_quantization", "is_quantized", "quantize_para
 # "gguf" (a GGUF import's own quantized weights, models/gguf_params.py; what a GGUF model is
 # served with by default) and "none" (floats: a GGUF model's float expansion).
 QUANTIZATIONS = (*METHODS, "gguf", "none")
-
-# leaf under "layers" -> how many trailing axes its matmul contracts (models/llama.py layout)
-LAYER_IN_AXES = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
 
 
 def is_quantized(params: Any) -> bool:
@@ -47,8 +45,9 @@ def check_quantization(config: ModelConfig, method: str) -> None:
 
 
 def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str) -> dict:
-    """Host params (numpy, the `llama.param_shapes` tree) with their decoder matmul weights
-    quantized by ``method`` ("int8" or "fp8", per output channel).
+    """Host params (numpy, the family's ``param_shapes`` tree) with the decoder matmul
+    weights its family declares quantized by ``method`` ("int8" or "fp8", per output
+    channel).
 
     The vocabulary projection (lm_head, or the tied embedding) is quantized for int8 only.
     fp8 leaves it float, as vLLM's fp8 at load does (Fp8Config.get_quant_method in
@@ -67,8 +66,18 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
         )
     if is_quantized(params):
         raise ValueError(f"quantization={method!r}: the params are already quantized")
+    if config.model_type == CUSTOM_MODEL_TYPE:
+        raise ValueError(
+            f"quantization={method!r} quantizes the matmul weights a jaxpaged family declares; "
+            "a model of your own declares none (quantize its weights yourself)"
+        )
+    family = family_of(config)
+    if not family.matmul_weights:
+        raise ValueError(
+            f"quantization={method!r}: the {family.name} family declares no matmul weights"
+        )
     layers = dict(params["layers"])
-    for name, in_axes in LAYER_IN_AXES.items():
+    for name, in_axes in family.matmul_weights.items():
         if name in layers:
             layers[name] = quantize_array(layers[name], in_axes, method)
     out = {**params, "layers": layers}

@@ -33,7 +33,6 @@ from ..registry import family_of
 from .checkpoint import CheckpointQuantization
 from .gptq_awq import awq_weight, gptq_weight, unpack_int4_words
 from .grouped import GroupedWeight, pack_nibbles
-from .params import LAYER_IN_AXES
 from .weights import METHODS, QuantizedWeight
 
 __all__ = [
@@ -43,15 +42,6 @@ __all__ = [
     "finish_buffers",
     "prequantized_reading",
 ]
-
-# stacked leaf -> the HF modules of one layer that fill it: the Llama layout's, which the
-# families that do not refuse "prequantized" share (Llama without phi3, Granite)
-_LEAF_MODULES = {
-    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "wo": ("self_attn.o_proj",),
-    "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "w_down": ("mlp.down_proj",),
-}
 
 
 def check_prequantized(config: ModelConfig, quant: CheckpointQuantization, folder: str) -> None:
@@ -313,14 +303,15 @@ def prequantized_reading(
     marker = "." + quant.marker
     kept = {"lm_head.weight"} if "lm_head" + marker in st else set()
     layers: dict[str, Any] = {}
-    for name, shape in family_of(config).param_shapes(config)["layers"].items():
+    family = family_of(config)
+    for name, shape in family.param_shapes(config)["layers"].items():
         modules = [
             f"model.layers.{i}.{module}"
             for i in range(config.num_layers)
-            for module in _LEAF_MODULES.get(name, ())
+            for module in family.prequantized_modules.get(name, ())
         ]
         if modules and all(m + marker in st for m in modules):
-            layers[name] = StackedBuffer.empty(shape, LAYER_IN_AXES[name], quant)
+            layers[name] = StackedBuffer.empty(shape, family.matmul_weights[name], quant)
             kept.update(m + ".weight" for m in modules)
         else:
             layers[name] = np.empty(shape, dtype)

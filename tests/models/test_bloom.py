@@ -133,11 +133,13 @@ def test_greedy_through_the_paged_engine(built, backend):
         with CompileCounter() as compiles:  # the warm-up compiled every step shape
             outs = llm.generate(prompts, greedy, use_tqdm=False)
         preempted = llm.get_metrics()["num_preemptions"]
+        linear = llm.engine.runner.kernels.linear
     finally:
         llm.engine.close()
     assert [list(o.outputs[0].token_ids) for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
     assert preempted > 0
     assert compiles.count == 0
+    assert linear is (cpu.linear if backend == "cpu" else None)  # the native matmul with it
 
 
 def test_unsupported_option_is_refused_by_name():

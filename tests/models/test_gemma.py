@@ -17,6 +17,7 @@ import transformers
 from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.kernels import cpu
 from jaxpaged.models import load_model
 from jaxpaged.models.gemma import GemmaForCausalLM
 from jaxpaged.models.registry import parse_config
@@ -125,10 +126,12 @@ def test_greedy_through_the_paged_engine(built, name):
     try:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         preempted = llm.get_metrics()["num_preemptions"]
+        linear = llm.engine.runner.kernels.linear
     finally:
         llm.engine.close()
     assert [list(o.outputs[0].token_ids) for o in outs] == [_hf_greedy(hf, p, 10) for p in prompts]
     assert preempted > 0
+    assert linear is (cpu.linear if cpu.available() else None)  # the native matmul on a CPU
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from flax import nnx
 
 import jaxpaged
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.kernels import cpu
 from jaxpaged.models import load_model
 from jaxpaged.models.gpt import GPTForCausalLM
 from jaxpaged.models.registry import parse_config
@@ -142,6 +143,8 @@ def test_greedy_through_the_paged_engine(built, name):
             texts = ["Hello, my name is", "The future of AI"]
             text_outs = llm.generate(texts, greedy, use_tqdm=False)
             sampled = llm.generate(texts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=6))
+            if cpu.available():  # the CPU platform runs every matmul in its native kernel
+                assert llm.engine.runner.kernels.linear is cpu.linear
         finally:
             llm.engine.close()
         tok = transformers.AutoTokenizer.from_pretrained(folder)

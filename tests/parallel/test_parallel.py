@@ -31,6 +31,7 @@ CHECKS = [
     "family_gemma2",
     "family_mixtral",
     "warmup_gpt2",
+    "quantized_families",
     "kv_int8",
     "grouped_gguf",
     "grouped_split_refused",

@@ -27,6 +27,7 @@ from tp_family_checks import (  # noqa: E402
     check_bloom,
     check_family_vs_hf,
     check_kv_8bit,
+    check_quantized_families,
     check_warmup_family,
 )
 from tp_harness import SPLIT_AXIS, Ctx, assert_sharded, greedy, leaves  # noqa: E402
@@ -358,6 +359,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "family_gemma2": lambda c: check_family_vs_hf(c, "gemma2", (4,)),
     "family_mixtral": lambda c: check_family_vs_hf(c, "mixtral", (2,)),
     "warmup_gpt2": lambda c: check_warmup_family(c, "gpt2"),
+    "quantized_families": check_quantized_families,
     "kv_int8": lambda c: check_kv_8bit(c, "int8", (2,)),
     # slow: the rest of the matrix, with TP=1 engines as well
     "full_gpt2": lambda c: check_family_vs_hf(c, "gpt2", (2, 4), with_tp1=True),

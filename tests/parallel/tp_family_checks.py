@@ -111,3 +111,34 @@ def check_kv_8bit(ctx: Ctx, kv_dtype: str, tps: tuple[int, ...]) -> None:
         assert got == ref, f"{kv_dtype} TP={tp}: {got} != TP=1 {ref}"
         assert len(llm.engine.runner.pool) == 4, "an 8-bit pool has pages and scales"
         assert_sharded(llm.engine, tp, num_kv_heads=2, vocab=256)
+
+
+def check_quantized_families(ctx: Ctx) -> None:
+    """int8 / fp8 weights on the families beyond the Llama layout at TP=2: greedy tokens
+    equal TP=1's (XLA's dequant dots on both), and every matmul weight the family declares
+    is quantized, its values split on the float leaf's axis and its scales alike, except
+    over a contracted axis, which they hold once."""
+    from jaxpaged.distributed.parallel import split_axes
+    from jaxpaged.models.quant import QuantizedWeight
+    from jaxpaged.models.registry import family_of
+
+    for family, method in (("gpt2", "int8"), ("gemma2", "fp8")):
+        path = ctx.model(family)
+        kw = dict(quantization=method, attention_backend="xla")
+        ref, _ = greedy(path, 1, **kw)
+        assert len({t for seq in ref for t in seq}) > 3, f"degenerate reference {ref}"
+        got, llm = greedy(path, 2, **kw)
+        assert got == ref, f"{family} {method} TP=2: {got} != TP=1 {ref}"
+        cfg = llm.engine.model_config
+        axes, layers = split_axes(cfg.model_type), llm.engine.runner.params["layers"]
+        for name in family_of(cfg).matmul_weights:
+            w = layers[name]
+            assert isinstance(w, QuantizedWeight), (family, name)
+            split = axes[f"layers/{name}"]
+            for values, scales in zip(
+                w.values.addressable_shards, w.scales.addressable_shards, strict=True
+            ):
+                assert values.data.shape[split] == w.shape[split] // 2, (family, name)
+                whole = w.scales.shape[split]
+                assert scales.data.shape[split] == (whole // 2 if whole > 1 else 1), name
+        llm.engine.close()

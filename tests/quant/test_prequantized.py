@@ -268,3 +268,31 @@ def test_loaded_weights_are_quantized_on_the_device(checkpoints):
     leaves = jax.tree.leaves(params["layers"]["w_gate_up"])
     assert all(isinstance(x, jax.Array) for x in leaves)
     assert {str(x.dtype) for x in leaves} == {"float8_e4m3fn", "float32"}
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel", "int8-packed"])
+def test_gemma3_checkpoint_equals_transformers(tmp_path, scheme):
+    """Gemma reads pre-quantized checkpoints through its family's declaration (the Llama
+    family's module names): its matmul leaves keep the stored values, and the logits are
+    transformers' running the same checkpoint."""
+    from jaxpaged.models.gemma import GemmaForCausalLM
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    write_compressed_tensors(transformers.Gemma3ForCausalLM(config).eval(), tmp_path, scheme)
+    write_tokenizer(tmp_path)
+    config, params = load_model(tmp_path, progress=False)
+    want_dtype = np.int8 if scheme.startswith("int8") else ml_dtypes.float8_e4m3fn
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        leaf = params["layers"][name]
+        assert isinstance(leaf, QuantizedWeight) and leaf.dtype == want_dtype, name
+    ids = np.random.default_rng(3).integers(0, VOCAB, 24).astype(np.int32)
+    module = GemmaForCausalLM.from_params(config, params)
+    got = np.asarray(module.compute_logits(module(ids, np.arange(len(ids)))[0]))
+    with torch.no_grad():
+        want = _reference(tmp_path)(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

@@ -1,0 +1,74 @@
+"""The matmuls every family's forward delegates to: the default `LinearFn` (XLA's dot over
+one layer of a stacked [L, out, in] weight, float or quantized), and the two platform hooks
+built on a family's matmul weight views, which the CPU platform uses to pack the weights for
+its native matmul (``map_matmul_weights``) and to back the streamed ones with huge pages
+(``streamed_weights``). Kept apart from any one family, so every family imports it and none
+imports another for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .layers import rms_norm
+from .quant.matmul import QUANTIZED_WEIGHTS, quantized_matmul
+from .types import Params, RMSNorm
+
+__all__ = ["linear_xla", "map_matmul_views", "streamed_weights", "vocab_projection"]
+
+
+def linear_xla(
+    x: jax.Array,  # [T, K]
+    w: jax.Array,  # [L, N, K]: a stack of [out, in] weights
+    index: jax.Array | int,  # int32 []: which of the L
+    *,
+    norm: RMSNorm | None = None,
+    silu_gate: jax.Array | None = None,  # [T, K]
+    residual: jax.Array | None = None,  # [T, N]
+) -> jax.Array:  # [T, N]
+    """(residual +) norm(silu(silu_gate) * x) @ w[index].T as one 2-D dot contracting both
+    minor axes (multi-axis einsums and [in, out] weights are slower for few rows on XLA:CPU:
+    measured side by side)."""
+    if silu_gate is not None:
+        x = jax.nn.silu(silu_gate) * x
+    if norm is not None:
+        x = rms_norm(x, norm.weight, norm.eps)
+    if isinstance(w, QUANTIZED_WEIGHTS):  # dequantized in or just before the dot (quant/matmul.py)
+        y = quantized_matmul(x, w[index])
+    else:
+        y = jnp.einsum("ti,oi->to", x, w[index])
+    return y if residual is None else residual + y
+
+
+def vocab_projection(params: Params) -> Any:  # [V, D]
+    """The vocabulary projection: "lm_head", absent for tied embeddings unless
+    `map_matmul_views` (or int8 quantization) added the projection's own copy, else the
+    embedding table."""
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
+def map_matmul_views(
+    params: Params, views: Mapping[str, Any], fn: Callable[[jax.Array], jax.Array]
+) -> Params:
+    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view:
+    ``views`` maps a "layers" leaf to its [L', out, in] view (a free reshape of the leaf),
+    and the vocabulary projection goes as [1, V, D], stored as "lm_head" even when tied,
+    since the embedding lookup needs the original. For kernels that want their own layout of
+    the same shape (kernels.cpu.pack_panels); such params only work with the ``linear_fn``
+    that expects that layout."""
+    layers = dict(params["layers"])
+    for name, view in views.items():
+        layers[name] = fn(view).reshape(layers[name].shape)
+    out = {**params, "layers": layers}
+    out["lm_head"] = fn(vocab_projection(params)[None])[0]
+    return out
+
+
+def streamed_weights(params: Params) -> list[jax.Array]:
+    """The arrays every decode step reads in full: each layer's weights, norms and biases and
+    the vocabulary projection (not the embedding tables, of which a step reads a few rows,
+    unless the token table doubles as the projection)."""
+    return [*jax.tree.leaves(params["layers"]), *jax.tree.leaves(vocab_projection(params))]
