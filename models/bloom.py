@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
-from .family import ModelFamily
+from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
 from .gpt import FLOAT_FAMILY_REFUSALS, layer_norm
 from .layers import StackedParams, alibi_slopes, dense_causal_attention
 from .linear import linear_xla, map_matmul_views, streamed_weights
+from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import vocab_logits
 from .types import AttentionFn, LinearFn, Params, TensorReader
 
@@ -165,10 +166,12 @@ class BloomForCausalLM(nnx.Module):
         *,
         linear_fn: LinearFn | None = None,
         activation_dtype: Any = None,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
         ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
-        hidden states' dtype between layers (None: the params')."""
+        hidden states' dtype between layers (None: the params').
+        ``lora`` adds each token's adapter term after the matmuls it targets."""
         del positions
         c = self.config
         linear_fn = linear_fn or linear_xla
@@ -188,13 +191,22 @@ class BloomForCausalLM(nnx.Module):
             m = _matmul_views(layers, c)
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
             qkv = linear_fn(y, m["wqkv"], layer).reshape(t, h, 3, hd) + w["bqkv"]  # [T, H, 3, hd]
+            if lora is not None:  # after the base product, on the same input
+                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(t, h, 3, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
             out = linear_fn(attn.astype(x.dtype).reshape(t, h * hd), m["wo"], layer) + w["bo"]
+            if lora is not None:
+                out = out + lora_delta(attn.astype(x.dtype).reshape(t, h * hd), lora, "o", layer)
             x = (y if post else x) + out
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            mlp = bloom_gelu(linear_fn(y, m["w_fc"], layer) + w["b_fc"])
-            mlp = linear_fn(mlp, m["w_proj"], layer) + w["b_proj"]
+            fc = linear_fn(y, m["w_fc"], layer) + w["b_fc"]
+            if lora is not None:
+                fc = fc + lora_delta(y, lora, "fc", layer)
+            act = bloom_gelu(fc)
+            mlp = linear_fn(act, m["w_proj"], layer) + w["b_proj"]
+            if lora is not None:
+                mlp = mlp + lora_delta(act, lora, "proj", layer)
             x = (y if post else x) + mlp
             return (x, cache), None
 
@@ -295,6 +307,31 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
 )
 
 
+def lora_layout(config: ModelConfig) -> LoraLayout:
+    """The LoRA sites of the forward and the PEFT modules that fill them (models/lora.py):
+    qkv (query_key_value, rows as wqkv [H, 3, hd]), o (self_attention.dense), fc
+    (mlp.dense_h_to_4h) and proj (mlp.dense_4h_to_h)."""
+    d, f = config.hidden_size, config.intermediate_size
+    q = config.num_heads * config.head_dim
+    sites = {
+        "qkv": LoraSite(d, 3 * q),
+        "o": LoraSite(q, d),
+        "fc": LoraSite(d, f),
+        "proj": LoraSite(f, d),
+    }
+    names = {
+        "self_attention.query_key_value": "qkv",
+        "self_attention.dense": "o",
+        "mlp.dense_h_to_4h": "fc",
+        "mlp.dense_4h_to_h": "proj",
+    }
+    modules = {
+        name: LoraModule(sites[site].in_features, sites[site].out_features, (LoraPiece(site),))
+        for name, site in names.items()
+    }
+    return LoraLayout(layer_prefix="transformer.h.{}.", sites=sites, modules=modules)
+
+
 def _refused(config: ModelConfig) -> Mapping[str, str]:
     del config
     return FLOAT_FAMILY_REFUSALS
@@ -311,4 +348,5 @@ FAMILY = ModelFamily(
     split_axes=SPLIT_AXES,
     matmul_weights=MATMUL_WEIGHTS,
     refused=_refused,
+    lora=lora_layout,
 )

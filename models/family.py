@@ -59,6 +59,65 @@ class GgufLayout:
     config_fields: Callable[[GgufMetadata, dict[str, Any]], dict[str, Any]] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraSite:
+    """One place in a decoder layer's forward that adds a LoRA term after its base
+    product: its input and output widths, and how many rank blocks its A stacks (the
+    A). The site's arrays per layer: A [parts * max_rank, in], B [out, parts * max_rank].
+    An experts site (``experts`` > 1) holds one rank block per expert, A [E * max_rank, in]
+    and B [out, E * max_rank], and adds expert e's term to expert e's product."""
+
+    in_features: int
+    out_features: int
+    parts: int = 1
+    experts: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraPiece:
+    """Where part of one PEFT module's term goes: its A into rank block ``part`` of
+    ``site``, row j of its B into the site's output row ``rows[j]`` (-1: not this site;
+    None: row j itself)."""
+
+    site: str
+    part: int = 0
+    rows: np.ndarray | None = None  # int [module out]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    """One PEFT-targetable linear of a decoder layer: its Hugging Face shape (as PEFT's
+    lora_A [r, in] and lora_B [out, r] have it) and the site pieces it fills. A stack of
+    ``experts`` weights (a parameter PEFT targets with ``target_parameters``) has lora_A
+    [E * r, in] (rows expert-major) and lora_B [out, r * E] (columns rank-major), as PEFT's
+    ParamWrapper saves them."""
+
+    in_features: int
+    out_features: int
+    pieces: tuple[LoraPiece, ...]
+    experts: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraLayout:
+    """How PEFT adapters of a family map onto its forward's LoRA sites (models/lora.py).
+    ``layer_prefix`` is the Hugging Face path of decoder layer i ("model.layers.{}."),
+    ``modules`` names each targetable linear by its path inside the layer
+    ("self_attn.q_proj"), as PEFT matches ``target_modules`` against full paths.
+    ``conv1d``: the modules are transformers' Conv1D (GPT-2), which PEFT saves with
+    ``fan_in_fan_out=True``; lora_A and lora_B keep nn.Linear's orientation either way."""
+
+    layer_prefix: str
+    sites: Mapping[str, LoraSite]
+    modules: Mapping[str, LoraModule]
+    # weights that are no linear module, by parameter path inside the layer
+    # ("mlp.experts.gate_up_proj"), as PEFT's ``target_parameters`` names them
+    parameters: Mapping[str, LoraModule] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    conv1d: bool = False
+
+
 def _no_refusals(config: ModelConfig) -> Mapping[str, str]:
     del config
     return {}
@@ -96,9 +155,14 @@ class ModelFamily:
     gguf: tuple[GgufLayout, ...] = ()  # the GGUF architectures it imports
     # feature (one of FEATURES) -> why this config cannot have it; absent: supported
     refused: Callable[[ModelConfig], Mapping[str, str]] = _no_refusals
+    # LoRA: the PEFT modules and forward sites of a config (None: the family has none)
+    lora: Callable[[ModelConfig], LoraLayout] | None = None
 
     def refusal(self, feature: str, config: ModelConfig) -> str | None:
         """Why ``config`` cannot have ``feature`` (None: it can)."""
         if feature not in FEATURES:
             raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
-        return self.refused(config).get(feature)
+        reason = self.refused(config).get(feature)
+        if reason is None and feature == "lora" and self.lora is None:
+            return "the family declares no LoRA sites"
+        return reason

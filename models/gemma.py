@@ -48,6 +48,8 @@ from .config import ModelConfig, RopeScaling
 from .family import GgufLayout, GgufMetadata, ModelFamily
 from .layers import StackedParams, apply_rope, dense_causal_attention
 from .linear import linear_xla, map_matmul_views, streamed_weights
+from .llama import lora_layout
+from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, LinearFn, Params, TensorReader
@@ -253,6 +255,7 @@ def _layer(
     window: int | None,
     attention_fn: AttentionFn,
     linear_fn: LinearFn,
+    lora: LoraInputs | None = None,
 ) -> tuple[jax.Array, Any]:
     c = config
     t, g, hd, eps = x.shape[0], c.queries_per_kv, c.head_dim, c.rms_norm_eps
@@ -260,7 +263,10 @@ def _layer(
     w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
     m = _matmul_views(layers, c)
     h = gemma_rms_norm(x, w["attn_norm"], eps)
-    qkv = linear_fn(h, m["wqkv"], layer).reshape(t, c.num_kv_heads, g + 2, hd)
+    qkv = linear_fn(h, m["wqkv"], layer)
+    if lora is not None:  # after the base product, on the same input
+        qkv = qkv + lora_delta(h, lora, "qkv", layer)
+    qkv = qkv.reshape(t, c.num_kv_heads, g + 2, hd)
     q = qkv[:, :, :g].reshape(t, c.num_heads, hd)
     k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, hd]
     if c.qk_norm:
@@ -276,11 +282,20 @@ def _layer(
         sm_scale=c.query_pre_attn_scalar**-0.5, sliding_window=window, soft_cap=c.attn_soft_cap,
     )  # fmt: skip
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * hd)  # heads grouped by KV head
-    x = x + gemma_rms_norm(linear_fn(attn, m["wo"], layer), w["post_attn_norm"], eps)
+    o = linear_fn(attn, m["wo"], layer)
+    if lora is not None:
+        o = o + lora_delta(attn, lora, "o", layer)
+    x = x + gemma_rms_norm(o, w["post_attn_norm"], eps)
     h = gemma_rms_norm(x, w["pre_mlp_norm"], eps)
     gate = linear_fn(h, m["w_gate_up"], 2 * layer)
     up = linear_fn(h, m["w_gate_up"], 2 * layer + 1)
-    mlp = linear_fn(_ACTIVATIONS[c.hidden_act](gate) * up, m["w_down"], layer)
+    if lora is not None:
+        gate = gate + lora_delta(h, lora, "gate", layer)
+        up = up + lora_delta(h, lora, "up", layer)
+    act = _ACTIVATIONS[c.hidden_act](gate) * up
+    mlp = linear_fn(act, m["w_down"], layer)
+    if lora is not None:
+        mlp = mlp + lora_delta(act, lora, "down", layer)
     return x + gemma_rms_norm(mlp, w["post_mlp_norm"], eps), cache
 
 
@@ -323,11 +338,13 @@ class GemmaForCausalLM(nnx.Module):
         *,
         linear_fn: LinearFn | None = None,
         activation_dtype: Any = None,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
         ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
         hidden states' dtype between layers (None: the params'), e.g. float32 where a
-        ``linear_fn`` computes bfloat16 weights in float32."""
+        ``linear_fn`` computes bfloat16 weights in float32.
+        ``lora`` adds each token's adapter term after the matmuls it targets."""
         c = self.config
         embed = self.embed.get_value()
         # a quantized table's rows come back in float32: the float leaves' dtype, as a float
@@ -339,7 +356,9 @@ class GemmaForCausalLM(nnx.Module):
         layers = self.layers.arrays()
         windows = layer_windows(c)
         p = _period(windows)
-        run = dict(config=c, attention_fn=attention_fn, linear_fn=linear_fn or linear_xla)
+        run = dict(
+            config=c, attention_fn=attention_fn, linear_fn=linear_fn or linear_xla, lora=lora
+        )
 
         def period(carry, first):  # layers first .. first + p - 1, unrolled
             x, cache = carry
@@ -542,9 +561,7 @@ def _gguf_layer_types(g: GgufMetadata, n: int) -> list[str]:
 
 
 def _refused(config: ModelConfig) -> Mapping[str, str]:
-    refused = {
-        "lora": "the LoRA terms are wired into the Llama family's forward only",
-    }
+    refused = {}
     if config.model_type != "gemma3_text":
         refused["gguf_quantized"] = "jaxpaged imports Gemma 3 GGUF files only"
     return refused
@@ -559,6 +576,7 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     split_axes=SPLIT_AXES,
+    lora=lora_layout,  # the Llama family's sites and PEFT module names
     matmul_weights=MATMUL_WEIGHTS,
     prequantized_modules=PREQUANTIZED_MODULES,
     gguf=(

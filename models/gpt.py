@@ -26,12 +26,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .family import ModelFamily
+from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
 from .layers import StackedParams, dense_causal_attention
 from .linear import linear_xla, map_matmul_views, streamed_weights
+from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import vocab_logits
 from .types import AttentionFn, LinearFn, Params, TensorReader
 
@@ -206,10 +208,12 @@ class GPTForCausalLM(nnx.Module):
         *,
         linear_fn: LinearFn | None = None,
         activation_dtype: Any = None,
+        lora: LoraInputs | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
         ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
-        hidden states' dtype between layers (None: the params')."""
+        hidden states' dtype between layers (None: the params').
+        ``lora`` adds each token's adapter term after the matmuls it targets."""
         c = self.config
         linear_fn = linear_fn or linear_xla
         eps, act = c.rms_norm_eps, ACTIVATIONS[c.hidden_act]
@@ -230,11 +234,24 @@ class GPTForCausalLM(nnx.Module):
                 (linear_fn(y, m["wqkv"], 3 * layer + i) + w["bqkv"][i]).reshape(t, h, hd)
                 for i in range(3)
             )
+            if lora is not None:  # after the base products, on the same input
+                delta = lora_delta(y, lora, "qkv", layer).reshape(t, 3, h, hd)
+                q, k, v = q + delta[:, 0], k + delta[:, 1], v + delta[:, 2]
             attn, cache = attention_fn(q, k, v, layer, cache)
-            x = x + (linear_fn(attn.astype(x.dtype).reshape(t, h * hd), m["wo"], layer) + w["bo"])
+            attn = attn.astype(x.dtype).reshape(t, h * hd)
+            o = linear_fn(attn, m["wo"], layer) + w["bo"]
+            if lora is not None:
+                o = o + lora_delta(attn, lora, "o", layer)
+            x = x + o
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            y = act(linear_fn(y, m["w_fc"], layer) + w["b_fc"])
-            x = x + (linear_fn(y, m["w_proj"], layer) + w["b_proj"])
+            fc = linear_fn(y, m["w_fc"], layer) + w["b_fc"]
+            if lora is not None:
+                fc = fc + lora_delta(y, lora, "fc", layer)
+            y = act(fc)
+            proj = linear_fn(y, m["w_proj"], layer) + w["b_proj"]
+            if lora is not None:
+                proj = proj + lora_delta(y, lora, "proj", layer)
+            x = x + proj
             return (x, cache), None
 
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
@@ -349,10 +366,41 @@ SPLIT_AXES: Mapping[str, int] = MappingProxyType(
 )
 # the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
 MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType({"wqkv": 1, "wo": 1, "w_fc": 1, "w_proj": 1})
+
+
+def lora_layout(config: ModelConfig) -> LoraLayout:
+    """The LoRA sites of the forward and the PEFT modules that fill them (models/lora.py):
+    qkv (rows q, k, v as wqkv [3, Hq*hd]: GPT-2's fused Conv1D c_attn as one rank block,
+    OPT's q_proj, k_proj, v_proj as three), o (attn.c_proj / self_attn.out_proj), fc
+    (mlp.c_fc / fc1) and proj (mlp.c_proj / fc2)."""
+    c = config
+    d, f, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    gpt2 = c.model_type == "gpt2"
+    sites = {
+        "qkv": LoraSite(d, 3 * q, parts=1 if gpt2 else 3),
+        "o": LoraSite(q, d),
+        "fc": LoraSite(d, f),
+        "proj": LoraSite(f, d),
+    }
+    if gpt2:
+        modules = {"attn.c_attn": LoraModule(d, 3 * q, (LoraPiece("qkv"),))}
+        names = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    else:
+        modules = {
+            f"self_attn.{name}_proj": LoraModule(d, q, (LoraPiece("qkv", i, i * q + np.arange(q)),))
+            for i, name in enumerate("qkv")
+        }
+        names = ("self_attn.out_proj", "fc1", "fc2")
+    for name, site in zip(names, ("o", "fc", "proj"), strict=True):
+        s = sites[site]
+        modules[name] = LoraModule(s.in_features, s.out_features, (LoraPiece(site),))
+    prefix = "transformer.h.{}." if gpt2 else "model.decoder.layers.{}."
+    return LoraLayout(layer_prefix=prefix, sites=sites, modules=modules, conv1d=gpt2)
+
+
 # what the biased, plain-MLP families (GPT-2, OPT, BLOOM) do not have, and why
 FLOAT_FAMILY_REFUSALS: Mapping[str, str] = MappingProxyType(
     {
-        "lora": "the LoRA terms are wired into the Llama family's forward only",
         "prequantized": "its weight mapping reads float tensors only; load its float "
         "checkpoint instead",
         "gguf_quantized": "jaxpaged imports no GGUF layout of this family",
@@ -376,4 +424,5 @@ FAMILY = ModelFamily(
     split_axes=SPLIT_AXES,
     matmul_weights=MATMUL_WEIGHTS,
     refused=_refused,
+    lora=lora_layout,
 )

@@ -60,4 +60,5 @@ FAMILY = ModelFamily(
     matmul_weights=llama.MATMUL_WEIGHTS,
     prequantized_modules=llama.PREQUANTIZED_MODULES,
     refused=_refused,
+    lora=llama.lora_layout,
 )

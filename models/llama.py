@@ -45,10 +45,18 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig, RopeScaling
-from .family import GgufLayout, GgufMetadata, ModelFamily
+from .family import (
+    GgufLayout,
+    GgufMetadata,
+    LoraLayout,
+    LoraModule,
+    LoraPiece,
+    LoraSite,
+    ModelFamily,
+)
 from .layers import StackedParams, apply_rope, dense_causal_attention, rms_norm
 from .linear import linear_xla, map_matmul_views, streamed_weights
-from .lora import LoraInputs, lora_delta
+from .lora_term import LoraInputs, lora_delta, lora_expert_delta
 from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, LinearFn, Params, RMSNorm, TensorReader
@@ -154,10 +162,9 @@ def _layer(
     o_delta = None if lora is None else lora_delta(attn, lora, "o", layer)
     x = _residual_add(x, linear_fn, attn, w["wo"], layer, o_delta, c.residual_multiplier)
 
-    if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype;
-        # the engine refuses LoRA for MoE models
+    if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
-        out = _moe_mlp(h, layers, layer, c).astype(x.dtype)
+        out = _moe_mlp(h, layers, layer, c, lora).astype(x.dtype)
         return x + out * jnp.asarray(c.residual_multiplier, x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
     # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
@@ -199,11 +206,15 @@ def _moe_mlp(
     layers: dict[str, jax.Array],
     layer: jax.Array,  # int32 []
     config: ModelConfig,
+    lora: LoraInputs | None = None,
 ) -> jax.Array:  # [T, D]
     """Mixtral's and Qwen3-MoE's sparse MLP: softmax over the router's logits (float32), the
     top k experts (renormalized to sum to 1 if config.norm_topk_prob), their gated SiLU MLPs summed with those weights. Every expert
-    runs on every token (weights zero off the top k): exact, and cheap for few experts."""
+    runs on every token (weights zero off the top k): exact, and cheap for few experts.
+    ``lora`` adds the adapters' router and experts terms after their products."""
     logits = jnp.einsum("td,ed->te", h, layers["router"][layer], preferred_element_type=jnp.float32)
+    if lora is not None:
+        logits = logits + lora_delta(h, lora, "router", layer).astype(jnp.float32)
     top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), config.num_experts_per_tok)
     if config.norm_topk_prob:
         top_w = top_w / top_w.sum(axis=-1, keepdims=True)
@@ -212,8 +223,15 @@ def _moe_mlp(
         "tk,tke->te", top_w, jax.nn.one_hot(top_i, config.num_experts, dtype=h.dtype)
     )
     gate_up = jnp.einsum("td,ecfd->tecf", h, layers["w_experts_gate_up"][layer])  # [T, E, 2, F]
+    if lora is not None:  # rows gate, then up, as the fused gate_up_proj
+        e = config.num_experts
+        gate_up = gate_up + lora_expert_delta(h, lora, "experts_gate_up", layer, e).reshape(
+            gate_up.shape
+        )
     act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [T, E, F]
     out = jnp.einsum("tef,edf->ted", act, layers["w_experts_down"][layer])  # [T, E, D]
+    if lora is not None:
+        out = out + lora_expert_delta(act, lora, "experts_down", layer, config.num_experts)
     return jnp.einsum("te,ted->td", weights, out)
 
 
@@ -656,10 +674,70 @@ def _gguf_rope_scaling(g: GgufMetadata, head_dim: int, theta: float) -> dict | N
     )
 
 
+def lora_layout(config: ModelConfig) -> LoraLayout:
+    """The LoRA sites of `_layer` and the PEFT modules that fill them (models/lora.py):
+    qkv (q_proj, k_proj, v_proj as three rank blocks, rows in the fused wqkv order; Phi-3's
+    fused qkv_proj as one), o (o_proj), gate, up and down (gate_proj, up_proj, down_proj;
+    Phi-3's gate_up_proj fills gate and up). A mixture-of-experts model has the attention
+    sites, the router's and the experts' (parameters PEFT targets with
+    ``target_parameters``: mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)."""
+    c = config
+    d, f, hd, hkv, g = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.head_dim,
+        c.num_kv_heads,
+        c.queries_per_kv,
+    )
+    q_out = c.num_heads * hd
+    fused = np.arange(hkv * (g + 2) * hd).reshape(hkv, g + 2, hd)  # wqkv's output rows
+    q_rows, k_rows, v_rows = (fused[:, :g].reshape(-1), fused[:, g].reshape(-1),
+                              fused[:, g + 1].reshape(-1))  # fmt: skip
+    sites = {"qkv": LoraSite(d, fused.size, parts=3), "o": LoraSite(q_out, d)}
+    modules = {"self_attn.o_proj": LoraModule(q_out, d, (LoraPiece("o"),))}
+    if c.model_type == "phi3":
+        qkv_rows = np.concatenate([q_rows, k_rows, v_rows])
+        modules["self_attn.qkv_proj"] = LoraModule(
+            d, qkv_rows.size, (LoraPiece("qkv", 0, qkv_rows),)
+        )
+    else:
+        for part, (name, rows) in enumerate(
+            (("q_proj", q_rows), ("k_proj", k_rows), ("v_proj", v_rows))
+        ):
+            modules[f"self_attn.{name}"] = LoraModule(d, rows.size, (LoraPiece("qkv", part, rows),))
+    parameters = {}
+    if c.num_experts:  # the router and the experts, as transformers 5 holds them
+        e = c.num_experts
+        sites |= {
+            "router": LoraSite(d, e),
+            "experts_gate_up": LoraSite(d, 2 * f, experts=e),
+            "experts_down": LoraSite(f, d, experts=e),
+        }
+        parameters = {
+            "mlp.gate.weight": LoraModule(d, e, (LoraPiece("router"),)),
+            "mlp.experts.gate_up_proj": LoraModule(
+                d, 2 * f, (LoraPiece("experts_gate_up"),), experts=e
+            ),
+            "mlp.experts.down_proj": LoraModule(f, d, (LoraPiece("experts_down"),), experts=e),
+        }
+    else:
+        sites |= {"gate": LoraSite(d, f), "up": LoraSite(d, f), "down": LoraSite(f, d)}
+        modules["mlp.down_proj"] = LoraModule(f, d, (LoraPiece("down"),))
+        if c.model_type == "phi3":
+            first, second = np.arange(2 * f), np.arange(2 * f) - f  # gate rows, then up rows
+            gate = LoraPiece("gate", 0, np.where(first < f, first, -1))
+            modules["mlp.gate_up_proj"] = LoraModule(d, 2 * f, (gate, LoraPiece("up", 0, second)))
+        else:
+            modules["mlp.gate_proj"] = LoraModule(d, f, (LoraPiece("gate"),))
+            modules["mlp.up_proj"] = LoraModule(d, f, (LoraPiece("up"),))
+    return LoraLayout(
+        layer_prefix="model.layers.{}.", sites=sites, modules=modules, parameters=parameters
+    )
+
+
 def _refused(config: ModelConfig) -> dict[str, str]:
     refused = {}
     if config.num_experts:
-        refused["lora"] = "LoRA on mixture-of-experts models is not supported"
         refused["gguf_quantized"] = "a mixture-of-experts GGUF import is read as floats"
     if config.model_type == "phi3":
         refused["prequantized"] = (
@@ -709,4 +787,5 @@ FAMILY = ModelFamily(
         ),
     ),
     refused=_refused,
+    lora=lora_layout,
 )

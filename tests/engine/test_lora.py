@@ -1,7 +1,9 @@
 """Multi-LoRA against transformers + PEFT, on a tiny random Llama.
 
 Random PEFT adapters of several ranks and target sets (lora_B drawn non-zero, so each changes
-the outputs) are saved with ``save_pretrained``; requests with different adapters and none
+the outputs) are saved with ``save_pretrained``, in each form PEFT saves ``target_modules``:
+module names, full module paths (an ``all-linear`` adapter, with a ``rank_pattern``), names
+with ``layers_to_transform``, and a regex string. Requests with different adapters and none
 share one engine batch, and every greedy output must equal what PEFT's model generates with
 that adapter. More adapters than ``max_loras`` are in flight at once (requests wait for a
 slot); loading and unloading adapters compiles nothing; prefix-cache keys include the
@@ -36,11 +38,17 @@ HF_CONFIG = dict(
     max_position_embeddings=128,
 )
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (rank, target modules, use_rslora)
+# name -> peft.LoraConfig options (lora_alpha: twice the rank)
 ADAPTERS = {
-    "r2qv": (2, ["q_proj", "v_proj"], False),
-    "r4all": (4, ALL, False),
-    "r8mlp": (8, ["o_proj", "gate_proj", "down_proj", "k_proj"], True),
+    "r2qv": dict(r=2, target_modules=["q_proj", "v_proj"]),
+    "r4all": dict(r=4, target_modules=ALL),
+    "r8mlp": dict(
+        r=8, target_modules=["o_proj", "gate_proj", "down_proj", "k_proj"], use_rslora=True
+    ),
+    # saved as the full paths of every linear ("model.layers.0.mlp.up_proj", ...)
+    "linear": dict(r=4, target_modules="all-linear", rank_pattern={"down_proj": 2}),
+    "layer1": dict(r=3, target_modules=["q_proj", "up_proj", "down_proj"], layers_to_transform=[1]),
+    "regex": dict(r=2, target_modules=r"model\.layers\.0\.(self_attn\.[ko]_proj|mlp\.gate_proj)"),
 }
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -52,10 +60,10 @@ PROMPTS = [
 ]
 
 
-def _save_adapter(base: str, out: str, rank: int, targets: list[str], rslora: bool, seed: int):
+def _save_adapter(base: str, out: str, options: dict, seed: int):
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM.from_pretrained(base)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=rslora)
+    config = peft.LoraConfig(lora_alpha=2 * options["r"], **options)
     model = peft.get_peft_model(model, config)
     for name, p in model.named_parameters():
         if "lora_" in name:
@@ -89,9 +97,12 @@ def folders(tmp_path_factory):
     base = str(root / "base")
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).save_pretrained(base)
     paths = {}
-    for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items()):
+    for i, (name, options) in enumerate(ADAPTERS.items()):
         paths[name] = str(root / name)
-        _save_adapter(base, paths[name], rank, targets, rslora, seed=i + 1)
+        _save_adapter(base, paths[name], options, seed=i + 1)
+    with open(os.path.join(paths["linear"], "adapter_config.json")) as f:
+        saved = json.load(f)["target_modules"]
+    assert "model.layers.0.mlp.up_proj" in saved and len(saved) == 14  # full paths
     want = {
         (name, i): _peft_greedy(base, None if name is None else paths[name], p)
         for name in [None, *ADAPTERS]
@@ -206,6 +217,10 @@ def _edit_config(src: str, dst, **changes) -> str:
         (dict(bias="all"), "bias='all'"),
         (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
         (dict(r=32), "max_lora_rank=8"),
+        (dict(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters"),
+        (dict(fan_in_fan_out=True), "fan_in_fan_out=True"),
+        (dict(target_modules=r"model\.layers\.7\..*"), "matches none of"),
+        (dict(target_modules=["model.layers.0.mlp.up_proj", "model.embed_tokens"]), "embed_tokens"),
     ],
 )
 def test_unsupported_adapters_are_refused_by_name(llm, folders, tmp_path, changes, named):

@@ -42,6 +42,32 @@ def test_table_and_declarations_agree():
             assert layout.model_type in family.model_types
 
 
+def test_lora_layouts_fill_their_sites():
+    """Every declared PEFT module fills existing sites: rank blocks the site has, each of
+    its output rows a distinct site row (or none), the input width the site's."""
+    import numpy as np
+
+    configs = [tiny_config(model_type=t) for f in families() for t in f.model_types]
+    configs.append(dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4))
+    for config in configs:
+        family = family_of(config)
+        if family.lora is None:
+            continue
+        layout = family.lora(config)
+        filled = {site: [] for site in layout.sites}
+        for name, module in {**layout.modules, **layout.parameters}.items():
+            for piece in module.pieces:
+                site = layout.sites[piece.site]
+                assert 0 <= piece.part < site.parts and module.in_features == site.in_features
+                assert module.experts == site.experts, name
+                rows = np.arange(module.out_features) if piece.rows is None else piece.rows
+                assert rows.shape == (module.out_features,), name
+                filled[piece.site] += [(piece.part, r) for r in rows[rows >= 0]]
+                assert rows.max() < site.out_features, name
+        for site, rows in filled.items():
+            assert rows and len(rows) == len(set(rows)), (config.model_type, site)
+
+
 def test_architectures_decide_and_model_type_is_the_fallback():
     qwen2 = parse_config({**LLAMA_FIELDS, "architectures": ["Qwen2ForCausalLM"],
                           "model_type": "qwen2"})  # fmt: skip
@@ -67,11 +93,15 @@ def test_architectures_decide_and_model_type_is_the_fallback():
 def test_refusals_name_setting_model_type_and_reason():
     check_feature(tiny_config(), "lora", "enable_lora")  # the Llama family: supported
     moe = dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4)
-    with pytest.raises(ValueError, match=r"^enable_lora is not supported for model_type "
-                       r"'mixtral' \(llama family\): LoRA on mixture-of-experts"):  # fmt: skip
-        check_feature(moe, "lora", "enable_lora")
-    with pytest.raises(ValueError, match=r"'gpt2' \(gpt family\): the LoRA terms"):
-        check_feature(tiny_config(model_type="gpt2"), "lora", "enable_lora")
+    check_feature(moe, "lora", "enable_lora")  # the attention sites
+    with pytest.raises(ValueError, match=r"^gguf is not supported for model_type "
+                       r"'mixtral' \(llama family\): a mixture-of-experts GGUF"):  # fmt: skip
+        check_feature(moe, "gguf_quantized", "gguf")
+    # a family that declares no LoRA sites refuses LoRA, saying so
+    bare = dataclasses.replace(family_of(tiny_config()), lora=None)
+    assert bare.refusal("lora", tiny_config()) == "the family declares no LoRA sites"
+    for model_type in ("gpt2", "opt", "bloom", "gemma2", "gemma3_text", "granite", "phi3"):
+        check_feature(tiny_config(model_type=model_type), "lora", "enable_lora")
     check_feature(tiny_config(model_type="custom"), "lora", "enable_lora")  # yours: not ours
     with pytest.raises(ValueError, match="unknown feature 'speculative'"):
         family_of(tiny_config()).refusal("speculative", tiny_config())
