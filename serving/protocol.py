@@ -27,6 +27,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "StrictModel",
     "DetokenizeRequest",
     "TokenizeRequest",
     "parse_body",
@@ -74,6 +75,9 @@ class _Strict(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in UNSUPPORTED_FIELDS)}
         return data
+
+
+StrictModel = _Strict  # the base of request bodies built on these rules
 
 
 class StreamOptions(_Strict):
@@ -481,8 +485,10 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def parse_body(model: type[_Strict], body: bytes) -> Any:
-    """Parses and type-checks a JSON body; InvalidRequest names the first bad field."""
+def parse_body(model: type[_Strict], body: bytes, refused: dict[str, str] | None = None) -> Any:
+    """Parses and type-checks a JSON body; InvalidRequest names the first bad field.
+    ``refused``: the API's fields refused by name, with why (Chat Completions':
+    UNSUPPORTED_FIELDS)."""
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
@@ -495,16 +501,17 @@ def parse_body(model: type[_Strict], body: bytes) -> Any:
         if err["type"] == "missing":
             raise InvalidRequest(f"{loc} is required", param=loc or None) from None
         if err["type"] == "extra_forbidden":
-            raise InvalidRequest(_refusal(loc), param=loc or None) from None
+            reasons = UNSUPPORTED_FIELDS if refused is None else refused
+            raise InvalidRequest(_refusal(loc, reasons), param=loc or None) from None
         where = f"{loc}: " if loc else "body: "
         raise InvalidRequest(f"{where}{err['msg']}", param=loc or None) from None
 
 
-def _refusal(loc: str) -> str:
+def _refusal(loc: str, reasons: dict[str, str]) -> str:
     """Why a field that is not part of the request model is refused."""
     name = loc.rsplit(".", 1)[-1]
-    if loc == name and name in UNSUPPORTED_FIELDS:
-        return f"{name} is not supported by jaxpaged: {UNSUPPORTED_FIELDS[name]}"
+    if loc == name and name in reasons:
+        return f"{name} is not supported by jaxpaged: {reasons[name]}"
     return (
         f"{loc} is not a field jaxpaged knows; it refuses fields it would not honour "
         "rather than ignore them"

@@ -124,7 +124,7 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
         "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
-        "allow_runtime_lora_updating",
+        "allow_runtime_lora_updating", "responses_store_size",
     }  # fmt: skip
 
 
