@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.engine.protocol import Tokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from jaxpaged.serving.anthropic import add_anthropic_routes
 from jaxpaged.serving.chat_reply import ReplyBuilder
 from jaxpaged.serving.chat_run import check_model, until_disconnect
 from jaxpaged.serving.deltas import merge_handles
@@ -306,6 +307,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     add_lora_routes(app, frontend)
     add_responses_routes(app, frontend)
+    add_anthropic_routes(app, frontend)
     add_dev_routes(app, frontend)
 
     @app.get("/version")

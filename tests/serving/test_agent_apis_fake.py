@@ -93,7 +93,58 @@ def test_store_keeps_running_responses_beyond_capacity():
 def test_readme_names_every_refused_field():
     from pathlib import Path
 
-    from jaxpaged.serving.responses_protocol import REFUSED_FIELDS
+    from jaxpaged.serving import anthropic_protocol, responses_protocol
 
     text = (Path(__file__).parents[2] / "serving" / "README.md").read_text()
-    assert all(f"`{name}`" in text for name in REFUSED_FIELDS)
+    for module in (anthropic_protocol, responses_protocol):
+        assert all(f"`{name}`" in text for name in module.REFUSED_FIELDS)
+
+
+USER = [{"role": "user", "content": "hi"}]
+ANTHROPIC_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [{"role": "system", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                     "input": {}}]}]},
+        {"messages": [*USER, {"role": "assistant", "content": "Sure"}]},  # prefill
+        {"messages": []},
+        {"messages": USER, "colour": "red"},
+        {"messages": USER, "mcp_servers": [{"url": "x"}]},
+        {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        {"messages": USER, "tools": [{"name": "f"}]},  # no input_schema
+        {"messages": USER, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool"}},
+        {"messages": USER, "thinking": {"type": "enabled", "budget_tokens": 2048}},
+        {"messages": [{"role": "user", "content": "x" * 400}]},  # longer than max_model_len
+        {"messages": USER, "max_tokens": "5"},
+        {"messages": USER, "output_config": {"format": {"type": "regex"}}},
+    ],
+)  # fmt: skip
+def test_anthropic_hostile_inputs_get_400_in_anthropics_shape(fake, body):
+    r = _post(fake, "/v1/messages", {"model": "test-model", "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    got = r.json()
+    assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    assert got["error"]["message"]
+    ok = _post(fake, "/v1/messages", {"model": "test-model", "max_tokens": 3, "messages": USER})
+    assert ok.status_code == 200 and ok.json()["stop_reason"] == "max_tokens"
+
+
+def test_anthropic_api_key_and_unknown_model(server_factory):
+    anthropic = pytest.importorskip("anthropic")
+    server = server_factory(FakeAsyncEngine(max_model_len=256), api_key="sekrit")
+
+    def client(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=server.http, api_key=key, max_retries=0)
+
+    m = client("sekrit").messages.create(model="test-model", max_tokens=2, messages=USER)
+    assert m.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        client("wrong").messages.create(model="test-model", max_tokens=2, messages=USER)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError, match="does not exist"):
+        client("sekrit").messages.count_tokens(model="claude-9", messages=USER)

@@ -204,3 +204,82 @@ def test_responses_json_schema_and_cancel(oai, real):
     assert last.type == "response.incomplete" and last.response.status == "cancelled"
     with pytest.raises(openai.BadRequestError, match="in progress"):
         oai.responses.cancel(created.response.id)
+
+
+@pytest.fixture
+def claude(real, oai):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=real.http, api_key="none", max_retries=0, timeout=300)
+
+
+def test_anthropic_messages_equal_chat_whole_streamed_and_stopped(claude, oai):
+    """system + user at temperature 0 (sent through extra_body, as current clients do):
+    text, usage and count_tokens equal Chat Completions'; the stream helper assembles the
+    same message; a stop sequence ends the text before it with stop_reason stop_sequence."""
+    msgs = [{"role": "user", "content": ASK}]
+    ask = dict(model="smollm2", system=SYSTEM, messages=msgs, extra_body=GREEDY)
+    m = claude.messages.create(max_tokens=16, **ask)
+    c = _chat(oai, [{"role": "system", "content": SYSTEM}, *msgs], max_tokens=16, **GREEDY)
+    (block,) = m.content
+    assert block.type == "text" and block.text == c.choices[0].message.content
+    stop = {"stop": "end_turn", "length": "max_tokens"}[c.choices[0].finish_reason]
+    assert m.stop_reason == stop and m.role == "assistant" and m.model == "smollm2"
+    u = m.usage
+    assert u.input_tokens + u.cache_read_input_tokens == c.usage.prompt_tokens
+    assert u.output_tokens == c.usage.completion_tokens
+    count = claude.messages.count_tokens(model="smollm2", system=SYSTEM, messages=msgs)
+    assert count.input_tokens == c.usage.prompt_tokens
+
+    with claude.messages.stream(max_tokens=16, **ask) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert final.content[0].text == block.text and final.stop_reason == stop
+    assert final.usage.output_tokens == u.output_tokens
+
+    word = block.text.split()[2]
+    cut = claude.messages.create(max_tokens=16, stop_sequences=[word], **ask)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == word
+    assert cut.content[0].text == block.text[: block.text.index(word)]
+
+
+def test_anthropic_tool_use_and_tool_result(claude, oai):
+    """tool_choice "tool" gives a tool_use block (whole and streamed as input_json_delta)
+    whose input validates and equals Chat Completions' call; the tool_result sent back
+    yields the text Chat Completions gives for the same turns."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
+    ]
+    ask = dict(model="smollm2", messages=WEATHER_ASK, tools=tools, max_tokens=60,
+               tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)  # fmt: skip
+    m = claude.messages.create(**ask)
+    (use,) = m.content
+    assert use.type == "tool_use" and use.name == "get_weather" and m.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER)
+    chat_call = _chat(
+        oai, WEATHER_ASK, tools=TOOLS, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY,
+    ).choices[0].message.tool_calls[0]  # fmt: skip
+    assert json.loads(chat_call.function.arguments) == use.input
+    with claude.messages.stream(**ask) as stream:
+        deltas = [e.delta.partial_json for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert json.loads("".join(deltas)) == use.input == final.content[0].input
+
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}
+    turns = [*WEATHER_ASK, {"role": "assistant", "content": m.content},
+             {"role": "user", "content": [result]}]  # fmt: skip
+    reply = claude.messages.create(
+        model="smollm2", messages=turns, tools=tools, tool_choice={"type": "none"},
+        max_tokens=12, extra_body=GREEDY,
+    )  # fmt: skip
+    chat_turns = [
+        *WEATHER_ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": use.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    c = _chat(oai, chat_turns, tools=TOOLS, tool_choice="none", max_tokens=12, **GREEDY)
+    assert reply.content[0].text == c.choices[0].message.content
