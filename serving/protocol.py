@@ -90,7 +90,8 @@ class JsonSchema(_Strict):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced
+    # the schema is always enforced; false: its permissive reading (StructuredOutput.strict)
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
@@ -106,6 +107,8 @@ class ResponseFormat(_Strict):
                     "response_format.json_schema.schema is required with type json_schema",
                     param="response_format",
                 )
+            if self.json_schema.strict is False:
+                return {"json": self.json_schema.schema_, "strict": False}
             return {"json": self.json_schema.schema_}
         return None
 

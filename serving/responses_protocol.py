@@ -233,7 +233,11 @@ class ResponsesRequest(_Body):
             )
         return {
             "type": "json_schema",
-            "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_},
+            "json_schema": {
+                "name": fmt.name or "response",
+                "schema": fmt.schema_,
+                "strict": fmt.strict,
+            },
         }
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:

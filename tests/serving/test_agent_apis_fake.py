@@ -148,3 +148,16 @@ def test_anthropic_api_key_and_unknown_model(server_factory):
     assert e.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.BadRequestError, match="does not exist"):
         client("sekrit").messages.count_tokens(model="claude-9", messages=USER)
+
+
+def test_responses_text_format_reaches_the_engine_strict_or_not(fake):
+    from jaxpaged.sampling_params import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for strict in (None, False):
+        fmt = {"type": "json_schema", "name": "s", "schema": schema, "strict": strict}
+        r = _post(fake, "/v1/responses", {"input": "q", "max_output_tokens": 2, "store": False,
+                                          "text": {"format": fmt}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        got = fake.engine.added[-1][2].structured_output
+        assert got == StructuredOutput(json=schema, strict=strict is None)

@@ -9,6 +9,10 @@ One engine for the module (enforce_eager and a 64-token step budget keep compila
 from __future__ import annotations
 
 import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -34,9 +38,9 @@ def real():
     engine = LLMEngine.from_args(
         default_model_path(),
         max_model_len=512,
-        max_num_seqs=8,
+        max_num_seqs=24,
         max_num_batched_tokens=64,
-        num_kv_blocks=96,
+        num_kv_blocks=320,
         enforce_eager=True,
         show_progress=False,
     )
@@ -283,3 +287,68 @@ def test_anthropic_tool_use_and_tool_result(claude, oai):
     ]  # fmt: skip
     c = _chat(oai, chat_turns, tools=TOOLS, tool_choice="none", max_tokens=12, **GREEDY)
     assert reply.content[0].text == c.choices[0].message.content
+
+
+SCHEMA_CASES = json.loads(
+    (Path(__file__).parents[2] / "bench" / "data" / "json_schemas.json").read_text()
+)
+FULL = os.environ.get("JAXPAGED_TEST_FULL") == "1"
+
+
+def _only_declared_keys(value, schema) -> bool:
+    """No object holds a property its schema does not declare (the strict reading)."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return set(value) <= set(props) and all(
+            _only_declared_keys(v, props[k]) for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return all(_only_declared_keys(v, schema.get("items", {})) for v in value)
+    return True
+
+
+@pytest.mark.parametrize(
+    "temperature",
+    [0.0, pytest.param(0.9, marks=pytest.mark.skipif(not FULL, reason="JAXPAGED_TEST_FULL=1"))],
+)
+def test_strict_json_schemas_close_within_200_tokens(oai, temperature, capsys):
+    """The schemas of bench/data/json_schemas.json as response_format (strict, the
+    default): every output that finishes within 200 tokens is compact JSON that validates
+    and holds only declared properties, and at temperature 0 every schema whose strings are
+    bounded finishes (at 0.9, all but two). The default suite runs the 15 bounded schemas at
+    temperature 0; JAXPAGED_TEST_FULL=1 all 21 at 0 and 0.9 (an unbounded string may run
+    to the limit: counted, printed; bench/structured_json.py reports both readings in
+    RESULTS.md)."""
+    jsonschema = pytest.importorskip("jsonschema")
+
+    def ask(case, seed):
+        fmt = {"type": "json_schema", "json_schema": {"name": "data", "schema": case["schema"]}}
+        msgs = [
+            {"role": "system", "content": "You reply with JSON only."},
+            {"role": "user", "content": f"Give me an example of {case['subject']} as JSON."},
+        ]
+        return _chat(oai, msgs, max_tokens=200, temperature=temperature, seed=seed,
+                     response_format=fmt).choices[0]  # fmt: skip
+
+    cases = SCHEMA_CASES if FULL else [c for c in SCHEMA_CASES if c["bounded"]]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        choices = list(pool.map(ask, cases, range(len(cases))))
+    closed = {True: 0, False: 0}
+    for case, c in zip(cases, choices, strict=True):
+        text = c.message.content
+        if c.finish_reason != "stop":
+            assert not (case["bounded"] and temperature == 0), text
+            continue
+        value = json.loads(text)
+        jsonschema.validate(value, case["schema"])
+        assert _only_declared_keys(value, case["schema"]), text
+        outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+        assert not re.search(r"\s", outside_strings), text  # compact
+        closed[case["bounded"]] += 1
+    bounded = sum(c["bounded"] for c in cases)
+    assert closed[True] >= bounded - (2 if temperature else 0)
+    with capsys.disabled():
+        print(
+            f"\nT={temperature}: bounded {closed[True]}/{bounded}, "
+            f"unbounded {closed[False]}/{len(cases) - bounded} close"
+        )

@@ -328,6 +328,11 @@ def test_structured_output_fields_reach_the_engine(server):
     cases = [
         ("/v1/chat/completions", {"response_format": fmt}, StructuredOutput(json=schema)),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, None),
+        (
+            "/v1/chat/completions",
+            {"response_format": {**fmt, "json_schema": {**fmt["json_schema"], "strict": False}}},
+            StructuredOutput(json=schema, strict=False),
+        ),
         ("/v1/completions", {"guided_json": schema}, StructuredOutput(json=schema)),
         ("/v1/completions", {"guided_regex": "[0-9]+"}, StructuredOutput(regex="[0-9]+")),
         ("/v1/completions", {"guided_choice": ["a", "b"]}, StructuredOutput(choice=("a", "b"))),
