@@ -190,6 +190,9 @@ class SamplingParams:
     # token id -> bias; also accepts a dict; stored as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None  # also accepts a dict of its fields
+    # the request's place in the queue under scheduling_policy="priority": lower first
+    # (vLLM's request priority); 0 is the only value the fcfs policy takes
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -228,6 +231,8 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}"
                 )
+        if not _is_int(self.priority):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

@@ -162,6 +162,8 @@ class _SamplingFields(_Strict):
     # a logits processor the server registered (EngineArgs.logits_processors), by name
     logits_processor: str | None = None
     logits_processor_args: list[float] | None = None
+    # vLLM's request priority (--scheduling-policy priority: lower first)
+    priority: int | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -193,6 +195,7 @@ class _SamplingFields(_Strict):
             "structured_output": self._structured_output(tool_grammar),
             "logits_processor": self.logits_processor,
             "logits_processor_args": tuple(self.logits_processor_args or ()),
+            "priority": self.priority or 0,
         }
         for name in (
             "temperature",

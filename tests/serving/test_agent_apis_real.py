@@ -352,3 +352,15 @@ def test_strict_json_schemas_close_within_200_tokens(oai, temperature, capsys):
             f"\nT={temperature}: bounded {closed[True]}/{bounded}, "
             f"unbounded {closed[False]}/{len(cases) - bounded} close"
         )
+
+
+def test_priority_is_refused_by_a_fcfs_engine(oai):
+    """The engine validates priority up front: a first-come-first-served engine answers a
+    400 naming it (tests/engine/test_priority.py schedules by priority)."""
+    with pytest.raises(openai.BadRequestError, match="priority 3 is only honoured"):
+        oai.completions.create(model="smollm2", prompt="x", max_tokens=1,
+                               extra_body={"priority": 3})  # fmt: skip
+    r = oai.completions.create(
+        model="smollm2", prompt="x", max_tokens=1, extra_body={"priority": 0}
+    )
+    assert r.usage.completion_tokens == 1
