@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (both with
 server-sent-event streaming), /v1/models, /health and /metrics, and vLLM's /tokenize,
-/detokenize and /version.
+/detokenize and /version; the Responses API (serving/responses.py) and Anthropic's Messages
+API (serving/anthropic.py) join it, built on the same chat path (serving/chat_run.py).
 
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with 400 (bad input), 401 (API key), 429 (queue full), 500 (engine failure) or 503 (not
