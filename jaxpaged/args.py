@@ -28,6 +28,7 @@ from typing import Any
 from jaxpaged.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     LoraConfig,
     ParallelConfig,
@@ -311,6 +312,13 @@ class EngineArgs:
         "--preemption-mode",
         choices=PREEMPTION_MODES,
     )
+    scheduling_policy: str = _setting(
+        "fcfs",
+        "the order requests are served in: first come first served, or by each request's "
+        "priority (lower first; preemption takes the lowest priority first)",
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+    )
     enable_prefix_caching: bool = _setting(
         True, "share the KV blocks of equal prompt prefixes", "--enable-prefix-caching"
     )
@@ -477,6 +485,7 @@ class EngineArgs:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
             max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
             prefill_stall_ratio=self.prefill_stall_ratio,
             fit_prefill_to_buckets=self.fit_prefill_to_buckets,

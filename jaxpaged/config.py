@@ -29,6 +29,7 @@ __all__ = [
     "ParallelConfig",
     "PreemptionMode",
     "ProcessConfig",
+    "SCHEDULING_POLICIES",
     "SchedulerConfig",
 ]
 
@@ -36,6 +37,7 @@ GiB = 1 << 30
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 # KV pool dtypes: the model's, bfloat16, or 8-bit with per-(token, head) scales
 # (fp8 = float8_e4m3fn; kernels/kv_quant.py)
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "fp8", "int8")
@@ -123,6 +125,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = "recompute"
+    # fcfs: first come first served; priority: lowest SamplingParams.priority first (then
+    # arrival), and preemption takes the lowest priority (highest value) first
+    scheduling_policy: str = "fcfs"
     max_prefill_tokens_with_decodes: int | None = None
     prefill_stall_ratio: float | None = None
     fit_prefill_to_buckets: bool = False
@@ -148,6 +153,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_model_len must be >= 2 (one prompt token and one output token), "
                 f"got {self.max_model_len}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(

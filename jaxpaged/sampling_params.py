@@ -115,13 +115,19 @@ class StructuredOutput:
     """Constrains the output to a grammar (exactly one field set): a JSON schema (``json``,
     a dict or its JSON text), any JSON object (``json_object``), a regular expression, one of
     some strings (``choice``), or a Lark grammar (``grammar``, llguidance's dialect). Invalid
-    grammars are refused when the request arrives (ValueError naming ``structured_output``)."""
+    grammars are refused when the request arrives (ValueError naming ``structured_output``).
+
+    ``strict`` (JSON only, the default): an object schema that declares its properties takes
+    no others unless it allows them (``additionalProperties``, ...), and the JSON is compact
+    (no whitespace between tokens), as OpenAI's strict schemas and vLLM's default backend
+    produce; ``strict=False`` is the permissive reading (extra properties, any whitespace)."""
 
     json: str | None = None  # also accepts a dict; stored as canonical JSON text
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # also accepts a list
     grammar: str | None = None
+    strict: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -146,6 +152,13 @@ class StructuredOutput:
                 raise ValueError(f"structured_output.{name} must be a non-empty string")
         if not isinstance(self.json_object, bool):
             raise ValueError("structured_output.json_object must be a bool")
+        if not isinstance(self.strict, bool):
+            raise ValueError("structured_output.strict must be a bool")
+        if not self.strict and kinds[0] not in ("json", "json_object"):
+            raise ValueError(
+                "structured_output.strict applies to json and json_object; "
+                f"{kinds[0]} has no permissive reading"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,6 +190,9 @@ class SamplingParams:
     # token id -> bias; also accepts a dict; stored as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None  # also accepts a dict of its fields
+    # the request's place in the queue under scheduling_policy="priority": lower first
+    # (vLLM's request priority); 0 is the only value the fcfs policy takes
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -215,6 +231,8 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}"
                 )
+        if not _is_int(self.priority):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

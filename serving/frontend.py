@@ -31,6 +31,7 @@ __all__ = [
     "EngineFailure",
     "Frontend",
     "InvalidRequest",
+    "NotFound",
     "Overloaded",
     "Phase",
     "RequestHandle",
@@ -85,6 +86,12 @@ class Unauthenticated(ServingError):
     error_type = "authentication_error"
 
 
+class NotFound(ServingError):
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+    error_type = "not_found_error"
+
+
 class Overloaded(ServingError):
     http_status = 429
     grpc_code = "RESOURCE_EXHAUSTED"
@@ -136,8 +143,12 @@ class ServingConfig:
     # serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also with the environment
     # variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM)
     allow_runtime_lora_updating: bool = False
+    # Responses API: how many stored responses are kept (least recently used evicted first)
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not self.served_model_name or not all(self.served_model_aliases):
             raise ValueError("served_model_name must not be empty")
         if self.max_queue_len is not None and self.max_queue_len < 1:

@@ -107,6 +107,7 @@ class SamplingParams(_message.Message):
         "logit_bias",
         "prompt_logprobs",
         "structured_output",
+        "priority",
     )
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -136,6 +137,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -156,6 +158,7 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
     structured_output: StructuredOutput
+    priority: int
     def __init__(
         self,
         temperature: float | None = ...,
@@ -178,6 +181,7 @@ class SamplingParams(_message.Message):
         logit_bias: _Mapping[int, float] | None = ...,
         prompt_logprobs: int | None = ...,
         structured_output: StructuredOutput | _Mapping | None = ...,
+        priority: int | None = ...,
     ) -> None: ...
 
 class Choices(_message.Message):

@@ -57,6 +57,7 @@ _SCALAR_FIELDS = (
     "min_tokens",
     "skip_special_tokens",
     "prompt_logprobs",
+    "priority",
 )
 
 

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (both with
 server-sent-event streaming), /v1/models, /health and /metrics, and vLLM's /tokenize,
-/detokenize and /version.
+/detokenize and /version; the Responses API (serving/responses.py) and Anthropic's Messages
+API (serving/anthropic.py) join it, built on the same chat path (serving/chat_run.py).
 
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with 400 (bad input), 401 (API key), 429 (queue full), 500 (engine failure) or 503 (not
@@ -9,20 +10,21 @@ ready). A client that disconnects aborts its requests, which frees their KV bloc
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.engine.protocol import Tokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from jaxpaged.serving.anthropic import add_anthropic_routes
 from jaxpaged.serving.chat_reply import ReplyBuilder
+from jaxpaged.serving.chat_run import check_model, until_disconnect
 from jaxpaged.serving.deltas import merge_handles
 from jaxpaged.serving.dev_routes import add_dev_routes
 from jaxpaged.serving.frontend import (
@@ -42,11 +44,10 @@ from jaxpaged.serving.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from jaxpaged.serving.responses import add_responses_routes
 from jaxpaged.serving.tools import plan_tools
 
 __all__ = ["create_app"]
-
-T = TypeVar("T")
 
 
 def _error_response(err: ServingError) -> JSONResponse:
@@ -63,28 +64,6 @@ def _error_response(err: ServingError) -> JSONResponse:
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Runs `work`; if the client disconnects first, cancels it (which aborts the requests)."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise asyncio.CancelledError("client disconnected")
-    return task.result()
 
 
 class _Formatter:
@@ -227,18 +206,10 @@ def create_app(frontend: Frontend) -> FastAPI:
     async def _on_serving_error(request: Request, exc: ServingError) -> JSONResponse:
         return _error_response(exc)
 
-    def check_model(name: str | None) -> None:
-        names = (cfg.served_model_name, *cfg.served_model_aliases, cfg.model_path)
-        if name is not None and name not in names and lora_of(frontend, name) is None:
-            raise InvalidRequest(
-                f"model {name!r} does not exist; this server serves {cfg.served_model_name!r}",
-                param="model",
-            )
-
     async def admit(request: Request, model: type) -> Any:
         frontend.check_api_key(request.headers.get("authorization"))
         body = parse_body(model, await request.body())
-        check_model(body.model)
+        check_model(frontend, body.model)
         return body
 
     async def open_all(
@@ -336,6 +307,8 @@ def create_app(frontend: Frontend) -> FastAPI:
         }
 
     add_lora_routes(app, frontend)
+    add_responses_routes(app, frontend)
+    add_anthropic_routes(app, frontend)
     add_dev_routes(app, frontend)
 
     @app.get("/version")
@@ -442,7 +415,7 @@ def create_app(frontend: Frontend) -> FastAPI:
                 sse(handles, lambda i, out, d: [head([choice(i, out, d)])], tail),
                 media_type="text/event-stream",
             )
-        outs = await _until_disconnect(request, collect(handles))
+        outs = await until_disconnect(request, collect(handles))
         choices = [choice(i, out, c) for i, out in enumerate(outs) for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**head(choices), "usage": usage()})
@@ -487,7 +460,7 @@ def create_app(frontend: Frontend) -> FastAPI:
             chunks = _chat_chunks(head, builder, fmt)
             tail = [lambda: {**head([]), "usage": usage()}] if body.include_usage else []
             return StreamingResponse(sse(handles, chunks, tail), media_type="text/event-stream")
-        (out,) = await _until_disconnect(request, collect(handles))
+        (out,) = await until_disconnect(request, collect(handles))
         choices = []
         for c in sorted(out.outputs, key=lambda c: c.index):
             reply = builder()

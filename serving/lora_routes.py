@@ -14,15 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from jaxpaged.lora_request import LoRARequest
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, ServingError
+from jaxpaged.serving.frontend import Frontend, InvalidRequest, NotFound
 
 __all__ = ["add_lora_routes", "lora_model_cards", "lora_of", "runtime_updates_allowed"]
-
-
-class NotFound(ServingError):
-    http_status = 404
-    grpc_code = "NOT_FOUND"
-    error_type = "not_found_error"
 
 
 def _loras(frontend: Frontend) -> dict[str, str]:

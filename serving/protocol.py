@@ -27,6 +27,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "StrictModel",
     "DetokenizeRequest",
     "TokenizeRequest",
     "parse_body",
@@ -76,6 +77,9 @@ class _Strict(BaseModel):
         return data
 
 
+StrictModel = _Strict  # the base of request bodies built on these rules
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -86,7 +90,8 @@ class JsonSchema(_Strict):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced
+    # the schema is always enforced; false: its permissive reading (StructuredOutput.strict)
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
@@ -102,6 +107,8 @@ class ResponseFormat(_Strict):
                     "response_format.json_schema.schema is required with type json_schema",
                     param="response_format",
                 )
+            if self.json_schema.strict is False:
+                return {"json": self.json_schema.schema_, "strict": False}
             return {"json": self.json_schema.schema_}
         return None
 
@@ -155,6 +162,8 @@ class _SamplingFields(_Strict):
     # a logits processor the server registered (EngineArgs.logits_processors), by name
     logits_processor: str | None = None
     logits_processor_args: list[float] | None = None
+    # vLLM's request priority (--scheduling-policy priority: lower first)
+    priority: int | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -186,6 +195,7 @@ class _SamplingFields(_Strict):
             "structured_output": self._structured_output(tool_grammar),
             "logits_processor": self.logits_processor,
             "logits_processor_args": tuple(self.logits_processor_args or ()),
+            "priority": self.priority or 0,
         }
         for name in (
             "temperature",
@@ -481,8 +491,10 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def parse_body(model: type[_Strict], body: bytes) -> Any:
-    """Parses and type-checks a JSON body; InvalidRequest names the first bad field."""
+def parse_body(model: type[_Strict], body: bytes, refused: dict[str, str] | None = None) -> Any:
+    """Parses and type-checks a JSON body; InvalidRequest names the first bad field.
+    ``refused``: the API's fields refused by name, with why (Chat Completions':
+    UNSUPPORTED_FIELDS)."""
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
@@ -495,16 +507,17 @@ def parse_body(model: type[_Strict], body: bytes) -> Any:
         if err["type"] == "missing":
             raise InvalidRequest(f"{loc} is required", param=loc or None) from None
         if err["type"] == "extra_forbidden":
-            raise InvalidRequest(_refusal(loc), param=loc or None) from None
+            reasons = UNSUPPORTED_FIELDS if refused is None else refused
+            raise InvalidRequest(_refusal(loc, reasons), param=loc or None) from None
         where = f"{loc}: " if loc else "body: "
         raise InvalidRequest(f"{where}{err['msg']}", param=loc or None) from None
 
 
-def _refusal(loc: str) -> str:
+def _refusal(loc: str, reasons: dict[str, str]) -> str:
     """Why a field that is not part of the request model is refused."""
     name = loc.rsplit(".", 1)[-1]
-    if loc == name and name in UNSUPPORTED_FIELDS:
-        return f"{name} is not supported by jaxpaged: {UNSUPPORTED_FIELDS[name]}"
+    if loc == name and name in reasons:
+        return f"{name} is not supported by jaxpaged: {reasons[name]}"
     return (
         f"{loc} is not a field jaxpaged knows; it refuses fields it would not honour "
         "rather than ignore them"

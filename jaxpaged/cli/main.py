@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("jaxpaged.cli.serve", "the gRPC + OpenAI-compatible HTTP server"),
     "generate": ("jaxpaged.cli.generate", "generate from one prompt, print the text"),
     "convert": ("jaxpaged.cli.convert", "save a model as an Orbax folder (faster loads)"),
+    "run-batch": ("jaxpaged.cli.run_batch", "run an OpenAI batch file (JSON lines) offline"),
     "bench": ("jaxpaged.cli.bench", "run a benchmark of bench/ (source checkouts)"),
     "client": ("jaxpaged.cli.client", "stream a generation from a running server over gRPC"),
 }

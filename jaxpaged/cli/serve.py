@@ -90,6 +90,13 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         help="refuse requests (429 / RESOURCE_EXHAUSTED) while this many wait for their first token",
     )
     s.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="Responses API: stored responses kept in memory, least recently used evicted "
+        "first (default 1024; 0 stores none)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
         default=30.0,
@@ -258,6 +265,7 @@ def main(
         chat_template=chat_template,
         enable_weight_updates=args.enable_weight_updates,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        responses_store_size=args.responses_store_size,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -57,8 +57,10 @@ class InputProcessor:
         logits_processors: Sequence[str] = (),
         grammars: GrammarCompiler | None = None,
         lora: LoraAdapters | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy  # fcfs takes priority 0 only
         self.grammars = grammars
         self.lora = lora  # the registered adapters a request may name (None: LoRA off)
         self.vocab_size = vocab_size
@@ -120,6 +122,11 @@ class InputProcessor:
         """The bounds of the engine (not of SamplingParams alone) a request must fit."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (this engine has none)")
+        if params.priority and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {params.priority} is only honoured with --scheduling-policy "
+                "priority; this engine serves first come first served"
+            )
         name = params.logits_processor
         if name is not None and name not in self.logits_processors:
             raise ValueError(

@@ -190,6 +190,7 @@ class LLMEngine:
             eos_token_ids=eos,
             logits_processors=[p.name for p in logits_processors],
             lora=self.lora,
+            scheduling_policy=scheduler_config.scheduling_policy,
         )
         self.core = EngineCore(
             scheduler=self.scheduler,

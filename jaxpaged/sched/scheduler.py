@@ -20,12 +20,15 @@ step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at
 1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
    of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
    first. When blocks run out, the running request that arrived last (and is not yet
-   scheduled this step) is *preempted*: ``recompute`` frees its blocks and puts it at the
+   scheduled this step; under ``scheduling_policy="priority"``, the one of the lowest
+   priority, i.e. the highest ``SamplingParams.priority``, then the latest) is *preempted*: ``recompute`` frees its blocks and puts it at the
    front of ``waiting`` (it keeps its output and later prefills prompt + output so far);
    ``swap`` moves its blocks to host slots and puts it in ``swapped`` (recompute when the
    swap space is full).
 2. **Swapped** requests come back (oldest first) unless this step preempted.
-3. **Waiting** requests are admitted first come first served, while ``max_num_seqs`` and
+3. **Waiting** requests are admitted first come first served (or lowest priority value
+   first, then first come, under the priority policy: a steady stream of higher-priority
+   requests starves lower ones, as in vLLM; there is no aging), while ``max_num_seqs`` and
    the budget allow, unless this step preempted or a swapped request is still out. A new
    request starts from the longest cached prefix; a sample of an ``n > 1`` group starts as
    a fork of a sibling whose prompt is computed (sharing all its prompt blocks and
@@ -132,9 +135,10 @@ class Scheduler:
         )
         self.block_size = cache_config.block_size
         self.clock = clock
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # sorted by arrival_order
-        self.swapped: list[Request] = []  # sorted by arrival_order
+        self._by_priority = scheduler_config.scheduling_policy == "priority"
+        self.waiting: collections.deque[Request] = collections.deque()  # in _order
+        self.running: list[Request] = []  # sorted by _order
+        self.swapped: list[Request] = []  # sorted by _order
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.stats = SchedulerStats()
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished samples
@@ -175,6 +179,11 @@ class Scheduler:
                 f"prompt is {n_prompt} tokens long, more than max_model_len - 1 = {max_len - 1}"
             )
         sp = request.sampling_params
+        if sp.priority and not self._by_priority:
+            raise ValueError(
+                f"priority {sp.priority} is only honoured with scheduling_policy 'priority' "
+                "(--scheduling-policy priority); this engine serves first come first served"
+            )
         if sp.max_tokens is not None and n_prompt + sp.max_tokens > max_len:
             raise ValueError(
                 f"max_tokens ({sp.max_tokens}) + prompt length ({n_prompt}) exceeds "
@@ -196,7 +205,7 @@ class Scheduler:
         self.requests[rid] = request
         if request.parent_id is not None:
             self._groups.setdefault(request.parent_id, []).append(request)
-        self.waiting.append(request)
+        self._queue(request)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -488,10 +497,23 @@ class Scheduler:
         """The pool's allocate_slots for ``n`` tokens past the request's computed ones."""
         return self.pool.allocate_slots(req.request_id, req.num_computed_tokens, n, prefix_blocks)
 
+    def _order(self, req: Request) -> tuple[int, int]:
+        """Who goes first: the earlier arrival, or under the priority policy the lower
+        priority value, then the earlier arrival. Preemption takes the last."""
+        return (req.sampling_params.priority if self._by_priority else 0, req.arrival_order)
+
+    def _queue(self, req: Request) -> None:
+        """A new request joins ``waiting``: at the end (fcfs), or in priority order."""
+        if not self._by_priority:
+            self.waiting.append(req)
+            return
+        keys = [self._order(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._order(req)), req)
+
     def _set_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
-        keys = [r.arrival_order for r in self.running]
-        self.running.insert(bisect.bisect(keys, req.arrival_order), req)
+        keys = [self._order(r) for r in self.running]
+        self.running.insert(bisect.bisect(keys, self._order(req)), req)
 
     def _release_state_row(self, req: Request) -> None:
         if req.state_row >= 0:
@@ -512,14 +534,18 @@ class Scheduler:
         ):
             pairs = self.pool.swap_out(victim.request_id)
             victim.status = RequestStatus.SWAPPED
-            keys = [r.arrival_order for r in self.swapped]
-            self.swapped.insert(bisect.bisect(keys, victim.arrival_order), victim)
+            keys = [self._order(r) for r in self.swapped]
+            self.swapped.insert(bisect.bisect(keys, self._order(victim)), victim)
             self.stats.num_swap_outs += 1
             return pairs
         self.pool.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
+        if self._by_priority:  # ahead of later arrivals of its priority
+            keys = [self._order(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_left(keys, self._order(victim)), victim)
+        else:
+            self.waiting.appendleft(victim)
         return []
 
     # ------------------------------------------------------------------ update

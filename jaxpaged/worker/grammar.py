@@ -25,9 +25,13 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from jaxpaged.sampling_params import StructuredOutput
+from jaxpaged.worker.json_strict import close_schema
 
 __all__ = ["GrammarCompiler", "GrammarMatchers", "mask_width"]
 
+# strict JSON (the default) is compact: no whitespace between tokens, as vLLM's
+# disable_any_whitespace; without it a small model fills nested objects with whitespace runs
+_COMPACT = {"whitespace_flexible": False}
 _CACHE_SIZE = 256  # compiled grammars kept (distinct schemas / regexes / grammars)
 
 
@@ -43,9 +47,15 @@ def _grammar_text(spec: StructuredOutput) -> str:
             schema = json.loads(spec.json)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured_output.json is not valid JSON: {e}") from None
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        if not spec.strict:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            close_schema(schema), defaults=_COMPACT
+        )
     if spec.json_object:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_COMPACT if spec.strict else None
+        )
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:  # Lark string literals take JSON's escapes

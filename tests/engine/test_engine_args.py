@@ -39,6 +39,7 @@ CLI_CASES = {
     "num_kv_blocks": (["--num-kv-blocks", "64"], 64),
     "swap_space": (["--swap-space", "16GiB"], 16.0),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),
+    "scheduling_policy": (["--scheduling-policy", "priority"], "priority"),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
     "enforce_eager": (["--enforce-eager"], True),
     "attention_backend": (["--attention-backend", "xla"], "xla"),
@@ -124,7 +125,7 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
         "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
-        "allow_runtime_lora_updating",
+        "allow_runtime_lora_updating", "responses_store_size",
     }  # fmt: skip
 
 
@@ -233,6 +234,7 @@ def test_unknown_keyword_is_a_value_error_with_close_matches(build):
         ("swap_space", "16 parsecs"),
         ("num_kv_blocks", 0),
         ("preemption_mode", "pause"),
+        ("scheduling_policy", "lottery"),
         ("enable_prefix_caching", "yes"),
         ("tensor_parallel_size", 0),
         ("configure_process", "yes"),

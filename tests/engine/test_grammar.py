@@ -120,3 +120,57 @@ def test_batched_masks_equal_one_by_one(compiler):
     for i in range(len(specs)):
         np.testing.assert_array_equal(together[i], matchers.masks([f"r{i}"])[0])
     assert len({together[i].tobytes() for i in range(len(specs))}) == len(specs)
+
+
+def test_strict_json_is_closed_and_compact_unless_asked_otherwise(compiler):
+    """Strict (the default): an object schema takes only its declared properties (unless it
+    allows more, or declares none) and no whitespace between tokens; strict=False is the
+    permissive reading. strict is refused where it means nothing (a regex)."""
+    comp, tok = compiler
+    nested = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": nested, "free": {"type": "object"}},
+              "required": ["a"]}  # fmt: skip
+
+    def accepts(spec: StructuredOutput, text: str) -> bool:
+        m = comp.matcher(spec)
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and (
+            m.is_accepting()
+        )
+
+    strict, loose = StructuredOutput(json=schema), StructuredOutput(json=schema, strict=False)
+    assert strict.strict and strict != loose
+    for text, strict_ok in [
+        ('{"a":{"b":1}}', True),
+        ('{"a":{"b":1},"free":{"x":[1]}}', True),  # {"type": "object"} stays open
+        ('{"a": {"b": 1}}', False),  # whitespace
+        ('{\n  "a":{"b":1}}', False),
+        ('{"a":{"b":1},"c":2}', False),  # a property the schema does not declare
+        ('{"a":{"b":1,"c":2}}', False),  # ... in a nested object
+    ]:
+        assert accepts(strict, text) is strict_ok, text
+        assert accepts(loose, text), text
+    opened = {**schema, "additionalProperties": {"type": "integer"}}
+    assert accepts(StructuredOutput(json=opened), '{"a":{"b":1},"c":2}')
+    assert accepts(StructuredOutput(json_object=True), '{"x":{"y":[1,2]}}')
+    assert not accepts(StructuredOutput(json_object=True), '{"x": 1}')
+    assert accepts(StructuredOutput(json_object=True, strict=False), '{"x": 1}')
+    with pytest.raises(ValueError, match="strict"):
+        StructuredOutput(regex="a+", strict=False)
+
+
+def test_close_schema_closes_declared_objects_everywhere_but_all_of_branches():
+    from jaxpaged.worker.json_strict import close_schema
+
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {
+        "$defs": {"point": point},
+        "anyOf": [point, {"type": "array", "items": point}],
+        "allOf": [point, {"properties": {"y": {"type": "number"}}}],
+        "properties": {"open": {**point, "patternProperties": {"^z": {}}}},
+    }
+    closed = close_schema(schema)
+    shut = {**point, "additionalProperties": False}
+    assert closed["$defs"]["point"] == shut == closed["anyOf"][0] == closed["anyOf"][1]["items"]
+    assert closed["allOf"] == schema["allOf"] and closed["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["open"]
+    assert "additionalProperties" not in point  # the input is not changed

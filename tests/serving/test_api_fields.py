@@ -225,6 +225,21 @@ def test_logit_bias_reaches_the_engine_as_sampling_params(server):
         assert "logit_bias" in e.value.details()
 
 
+def test_priority_reaches_the_engine_over_http_and_grpc(server):
+    engine = server.engine
+    for path, body in [("/v1/completions", {"prompt": "q"}), ("/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "q"}]})]:  # fmt: skip
+        r = _post(server, path, {**body, "max_tokens": 2, "priority": -4})
+        assert r.status_code == 200, r.text
+        assert engine.added[-1][2].priority == -4
+    r = _post(server, "/v1/completions", {"prompt": "q", "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        list(stub.Generate(build_request("q", max_tokens=2, priority=7), timeout=30))
+        assert engine.added[-1][2].priority == 7
+
+
 def test_echo_puts_the_prompt_before_each_choice(server):
     client = _client(server)
     r = client.completions.create(model="test-model", prompt=["ab", "cd"], max_tokens=3, echo=True)
@@ -328,6 +343,11 @@ def test_structured_output_fields_reach_the_engine(server):
     cases = [
         ("/v1/chat/completions", {"response_format": fmt}, StructuredOutput(json=schema)),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, None),
+        (
+            "/v1/chat/completions",
+            {"response_format": {**fmt, "json_schema": {**fmt["json_schema"], "strict": False}}},
+            StructuredOutput(json=schema, strict=False),
+        ),
         ("/v1/completions", {"guided_json": schema}, StructuredOutput(json=schema)),
         ("/v1/completions", {"guided_regex": "[0-9]+"}, StructuredOutput(regex="[0-9]+")),
         ("/v1/completions", {"guided_choice": ["a", "b"]}, StructuredOutput(choice=("a", "b"))),
