@@ -65,7 +65,10 @@ class LayerLinears:
     def index(self, leaf: str, part: int = 0) -> jax.Array | int:
         """Product ``part`` of this layer in the leaf's view (its L' is L x products)."""
         products = self.products[leaf]
-        return self.layer if products == 1 else products * self.layer + part
+        if products == 1:
+            return self.layer
+        first = products * self.layer
+        return first + part if part else first
 
     def site(self, leaf: str, part: int = 0) -> str | None:
         """The LoRA site of product ``part`` (None: LoRA off or no site declared)."""
