@@ -12,8 +12,12 @@ from jaxpaged.spec import SpeculativeConfig
 
 def test_vllm_keys_and_defaults():
     c = SpeculativeConfig.from_value(
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 2}  # fmt: skip
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2,
+        }  # fmt: skip
     )
     assert (c.method, c.num_speculative_tokens, c.lookup_window) == ("ngram", 4, (2, 3))
     # vLLM's rule: neither bound -> 5 and 5; one bound -> both that value
