@@ -40,6 +40,7 @@ from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.scheduler import Scheduler
+from jaxpaged.spec import SpeculativeConfig
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
 from jaxpaged.worker.kv_cache import KVLayout, kv_storage_dtype
@@ -75,10 +76,11 @@ class LLMEngine:
         logits_processors: Sequence[LogitsProcessor] = (),
         graphdef: Any = None,
         lora_config: LoraConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``params`` is the model's state; ``graphdef`` the NNX graph definition of a model
         of the paged-model protocol (docs/models.md; None: the Llama family of
-        ``model_config``)."""
+        ``model_config``); ``speculative_config``: speculative decoding (None: off)."""
         cache_config = cache_config or CacheConfig()
         logits_processors = _check_processors(logits_processors)
         # only what was asked for; again for engines built on params in hand (JAX started:
@@ -154,6 +156,9 @@ class LLMEngine:
                 logits_processors=logits_processors,
                 graphdef=graphdef,
                 lora=self.lora,
+                num_speculative_tokens=0
+                if speculative_config is None
+                else speculative_config.num_speculative_tokens,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -172,7 +177,9 @@ class LLMEngine:
             bytes_per_block=self.layout.bytes_per_block,
             max_loras=0 if self.lora is None else self.lora.max_loras,
             step_sizes=self.runner.buckets.mixed_tokens,
+            speculative_config=speculative_config,
         )
+        self.speculative_config = speculative_config
         self.eos_token_ids = eos
         # structured output needs the tokenizer's token strings
         grammars = (
@@ -291,6 +298,7 @@ class LLMEngine:
             logits_processors=args.logits_processors,
             graphdef=graphdef,
             lora_config=lora_config,
+            speculative_config=args.speculative_config,
         )
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again
