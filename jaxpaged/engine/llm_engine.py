@@ -35,6 +35,7 @@ from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
+from jaxpaged.engine.spec_builder import DraftModel, check_draft, shared_num_blocks
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
@@ -77,10 +78,12 @@ class LLMEngine:
         graphdef: Any = None,
         lora_config: LoraConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        draft: tuple[ModelConfig, Params] | None = None,
     ) -> None:
         """``params`` is the model's state; ``graphdef`` the NNX graph definition of a model
         of the paged-model protocol (docs/models.md; None: the Llama family of
-        ``model_config``); ``speculative_config``: speculative decoding (None: off)."""
+        ``model_config``); ``speculative_config``: speculative decoding (None: off);
+        ``draft``: the draft model's (config, params) for its method ``draft_model``."""
         cache_config = cache_config or CacheConfig()
         logits_processors = _check_processors(logits_processors)
         # only what was asked for; again for engines built on params in hand (JAX started:
@@ -159,6 +162,7 @@ class LLMEngine:
                 num_speculative_tokens=0
                 if speculative_config is None
                 else speculative_config.num_speculative_tokens,
+                draft_slots=draft is not None,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -168,13 +172,39 @@ class LLMEngine:
             activation_bytes=lambda layout: runner_for(layout).activation_bytes(),
             num_devices=1 if self.mesh is None else self.mesh.size,
         )
+        bytes_per_block = kv.layout(1).bytes_per_block
+        drafter = None
+        if draft is not None:
+            check_draft(
+                draft[0],
+                model_config,
+                speculative_config,
+                scheduler_config,
+                tensor_parallel_size=parallel_config.tensor_parallel_size,
+                lora=self.lora is not None,
+            )
+            draft_model = DraftModel(
+                *draft,
+                cache_config=cache_config,
+                attention_backend=attention_backend,
+                params_dtype=str(_params_dtype(draft[1])),
+            )
+            draft_bytes = draft_model.kv.layout(1).bytes_per_block
+            num_blocks = shared_num_blocks(
+                num_blocks, bytes_per_block, draft_bytes, cache_config.num_kv_blocks is not None
+            )
+            bytes_per_block += draft_bytes  # a swapped-out block holds both pools' blocks
+            drafter = draft_model.proposer(
+                num_blocks, scheduler_config, speculative_config, seed=seed
+            )
         self.layout = kv.layout(num_blocks)
         self.runner = runner_for(self.layout)
+        self.runner.drafter = drafter
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
             num_blocks=num_blocks,
-            bytes_per_block=self.layout.bytes_per_block,
+            bytes_per_block=bytes_per_block,
             max_loras=0 if self.lora is None else self.lora.max_loras,
             step_sizes=self.runner.buckets.mixed_tokens,
             speculative_config=speculative_config,
@@ -282,6 +312,18 @@ class LLMEngine:
 
                 params = quantize_params(jax.device_get(params), model_config, args.quantization)
             loaded = False
+        draft = None
+        spec = args.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            draft_args = dataclasses.replace(
+                args,
+                model=spec.model,
+                quantization=spec.quantization,
+                revision=spec.revision,
+                speculative_config=None,
+                configure_process=False,
+            )
+            draft = cls._load(draft_args, ParallelConfig())[:2]
         engine = cls(
             model_config=model_config,
             params=params,
@@ -299,6 +341,7 @@ class LLMEngine:
             graphdef=graphdef,
             lora_config=lora_config,
             speculative_config=args.speculative_config,
+            draft=draft,
         )
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again

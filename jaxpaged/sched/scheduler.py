@@ -82,7 +82,7 @@ from jaxpaged.sched.output import (
 )
 from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.request import Request, RequestStatus
-from jaxpaged.spec import NgramProposer, SpeculativeConfig
+from jaxpaged.spec import DeviceDraftSlots, NgramProposer, SpeculativeConfig
 
 __all__ = [
     "NewRequestData",
@@ -154,12 +154,14 @@ class Scheduler:
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
         self.step_sizes = tuple(step_sizes) if scheduler_config.fit_prefill_to_buckets else ()
         self.speculative_config = speculative_config
-        self.proposer = None
+        self.proposer: NgramProposer | DeviceDraftSlots | None = None
         if speculative_config is not None:
-            lo, hi = speculative_config.lookup_window
-            self.proposer = NgramProposer(
-                min_n=lo, max_n=hi, k=speculative_config.num_speculative_tokens
-            )
+            k = speculative_config.num_speculative_tokens
+            if speculative_config.method == "ngram":
+                lo, hi = speculative_config.lookup_window
+                self.proposer = NgramProposer(min_n=lo, max_n=hi, k=k)
+            else:  # a draft model drafts on the device, into the slots allotted here
+                self.proposer = DeviceDraftSlots(k=k)
             self.stats.spec_accepted_per_pos = [0] * speculative_config.num_speculative_tokens
 
     def set_prefill_cap(self, cap: int) -> None:

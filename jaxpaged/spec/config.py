@@ -7,9 +7,10 @@ Keys (vLLM's): ``method``, ``num_speculative_tokens``, ``prompt_lookup_max``,
 ``max_model_len``, ``draft_tensor_parallel_size`` (draft models). An unknown key, a bad
 value or a combination this engine does not run is a ValueError naming it.
 
-Methods this engine runs: ``ngram`` (prompt lookup, no extra model). ``draft_model``,
-``eagle``, ``eagle3``, ``mtp`` and ``suffix`` are vLLM's names too; they are refused by name
-until the engine runs them.
+Methods this engine runs: ``ngram`` (prompt lookup, no extra model) and ``draft_model`` (a
+smaller model of the same tokenizer, or the target itself kept quantized: ``model`` its path,
+``quantization`` / ``revision`` how to load it). ``eagle``, ``eagle3``, ``mtp`` and
+``suffix`` are vLLM's names too; they are refused by name until the engine runs them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 __all__ = ["KNOWN_METHODS", "SUPPORTED_METHODS", "SpeculativeConfig"]
 
-SUPPORTED_METHODS: tuple[str, ...] = ("ngram",)
+SUPPORTED_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 KNOWN_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix")
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 _MAX_SPECULATIVE_TOKENS = 16  # verification rows per sequence are compiled into every step
@@ -85,6 +86,20 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config: prompt_lookup_min ({lo}) must not exceed "
                     f"prompt_lookup_max ({hi})"
+                )
+
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs model (a path)")
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"speculative_config: {name} belongs to method 'ngram', not 'draft_model'"
+                    )
+            tp = self.draft_tensor_parallel_size
+            if tp is not None and tp != 1:
+                raise ValueError(
+                    f"speculative_config: draft_tensor_parallel_size must be 1, got {tp!r}"
                 )
 
     @property

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["NgramProposer"]
+__all__ = ["DeviceDraftSlots", "NgramProposer"]
 
 
 class NgramProposer:
@@ -42,3 +42,14 @@ class NgramProposer:
                 start = int(full[-1] if full.size else hits[0]) + n
                 return tuple(int(t) for t in tokens[start : start + k])
         return ()
+
+
+class DeviceDraftSlots:
+    """For a draft model: the scheduler allots ``k`` draft slots per decode (placeholder
+    tokens, 0); the draft model fills them on the device (jaxpaged.worker.spec_draft)."""
+
+    def __init__(self, *, k: int) -> None:
+        self.k = k
+
+    def propose(self, token_ids: Sequence[int], k: int | None = None) -> tuple[int, ...]:
+        return (0,) * (self.k if k is None else min(k, self.k))

@@ -152,9 +152,14 @@ class InputBatch(PersistentBatch):
         processor_names: Sequence[str] = (),
         lora: bool = False,
         num_speculative_tokens: int = 0,
+        draft_slots_base: int | None = None,
     ) -> None:
         """``num_speculative_tokens``: the most drafts a sequence verifies per step (0:
-        speculative decoding off; else every step carries ``StepBatch.verify_rows``)."""
+        speculative decoding off; else every step carries ``StepBatch.verify_rows``);
+        ``draft_slots_base``: drafts are made on the device, draft j of sequence i read
+        from row ``base + i * K + j`` of the previous-token array (None: the fed tokens
+        are the drafts)."""
+        self.draft_slots_base = draft_slots_base
         super().__init__(max_rows=max_rows, max_blocks=max_blocks)
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
@@ -274,6 +279,12 @@ class InputBatch(PersistentBatch):
         slots[:at] = self.block_tables[row_tok, pos // bs] * bs + pos % bs
         prev_rows = np.full(t, -1, np.int32)
         prev_rows[cu[:n]] = prev  # only a one-token decode is ever fed this way
+        if self.draft_slots_base is not None and drafts.any():  # drafts made on the device
+            k = self.num_speculative_tokens
+            for i in np.flatnonzero(drafts):
+                d = int(drafts[i])
+                first = self.draft_slots_base + i * k
+                prev_rows[cu[i + 1] - d : cu[i + 1]] = np.arange(first, first + d)
         kv_lens = np.zeros(s, np.int32)
         kv_lens[:n] = starts + num_tokens
         sample_rows = np.zeros(s, np.int32)

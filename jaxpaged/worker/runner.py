@@ -81,14 +81,24 @@ class Runner:
         graphdef: nnx.GraphDef | None = None,
         lora: LoraAdapters | None = None,
         num_speculative_tokens: int = 0,
+        draft_slots: bool = False,
+        sampled_rows: int | None = None,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
         chosen by its builder (attention backend, layer kernels, weight packing); ``lora``:
         the LoRA adapters and their device slots (None: LoRA off);
         ``num_speculative_tokens``: the most drafts a sequence verifies in one step (0:
-        speculative decoding off), compiled into every step shape."""
+        speculative decoding off), compiled into every step shape; ``draft_slots``: the
+        drafts are a draft model's, made on the device (:attr:`drafter` fills them into the
+        tail of the previous-token array, R * (K + 1) entries, which draft rows read)."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_slots = draft_slots
+        self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
+        # entries of the previous-token array (a draft model's runner: its target's size)
+        self._sampled_rows = sampled_rows or max_num_seqs * (
+            1 + num_speculative_tokens * draft_slots
+        )
         self.lora = lora
         self.model_config = model_config
         # traced into the step (static); their names index them in SamplingTensors.processor
@@ -127,6 +137,7 @@ class Runner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             block_size=layout.block_size,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
         # the running requests' block tables and sampling settings, updated from each plan
@@ -139,6 +150,7 @@ class Runner:
             processor_names=self.processor_names,
             lora=lora is not None,
             num_speculative_tokens=num_speculative_tokens,
+            draft_slots_base=max_num_seqs if draft_slots else None,
         )
         self._create_kv_state()
         # swapped-out blocks: host slot -> one [L, *page] array per pool array
@@ -183,7 +195,9 @@ class Runner:
             )
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
-        self.sampled = self._on_mesh(jax.numpy.zeros((self.buckets.max_num_seqs,), jax.numpy.int32))
+        # (with draft-model drafts, R * (K + 1): the drafts after the R sampled tokens)
+        rows = self._sampled_rows
+        self.sampled = self._on_mesh(jax.numpy.zeros((rows,), jax.numpy.int32))
 
     # ------------------------------------------------- weights and memory (admin)
     def update_params(self, params: Params) -> None:
@@ -212,6 +226,8 @@ class Runner:
         freed = sum(a.nbytes for a in arrays)
         for a in arrays:
             a.delete()
+        if self.drafter is not None:
+            freed += self.drafter.runner.release_kv()
         self.pool = self.seq_state = self.sampled = None
         self._host_blocks.clear()
         return freed
@@ -220,6 +236,8 @@ class Runner:
         """A fresh (zeroed) KV pool and sampler state after :meth:`release_kv`: the same
         shapes, so the compiled programs still apply."""
         self._create_kv_state()
+        if self.drafter is not None:
+            self.drafter.runner.restore_kv()
 
     def close(self) -> None:
         """Frees the KV pool and sampler state and drops the weights and the compiled
@@ -228,6 +246,8 @@ class Runner:
             self.release_kv()
         self.release_params()
         self.programs.close()
+        if self.drafter is not None:
+            self.drafter.runner.close()
 
     @property
     def kv_released(self) -> bool:
@@ -283,6 +303,8 @@ class Runner:
         kwargs = self._step_kwargs()
         if bucket.decode_only:
             kwargs.update(max_q_len=1)
+        elif bucket.max_q_len is not None:
+            kwargs.update(max_q_len=bucket.max_q_len)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool, self.seq_state = self.programs.step(
@@ -306,6 +328,8 @@ class Runner:
         for slot, name in plan.lora_loads:
             self.lora.write_slot(slot, name)
         self.input_batch.update(plan)
+        if self.drafter is not None:  # the draft model's passes (its pool's moves too)
+            self.sampled = self.drafter.propose(plan, self.sampled)
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
@@ -524,6 +548,8 @@ class Runner:
                 bar.update()
         jax.block_until_ready((self.pool, self.seq_state))
         bar.close()
+        if self.drafter is not None:
+            total += self.drafter.warm_up(swap=swap, show_progress=show_progress)[0]
         self.warmed_up = True
         return total, time.perf_counter() - start
 

@@ -23,8 +23,10 @@ def test_vllm_keys_and_defaults():
     # vLLM's rule: neither bound -> 5 and 5; one bound -> both that value
     assert SpeculativeConfig(num_speculative_tokens=2).lookup_window == (5, 5)
     assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3).lookup_window == (3, 3)
-    # method left out: ngram without a model (a model would imply draft_model)
+    # method left out: ngram without a model, draft_model with one
     assert SpeculativeConfig.from_value('{"num_speculative_tokens": 2}').method == "ngram"
+    draft = SpeculativeConfig.from_value({"model": "/drafts/q4.gguf", "num_speculative_tokens": 3})
+    assert (draft.method, draft.model) == ("draft_model", "/drafts/q4.gguf")
     assert SpeculativeConfig.from_value(None) is None
 
 
@@ -35,7 +37,8 @@ def test_vllm_keys_and_defaults():
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_mx": 3}, "prompt_lookup_max"),
         ({"method": "medusa", "num_speculative_tokens": 2}, "medusa"),
         ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "eagle3"),
-        ({"model": "/drafts/small", "num_speculative_tokens": 2}, "draft_model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+        ({"model": "/d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "gguf"}, "quantization"),

@@ -232,3 +232,27 @@ def test_stop_and_max_tokens_inside_an_accepted_run():
     (u,) = sched.update(plan, out)
     assert u.new_token_ids == (1,) and u.finish_reason == "length"
     assert sched.pool.num_free_blocks == 32
+
+
+def test_verify_buckets():
+    """Steps of decodes with drafts run in S * (K + 1)-row buckets (max_q_len K + 1), not in
+    the mixed ladder's; one with a prefill chunk does not."""
+    from jaxpaged.sched.output import ScheduledSeq
+    from jaxpaged.worker.buckets import BucketSet
+
+    buckets = BucketSet(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+                        block_size=4, num_speculative_tokens=3)  # fmt: skip
+
+    def seq(i, n, d, sample=True):
+        return ScheduledSeq(request_id=f"r{i}", seq_id=i, token_ids=(1,) * n, prev_row=-1,
+                            start_pos=0, key_counter=0 if sample else -1, num_draft_tokens=d)  # fmt: skip
+
+    assert buckets.verify_seqs == (1, 2, 4, 8)
+    b = buckets.pick([seq(0, 4, 3)])
+    assert (b.num_tokens, b.num_seqs, b.max_q_len, b.decode_only) == (4, 1, 4, False)
+    b = buckets.pick([seq(0, 4, 3), seq(1, 1, 0), seq(2, 3, 2)])
+    assert (b.num_tokens, b.num_seqs, b.max_q_len) == (16, 4, 4)
+    assert buckets.pick([seq(0, 1, 0), seq(1, 1, 0)]).decode_only  # no drafts: decode bucket
+    b = buckets.pick([seq(0, 4, 3), seq(1, 4, 0, sample=False)])  # a prefill chunk: mixed
+    assert b.max_q_len is None and b.num_tokens == 16
+    assert set(buckets.all()) >= {buckets.pick([seq(i, 4, 3) for i in range(n)]) for n in (1, 3, 8)}
