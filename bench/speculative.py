@@ -2,10 +2,11 @@
 
     python bench/speculative.py [--model M] [--batch-sizes 1 8 32] [--max-tokens 96]
         [--num-speculative-tokens 4] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
-        [--workloads copy chat] [--json FILE]
+        [--workloads copy chat] [--draft-model PATH|bundled-gguf] [--json FILE]
 
-Two engines over the same model (one with ``speculative_config={"method": "ngram", ...}``,
-one without), every workload at every batch size through both, in turn: B requests at once,
+Engines over the same model: one without speculation, one with
+``speculative_config={"method": "ngram", ...}`` and, with ``--draft-model``, one with that
+draft model (``bundled-gguf``: the bundled SmolLM2's own Q4_1 GGUF kept 4-bit); every workload at every batch size through both, in turn: B requests at once,
 greedy, EOS ignored, the same token ids. Workloads:
   copy  edit / repeat / rewrite a given paragraph (the reply copies much of the prompt:
         where n-gram lookup pays)
@@ -110,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--workloads", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="also a draft_model engine over this checkpoint (bundled-gguf: SmolLM2's Q4_1)",
+    )
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -130,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         "off": LLM(args.model, **kw),
         "ngram": LLM(args.model, speculative_config=spec, **kw),
     }
+    if args.draft_model:
+        path = args.draft_model
+        if path == "bundled-gguf":
+            from jaxpaged.models.bundled import bundled_gguf_path
+
+            path = str(bundled_gguf_path())
+        draft = {"model": path, "num_speculative_tokens": args.num_speculative_tokens}
+        if path.endswith(".gguf"):
+            draft["quantization"] = "gguf"
+        engines["draft"] = LLM(args.model, speculative_config=draft, **kw)
     tokenizer = engines["off"].engine.tokenizer
     makers = {"copy": copy_workload, "chat": chat_workload}
     rows = []
@@ -144,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             results = {
                 name: run_batch(llm, prompts, args.max_tokens) for name, llm in engines.items()
             }
-            same = results["off"]["token_ids"] == results["ngram"]["token_ids"]
+            same = all(r["token_ids"] == results["off"]["token_ids"] for r in results.values())
             for name, r in results.items():
                 length = r["acceptance_length"]
                 rate = r["acceptance_rate"]
@@ -156,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows.append({"workload": workload, "batch": b, "config": name, "same": same,
                              **{k: v for k, v in r.items() if k != "token_ids"}})  # fmt: skip
-            speedup = results["ngram"]["tok_s"] / results["off"]["tok_s"]
-            print(f"|  |  | ngram / off | **{speedup:.2f}x** |  |  |  |  |", flush=True)
+            for name in results:
+                if name != "off":
+                    speedup = results[name]["tok_s"] / results["off"]["tok_s"]
+                    print(f"|  |  | {name} / off | **{speedup:.2f}x** |  |  |  |  |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": spec, "rows": rows}, f, indent=1)

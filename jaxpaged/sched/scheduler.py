@@ -347,6 +347,9 @@ class Scheduler:
                     )
                 )
 
+        limit = None if self.proposer is None else self.speculative_config.disable_by_batch_size
+        drafting = self.proposer is not None and (limit is None or len(self.running) <= limit)
+
         # 1. running: decodes first, then prefills; preempt the latest arrival on shortage.
         order = [r for r in self.running if not r.is_prefill]
         order += [r for r in self.running if r.is_prefill]
@@ -358,7 +361,7 @@ class Scheduler:
             if req.num_inflight and req.sampling_params.structured_output is not None:
                 continue  # its grammar's next mask needs the token in flight
             drafts: tuple[int, ...] = ()
-            if self.proposer is not None and req.can_speculate:
+            if drafting and req.can_speculate:
                 if req.num_inflight:
                     continue  # drafting reads its tokens: the one in flight first
                 drafts = self._drafts(req, room() - 1)

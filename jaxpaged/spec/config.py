@@ -4,7 +4,8 @@
 ``jaxpaged serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'``.
 Keys (vLLM's): ``method``, ``num_speculative_tokens``, ``prompt_lookup_max``,
 ``prompt_lookup_min`` (n-gram), ``model``, ``quantization``, ``revision``,
-``max_model_len``, ``draft_tensor_parallel_size`` (draft models). An unknown key, a bad
+``max_model_len``, ``draft_tensor_parallel_size`` (draft models), ``disable_by_batch_size``
+(no drafting while more requests than this run). An unknown key, a bad
 value or a combination this engine does not run is a ValueError naming it.
 
 Methods this engine runs: ``ngram`` (prompt lookup, no extra model) and ``draft_model`` (a
@@ -46,6 +47,9 @@ class SpeculativeConfig:
     revision: str | None = None
     max_model_len: int | None = None
     draft_tensor_parallel_size: int | None = None
+    # no drafts in a step while more requests than this run (where verification costs more
+    # than it saves: large batches on compute-bound hardware); None: always draft
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in KNOWN_METHODS:
@@ -64,7 +68,12 @@ class SpeculativeConfig:
                 "speculative_config: num_speculative_tokens must be an int in "
                 f"[1, {_MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
-        for name in ("prompt_lookup_max", "prompt_lookup_min", "max_model_len"):
+        for name in (
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "max_model_len",
+            "disable_by_batch_size",
+        ):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"speculative_config: {name} must be an int >= 1, got {v!r}")

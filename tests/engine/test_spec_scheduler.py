@@ -256,3 +256,20 @@ def test_verify_buckets():
     b = buckets.pick([seq(0, 4, 3), seq(1, 4, 0, sample=False)])  # a prefill chunk: mixed
     assert b.max_q_len is None and b.num_tokens == 16
     assert set(buckets.all()) >= {buckets.pick([seq(i, 4, 3) for i in range(n)]) for n in (1, 3, 8)}
+
+
+def test_disable_by_batch_size():
+    """No drafts while more requests than disable_by_batch_size run (they overlap as
+    without speculation); drafts again once fewer run."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, disable_by_batch_size=1)
+    sched = Scheduler(cfg, CacheConfig(block_size=4), num_blocks=64, speculative_config=spec)
+    prompt = [1, 2, 1, 2, 1]
+    sched.add_request(make_request("a", prompt, 20, ignore_eos=True))
+    sched.add_request(make_request("b", prompt, 2, ignore_eos=True))
+    sched.update(sched.schedule(), RunnerOutput(sampled_token_ids=[2, 2]))
+    plan = sched.schedule()  # two running: plain decodes
+    assert [s.num_draft_tokens for s in plan.seqs] == [0, 0]
+    sched.update(plan, RunnerOutput(sampled_token_ids=[1, 1]))  # b reaches max_tokens
+    plan = sched.schedule()
+    assert [s.num_draft_tokens for s in plan.seqs] == [2]
