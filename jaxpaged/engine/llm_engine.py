@@ -86,6 +86,16 @@ class LLMEngine:
         ``draft``: the draft model's (config, params) for its method ``draft_model``."""
         cache_config = cache_config or CacheConfig()
         logits_processors = _check_processors(logits_processors)
+        if speculative_config is not None and jax.process_count() > 1:
+            raise ValueError(
+                "speculative_config: speculative decoding across hosts is not supported"
+            )
+        wants_draft = speculative_config is not None and speculative_config.method == "draft_model"
+        if wants_draft != (draft is not None):
+            raise ValueError(
+                "speculative_config: method 'draft_model' and the draft model's (config, params) "
+                "come together (from_engine_args loads the draft from its model key)"
+            )
         # only what was asked for; again for engines built on params in hand (JAX started:
         # the malloc thresholds still take)
         self.compile_cache_dir = apply_process_config(
