@@ -48,6 +48,18 @@ in its table (the pool notes them), and the ids of the requests that left the ba
 (``finished_request_ids``, ``preempted_request_ids``). A plan that only drops requests still
 has work: the runner must hear of it before a later plan reuses their rows.
 
+Speculative decoding (``speculative_config``): a decode of a request that can draft
+(``Request.can_speculate``) feeds its last token and up to ``num_speculative_tokens`` drafts
+(n-gram prompt lookup here, or placeholder slots a draft model fills on the device), capped
+so that accepting them all stays within ``max_tokens`` and ``max_model_len``; its blocks
+cover them all. :meth:`update` appends the tokens the runner says the target accepted (plus
+its own next one), checking stop conditions after each as if they came one per step, then
+rolls back: ``num_computed_tokens`` drops to the last emitted token and the blocks past it
+go back to the pool (``BlockPool.trim``). Drafting reads a request's tokens, so a request
+that drafts is not scheduled while a token of it is in flight (the overlapped loop's one
+wait for the host, as for structured output). ``disable_by_batch_size``: no drafts while
+more requests run.
+
 Sampler state: a running request with repetition / presence / frequency penalties or
 ``min_tokens`` holds a row of the runner's on-device sampler state (``state_row``: token
 counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
