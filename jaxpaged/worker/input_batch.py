@@ -290,13 +290,15 @@ class InputBatch(PersistentBatch):
         sample_rows = np.zeros(s, np.int32)
         sample_rows[:n] = cu[1 : n + 1] - 1
         spec: dict[str, np.ndarray] = {}
-        if self.num_speculative_tokens:
+        # a decode-only step carries no drafts: it samples one row per sequence, as without
+        # speculative decoding (no K + 1 logits rows for nothing)
+        if self.num_speculative_tokens and not bucket.decode_only:
             k1 = self.num_speculative_tokens + 1
             spec["verify_rows"] = spec_verify.verify_rows(cu[1 : n + 1] - 1, drafts, s, k1)
             spec["num_drafts"] = np.zeros(s, np.int32)
             spec["num_drafts"][:n] = drafts
         elif drafts.any():
-            raise ValueError("a sequence feeds drafts, but speculative decoding is off")
+            raise ValueError("a sequence feeds drafts in a step without verification rows")
         lora_slots = None
         if self.lora:
             lora_slots = np.zeros(t, np.int32)

@@ -353,7 +353,7 @@ class Runner:
             logprobs_wanted=wanted,
             prompt_wanted=prompt_wanted,
             failed=failed,
-            rows_per_seq=self.num_speculative_tokens + 1,
+            rows_per_seq=1 if batch.verify_rows is None else batch.verify_rows.shape[1],
             verified=verified if any(verified) else (),
         )
 
