@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = engines["off"].engine.tokenizer
     makers = {"copy": copy_workload, "chat": chat_workload}
     rows = []
-    print(f"speculative_config={json.dumps(spec)}; greedy, EOS ignored, {args.max_tokens} tokens")
+    print(
+        f"speculative_config={json.dumps(spec)}; greedy, EOS ignored, {args.max_tokens} tokens",
+        flush=True,
+    )
     print(
         "| workload | batch | config | tok/s | TPOT ms | acceptance length | accepted | same tokens |"
     )
