@@ -101,7 +101,27 @@ def test_seeded_sampling_and_logprobs_identical(plain, spec, prompts):
     _pool_is_whole(spec)
 
 
+def test_requests_with_sampler_state_do_not_draft(plain, spec, prompts):
+    """Penalties, min_tokens and logit_bias read per-request state that would have to follow
+    every draft: such requests decode one token a step beside drafting ones, and their
+    outputs are the engine's without speculation."""
+    before = spec.get_metrics()["spec_decode_num_drafts"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=15, stop_token_ids=[1]),
+        SamplingParams(temperature=0, max_tokens=20, logit_bias={5: 3.0}),
+    ]
+    assert _ids(spec.generate(prompts[:3], params)) == _ids(plain.generate(prompts[:3], params))
+    assert spec.get_metrics()["spec_decode_num_drafts"] == before
+    mixed = params + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    assert _ids(spec.generate(prompts[:4], mixed)) == _ids(plain.generate(prompts[:4], mixed))
+    assert spec.get_metrics()["num_compilations_after_warmup"] == 0
+    _pool_is_whole(spec)
+
+
 def test_greedy_identical_under_swap_preemption(plain, prompts):
+    """Last in the module: it builds an engine, whose warm-up the others' compile counts
+    (process-wide) would see."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     small = _llm(preemption_mode="swap", speculative_config=SPEC)
     try:
