@@ -112,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config's disable_by_batch_size (default: the engine's; on a CPU it "
+        "drafts for one running request only)",
+    )
+    p.add_argument(
         "--draft-model",
         default=None,
         help="also a draft_model engine over this checkpoint (bundled-gguf: SmolLM2's Q4_1)",
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     kw = dict(
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batch_sizes),
@@ -143,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
             path = str(bundled_gguf_path())
         draft = {"model": path, "num_speculative_tokens": args.num_speculative_tokens}
+        if args.disable_by_batch_size is not None:
+            draft["disable_by_batch_size"] = args.disable_by_batch_size
         if path.endswith(".gguf"):
             draft["quantization"] = "gguf"
         engines["draft"] = LLM(args.model, speculative_config=draft, **kw)

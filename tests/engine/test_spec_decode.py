@@ -14,8 +14,9 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine import LLMEngine
 from jaxpaged.models.testing import random_params, tiny_config
 
+# drafting at every batch size (a CPU engine's default drafts for one request only)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}  # fmt: skip
+        "prompt_lookup_max": 3, "disable_by_batch_size": 64}  # fmt: skip
 # block_size 4 and a 16-token budget: prompts span blocks and prefill in chunks; 28 blocks
 # are too few for four requests at once: they are preempted. One pool size for every
 # engine, so they share compiled programs.
@@ -132,3 +133,15 @@ def test_greedy_identical_under_swap_preemption(plain, prompts):
         _pool_is_whole(small)
     finally:
         small.close()
+
+
+def test_cpu_default_drafts_for_one_request_only(spec):
+    """A CPU engine given no disable_by_batch_size drafts only while one request runs (where
+    bench/speculative.py measured a gain); a value given is kept."""
+    from jaxpaged.engine.llm_engine import CPU_SPEC_MAX_BATCH, _spec_defaults
+    from jaxpaged.spec import SpeculativeConfig
+
+    assert spec.engine.scheduler.speculative_config.disable_by_batch_size == 64
+    unset = SpeculativeConfig(num_speculative_tokens=2)
+    assert _spec_defaults(unset, "cpu").disable_by_batch_size == CPU_SPEC_MAX_BATCH
+    assert _spec_defaults(unset, "gpu").disable_by_batch_size is None

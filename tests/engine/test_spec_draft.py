@@ -51,7 +51,8 @@ def _draft_params():
 @pytest.fixture(scope="module")
 def engines():
     plain = _llm()
-    spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=3)
+    spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=3,
+                              disable_by_batch_size=64)  # fmt: skip
     draft = _llm(speculative_config=spec, draft=(CONFIG, _draft_params()))
     yield plain, draft
     plain.close()

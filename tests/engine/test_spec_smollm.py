@@ -25,7 +25,7 @@ ASKS = [
     "Write the numbers from one to twenty in words, separated by commas.",
 ]
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}  # fmt: skip
+        "prompt_lookup_max": 4, "disable_by_batch_size": 8}  # fmt: skip
 
 
 KW = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
@@ -82,7 +82,7 @@ def test_quantized_self_draft_on_smollm2(engines, bundled_model_path):
 
     plain, _ = engines
     spec = {"model": str(bundled_gguf_path()), "quantization": "gguf",
-            "num_speculative_tokens": 3}  # fmt: skip
+            "num_speculative_tokens": 3, "disable_by_batch_size": 8}  # fmt: skip
     draft = LLM(bundled_model_path, speculative_config=spec, **KW)
     try:
         chats, params = _chats_and_params()
