@@ -113,6 +113,32 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)  # exposed as <name>_total
             c.add_metric([], get(attr))
             yield c
+        # speculative decoding, under vLLM's names (exposed as <name>_total, as vLLM's)
+        spec = [
+            ("vllm:spec_decode_num_drafts", "Draft verifications run.", "spec_decode_num_drafts"),
+            (
+                "vllm:spec_decode_num_draft_tokens",
+                "Draft tokens proposed.",
+                "spec_decode_num_draft_tokens",
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                "spec_decode_num_accepted_tokens",
+            ),
+        ]
+        for name, doc, attr in spec:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], get(attr))
+            yield c
+        c = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels=["position"],
+        )
+        for j, n in enumerate(values.get("spec_decode_num_accepted_tokens_per_pos", ())):
+            c.add_metric([str(j)], float(n))
+        yield c
         g = GaugeMetricFamily("jaxpaged:num_requests_in_flight", "Requests open at the server.")
         g.add_metric([], float(frontend.num_in_flight) if frontend is not None else 0.0)
         yield g

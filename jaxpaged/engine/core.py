@@ -465,6 +465,10 @@ class EngineCore:
             num_steps=st.num_steps,
             num_compilations=compiles,
             num_compilations_after_warmup=compiles - self._compilations_at_warmup,
+            spec_decode_num_drafts=st.spec_num_drafts,
+            spec_decode_num_draft_tokens=st.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=st.spec_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(st.spec_accepted_per_pos),
         )
 
 
