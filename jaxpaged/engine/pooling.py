@@ -1,0 +1,412 @@
+"""PoolingEngine: embeddings, scores and classes from an encoder (vLLM's pooling runner).
+
+No KV cache and no scheduler: a call tokenizes its inputs (checked: not empty, token ids in
+the vocabulary, no longer than ``max_model_len`` unless ``truncate_prompt_tokens`` says to
+truncate), runs them through the worker's fixed-shape buckets (compiled at warm-up) and
+returns one output per input. Which runner a checkpoint gets is its family's declaration
+(``ModelFamily.runner``), unless ``runner`` says otherwise; a generation call to a pooling
+engine, and the reverse, are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxpaged.args import RUNNERS, EngineArgs
+from jaxpaged.engine.protocol import EngineStats, Prompt
+from jaxpaged.models.bert import EncoderConfig
+from jaxpaged.models.pooling import PoolingConfig
+from jaxpaged.pooling_outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxpaged.worker.pooling_runner import PoolingBuckets, PoolingRunner
+
+__all__ = ["PoolingEngine", "choose_runner"]
+
+# the token budget of one padded batch when max_num_batched_tokens is unset
+DEFAULT_POOLING_TOKENS = 8192
+
+
+def choose_runner(args: EngineArgs) -> str:
+    """ "generate" or "pooling": ``args.runner``, or for "auto" the runner the checkpoint's
+    family declares (the bundled SmolLM2 and GGUF files generate). ValueError when the
+    runner asked for cannot run the checkpoint, naming both."""
+    if args.runner not in RUNNERS:
+        raise ValueError(f"runner: {args.runner!r} is not one of {', '.join(RUNNERS)}")
+    declared = _declared_runner(args)
+    if args.runner == "auto":
+        return declared
+    if args.runner != declared:
+        raise ValueError(
+            f"runner={args.runner!r} cannot run model {args.model!r}: its architecture runs "
+            f"only runner={declared!r} (jaxpaged pools with encoder models: BERT, RoBERTa, "
+            "XLM-R; decoders generate)"
+        )
+    return declared
+
+
+def _declared_runner(args: EngineArgs) -> str:
+    model = args.model
+    if model is None or os.fspath(model).endswith(".gguf") or ":" in os.fspath(model):
+        return "generate"
+    from jaxpaged.models.hub import resolve_model_path
+    from jaxpaged.models.registry import family_for_hf_config
+
+    folder = resolve_model_path(model, revision=args.revision, download_dir=args.download_dir)
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):  # an Orbax folder (jaxpaged.convert): decoders only
+        return "generate"
+    with open(path) as f:
+        return family_for_hf_config(json.load(f)).runner
+
+
+def _is_token_ids(x: object) -> bool:
+    return (
+        isinstance(x, Sequence)
+        and not isinstance(x, str)
+        and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
+    )
+
+
+class PoolingEngine:
+    """An encoder with its tokenizer and pooling, compiled for every bucket at start-up."""
+
+    runner = "pooling"
+
+    def __init__(
+        self,
+        *,
+        model_config: EncoderConfig,
+        params: Any,  # noqa: ANN401 - the encoder family's params tree
+        tokenizer: Any,  # noqa: ANN401 - a transformers tokenizer
+        pooling: PoolingConfig,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = False,
+        model_name: str = "",
+    ) -> None:
+        limit = model_config.max_position_embeddings
+        default = min(pooling.max_seq_length or limit, limit)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's {limit} positions"
+            )
+        self.model_config, self.tokenizer, self.pooling = model_config, tokenizer, pooling
+        self.model_name = model_name
+        self.max_model_len = max_model_len or default
+        buckets = PoolingBuckets.for_limits(
+            self.max_model_len, max_num_seqs, max_num_batched_tokens or DEFAULT_POOLING_TOKENS
+        )
+        self.worker = PoolingRunner(model_config, params, pooling, buckets)
+        self.warmup_programs = 0 if enforce_eager else self.worker.warm_up()
+        self._requests = 0
+        self._prompt_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> PoolingEngine:
+        """Loads ``args.model`` (a folder or hub id of an encoder family) and warms up."""
+        from jaxpaged.models.loader import load_model, load_tokenizer
+        from jaxpaged.models.pooling import load_pooling_config
+        from jaxpaged.models.resolve import resolve_model_folder
+
+        if choose_runner(args) != "pooling":
+            raise ValueError(
+                f"model {args.model!r} is a generative model (runner 'generate'): use LLM(...)"
+                " without runner='pooling' and generate()"
+            )
+        if args.tensor_parallel_size != 1 or args.enable_lora or args.quantization:
+            raise ValueError(
+                "the pooling runner runs float weights on one device: tensor_parallel_size, "
+                "enable_lora and quantization are not supported for it"
+            )
+        folder = resolve_model_folder(
+            args.model, revision=args.revision, download_dir=args.download_dir
+        )
+        config, params = load_model(folder, dtype=args.load_dtype, progress=args.show_progress)
+        return cls(
+            model_config=config,
+            params=params,
+            tokenizer=load_tokenizer(folder),
+            pooling=load_pooling_config(folder),
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=args.enforce_eager,
+            model_name=os.fspath(args.model),
+        )
+
+    # ------------------------------------------------------------ inputs
+    def _limit(self, truncate_prompt_tokens: int | None) -> int | None:
+        """The length inputs are truncated to (None: refused when too long)."""
+        t = truncate_prompt_tokens
+        if t is None:
+            return None
+        if isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1):
+            raise ValueError(
+                f"truncate_prompt_tokens must be -1 (the model's limit) or >= 1, got {t!r}"
+            )
+        if t > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({t}) exceeds this model's maximum input length "
+                f"({self.max_model_len} tokens)"
+            )
+        return self.max_model_len if t == -1 else t
+
+    def _cut(self, ids: list[int], limit: int) -> list[int]:
+        if len(ids) <= limit:
+            return ids
+        left = getattr(self.tokenizer, "truncation_side", "right") == "left"
+        return ids[-limit:] if left else ids[:limit]
+
+    def _check_length(self, i: int, n: int) -> None:
+        if n > self.max_model_len:
+            raise ValueError(
+                f"input[{i}] has {n} tokens, more than this model's maximum input length of "
+                f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens"
+            )
+
+    def _check_ids(self, i: int, ids: Sequence[int]) -> list[int]:
+        if len(ids) == 0:
+            raise ValueError(f"input[{i}] is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(
+                f"input[{i}] has token id {int(bad[0])} outside this model's vocabulary "
+                f"[0, {vocab})"
+            )
+        return [int(t) for t in ids]
+
+    def tokenize(
+        self, prompts: Sequence[Prompt], truncate_prompt_tokens: int | None = None
+    ) -> list[list[int]]:
+        """Token ids of each input (text through the tokenizer, with its special tokens);
+        ValueError naming the first bad one."""
+        if len(prompts) == 0:
+            raise ValueError("input must not be empty")
+        limit = self._limit(truncate_prompt_tokens)
+        texts = {}
+        out: list[list[int] | None] = [None] * len(prompts)
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"input[{i}] is an empty string")
+                texts[i] = p
+            elif _is_token_ids(p):
+                ids = self._check_ids(i, p)
+                out[i] = ids if limit is None else self._cut(ids, limit)
+            else:
+                raise ValueError(f"input[{i}] must be a string or a list of token ids")
+        if texts:
+            kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
+            enc = self.tokenizer(list(texts.values()), **kwargs)["input_ids"]
+            for i, ids in zip(texts, enc, strict=True):
+                out[i] = list(ids)
+        for i, ids in enumerate(out):
+            self._check_length(i, len(ids))
+        self._prompt_tokens += sum(len(ids) for ids in out)
+        return out  # type: ignore[return-value]
+
+    def _pairs(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None,
+    ) -> tuple[list[str], list[str]]:
+        a = [text_1] if isinstance(text_1, str) else list(text_1)
+        b = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not a or not b:
+            raise ValueError("score needs at least one text on each side")
+        if len(a) == 1:
+            a = a * len(b)
+        if len(a) != len(b):
+            raise ValueError(
+                f"score pairs text_1 with text_2: give one text_1, or as many as text_2 "
+                f"({len(a)} text_1 for {len(b)} text_2)"
+            )
+        for side, texts in (("text_1", a), ("text_2", b)):
+            for i, t in enumerate(texts):
+                if not isinstance(t, str) or not t:
+                    raise ValueError(f"{side}[{i}] must be a non-empty string")
+        return a, b
+
+    # ------------------------------------------------------------ calls
+    def _ids(self, prefix: str, n: int) -> list[str]:
+        start = self._requests
+        self._requests += n
+        return [f"{prefix}-{start + i}" for i in range(n)]
+
+    def encode(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """The model's pooled outputs (embeddings before normalisation, or a cross-encoder's
+        logits) of tokenized inputs: float32 [N, D or C]."""
+        return self.worker.run(token_ids)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per input, pooled and normalised as the model's
+        sentence-transformers files say; ``dimensions`` truncates a Matryoshka model's."""
+        if self.model_config.classifier:
+            raise ValueError(
+                f"model {self.model_name!r} is a cross-encoder (sequence classification): "
+                "it scores text pairs (score, /score, /rerank) and has no embeddings"
+            )
+        prompts = _prompt_list(prompts)
+        self.check_dimensions(dimensions)
+        ids = self.tokenize(prompts, truncate_prompt_tokens)
+        vectors = self.finish_embeddings(self.encode(ids), dimensions)
+        return [
+            EmbeddingRequestOutput(
+                request_id=rid, prompt_token_ids=t, outputs=EmbeddingOutput(embedding=v.tolist())
+            )
+            for rid, t, v in zip(self._ids("embd", len(ids)), ids, vectors, strict=True)
+        ]
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """ValueError unless ``dimensions`` is None or a size this model may truncate to."""
+        if dimensions is None:
+            return
+        c = self.model_config
+        if not c.is_matryoshka:
+            raise ValueError(
+                f"model {self.model_name!r} does not support Matryoshka representation: "
+                "dimensions cannot change the size of its embeddings"
+            )
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int):
+            raise ValueError(f"dimensions must be an integer, got {dimensions!r}")
+        if c.matryoshka_dimensions and dimensions not in c.matryoshka_dimensions:
+            raise ValueError(
+                f"dimensions {dimensions} is not one of this model's Matryoshka sizes "
+                f"{list(c.matryoshka_dimensions)}"
+            )
+        if not 1 <= dimensions <= c.hidden_size:
+            raise ValueError(f"dimensions must be in [1, {c.hidden_size}], got {dimensions}")
+
+    def finish_embeddings(self, pooled: np.ndarray, dimensions: int | None) -> np.ndarray:
+        """Truncated to ``dimensions`` (Matryoshka), then normalised if the model's
+        pooling says so. pooled float32 [N, D] -> [N, dimensions or D]."""
+        if dimensions is not None:
+            pooled = pooled[:, :dimensions]
+        if self.pooling.normalize:
+            norm = np.linalg.norm(pooled, axis=-1, keepdims=True)
+            pooled = pooled / np.maximum(norm, 1e-12)
+        return pooled
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
+    ) -> list[ClassificationRequestOutput]:
+        """A cross-encoder's class probabilities per input (softmax; sigmoid for one label)."""
+        self._need_classifier("classify")
+        prompts = _prompt_list(prompts)
+        ids = self.tokenize(prompts, truncate_prompt_tokens)
+        probs = class_probs(self.encode(ids))
+        return [
+            ClassificationRequestOutput(
+                request_id=rid, prompt_token_ids=t, outputs=ClassificationOutput(probs=p.tolist())
+            )
+            for rid, t, p in zip(self._ids("classify", len(ids)), ids, probs, strict=True)
+        ]
+
+    def _need_classifier(self, what: str) -> None:
+        if not self.model_config.classifier:
+            raise ValueError(
+                f"{what} needs a cross-encoder (*ForSequenceClassification); model "
+                f"{self.model_name!r} is an embedding model"
+            )
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The relevance of each (text_1, text_2) pair (one text_1 goes with every text_2):
+        a cross-encoder's score of the pair as one input, or the cosine similarity of two
+        embeddings from an embedding model."""
+        a, b = self._pairs(text_1, text_2, truncate_prompt_tokens)
+        if self.model_config.classifier:
+            ids, scores = self._cross_scores(a, b, truncate_prompt_tokens)
+        else:
+            ids_a = self.tokenize(a, truncate_prompt_tokens)
+            ids_b = self.tokenize(b, truncate_prompt_tokens)
+            vectors = self.encode(ids_a + ids_b)
+            va, vb = vectors[: len(a)], vectors[len(a) :]
+            va = va / np.maximum(np.linalg.norm(va, axis=-1, keepdims=True), 1e-12)
+            vb = vb / np.maximum(np.linalg.norm(vb, axis=-1, keepdims=True), 1e-12)
+            scores = (va * vb).sum(axis=-1)
+            ids = [x + y for x, y in zip(ids_a, ids_b, strict=True)]
+        return [
+            ScoringRequestOutput(
+                request_id=rid, prompt_token_ids=t, outputs=ScoringOutput(score=float(s))
+            )
+            for rid, t, s in zip(self._ids("score", len(ids)), ids, scores, strict=True)
+        ]
+
+    def _cross_scores(
+        self, a: list[str], b: list[str], truncate_prompt_tokens: int | None
+    ) -> tuple[list[list[int]], np.ndarray]:
+        c = self.model_config
+        if c.num_labels != 1:
+            raise ValueError(
+                f"score needs a cross-encoder with one label; model {self.model_name!r} has "
+                f"{c.num_labels} (use classify)"
+            )
+        limit = self._limit(truncate_prompt_tokens)
+        kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
+        enc = self.tokenizer(a, b, **kwargs)
+        ids = [list(x) for x in enc["input_ids"]]
+        types = enc.get("token_type_ids")
+        for i, x in enumerate(ids):
+            self._check_length(i, len(x))
+        self._prompt_tokens += sum(len(x) for x in ids)
+        logits = self.worker.run(ids, types)[:, 0]
+        if c.score_activation == "sigmoid":
+            return ids, 1.0 / (1.0 + np.exp(-logits))
+        return ids, logits
+
+    # ------------------------------------------------------------ what LLM asks of an engine
+    def get_stats(self) -> EngineStats:
+        w = self.worker
+        return EngineStats(
+            num_running=0, num_waiting=0, num_swapped=0, kv_cache_usage=0.0, kv_cache_waste=0.0,
+            num_kv_blocks=0, num_free_blocks=0, num_preemptions=0, prefix_cache_queries=0,
+            prefix_cache_hits=0, prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=0, num_steps=0,
+            num_compilations=w.counter.count,
+            num_compilations_after_warmup=w.compilations_after_warmup,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def class_probs(logits: np.ndarray) -> np.ndarray:  # float32 [N, C] -> [N, C]
+    """Softmax over the classes; sigmoid for a single label (vLLM's classify)."""
+    if logits.shape[-1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
+    return list(prompts)

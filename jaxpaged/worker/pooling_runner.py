@@ -1,0 +1,155 @@
+"""The pooling runner's device side: an encoder over fixed-shape padded batches.
+
+Every batch is padded to a (rows, length) bucket: lengths are powers of two from 8 up to
+``max_len`` (and ``max_len`` itself), rows powers of two up to ``max_rows``, and only the
+pairs whose rows x length fits ``max_tokens`` (``(1, max_len)`` always does). Warm-up
+compiles every pair, so serving never compiles. Inputs are sorted longest first and cut into
+batches that fill a bucket, as sentence-transformers sorts its inputs, so the padding stays
+small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpaged.models.bert import EncoderConfig, classify, encode
+from jaxpaged.models.pooling import PoolingConfig, pool
+from jaxpaged.worker.compile_counter import CompileCounter
+
+MIN_LENGTH_BUCKET = 8
+
+
+def _powers_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    sizes, s = [], start
+    while s < limit:
+        sizes.append(s)
+        s *= 2
+    return (*sizes, limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingBuckets:
+    """The (rows, length) shapes one engine compiles."""
+
+    lengths: tuple[int, ...]
+    rows: tuple[int, ...]
+    max_tokens: int
+
+    @classmethod
+    def for_limits(cls, max_len: int, max_rows: int, max_tokens: int) -> PoolingBuckets:
+        for name, v in (("max_model_len", max_len), ("max_num_seqs", max_rows)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        return cls(
+            lengths=_powers_up_to(max_len, min(MIN_LENGTH_BUCKET, max_len)),
+            rows=_powers_up_to(max_rows),
+            max_tokens=max(max_tokens, max_len),
+        )
+
+    def length_for(self, n: int) -> int:
+        return next(s for s in self.lengths if s >= n)
+
+    def rows_for(self, length: int) -> tuple[int, ...]:
+        """The row buckets of one length that fit the token budget (never empty)."""
+        return tuple(r for r in self.rows if r * length <= self.max_tokens) or (1,)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(r, s) for s in self.lengths for r in self.rows_for(s)]
+
+
+class PoolingRunner:
+    """Runs an encoder over batches of token sequences: each input's pooled embedding
+    (an embedding model) or its classifier logits (a cross-encoder), float32."""
+
+    def __init__(
+        self,
+        config: EncoderConfig,
+        params: Any,  # noqa: ANN401 - the family's params tree, on the device
+        pooling: PoolingConfig,
+        buckets: PoolingBuckets,
+    ) -> None:
+        self.config, self.params, self.pooling, self.buckets = config, params, pooling, buckets
+        self.counter = CompileCounter().open()
+        self.warmup_compilations: int | None = None
+        self.warmup_seconds = 0.0
+        self._forward = jax.jit(self._make_forward())
+
+    def _make_forward(self) -> Callable[..., jax.Array]:
+        config, mode = self.config, self.pooling.mode
+
+        def forward(
+            params: Any,  # noqa: ANN401
+            tokens: jax.Array,  # int32 [B, S]
+            mask: jax.Array,  # bool [B, S]
+            types: jax.Array,  # int32 [B, S]
+        ) -> jax.Array:  # float32 [B, D] pooled, or [B, C] logits
+            hidden = encode(params, config, tokens, mask, types)
+            if config.classifier:
+                return classify(params, hidden)
+            return pool(hidden, mask, mode)
+
+        return forward
+
+    @property
+    def output_size(self) -> int:
+        return self.config.num_labels if self.config.classifier else self.config.hidden_size
+
+    def warm_up(self) -> int:
+        """Compiles every bucket; returns how many programs that took."""
+        start, before = time.perf_counter(), self.counter.count
+        for rows, length in self.buckets.shapes():
+            zeros = np.zeros((rows, length), np.int32)
+            mask = np.zeros((rows, length), bool)
+            jax.block_until_ready(self._forward(self.params, zeros, mask, zeros))
+        self.warmup_compilations = self.counter.count - before
+        self.warmup_seconds = time.perf_counter() - start
+        return self.warmup_compilations
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        if self.warmup_compilations is None:
+            return 0
+        return self.counter.count - self.warmup_compilations
+
+    def run(
+        self,
+        sequences: Sequence[Sequence[int]],  # each within the longest length bucket
+        token_types: Sequence[Sequence[int] | None] | None = None,  # None: all segment 0
+    ) -> np.ndarray:  # float32 [N, output_size], in the order given
+        """Every sequence's output, batched longest first into the buckets."""
+        n = len(sequences)
+        out = np.empty((n, self.output_size), np.float32)
+        order = sorted(range(n), key=lambda i: -len(sequences[i]))
+        i = 0
+        pending: list[tuple[list[int], Any]] = []
+        while i < n:
+            length = self.buckets.length_for(max(1, len(sequences[order[i]])))
+            fits = self.buckets.rows_for(length)
+            take = min(n - i, fits[-1])
+            rows = next(r for r in fits if r >= take)
+            tokens = np.full((rows, length), self.config.pad_token_id, np.int32)
+            types = np.zeros((rows, length), np.int32)
+            mask = np.zeros((rows, length), bool)
+            chosen = order[i : i + take]
+            for row, j in enumerate(chosen):
+                seq = sequences[j]
+                tokens[row, : len(seq)] = seq
+                mask[row, : len(seq)] = True
+                if token_types is not None and token_types[j] is not None:
+                    types[row, : len(seq)] = token_types[j]
+            # dispatched without waiting: the next batch is padded while this one runs
+            pending.append((chosen, self._forward(self.params, tokens, mask, types)))
+            i += take
+        for chosen, result in pending:
+            out[chosen] = np.asarray(result)[: len(chosen)]
+        return out
+
+    def close(self) -> None:
+        self.counter.close()
+        self.params = None
