@@ -35,6 +35,7 @@ from jaxpaged.serving.frontend import (
 )
 from jaxpaged.serving.lora_routes import add_lora_routes, lora_model_cards, lora_of
 from jaxpaged.serving.metrics import CONTENT_TYPE, RequestTotals
+from jaxpaged.serving.pooling_routes import add_pooling_routes
 from jaxpaged.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -337,6 +338,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     add_lora_routes(app, frontend)
     add_dev_routes(app, frontend)
+    add_pooling_routes(app, frontend)
 
     @app.get("/version")
     async def version() -> dict:

@@ -230,6 +230,8 @@ def kv_pool_summary(engine: EngineClient) -> list[str]:
     ec = engine.engine_config
     mc = engine.model_config
     block_size = int(ec["block_size"])
+    if block_size == 0:  # the pooling runner
+        return [f"no KV cache: runner {ec.get('runner')!r}, max_model_len {engine.max_model_len}"]
     dtype = str(ec["dtype"])
     per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES.get(dtype, 4)
     gib = num_blocks * block_size * per_token / (1 << 30)

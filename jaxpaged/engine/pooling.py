@@ -10,9 +10,10 @@ engine, and the reverse, are refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from jaxpaged.pooling_outputs import (
 )
 from jaxpaged.worker.pooling_runner import PoolingBuckets, PoolingRunner
 
-__all__ = ["PoolingEngine", "choose_runner"]
+__all__ = ["PoolingEngine", "PoolingJob", "choose_runner"]
 
 # the token budget of one padded batch when max_num_batched_tokens is unset
 DEFAULT_POOLING_TOKENS = 8192
@@ -242,15 +243,61 @@ class PoolingEngine:
         return a, b
 
     # ------------------------------------------------------------ calls
+    # Each call is a job: its inputs tokenized and checked, and what turns the model's rows
+    # into its outputs. Jobs run together (``run_jobs``), so the server batches concurrent
+    # requests into the same padded batches.
     def _ids(self, prefix: str, n: int) -> list[str]:
         start = self._requests
         self._requests += n
         return [f"{prefix}-{start + i}" for i in range(n)]
 
-    def encode(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """The model's pooled outputs (embeddings before normalisation, or a cross-encoder's
-        logits) of tokenized inputs: float32 [N, D or C]."""
-        return self.worker.run(token_ids)
+    def run_jobs(self, jobs: Sequence[PoolingJob]) -> list[list[Any]]:
+        """Every job's outputs; the jobs' inputs run through the buckets together."""
+        ids = [t for job in jobs for t in job.token_ids]
+        types = [t for job in jobs for t in (job.token_types or [None] * len(job.token_ids))]
+        rows = self.worker.run(ids, types) if ids else np.zeros((0, self.worker.output_size))
+        out, start = [], 0
+        for job in jobs:
+            n = len(job.token_ids)
+            out.append(job.finish(rows[start : start + n]))
+            start += n
+        return out
+
+    def encode_job(
+        self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
+    ) -> PoolingJob:
+        """The model's raw pooled rows (embeddings before normalisation, or a
+        cross-encoder's logits), float32 [N, D or C] (vLLM's /pooling)."""
+        ids = self.tokenize(_prompt_list(prompts), truncate_prompt_tokens)
+        return PoolingJob(ids, None, lambda rows: [ids, rows])
+
+    def embed_job(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+    ) -> PoolingJob:
+        if self.model_config.classifier:
+            raise ValueError(
+                f"model {self.model_name!r} is a cross-encoder (sequence classification): "
+                "it scores text pairs (score, /score, /rerank) and has no embeddings"
+            )
+        prompts = _prompt_list(prompts)
+        self.check_dimensions(dimensions)
+        ids = self.tokenize(prompts, truncate_prompt_tokens)
+        rids = self._ids("embd", len(ids))
+
+        def finish(rows: np.ndarray) -> list[EmbeddingRequestOutput]:
+            vectors = self.finish_embeddings(rows, dimensions)
+            return [
+                EmbeddingRequestOutput(
+                    request_id=r, prompt_token_ids=t, outputs=EmbeddingOutput(embedding=v.tolist())
+                )
+                for r, t, v in zip(rids, ids, vectors, strict=True)
+            ]
+
+        return PoolingJob(ids, None, finish)
 
     def embed(
         self,
@@ -261,21 +308,10 @@ class PoolingEngine:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input, pooled and normalised as the model's
         sentence-transformers files say; ``dimensions`` truncates a Matryoshka model's."""
-        if self.model_config.classifier:
-            raise ValueError(
-                f"model {self.model_name!r} is a cross-encoder (sequence classification): "
-                "it scores text pairs (score, /score, /rerank) and has no embeddings"
-            )
-        prompts = _prompt_list(prompts)
-        self.check_dimensions(dimensions)
-        ids = self.tokenize(prompts, truncate_prompt_tokens)
-        vectors = self.finish_embeddings(self.encode(ids), dimensions)
-        return [
-            EmbeddingRequestOutput(
-                request_id=rid, prompt_token_ids=t, outputs=EmbeddingOutput(embedding=v.tolist())
-            )
-            for rid, t, v in zip(self._ids("embd", len(ids)), ids, vectors, strict=True)
-        ]
+        job = self.embed_job(
+            prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+        )
+        return self.run_jobs([job])[0]
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError unless ``dimensions`` is None or a size this model may truncate to."""
@@ -307,20 +343,29 @@ class PoolingEngine:
             pooled = pooled / np.maximum(norm, 1e-12)
         return pooled
 
+    def classify_job(
+        self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
+    ) -> PoolingJob:
+        self._need_classifier("classify")
+        ids = self.tokenize(_prompt_list(prompts), truncate_prompt_tokens)
+        rids = self._ids("classify", len(ids))
+
+        def finish(rows: np.ndarray) -> list[ClassificationRequestOutput]:
+            return [
+                ClassificationRequestOutput(
+                    request_id=r, prompt_token_ids=t, outputs=ClassificationOutput(probs=p.tolist())
+                )
+                for r, t, p in zip(rids, ids, class_probs(rows), strict=True)
+            ]
+
+        return PoolingJob(ids, None, finish)
+
     def classify(
         self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
     ) -> list[ClassificationRequestOutput]:
         """A cross-encoder's class probabilities per input (softmax; sigmoid for one label)."""
-        self._need_classifier("classify")
-        prompts = _prompt_list(prompts)
-        ids = self.tokenize(prompts, truncate_prompt_tokens)
-        probs = class_probs(self.encode(ids))
-        return [
-            ClassificationRequestOutput(
-                request_id=rid, prompt_token_ids=t, outputs=ClassificationOutput(probs=p.tolist())
-            )
-            for rid, t, p in zip(self._ids("classify", len(ids)), ids, probs, strict=True)
-        ]
+        job = self.classify_job(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.run_jobs([job])[0]
 
     def _need_classifier(self, what: str) -> None:
         if not self.model_config.classifier:
@@ -328,6 +373,40 @@ class PoolingEngine:
                 f"{what} needs a cross-encoder (*ForSequenceClassification); model "
                 f"{self.model_name!r} is an embedding model"
             )
+
+    def score_job(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> PoolingJob:
+        a, b = self._pairs(text_1, text_2, truncate_prompt_tokens)
+        rids = self._ids("score", len(b))
+
+        def outputs(ids: list[list[int]], scores: np.ndarray) -> list[ScoringRequestOutput]:
+            return [
+                ScoringRequestOutput(
+                    request_id=r, prompt_token_ids=t, outputs=ScoringOutput(score=float(s))
+                )
+                for r, t, s in zip(rids, ids, scores, strict=True)
+            ]
+
+        if self.model_config.classifier:
+            ids, types = self._pair_tokens(a, b, truncate_prompt_tokens)
+            activation = self.model_config.score_activation
+            return PoolingJob(
+                ids, types, lambda rows: outputs(ids, _activate(rows[:, 0], activation))
+            )
+        ids_a = self.tokenize(a, truncate_prompt_tokens)
+        ids_b = self.tokenize(b, truncate_prompt_tokens)
+
+        def cosine(rows: np.ndarray) -> list[ScoringRequestOutput]:
+            unit = rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
+            scores = (unit[: len(a)] * unit[len(a) :]).sum(axis=-1)
+            return outputs([x + y for x, y in zip(ids_a, ids_b, strict=True)], scores)
+
+        return PoolingJob(ids_a + ids_b, None, cosine)
 
     def score(
         self,
@@ -339,28 +418,13 @@ class PoolingEngine:
         """The relevance of each (text_1, text_2) pair (one text_1 goes with every text_2):
         a cross-encoder's score of the pair as one input, or the cosine similarity of two
         embeddings from an embedding model."""
-        a, b = self._pairs(text_1, text_2, truncate_prompt_tokens)
-        if self.model_config.classifier:
-            ids, scores = self._cross_scores(a, b, truncate_prompt_tokens)
-        else:
-            ids_a = self.tokenize(a, truncate_prompt_tokens)
-            ids_b = self.tokenize(b, truncate_prompt_tokens)
-            vectors = self.encode(ids_a + ids_b)
-            va, vb = vectors[: len(a)], vectors[len(a) :]
-            va = va / np.maximum(np.linalg.norm(va, axis=-1, keepdims=True), 1e-12)
-            vb = vb / np.maximum(np.linalg.norm(vb, axis=-1, keepdims=True), 1e-12)
-            scores = (va * vb).sum(axis=-1)
-            ids = [x + y for x, y in zip(ids_a, ids_b, strict=True)]
-        return [
-            ScoringRequestOutput(
-                request_id=rid, prompt_token_ids=t, outputs=ScoringOutput(score=float(s))
-            )
-            for rid, t, s in zip(self._ids("score", len(ids)), ids, scores, strict=True)
-        ]
+        job = self.score_job(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.run_jobs([job])[0]
 
-    def _cross_scores(
+    def _pair_tokens(
         self, a: list[str], b: list[str], truncate_prompt_tokens: int | None
-    ) -> tuple[list[list[int]], np.ndarray]:
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """A cross-encoder's inputs: each pair as one sequence, with its segment ids."""
         c = self.model_config
         if c.num_labels != 1:
             raise ValueError(
@@ -375,10 +439,7 @@ class PoolingEngine:
         for i, x in enumerate(ids):
             self._check_length(i, len(x))
         self._prompt_tokens += sum(len(x) for x in ids)
-        logits = self.worker.run(ids, types)[:, 0]
-        if c.score_activation == "sigmoid":
-            return ids, 1.0 / (1.0 + np.exp(-logits))
-        return ids, logits
+        return ids, None if types is None else [list(t) for t in types]
 
     # ------------------------------------------------------------ what LLM asks of an engine
     def get_stats(self) -> EngineStats:
@@ -394,6 +455,20 @@ class PoolingEngine:
 
     def close(self) -> None:
         self.worker.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingJob:
+    """One call's tokenized inputs and what turns the model's rows for them into its
+    outputs (``finish(rows [N, D or C]) -> outputs``)."""
+
+    token_ids: list[list[int]]
+    token_types: list[list[int]] | None
+    finish: Callable[[np.ndarray], Any]
+
+
+def _activate(logits: np.ndarray, activation: str) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-logits)) if activation == "sigmoid" else logits
 
 
 def class_probs(logits: np.ndarray) -> np.ndarray:  # float32 [N, C] -> [N, C]
