@@ -170,13 +170,18 @@ class Server:
             cfg.host,
             self.http_port,
         )
+        if getattr(engine, "runner", "generate") == "pooling":
+            path, body = "/v1/embeddings", '{"model": "%s", "input": "Hello"}'
+        else:
+            path = "/v1/chat/completions"
+            body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello"}]}'
         log.info(
-            "  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s "
-            '-d \'{"model": "%s", "messages": [{"role": "user", "content": "Hello"}]}\'',
+            "  curl http://%s:%d%s -H 'Content-Type: application/json'%s -d '%s'",
             host,
             self.http_port,
+            path,
             auth,
-            cfg.served_model_name,
+            body % cfg.served_model_name,
         )
         log.info(
             "  curl http://%s:%d/metrics   (Prometheus; /health for liveness)", host, self.http_port

@@ -45,3 +45,44 @@ def test_embeddings_equal_sentence_transformers(minilm):
     cosine = (ours * ref).sum(axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
     assert cosine.min() > 0.9999
     assert np.abs(ours - ref).max() < 1e-4
+
+
+def test_jaxpaged_serve_embeddings_through_openai(minilm):
+    """`jaxpaged serve` picks the pooling runner from the checkpoint; the openai client's
+    embeddings equal sentence-transformers' (cosine >= 0.999 per input)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import openai
+    from sentence_transformers import SentenceTransformer
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxpaged", "serve", minilm, "--served-model-name", "minilm",
+         "--port", "0", "--grpc-port", "0", "--max-num-seqs", "2", "--max-model-len", "32"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAXPAGED_API_KEY": ""},
+    )  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("ready: serving" in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
+            time.sleep(0.2)
+        port = next(m.group(1) for x in lines if (m := re.search(r"HTTP [\d.]+:(\d+)", x)))
+        log = "".join(lines)
+        assert "no KV cache: runner 'pooling'" in log and "/v1/embeddings" in log
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        got = client.embeddings.create(model="minilm", input=SENTENCES)
+        ours = np.array([d.embedding for d in got.data])
+        ref = SentenceTransformer(minilm, device="cpu").encode(SENTENCES)
+        assert ((ours * ref).sum(axis=1) >= 0.999).all()
+        with pytest.raises(openai.BadRequestError, match="runs the pooling runner"):
+            client.completions.create(model="minilm", prompt="Hello", max_tokens=2)
+    finally:
+        proc.terminate()
+        proc.wait(60)
