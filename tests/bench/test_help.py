@@ -12,7 +12,7 @@ from jaxpaged.cli import bench as bench_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {
-    "accelerator_check", "gpu_decode", "kernels", "overlap", "quant", "quant_quality",
+    "accelerator_check", "embed", "gpu_decode", "kernels", "overlap", "quant", "quant_quality",
     "roofline", "serving", "step_breakdown", "throughput",
 }  # fmt: skip
 
