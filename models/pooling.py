@@ -3,7 +3,8 @@
 them, from the checkpoint's own files: ``modules.json`` lists the pipeline (Transformer,
 Pooling, Normalize), the Pooling module's ``config.json`` its mode, and
 ``sentence_bert_config.json`` the longest input (``max_seq_length``). A folder without
-``modules.json`` pools as vLLM does for an encoder: the first ([CLS]) token, normalised.
+``modules.json`` pools as vLLM does: an encoder's first ([CLS]) token, a decoder's last
+token, normalised.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def _pooling_mode(config: Mapping[str, Any], where: str) -> str:
     return modes[0]
 
 
-def load_pooling_config(folder: str | os.PathLike) -> PoolingConfig:
+def load_pooling_config(folder: str | os.PathLike, *, default_mode: str = "cls") -> PoolingConfig:
     """The pooling of a model folder, from its sentence-transformers files (see the module
-    docstring); ValueError naming a module or mode jaxpaged does not run."""
+    docstring; without them ``default_mode``, normalised: vLLM's CLS for an encoder, last
+    token for a decoder); ValueError naming a module or mode jaxpaged does not run."""
     folder = os.fspath(folder)
     modules_path = os.path.join(folder, "modules.json")
     max_len = None
@@ -82,7 +84,7 @@ def load_pooling_config(folder: str | os.PathLike) -> PoolingConfig:
     if os.path.isfile(st_config):
         max_len = _read_json(st_config).get("max_seq_length")
     if not os.path.isfile(modules_path):
-        return PoolingConfig(mode="cls", normalize=True, max_seq_length=max_len)
+        return PoolingConfig(mode=default_mode, normalize=True, max_seq_length=max_len)
     mode, normalize = None, False
     for module in _read_json(modules_path):
         kind = str(module.get("type", ""))

@@ -112,7 +112,7 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
         """The model's pooled output per input: an embedding model's embedding, a
         cross-encoder's class probabilities."""
         body, engine = await admit(request, PoolingRequest, "/pooling")
-        classifier = engine.model_config.classifier
+        classifier = engine.engine.info.classifier
         pe = engine.engine
         kwargs = {"truncate_prompt_tokens": body.truncate_prompt_tokens}
         if classifier:
@@ -139,7 +139,7 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
                 body.inputs(), truncate_prompt_tokens=body.truncate_prompt_tokens
             ),
         )
-        labels = engine.model_config.id2label
+        labels = engine.engine.info.id2label
         data = []
         for i, o in enumerate(outs):
             best = int(np.argmax(o.outputs.probs))

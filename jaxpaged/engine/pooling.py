@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxpaged.args import RUNNERS, EngineArgs
 from jaxpaged.engine.protocol import EngineStats, Prompt
-from jaxpaged.models.bert import EncoderConfig
+from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.pooling import PoolingConfig
 from jaxpaged.pooling_outputs import (
     ClassificationOutput,
@@ -30,7 +30,7 @@ from jaxpaged.pooling_outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from jaxpaged.worker.pooling_runner import PoolingBuckets, PoolingRunner
+from jaxpaged.worker.pooling_runner import PoolingBuckets, PoolingRunner, hidden_states_fn
 
 __all__ = ["PoolingEngine", "PoolingJob", "choose_runner"]
 
@@ -40,20 +40,20 @@ DEFAULT_POOLING_TOKENS = 8192
 
 def choose_runner(args: EngineArgs) -> str:
     """ "generate" or "pooling": ``args.runner``, or for "auto" the runner the checkpoint's
-    family declares (the bundled SmolLM2 and GGUF files generate). ValueError when the
-    runner asked for cannot run the checkpoint, naming both."""
+    family declares (the bundled SmolLM2 and GGUF files generate). A decoder may pool
+    (``runner="pooling"``: last-token embeddings, as Qwen3-Embedding); an encoder cannot
+    generate (ValueError naming both)."""
     if args.runner not in RUNNERS:
         raise ValueError(f"runner: {args.runner!r} is not one of {', '.join(RUNNERS)}")
     declared = _declared_runner(args)
     if args.runner == "auto":
         return declared
-    if args.runner != declared:
+    if args.runner == "generate" and declared == "pooling":
         raise ValueError(
-            f"runner={args.runner!r} cannot run model {args.model!r}: its architecture runs "
-            f"only runner={declared!r} (jaxpaged pools with encoder models: BERT, RoBERTa, "
-            "XLM-R; decoders generate)"
+            f"runner='generate' cannot run model {args.model!r}: it is an encoder (BERT, "
+            "RoBERTa, XLM-R), which runs only runner='pooling' (embeddings and scores)"
         )
-    return declared
+    return args.runner
 
 
 def _declared_runner(args: EngineArgs) -> str:
@@ -87,8 +87,8 @@ class PoolingEngine:
     def __init__(
         self,
         *,
-        model_config: EncoderConfig,
-        params: Any,  # noqa: ANN401 - the encoder family's params tree
+        model_config: ModelConfig,
+        params: Any,  # noqa: ANN401 - the family's params tree
         tokenizer: Any,  # noqa: ANN401 - a transformers tokenizer
         pooling: PoolingConfig,
         max_model_len: int | None = None,
@@ -96,6 +96,7 @@ class PoolingEngine:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
         model_name: str = "",
+        graphdef: Any = None,  # noqa: ANN401 - a decoder's NNX graph (None: an encoder)
     ) -> None:
         limit = model_config.max_position_embeddings
         default = min(pooling.max_seq_length or limit, limit)
@@ -109,7 +110,10 @@ class PoolingEngine:
         buckets = PoolingBuckets.for_limits(
             self.max_model_len, max_num_seqs, max_num_batched_tokens or DEFAULT_POOLING_TOKENS
         )
-        self.worker = PoolingRunner(model_config, params, pooling, buckets)
+        self.worker = PoolingRunner(
+            model_config, params, pooling, buckets, hidden_states_fn(model_config, graphdef)
+        )
+        self.info = self.worker.info
         self.warmup_programs = 0 if enforce_eager else self.worker.warm_up()
         self._requests = 0
         self._prompt_tokens = 0
@@ -119,12 +123,13 @@ class PoolingEngine:
         """Loads ``args.model`` (a folder or hub id of an encoder family) and warms up."""
         from jaxpaged.models.loader import load_model, load_tokenizer
         from jaxpaged.models.pooling import load_pooling_config
+        from jaxpaged.models.registry import family_of
         from jaxpaged.models.resolve import resolve_model_folder
 
         if choose_runner(args) != "pooling":
             raise ValueError(
-                f"model {args.model!r} is a generative model (runner 'generate'): use LLM(...)"
-                " without runner='pooling' and generate()"
+                f"model {args.model!r} runs the generate runner by default: ask for "
+                "runner='pooling' to embed with it"
             )
         if args.tensor_parallel_size != 1 or args.enable_lora or args.quantization:
             raise ValueError(
@@ -135,16 +140,21 @@ class PoolingEngine:
             args.model, revision=args.revision, download_dir=args.download_dir
         )
         config, params = load_model(folder, dtype=args.load_dtype, progress=args.show_progress)
+        family = family_of(config)
+        graphdef = None
+        if family.runner != "pooling":  # a decoder: its own module, run densely per row
+            graphdef = family.module.graphdef_for(config, params)
         return cls(
             model_config=config,
             params=params,
             tokenizer=load_tokenizer(folder),
-            pooling=load_pooling_config(folder),
+            pooling=load_pooling_config(folder, default_mode="cls" if graphdef is None else "last"),
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
             model_name=os.fspath(args.model),
+            graphdef=graphdef,
         )
 
     # ------------------------------------------------------------ inputs
@@ -278,7 +288,7 @@ class PoolingEngine:
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
     ) -> PoolingJob:
-        if self.model_config.classifier:
+        if self.info.classifier:
             raise ValueError(
                 f"model {self.model_name!r} is a cross-encoder (sequence classification): "
                 "it scores text pairs (score, /score, /rerank) and has no embeddings"
@@ -317,7 +327,7 @@ class PoolingEngine:
         """ValueError unless ``dimensions`` is None or a size this model may truncate to."""
         if dimensions is None:
             return
-        c = self.model_config
+        c = self.info
         if not c.is_matryoshka:
             raise ValueError(
                 f"model {self.model_name!r} does not support Matryoshka representation: "
@@ -330,8 +340,9 @@ class PoolingEngine:
                 f"dimensions {dimensions} is not one of this model's Matryoshka sizes "
                 f"{list(c.matryoshka_dimensions)}"
             )
-        if not 1 <= dimensions <= c.hidden_size:
-            raise ValueError(f"dimensions must be in [1, {c.hidden_size}], got {dimensions}")
+        hidden = self.model_config.hidden_size
+        if not 1 <= dimensions <= hidden:
+            raise ValueError(f"dimensions must be in [1, {hidden}], got {dimensions}")
 
     def finish_embeddings(self, pooled: np.ndarray, dimensions: int | None) -> np.ndarray:
         """Truncated to ``dimensions`` (Matryoshka), then normalised if the model's
@@ -368,7 +379,7 @@ class PoolingEngine:
         return self.run_jobs([job])[0]
 
     def _need_classifier(self, what: str) -> None:
-        if not self.model_config.classifier:
+        if not self.info.classifier:
             raise ValueError(
                 f"{what} needs a cross-encoder (*ForSequenceClassification); model "
                 f"{self.model_name!r} is an embedding model"
@@ -392,9 +403,9 @@ class PoolingEngine:
                 for r, t, s in zip(rids, ids, scores, strict=True)
             ]
 
-        if self.model_config.classifier:
+        if self.info.classifier:
             ids, types = self._pair_tokens(a, b, truncate_prompt_tokens)
-            activation = self.model_config.score_activation
+            activation = self.info.score_activation
             return PoolingJob(
                 ids, types, lambda rows: outputs(ids, _activate(rows[:, 0], activation))
             )
@@ -425,7 +436,7 @@ class PoolingEngine:
         self, a: list[str], b: list[str], truncate_prompt_tokens: int | None
     ) -> tuple[list[list[int]], list[list[int]] | None]:
         """A cross-encoder's inputs: each pair as one sequence, with its segment ids."""
-        c = self.model_config
+        c = self.info
         if c.num_labels != 1:
             raise ValueError(
                 f"score needs a cross-encoder with one label; model {self.model_name!r} has "

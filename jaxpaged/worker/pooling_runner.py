@@ -16,9 +16,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpaged.models.bert import EncoderConfig, classify, encode
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.layers import dense_causal_attention
 from jaxpaged.models.pooling import PoolingConfig, pool
 from jaxpaged.worker.compile_counter import CompileCounter
 
@@ -63,25 +67,75 @@ class PoolingBuckets:
         return [(r, s) for s in self.lengths for r in self.rows_for(s)]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolingModelInfo:
+    """What the pooling runner needs to know of a model beyond its ModelConfig: an
+    encoder's head and Matryoshka sizes (models/bert.py); a decoder has neither."""
+
+    classifier: bool = False
+    num_labels: int = 0
+    id2label: tuple[str, ...] = ()
+    score_activation: str = "sigmoid"
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    pad_token_id: int = 0
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> PoolingModelInfo:
+        if not isinstance(config, EncoderConfig):
+            return cls()
+        return cls(
+            classifier=config.classifier,
+            num_labels=config.num_labels,
+            id2label=config.id2label,
+            score_activation=config.score_activation,
+            is_matryoshka=config.is_matryoshka,
+            matryoshka_dimensions=config.matryoshka_dimensions,
+            pad_token_id=config.pad_token_id,
+        )
+
+
+HiddenFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def hidden_states_fn(config: ModelConfig, graphdef: Any = None) -> HiddenFn:  # noqa: ANN401
+    """``fn(params, tokens [B, S], mask [B, S], types [B, S]) -> hidden [B, S, D]``: an
+    encoder's bidirectional forward, or a decoder's (``graphdef``: its NNX graph) dense
+    causal forward of each row, whose right padding the real tokens never see."""
+    if isinstance(config, EncoderConfig):
+        return lambda params, tokens, mask, types: encode(params, config, tokens, mask, types)
+
+    def decoder(params: Any, tokens: jax.Array, mask: jax.Array, types: jax.Array) -> jax.Array:  # noqa: ANN401
+        del mask, types
+        model = nnx.merge(graphdef, params)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        return jax.vmap(lambda row: model(row, positions, dense_causal_attention, None)[0])(tokens)
+
+    return decoder
+
+
 class PoolingRunner:
     """Runs an encoder over batches of token sequences: each input's pooled embedding
     (an embedding model) or its classifier logits (a cross-encoder), float32."""
 
     def __init__(
         self,
-        config: EncoderConfig,
+        config: ModelConfig,
         params: Any,  # noqa: ANN401 - the family's params tree, on the device
         pooling: PoolingConfig,
         buckets: PoolingBuckets,
+        hidden_fn: HiddenFn,
     ) -> None:
         self.config, self.params, self.pooling, self.buckets = config, params, pooling, buckets
+        self.info = PoolingModelInfo.of(config)
+        self._hidden_fn = hidden_fn
         self.counter = CompileCounter().open()
         self.warmup_compilations: int | None = None
         self.warmup_seconds = 0.0
         self._forward = jax.jit(self._make_forward())
 
     def _make_forward(self) -> Callable[..., jax.Array]:
-        config, mode = self.config, self.pooling.mode
+        info, mode, hidden_fn = self.info, self.pooling.mode, self._hidden_fn
 
         def forward(
             params: Any,  # noqa: ANN401
@@ -89,8 +143,8 @@ class PoolingRunner:
             mask: jax.Array,  # bool [B, S]
             types: jax.Array,  # int32 [B, S]
         ) -> jax.Array:  # float32 [B, D] pooled, or [B, C] logits
-            hidden = encode(params, config, tokens, mask, types)
-            if config.classifier:
+            hidden = hidden_fn(params, tokens, mask, types)
+            if info.classifier:
                 return classify(params, hidden)
             return pool(hidden, mask, mode)
 
@@ -98,7 +152,7 @@ class PoolingRunner:
 
     @property
     def output_size(self) -> int:
-        return self.config.num_labels if self.config.classifier else self.config.hidden_size
+        return self.info.num_labels if self.info.classifier else self.config.hidden_size
 
     def warm_up(self) -> int:
         """Compiles every bucket; returns how many programs that took."""
@@ -133,7 +187,7 @@ class PoolingRunner:
             fits = self.buckets.rows_for(length)
             take = min(n - i, fits[-1])
             rows = next(r for r in fits if r >= take)
-            tokens = np.full((rows, length), self.config.pad_token_id, np.int32)
+            tokens = np.full((rows, length), self.info.pad_token_id, np.int32)
             types = np.zeros((rows, length), np.int32)
             mask = np.zeros((rows, length), bool)
             chosen = order[i : i + take]

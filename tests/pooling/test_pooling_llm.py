@@ -124,9 +124,9 @@ def test_runners_refuse_each_others_calls(cross_encoder, bundled_model_path, tmp
         LLMEngine.from_engine_args(EngineArgs(model=folder))
     with pytest.raises(ValueError, match="runner='generate' cannot run model"):
         choose_runner(EngineArgs(model=folder, runner="generate"))
-    with pytest.raises(ValueError, match="runner='pooling' cannot run model"):
-        choose_runner(EngineArgs(model=bundled_model_path, runner="pooling"))
     assert choose_runner(EngineArgs(model=bundled_model_path)) == "generate"
+    # a decoder pools when asked (last-token embeddings: tests/pooling/test_decoder_embed.py)
+    assert choose_runner(EngineArgs(model=bundled_model_path, runner="pooling")) == "pooling"
     generator = LLM.__new__(LLM)  # the refusal is decided before the engine is asked
     generator.engine = object()
     with pytest.raises(ValueError, match=r"embed\(\) needs runner='pooling'.*runner='generate'"):
