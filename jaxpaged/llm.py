@@ -272,6 +272,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``)."""
+        self._need_runner("generate", "reset_prefix_cache")
         self.engine.reset_prefix_cache()
 
     def update_weights(self, params: Any) -> None:  # noqa: ANN401 - the model's params pytree
@@ -279,17 +280,20 @@ class LLM:
         without recompiling or reallocating the KV pool; the prefix cache is reset. Params
         already on the device (or sharded on the engine's mesh) are used in place, so do not
         donate or delete them while this engine may still generate from them."""
+        self._need_runner("generate", "update_weights")
         self.engine.update_weights(params)
 
     def sleep(self, level: int = 1) -> int:
         """Frees the KV cache (level 1) and also drops the weights (level 2), so a trainer
         can use the memory; ``generate`` raises EngineAsleepError until :meth:`wake_up`.
         Returns the KV bytes freed."""
+        self._need_runner("generate", "sleep")
         return self.engine.sleep(level)
 
     def wake_up(self, params: Any = None) -> None:  # noqa: ANN401
         """Restores the KV cache after :meth:`sleep`. After level 2 pass the new ``params``
         (an engine that loaded its model reloads it when none are given)."""
+        self._need_runner("generate", "wake_up")
         self.engine.wake_up(params)
 
     def close(self) -> None:

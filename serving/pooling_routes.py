@@ -16,7 +16,13 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from jaxpaged.engine.protocol import EngineDeadError
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, Unavailable, field_of
+from jaxpaged.serving.frontend import (
+    Frontend,
+    InvalidRequest,
+    ServingError,
+    Unavailable,
+    field_of,
+)
 from jaxpaged.serving.pooling_protocol import (
     EmbeddingRequest,
     PoolingRequest,
@@ -25,7 +31,7 @@ from jaxpaged.serving.pooling_protocol import (
 )
 from jaxpaged.serving.protocol import parse_body
 
-__all__ = ["add_pooling_routes"]
+__all__ = ["NotPooling", "add_pooling_routes", "pooling_engine", "run_pooling"]
 
 
 def _usage(token_ids: list[list[int]]) -> dict[str, int]:
@@ -38,6 +44,39 @@ def _vector(values: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
     return values
+
+
+class NotPooling(ServingError):
+    """A pooling call to a server whose model generates."""
+
+    http_status = 400
+    grpc_code = "FAILED_PRECONDITION"
+    error_type = "invalid_request_error"
+
+
+def pooling_engine(frontend: Frontend, endpoint: str) -> Any:  # noqa: ANN401
+    """The server's AsyncPoolingEngine, once it is ready; NotPooling naming the runner of a
+    server whose model generates."""
+    frontend.check_ready()
+    engine = frontend.engine
+    if getattr(engine, "runner", "generate") != "pooling":
+        raise NotPooling(
+            f"{endpoint} needs a pooling model (an encoder: `jaxpaged serve MODEL --runner "
+            f"pooling`); model {frontend.config.served_model_name!r} runs the generate runner "
+            "(completions and chat)"
+        )
+    return engine
+
+
+async def run_pooling(frontend: Frontend, engine: Any, prepare: Any) -> Any:  # noqa: ANN401
+    """``engine.run(prepare)``, its bad input an InvalidRequest, its failure Unavailable."""
+    try:
+        return await engine.run(prepare)
+    except EngineDeadError as e:
+        frontend.mark_failed(e)
+        raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
+    except ValueError as e:
+        raise InvalidRequest(str(e), param=field_of(str(e))) from e
 
 
 def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
@@ -56,24 +95,10 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
                 f"{cfg.served_model_name!r}",
                 param="model",
             )
-        frontend.check_ready()
-        engine = frontend.engine
-        if getattr(engine, "runner", "generate") != "pooling":
-            raise InvalidRequest(
-                f"{endpoint} needs a pooling model (an encoder: `jaxpaged serve MODEL --runner "
-                f"pooling`); model {cfg.served_model_name!r} runs the generate runner "
-                "(completions and chat)"
-            )
-        return body, engine
+        return body, pooling_engine(frontend, endpoint)
 
     async def run(engine: Any, prepare: Any) -> Any:  # noqa: ANN401
-        try:
-            return await engine.run(prepare)
-        except EngineDeadError as e:
-            frontend.mark_failed(e)
-            raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
-        except ValueError as e:
-            raise InvalidRequest(str(e), param=field_of(str(e))) from e
+        return await run_pooling(frontend, engine, prepare)
 
     def head(prefix: str) -> dict[str, Any]:
         return {

@@ -121,5 +121,46 @@ def test_a_generation_server_refuses_pooling_requests():
             r = httpx.post(f"{server.http}{path}", json=body)
             assert r.status_code == 400
             assert "needs a pooling model" in r.json()["error"]["message"]
+        import grpc
+
+        from jaxpaged.serving import generation_pb2 as pb
+        from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.GenerationStub(channel).Embed(
+                    pb.EmbedRequest(inputs=[pb.EmbedInput(text="hi")])
+                )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "needs a pooling model" in err.value.details()
     finally:
         server.stop()
+
+
+def test_grpc_embed(embed_server, rerank_server):
+    import grpc
+
+    from jaxpaged.serving import generation_pb2 as pb
+    from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+
+    engine, server = embed_server
+    sentences = texts(3, seed=9, longest=10)
+    want = np.array([o.outputs.embedding for o in engine.embed(sentences)])
+    ids = engine.embed(sentences[2])[0].prompt_token_ids
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        inputs = [pb.EmbedInput(text=t) for t in sentences[:2]]
+        inputs.append(pb.EmbedInput(token_ids=pb.TokenIds(ids=ids)))
+        reply = stub.Embed(pb.EmbedRequest(inputs=inputs))
+        np.testing.assert_allclose([list(e.values) for e in reply.embeddings], want, atol=1e-6)
+        assert reply.prompt_tokens == sum(e.prompt_tokens for e in reply.embeddings) > 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text="w1")], dimensions=4))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Matryoshka" in err.value.details()
+    with grpc.insecure_channel(rerank_server[2].grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as err:  # a cross-encoder has no embeddings
+            pb_grpc.GenerationStub(channel).Embed(
+                pb.EmbedRequest(inputs=[pb.EmbedInput(text="w1")])
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
