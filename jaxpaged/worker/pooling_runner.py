@@ -67,6 +67,36 @@ class PoolingBuckets:
         return [(r, s) for s in self.lengths for r in self.rows_for(s)]
 
 
+def plan_batches(
+    lengths: Sequence[int], buckets: PoolingBuckets
+) -> list[tuple[list[int], int, int]]:
+    """(indices, rows, length) of each padded batch: the inputs sorted longest first, those
+    of one length bucket batched together (so a long input does not pad the short ones to
+    its length), in row buckets of the token budget; a remainder takes the next row bucket
+    up when that pads at most a quarter of its rows, else the next one down (and the rest
+    follows)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plan: list[tuple[list[int], int, int]] = []
+    i = 0
+    while i < len(order):
+        length = buckets.length_for(max(1, lengths[order[i]]))
+        group = i
+        while group < len(order) and buckets.length_for(max(1, lengths[order[group]])) == length:
+            group += 1
+        fits = buckets.rows_for(length)
+        while i < group:
+            rest = group - i
+            up = next((r for r in fits if r >= rest), None)
+            if up is not None and up - rest <= rest // 4:
+                rows, take = up, rest
+            else:
+                rows = max(r for r in fits if r <= rest)
+                take = rows
+            plan.append((order[i : i + take], rows, length))
+            i += take
+    return plan
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PoolingModelInfo:
     """What the pooling runner needs to know of a model beyond its ModelConfig: an
@@ -176,21 +206,13 @@ class PoolingRunner:
         sequences: Sequence[Sequence[int]],  # each within the longest length bucket
         token_types: Sequence[Sequence[int] | None] | None = None,  # None: all segment 0
     ) -> np.ndarray:  # float32 [N, output_size], in the order given
-        """Every sequence's output, batched longest first into the buckets."""
-        n = len(sequences)
-        out = np.empty((n, self.output_size), np.float32)
-        order = sorted(range(n), key=lambda i: -len(sequences[i]))
-        i = 0
+        """Every sequence's output, in the batches of `plan_batches`."""
+        out = np.empty((len(sequences), self.output_size), np.float32)
         pending: list[tuple[list[int], Any]] = []
-        while i < n:
-            length = self.buckets.length_for(max(1, len(sequences[order[i]])))
-            fits = self.buckets.rows_for(length)
-            take = min(n - i, fits[-1])
-            rows = next(r for r in fits if r >= take)
+        for chosen, rows, length in plan_batches([len(s) for s in sequences], self.buckets):
             tokens = np.full((rows, length), self.info.pad_token_id, np.int32)
             types = np.zeros((rows, length), np.int32)
             mask = np.zeros((rows, length), bool)
-            chosen = order[i : i + take]
             for row, j in enumerate(chosen):
                 seq = sequences[j]
                 tokens[row, : len(seq)] = seq
@@ -199,7 +221,6 @@ class PoolingRunner:
                     types[row, : len(seq)] = token_types[j]
             # dispatched without waiting: the next batch is padded while this one runs
             pending.append((chosen, self._forward(self.params, tokens, mask, types)))
-            i += take
         for chosen, result in pending:
             out[chosen] = np.asarray(result)[: len(chosen)]
         return out
