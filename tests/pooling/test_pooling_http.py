@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -164,3 +165,40 @@ def test_grpc_embed(embed_server, rerank_server):
                 pb.EmbedRequest(inputs=[pb.EmbedInput(text="w1")])
             )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_concurrent_requests_share_batches_and_each_gets_its_own(embed_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, server = embed_server
+    requests = [texts(1 + i % 3, seed=100 + i, longest=14) for i in range(12)]
+    want = [np.array([o.outputs.embedding for o in engine.embed(r)]) for r in requests]
+    calls = []
+    run_jobs = engine.run_jobs
+    # the counter is process-wide: other engines' warm-ups count too, so compare
+    compiled = engine.get_stats().num_compilations_after_warmup
+
+    def counted(jobs):
+        if not calls:  # the others queue meanwhile, and must then run together
+            time.sleep(1.0)
+        calls.append(len(jobs))
+        return run_jobs(jobs)
+
+    engine.run_jobs = counted
+    try:
+
+        def post(body):
+            return httpx.post(f"{server.http}/v1/embeddings", json=body, timeout=60)
+
+        bodies = [{"input": r, "encoding_format": "float"} for r in requests]
+        bodies.insert(5, {"input": [[5, 99999]]})  # a bad one among them fails alone
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(post, bodies))
+    finally:
+        del engine.run_jobs
+    assert replies.pop(5).status_code == 400
+    for reply, w in zip(replies, want, strict=True):
+        got = [d["embedding"] for d in reply.json()["data"]]
+        np.testing.assert_allclose(got, w, atol=1e-6)
+    assert sum(calls) == 12 and len(calls) < 12  # some requests ran in one batch
+    assert engine.get_stats().num_compilations_after_warmup == compiled
