@@ -35,7 +35,7 @@ def test_embeddings_equal_sentence_transformers(minilm):
 
     from jaxpaged import LLM
 
-    with LLM(minilm, max_num_seqs=4, max_model_len=32, show_progress=False) as llm:
+    with LLM(minilm, max_num_seqs=2, max_model_len=32, show_progress=False) as llm:
         assert llm.engine.pooling.mode == "mean" and llm.engine.pooling.normalize
         ours = np.array([o.outputs.embedding for o in llm.embed(SENTENCES)])
         with pytest.raises(ValueError, match="does not support Matryoshka"):

@@ -35,8 +35,8 @@ def _serve(folder: str, **args) -> tuple[PoolingEngine, ServerThread]:
 def embed_server(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("http-embed"))
     save_encoder(folder, "BertModel")
-    save_sentence_transformers_files(folder, "cls", normalize=True, max_seq_length=16, dim=32)
-    engine, server = _serve(folder, max_num_seqs=4)
+    save_sentence_transformers_files(folder, "mean", normalize=True, max_seq_length=16, dim=32)
+    engine, server = _serve(folder, max_num_seqs=8)  # the shapes of test_pooling_llm's
     yield engine, server
     server.stop()
     engine.close()
@@ -46,7 +46,7 @@ def embed_server(tmp_path_factory):
 def rerank_server(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("http-cross"))
     hf = save_encoder(folder, "BertForSequenceClassification", num_labels=1, seed=1)
-    engine, server = _serve(folder, max_num_seqs=4, max_model_len=32)
+    engine, server = _serve(folder, max_num_seqs=4, max_model_len=16)
     yield hf, engine, server
     server.stop()
     engine.close()

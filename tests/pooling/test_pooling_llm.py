@@ -41,7 +41,7 @@ def embedder(tmp_path_factory):
 def cross_encoder(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("bert-cross"))
     hf = save_encoder(folder, "BertForSequenceClassification", num_labels=1)
-    llm = LLM(folder, runner="pooling", max_num_seqs=4, max_model_len=32, show_progress=False)
+    llm = LLM(folder, runner="pooling", max_num_seqs=4, max_model_len=16, show_progress=False)
     yield hf, folder, llm
     llm.close()
 
@@ -103,7 +103,7 @@ def test_matryoshka_dimensions(embedder):
 
 def test_cross_encoder_scores_equal_transformers(cross_encoder):
     hf, _, llm = cross_encoder
-    query, docs = "w1 w7 w9", texts(6, seed=3)
+    query, docs = "w1 w7 w9", texts(6, seed=3, longest=10)
     outs = llm.score(query, docs)
     enc = llm.tokenizer([query] * len(docs), docs, padding=True, return_tensors="pt")
     with torch.no_grad():
