@@ -30,7 +30,12 @@ from jaxpaged.pooling_outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from jaxpaged.worker.pooling_runner import PoolingBuckets, PoolingRunner, hidden_states_fn
+from jaxpaged.worker.pooling_runner import (
+    PoolingBuckets,
+    PoolingModelInfo,
+    PoolingRunner,
+    hidden_states_fn,
+)
 
 __all__ = ["PoolingEngine", "PoolingJob", "choose_runner"]
 
@@ -50,8 +55,9 @@ def choose_runner(args: EngineArgs) -> str:
         return declared
     if args.runner == "generate" and declared == "pooling":
         raise ValueError(
-            f"runner='generate' cannot run model {args.model!r}: it is an encoder (BERT, "
-            "RoBERTa, XLM-R), which runs only runner='pooling' (embeddings and scores)"
+            f"runner='generate' cannot run model {args.model!r}: it is a pooling model (an "
+            "encoder: BERT, RoBERTa, XLM-R; or a *ForSequenceClassification checkpoint), which "
+            "runs only runner='pooling' (embeddings and scores)"
         )
     return args.runner
 
@@ -62,13 +68,21 @@ def _declared_runner(args: EngineArgs) -> str:
         return "generate"
     from jaxpaged.models.hub import resolve_model_path
     from jaxpaged.models.registry import family_for_hf_config
+    from jaxpaged.models.seq_cls import is_decoder_classifier
 
     folder = resolve_model_path(model, revision=args.revision, download_dir=args.download_dir)
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):  # an Orbax folder (jaxpaged.convert): decoders only
         return "generate"
-    with open(path) as f:
-        return family_for_hf_config(json.load(f)).runner
+    d = _read_config(folder)
+    if is_decoder_classifier(d):  # a converted reranker: its score head pools
+        return "pooling"
+    return family_for_hf_config(d).runner
+
+
+def _read_config(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
 
 
 def _is_token_ids(x: object) -> bool:
@@ -97,6 +111,7 @@ class PoolingEngine:
         enforce_eager: bool = False,
         model_name: str = "",
         graphdef: Any = None,  # noqa: ANN401 - a decoder's NNX graph (None: an encoder)
+        score_head: Any = None,  # noqa: ANN401 - [C, D] a decoder classifier's (seq_cls.py)
     ) -> None:
         limit = model_config.max_position_embeddings
         default = min(pooling.max_seq_length or limit, limit)
@@ -110,8 +125,17 @@ class PoolingEngine:
         buckets = PoolingBuckets.for_limits(
             self.max_model_len, max_num_seqs, max_num_batched_tokens or DEFAULT_POOLING_TOKENS
         )
+        info = None
+        if score_head is not None:  # a decoder *ForSequenceClassification
+            info = PoolingModelInfo(classifier=True, num_labels=int(score_head.shape[0]))
         self.worker = PoolingRunner(
-            model_config, params, pooling, buckets, hidden_states_fn(model_config, graphdef)
+            model_config,
+            params,
+            pooling,
+            buckets,
+            hidden_states_fn(model_config, graphdef),
+            score_head=score_head,
+            info=info,
         )
         self.info = self.worker.info
         self.warmup_programs = 0 if enforce_eager else self.worker.warm_up()
@@ -125,6 +149,7 @@ class PoolingEngine:
         from jaxpaged.models.pooling import load_pooling_config
         from jaxpaged.models.registry import family_of
         from jaxpaged.models.resolve import resolve_model_folder
+        from jaxpaged.models.seq_cls import is_decoder_classifier, load_decoder_classifier
 
         if choose_runner(args) != "pooling":
             raise ValueError(
@@ -139,7 +164,13 @@ class PoolingEngine:
         folder = resolve_model_folder(
             args.model, revision=args.revision, download_dir=args.download_dir
         )
-        config, params = load_model(folder, dtype=args.load_dtype, progress=args.show_progress)
+        head = None
+        if is_decoder_classifier(_read_config(folder)):
+            config, params, head, _ = load_decoder_classifier(
+                folder, dtype=args.load_dtype, progress=args.show_progress
+            )
+        else:
+            config, params = load_model(folder, dtype=args.load_dtype, progress=args.show_progress)
         family = family_of(config)
         graphdef = None
         if family.runner != "pooling":  # a decoder: its own module, run densely per row
@@ -155,6 +186,7 @@ class PoolingEngine:
             enforce_eager=args.enforce_eager,
             model_name=os.fspath(args.model),
             graphdef=graphdef,
+            score_head=head,
         )
 
     # ------------------------------------------------------------ inputs

@@ -155,9 +155,13 @@ class PoolingRunner:
         pooling: PoolingConfig,
         buckets: PoolingBuckets,
         hidden_fn: HiddenFn,
+        *,
+        score_head: jax.Array | None = None,  # [C, D]: a decoder classifier's (models/seq_cls.py)
+        info: PoolingModelInfo | None = None,  # None: what ``config`` says
     ) -> None:
         self.config, self.params, self.pooling, self.buckets = config, params, pooling, buckets
-        self.info = PoolingModelInfo.of(config)
+        self.info = PoolingModelInfo.of(config) if info is None else info
+        self.score_head = score_head
         self._hidden_fn = hidden_fn
         self.counter = CompileCounter().open()
         self.warmup_compilations: int | None = None
@@ -169,11 +173,14 @@ class PoolingRunner:
 
         def forward(
             params: Any,  # noqa: ANN401
+            head: jax.Array | None,  # [C, D] a decoder classifier's score head
             tokens: jax.Array,  # int32 [B, S]
             mask: jax.Array,  # bool [B, S]
             types: jax.Array,  # int32 [B, S]
         ) -> jax.Array:  # float32 [B, D] pooled, or [B, C] logits
             hidden = hidden_fn(params, tokens, mask, types)
+            if head is not None:  # the last token's hidden state through the score head
+                return pool(hidden, mask, "last") @ head.T.astype(jnp.float32)
             if info.classifier:
                 return classify(params, hidden)
             return pool(hidden, mask, mode)
@@ -190,7 +197,7 @@ class PoolingRunner:
         for rows, length in self.buckets.shapes():
             zeros = np.zeros((rows, length), np.int32)
             mask = np.zeros((rows, length), bool)
-            jax.block_until_ready(self._forward(self.params, zeros, mask, zeros))
+            jax.block_until_ready(self._forward(self.params, self.score_head, zeros, mask, zeros))
         self.warmup_compilations = self.counter.count - before
         self.warmup_seconds = time.perf_counter() - start
         return self.warmup_compilations
@@ -220,11 +227,13 @@ class PoolingRunner:
                 if token_types is not None and token_types[j] is not None:
                     types[row, : len(seq)] = token_types[j]
             # dispatched without waiting: the next batch is padded while this one runs
-            pending.append((chosen, self._forward(self.params, tokens, mask, types)))
+            pending.append(
+                (chosen, self._forward(self.params, self.score_head, tokens, mask, types))
+            )
         for chosen, result in pending:
             out[chosen] = np.asarray(result)[: len(chosen)]
         return out
 
     def close(self) -> None:
         self.counter.close()
-        self.params = None
+        self.params = self.score_head = None

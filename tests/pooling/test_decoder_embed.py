@@ -5,6 +5,7 @@ right padding changes nothing (causal attention never reads it)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -44,3 +45,29 @@ def test_qwen3_last_token_embeddings_equal_transformers(tmp_path):
         with torch.no_grad():
             h = hf.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
         np.testing.assert_allclose(got, h / np.linalg.norm(h), atol=2e-5)
+
+
+def test_qwen3_sequence_classification_scores_equal_transformers(tmp_path):
+    """A converted reranker (Qwen3ForSequenceClassification: the decoder body and a score
+    head on the last token) pools by itself; its scores are transformers' logits through
+    the sigmoid."""
+    torch.manual_seed(1)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        initializer_range=0.2, num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    hf = transformers.Qwen3ForSequenceClassification(config).eval()
+    hf.save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    query, docs = "w5 w9", ["w11 w12 w13", "w40", "w7 w8 w9 w10 w11 w12", "w90 w91"]
+    with LLM(str(tmp_path), max_model_len=16, max_num_seqs=2, show_progress=False) as llm:
+        outs = llm.score(query, docs)
+        with pytest.raises(ValueError, match="needs runner='generate'"):
+            llm.generate(["w5"])
+    for out, doc in zip(outs, docs, strict=True):
+        ids = out.prompt_token_ids
+        assert ids == llm.tokenizer(query, doc)["input_ids"]
+        with torch.no_grad():
+            logit = hf(torch.tensor([ids])).logits[0, 0].item()
+        assert abs(out.outputs.score - 1 / (1 + np.exp(-logit))) < 1e-5
