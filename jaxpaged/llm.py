@@ -214,7 +214,7 @@ class LLM:
 
     # ------------------------------------------------------------ the pooling runner
     def _need_runner(self, runner: str, call: str) -> None:
-        have = getattr(self.engine, "runner", "generate")
+        have = getattr(self.engine, "runner_kind", "generate")
         if have != runner:
             hint = (
                 "embed(), score() and classify()" if have == "pooling" else "generate() and chat()"

@@ -59,7 +59,7 @@ def pooling_engine(frontend: Frontend, endpoint: str) -> Any:  # noqa: ANN401
     server whose model generates."""
     frontend.check_ready()
     engine = frontend.engine
-    if getattr(engine, "runner", "generate") != "pooling":
+    if getattr(engine, "runner_kind", "generate") != "pooling":
         raise NotPooling(
             f"{endpoint} needs a pooling model (an encoder: `jaxpaged serve MODEL --runner "
             f"pooling`); model {frontend.config.served_model_name!r} runs the generate runner "

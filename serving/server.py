@@ -170,7 +170,7 @@ class Server:
             cfg.host,
             self.http_port,
         )
-        if getattr(engine, "runner", "generate") == "pooling":
+        if getattr(engine, "runner_kind", "generate") == "pooling":
             path, body = "/v1/embeddings", '{"model": "%s", "input": "Hello"}'
         else:
             path = "/v1/chat/completions"

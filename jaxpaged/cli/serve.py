@@ -170,7 +170,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
         from jaxpaged.engine.async_engine import AsyncEngine
 
         engine = build_engine(args)
-        if getattr(engine, "runner", "generate") == "pooling":
+        if getattr(engine, "runner_kind", "generate") == "pooling":
             from jaxpaged.engine.async_pooling import AsyncPoolingEngine
 
             return AsyncPoolingEngine(engine)

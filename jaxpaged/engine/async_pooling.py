@@ -34,7 +34,7 @@ _Work = tuple[Callable[[], PoolingJob], asyncio.Future]
 class AsyncPoolingEngine:
     """The pooling runner for the servers: ``await run(lambda: engine.embed_job(...))``."""
 
-    runner = "pooling"
+    runner_kind = "pooling"  # what LLM and the servers ask (an LLMEngine has none: generate)
 
     def __init__(self, engine: PoolingEngine) -> None:
         self.engine = engine

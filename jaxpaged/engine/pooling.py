@@ -96,7 +96,7 @@ def _is_token_ids(x: object) -> bool:
 class PoolingEngine:
     """An encoder with its tokenizer and pooling, compiled for every bucket at start-up."""
 
-    runner = "pooling"
+    runner_kind = "pooling"  # what LLM and the servers ask (an LLMEngine has none: generate)
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -128,6 +129,6 @@ def test_runners_refuse_each_others_calls(cross_encoder, bundled_model_path, tmp
     # a decoder pools when asked (last-token embeddings: tests/pooling/test_decoder_embed.py)
     assert choose_runner(EngineArgs(model=bundled_model_path, runner="pooling")) == "pooling"
     generator = LLM.__new__(LLM)  # the refusal is decided before the engine is asked
-    generator.engine = object()
+    generator.engine = types.SimpleNamespace(runner=object())  # as an LLMEngine: its worker
     with pytest.raises(ValueError, match=r"embed\(\) needs runner='pooling'.*runner='generate'"):
         generator.embed(["hello"])
