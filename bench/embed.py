@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
               max_model_len=args.max_model_len, show_progress=False)  # fmt: skip
     warm = time.perf_counter() - t0
     st = SentenceTransformer(folder, device="cpu")
-    lengths = [len(t) for t in llm.engine.tokenize(texts)]
+    lengths = [len(t) for t in llm.engine.inputs.tokenize(texts)]
     print(f"model {folder}\n{len(texts)} sentences, tokens per sentence: mean "
           f"{statistics.mean(lengths):.1f}, max {max(lengths)}; torch threads "
           f"{torch.get_num_threads()}, jaxpaged warm-up {warm:.1f} s "

@@ -51,7 +51,8 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any) -> None:
-        from jaxpaged.engine.pooling import PoolingEngine, choose_runner
+        from jaxpaged.engine.pooling import PoolingEngine
+        from jaxpaged.engine.runner_choice import choose_runner
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         if choose_runner(args) == "pooling":

@@ -188,7 +188,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     checkpoint's family), else the LLMEngine (every host of a multi-host run builds the same
     one)."""
     from jaxpaged.engine import LLMEngine
-    from jaxpaged.engine.pooling import PoolingEngine, choose_runner
+    from jaxpaged.engine.pooling import PoolingEngine
+    from jaxpaged.engine.runner_choice import choose_runner
 
     engine_args = EngineArgs.from_cli_args(args)
     if choose_runner(engine_args) == "pooling":  # --runner, else the checkpoint's family

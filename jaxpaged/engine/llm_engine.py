@@ -256,7 +256,7 @@ class LLMEngine:
         lora_config = args.lora_config()
         process_config = args.process_config()
         if params is None:
-            from jaxpaged.engine.pooling import choose_runner
+            from jaxpaged.engine.runner_choice import choose_runner
 
             if choose_runner(args) != "generate":
                 raise ValueError(

@@ -3,23 +3,23 @@
 No KV cache and no scheduler: a call tokenizes its inputs (checked: not empty, token ids in
 the vocabulary, no longer than ``max_model_len`` unless ``truncate_prompt_tokens`` says to
 truncate), runs them through the worker's fixed-shape buckets (compiled at warm-up) and
-returns one output per input. Which runner a checkpoint gets is its family's declaration
-(``ModelFamily.runner``), unless ``runner`` says otherwise; a generation call to a pooling
-engine, and the reverse, are refused by name.
+returns one output per input. Which runner a checkpoint gets: engine/runner_choice.py; a
+generation call to a pooling engine, and the reverse, are refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxpaged.args import RUNNERS, EngineArgs
+from jaxpaged.args import EngineArgs
+from jaxpaged.engine.pooling_inputs import PoolingInputs, pairs, prompt_list
 from jaxpaged.engine.protocol import EngineStats, Prompt
+from jaxpaged.engine.runner_choice import choose_runner, read_hf_config
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.pooling import PoolingConfig
 from jaxpaged.pooling_outputs import (
@@ -37,60 +37,10 @@ from jaxpaged.worker.pooling_runner import (
     hidden_states_fn,
 )
 
-__all__ = ["PoolingEngine", "PoolingJob", "choose_runner"]
+__all__ = ["PoolingEngine", "PoolingJob"]
 
 # the token budget of one padded batch when max_num_batched_tokens is unset
 DEFAULT_POOLING_TOKENS = 8192
-
-
-def choose_runner(args: EngineArgs) -> str:
-    """ "generate" or "pooling": ``args.runner``, or for "auto" the runner the checkpoint's
-    family declares (the bundled SmolLM2 and GGUF files generate). A decoder may pool
-    (``runner="pooling"``: last-token embeddings, as Qwen3-Embedding); an encoder cannot
-    generate (ValueError naming both)."""
-    if args.runner not in RUNNERS:
-        raise ValueError(f"runner: {args.runner!r} is not one of {', '.join(RUNNERS)}")
-    declared = _declared_runner(args)
-    if args.runner == "auto":
-        return declared
-    if args.runner == "generate" and declared == "pooling":
-        raise ValueError(
-            f"runner='generate' cannot run model {args.model!r}: it is a pooling model (an "
-            "encoder: BERT, RoBERTa, XLM-R; or a *ForSequenceClassification checkpoint), which "
-            "runs only runner='pooling' (embeddings and scores)"
-        )
-    return args.runner
-
-
-def _declared_runner(args: EngineArgs) -> str:
-    model = args.model
-    if model is None or os.fspath(model).endswith(".gguf") or ":" in os.fspath(model):
-        return "generate"
-    from jaxpaged.models.hub import resolve_model_path
-    from jaxpaged.models.registry import family_for_hf_config
-    from jaxpaged.models.seq_cls import is_decoder_classifier
-
-    folder = resolve_model_path(model, revision=args.revision, download_dir=args.download_dir)
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):  # an Orbax folder (jaxpaged.convert): decoders only
-        return "generate"
-    d = _read_config(folder)
-    if is_decoder_classifier(d):  # a converted reranker: its score head pools
-        return "pooling"
-    return family_for_hf_config(d).runner
-
-
-def _read_config(folder: str) -> dict[str, Any]:
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f)
-
-
-def _is_token_ids(x: object) -> bool:
-    return (
-        isinstance(x, Sequence)
-        and not isinstance(x, str)
-        and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
-    )
 
 
 class PoolingEngine:
@@ -140,7 +90,7 @@ class PoolingEngine:
         self.info = self.worker.info
         self.warmup_programs = 0 if enforce_eager else self.worker.warm_up()
         self._requests = 0
-        self._prompt_tokens = 0
+        self.inputs = PoolingInputs(tokenizer, model_config.vocab_size, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> PoolingEngine:
@@ -165,7 +115,7 @@ class PoolingEngine:
             args.model, revision=args.revision, download_dir=args.download_dir
         )
         head = None
-        if is_decoder_classifier(_read_config(folder)):
+        if is_decoder_classifier(read_hf_config(folder)):
             config, params, head, _ = load_decoder_classifier(
                 folder, dtype=args.load_dtype, progress=args.show_progress
             )
@@ -188,101 +138,6 @@ class PoolingEngine:
             graphdef=graphdef,
             score_head=head,
         )
-
-    # ------------------------------------------------------------ inputs
-    def _limit(self, truncate_prompt_tokens: int | None) -> int | None:
-        """The length inputs are truncated to (None: refused when too long)."""
-        t = truncate_prompt_tokens
-        if t is None:
-            return None
-        if isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1):
-            raise ValueError(
-                f"truncate_prompt_tokens must be -1 (the model's limit) or >= 1, got {t!r}"
-            )
-        if t > self.max_model_len:
-            raise ValueError(
-                f"truncate_prompt_tokens ({t}) exceeds this model's maximum input length "
-                f"({self.max_model_len} tokens)"
-            )
-        return self.max_model_len if t == -1 else t
-
-    def _cut(self, ids: list[int], limit: int) -> list[int]:
-        if len(ids) <= limit:
-            return ids
-        left = getattr(self.tokenizer, "truncation_side", "right") == "left"
-        return ids[-limit:] if left else ids[:limit]
-
-    def _check_length(self, i: int, n: int) -> None:
-        if n > self.max_model_len:
-            raise ValueError(
-                f"input[{i}] has {n} tokens, more than this model's maximum input length of "
-                f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens"
-            )
-
-    def _check_ids(self, i: int, ids: Sequence[int]) -> list[int]:
-        if len(ids) == 0:
-            raise ValueError(f"input[{i}] is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(
-                f"input[{i}] has token id {int(bad[0])} outside this model's vocabulary "
-                f"[0, {vocab})"
-            )
-        return [int(t) for t in ids]
-
-    def tokenize(
-        self, prompts: Sequence[Prompt], truncate_prompt_tokens: int | None = None
-    ) -> list[list[int]]:
-        """Token ids of each input (text through the tokenizer, with its special tokens);
-        ValueError naming the first bad one."""
-        if len(prompts) == 0:
-            raise ValueError("input must not be empty")
-        limit = self._limit(truncate_prompt_tokens)
-        texts = {}
-        out: list[list[int] | None] = [None] * len(prompts)
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if not p:
-                    raise ValueError(f"input[{i}] is an empty string")
-                texts[i] = p
-            elif _is_token_ids(p):
-                ids = self._check_ids(i, p)
-                out[i] = ids if limit is None else self._cut(ids, limit)
-            else:
-                raise ValueError(f"input[{i}] must be a string or a list of token ids")
-        if texts:
-            kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
-            enc = self.tokenizer(list(texts.values()), **kwargs)["input_ids"]
-            for i, ids in zip(texts, enc, strict=True):
-                out[i] = list(ids)
-        for i, ids in enumerate(out):
-            self._check_length(i, len(ids))
-        self._prompt_tokens += sum(len(ids) for ids in out)
-        return out  # type: ignore[return-value]
-
-    def _pairs(
-        self,
-        text_1: str | Sequence[str],
-        text_2: str | Sequence[str],
-        truncate_prompt_tokens: int | None,
-    ) -> tuple[list[str], list[str]]:
-        a = [text_1] if isinstance(text_1, str) else list(text_1)
-        b = [text_2] if isinstance(text_2, str) else list(text_2)
-        if not a or not b:
-            raise ValueError("score needs at least one text on each side")
-        if len(a) == 1:
-            a = a * len(b)
-        if len(a) != len(b):
-            raise ValueError(
-                f"score pairs text_1 with text_2: give one text_1, or as many as text_2 "
-                f"({len(a)} text_1 for {len(b)} text_2)"
-            )
-        for side, texts in (("text_1", a), ("text_2", b)):
-            for i, t in enumerate(texts):
-                if not isinstance(t, str) or not t:
-                    raise ValueError(f"{side}[{i}] must be a non-empty string")
-        return a, b
 
     # ------------------------------------------------------------ calls
     # Each call is a job: its inputs tokenized and checked, and what turns the model's rows
@@ -310,7 +165,7 @@ class PoolingEngine:
     ) -> PoolingJob:
         """The model's raw pooled rows (embeddings before normalisation, or a
         cross-encoder's logits), float32 [N, D or C] (vLLM's /pooling)."""
-        ids = self.tokenize(_prompt_list(prompts), truncate_prompt_tokens)
+        ids = self.inputs.tokenize(prompt_list(prompts), truncate_prompt_tokens)
         return PoolingJob(ids, None, lambda rows: [ids, rows])
 
     def embed_job(
@@ -325,9 +180,9 @@ class PoolingEngine:
                 f"model {self.model_name!r} is a cross-encoder (sequence classification): "
                 "it scores text pairs (score, /score, /rerank) and has no embeddings"
             )
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         self.check_dimensions(dimensions)
-        ids = self.tokenize(prompts, truncate_prompt_tokens)
+        ids = self.inputs.tokenize(prompts, truncate_prompt_tokens)
         rids = self._ids("embd", len(ids))
 
         def finish(rows: np.ndarray) -> list[EmbeddingRequestOutput]:
@@ -390,7 +245,7 @@ class PoolingEngine:
         self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
     ) -> PoolingJob:
         self._need_classifier("classify")
-        ids = self.tokenize(_prompt_list(prompts), truncate_prompt_tokens)
+        ids = self.inputs.tokenize(prompt_list(prompts), truncate_prompt_tokens)
         rids = self._ids("classify", len(ids))
 
         def finish(rows: np.ndarray) -> list[ClassificationRequestOutput]:
@@ -424,7 +279,7 @@ class PoolingEngine:
         *,
         truncate_prompt_tokens: int | None = None,
     ) -> PoolingJob:
-        a, b = self._pairs(text_1, text_2, truncate_prompt_tokens)
+        a, b = pairs(text_1, text_2)
         rids = self._ids("score", len(b))
 
         def outputs(ids: list[list[int]], scores: np.ndarray) -> list[ScoringRequestOutput]:
@@ -436,13 +291,18 @@ class PoolingEngine:
             ]
 
         if self.info.classifier:
-            ids, types = self._pair_tokens(a, b, truncate_prompt_tokens)
+            if self.info.num_labels != 1:
+                raise ValueError(
+                    f"score needs a cross-encoder with one label; model {self.model_name!r} "
+                    f"has {self.info.num_labels} (use classify)"
+                )
+            ids, types = self.inputs.pair_tokens(a, b, truncate_prompt_tokens)
             activation = self.info.score_activation
             return PoolingJob(
                 ids, types, lambda rows: outputs(ids, _activate(rows[:, 0], activation))
             )
-        ids_a = self.tokenize(a, truncate_prompt_tokens)
-        ids_b = self.tokenize(b, truncate_prompt_tokens)
+        ids_a = self.inputs.tokenize(a, truncate_prompt_tokens)
+        ids_b = self.inputs.tokenize(b, truncate_prompt_tokens)
 
         def cosine(rows: np.ndarray) -> list[ScoringRequestOutput]:
             unit = rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
@@ -464,33 +324,13 @@ class PoolingEngine:
         job = self.score_job(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens)
         return self.run_jobs([job])[0]
 
-    def _pair_tokens(
-        self, a: list[str], b: list[str], truncate_prompt_tokens: int | None
-    ) -> tuple[list[list[int]], list[list[int]] | None]:
-        """A cross-encoder's inputs: each pair as one sequence, with its segment ids."""
-        c = self.info
-        if c.num_labels != 1:
-            raise ValueError(
-                f"score needs a cross-encoder with one label; model {self.model_name!r} has "
-                f"{c.num_labels} (use classify)"
-            )
-        limit = self._limit(truncate_prompt_tokens)
-        kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
-        enc = self.tokenizer(a, b, **kwargs)
-        ids = [list(x) for x in enc["input_ids"]]
-        types = enc.get("token_type_ids")
-        for i, x in enumerate(ids):
-            self._check_length(i, len(x))
-        self._prompt_tokens += sum(len(x) for x in ids)
-        return ids, None if types is None else [list(t) for t in types]
-
     # ------------------------------------------------------------ what LLM asks of an engine
     def get_stats(self) -> EngineStats:
         w = self.worker
         return EngineStats(
             num_running=0, num_waiting=0, num_swapped=0, kv_cache_usage=0.0, kv_cache_waste=0.0,
             num_kv_blocks=0, num_free_blocks=0, num_preemptions=0, prefix_cache_queries=0,
-            prefix_cache_hits=0, prompt_tokens_total=self._prompt_tokens,
+            prefix_cache_hits=0, prompt_tokens_total=self.inputs.prompt_tokens,
             generation_tokens_total=0, num_steps=0,
             num_compilations=w.counter.count,
             num_compilations_after_warmup=w.compilations_after_warmup,
@@ -520,11 +360,3 @@ def class_probs(logits: np.ndarray) -> np.ndarray:  # float32 [N, C] -> [N, C]
         return 1.0 / (1.0 + np.exp(-logits))
     z = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return z / z.sum(axis=-1, keepdims=True)
-
-
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
-        return [prompts]  # type: ignore[list-item]
-    if not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
-    return list(prompts)

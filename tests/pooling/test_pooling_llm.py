@@ -18,7 +18,7 @@ from encoders import save_encoder, save_sentence_transformers_files, texts
 from jaxpaged import LLM
 from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine
-from jaxpaged.engine.pooling import choose_runner
+from jaxpaged.engine.runner_choice import choose_runner
 
 MAX_LEN = 16  # sentence_bert_config's max_seq_length: sentence-transformers truncates there
 
