@@ -17,6 +17,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import jax
+
 from jaxpaged.engine.pooling import PoolingEngine, PoolingJob
 from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt, Tokenizer
 from jaxpaged.lora_request import LoRARequest
@@ -61,7 +63,7 @@ class AsyncPoolingEngine:
         return {
             "runner": "pooling",
             "block_size": 0,  # no KV cache
-            "dtype": str(self.engine.worker.params["word_embed"].dtype),
+            "dtype": str(jax.tree.leaves(self.engine.worker.params)[0].dtype),
             "max_model_len": self.engine.max_model_len,
             "pooling": self.engine.pooling.mode,
             "normalize": self.engine.pooling.normalize,

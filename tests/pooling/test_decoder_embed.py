@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from jaxpaged import LLM
+from jaxpaged.engine.async_pooling import AsyncPoolingEngine
 
 VOCAB = 96
 
@@ -41,6 +42,8 @@ def test_qwen3_last_token_embeddings_equal_transformers(tmp_path):
              show_progress=False) as llm:  # fmt: skip
         ours = np.array([o.outputs.embedding for o in llm.embed(prompts)])
         assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+        served = AsyncPoolingEngine(llm.engine).engine_config  # what the server logs
+        assert served["dtype"] == "float32" and served["pooling"] == "last"
     for ids, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             h = hf.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
