@@ -297,6 +297,8 @@ class PoolingEngine:
                     f"has {self.info.num_labels} (use classify)"
                 )
             ids, types = self.inputs.pair_tokens(a, b, truncate_prompt_tokens)
+            if getattr(self.model_config, "type_vocab_size", 2) < 2:  # RoBERTa: one segment
+                types = None
             activation = self.info.score_activation
             return PoolingJob(
                 ids, types, lambda rows: outputs(ids, _activate(rows[:, 0], activation))

@@ -1,7 +1,8 @@
 """Which runner a model runs (vLLM's ``--runner``): "generate" (the paged engine) or
 "pooling" (engine/pooling.py). "auto" reads the checkpoint's config.json: its family's
 declaration (``ModelFamily.runner``: encoders pool, decoders generate), and a decoder's
-``*ForSequenceClassification`` (a converted reranker) pools. Imports no JAX."""
+``*ForSequenceClassification`` (a converted reranker) pools. Imports no JAX at import
+time (the checkpoint checks import models/ when called)."""
 
 from __future__ import annotations
 

@@ -132,3 +132,16 @@ def test_runners_refuse_each_others_calls(cross_encoder, bundled_model_path, tmp
     generator.engine = types.SimpleNamespace(runner=object())  # as an LLMEngine: its worker
     with pytest.raises(ValueError, match=r"embed\(\) needs runner='pooling'.*runner='generate'"):
         generator.embed(["hello"])
+
+
+def test_roberta_cross_encoder_scores_with_one_segment(tmp_path):
+    """A RoBERTa cross-encoder's scores through the engine equal transformers' (one token
+    type: the engine passes no segment ids, whatever the tokenizer returns)."""
+    hf = save_encoder(str(tmp_path), "RobertaForSequenceClassification", num_labels=1)
+    query, docs = "w1 w2", texts(3, seed=4, longest=8)
+    with LLM(str(tmp_path), max_num_seqs=2, max_model_len=16, show_progress=False) as llm:
+        outs = llm.score(query, docs)
+    for out in outs:
+        with torch.no_grad():
+            logit = hf(torch.tensor([out.prompt_token_ids])).logits[0, 0].item()
+        assert abs(out.outputs.score - 1 / (1 + np.exp(-logit))) < 1e-5
