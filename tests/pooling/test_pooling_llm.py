@@ -103,7 +103,7 @@ def test_matryoshka_dimensions(embedder):
 
 
 def test_cross_encoder_scores_equal_transformers(cross_encoder):
-    hf, _, llm = cross_encoder
+    hf, folder, llm = cross_encoder
     query, docs = "w1 w7 w9", texts(6, seed=3, longest=10)
     outs = llm.score(query, docs)
     enc = llm.tokenizer([query] * len(docs), docs, padding=True, return_tensors="pt")
@@ -112,6 +112,10 @@ def test_cross_encoder_scores_equal_transformers(cross_encoder):
     np.testing.assert_allclose([o.outputs.score for o in outs], 1 / (1 + np.exp(-logits)),
                                atol=1e-5)  # fmt: skip
     assert outs[0].prompt_token_ids == enc["input_ids"][0][enc["attention_mask"][0] > 0].tolist()
+    from sentence_transformers import CrossEncoder  # the reference cross-encoder
+
+    ref = CrossEncoder(folder, device="cpu").predict([(query, d) for d in docs])
+    np.testing.assert_allclose([o.outputs.score for o in outs], ref, atol=1e-5)
     with pytest.raises(ValueError, match="cross-encoder"):
         llm.embed(["w1"])
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
