@@ -114,6 +114,10 @@ class PoolingEngine:
         folder = resolve_model_folder(
             args.model, revision=args.revision, download_dir=args.download_dir
         )
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(
+                f"the pooling runner loads Hugging Face folders (config.json); {folder!r} has none"
+            )
         head = None
         if is_decoder_classifier(read_hf_config(folder)):
             config, params, head, _ = load_decoder_classifier(
@@ -134,7 +138,7 @@ class PoolingEngine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
-            model_name=os.fspath(args.model),
+            model_name=os.fspath(args.model if args.model is not None else folder),
             graphdef=graphdef,
             score_head=head,
         )
