@@ -17,11 +17,14 @@ _EXPORTS = {
     "LoRARequest": "jaxpaged.lora_request",
     "generate": "jaxpaged.generate",
     "Generator": "jaxpaged.generate",
+    "ClassificationRequestOutput": "jaxpaged.pooling_outputs",
     "CompletionOutput": "jaxpaged.outputs",
+    "EmbeddingRequestOutput": "jaxpaged.pooling_outputs",
     "Logprob": "jaxpaged.outputs",
     "RequestMetrics": "jaxpaged.outputs",
     "RequestOutput": "jaxpaged.outputs",
     "SamplingParams": "jaxpaged.sampling_params",
+    "ScoringRequestOutput": "jaxpaged.pooling_outputs",
     "StructuredOutput": "jaxpaged.sampling_params",
 }
 

@@ -59,6 +59,8 @@ QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "gguf", "none")
 # jaxpaged.models.quant.checkpoint.CHECKPOINT_FORMATS: pre-quantized formats, valid only for
 # checkpoints in that format (which are read as stored even when quantization is unset)
 CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
+# the runners a model may run (jaxpaged.engine.pooling: "auto" reads the checkpoint)
+RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -236,6 +238,14 @@ class EngineArgs:
         "--quantization",
         choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,
     )
+    runner: str = _setting(
+        "auto",
+        "what the model runs: generate (text generation, the paged engine) or pooling "
+        "(embeddings, scores and reranks of an encoder: BERT, RoBERTa, XLM-R); auto: what "
+        "the checkpoint's architecture declares",
+        "--runner",
+        choices=RUNNERS,
+    )
     tensor_parallel_size: int = _setting(
         1,
         "devices the weights and KV pool are split over (all hosts together)",
@@ -406,6 +416,8 @@ class EngineArgs:
             raise ValueError(
                 f"quantization: {self.quantization!r} is not one of {', '.join(known)}"
             )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
         backend = self.attention_backend
         if backend is not None and backend not in ATTENTION_BACKENDS:
             raise ValueError(

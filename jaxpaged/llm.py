@@ -13,6 +13,11 @@ from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
+from jaxpaged.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    ScoringRequestOutput,
+)
 from jaxpaged.sampling_params import SamplingParams
 
 Message = Mapping[str, str]
@@ -36,7 +41,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 class LLM:
-    """An engine for offline generation: ``LLM().generate(prompts, SamplingParams(...))``.
+    """An engine for offline generation: ``LLM().generate(prompts, SamplingParams(...))``;
+    for an encoder (``runner="pooling"``, chosen from the checkpoint by default),
+    ``embed``, ``score`` and ``classify``.
 
     ``model=None`` serves the bundled SmolLM2-135M-Instruct; otherwise a local Hugging Face
     folder, a hub id, or a .gguf file. The keywords are :class:`~jaxpaged.args.EngineArgs`
@@ -44,8 +51,14 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any) -> None:
+        from jaxpaged.engine.pooling import PoolingEngine
+        from jaxpaged.engine.runner_choice import choose_runner
+
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.engine = LLMEngine.from_engine_args(args)
+        if choose_runner(args) == "pooling":
+            self.engine: LLMEngine | PoolingEngine = PoolingEngine.from_engine_args(args)
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     @classmethod
@@ -106,6 +119,7 @@ class LLM:
         """Runs every prompt to completion with continuous batching; outputs in prompt order.
         A bad prompt or parameter raises ValueError before anything runs. ``lora_request``:
         the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        self._need_runner("generate", "generate")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -166,6 +180,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to each conversation, then generates."""
+        self._need_runner("generate", "chat")
         if messages and isinstance(messages[0], Mapping):
             conversations = [messages]
         else:
@@ -198,8 +213,67 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
+    # ------------------------------------------------------------ the pooling runner
+    def _need_runner(self, runner: str, call: str) -> None:
+        have = getattr(self.engine, "runner_kind", "generate")
+        if have != runner:
+            hint = (
+                "embed(), score() and classify()" if have == "pooling" else "generate() and chat()"
+            )
+            raise ValueError(
+                f"{call}() needs runner={runner!r}, but this LLM runs its model with "
+                f"runner={have!r}, which offers {hint}"
+            )
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), pooled and normalised as the
+        model's sentence-transformers files say (``LLM(model, runner="pooling")``).
+        ``truncate_prompt_tokens``: -1 or k truncates inputs to the model's limit or to k
+        tokens (None: a longer input is a ValueError); ``dimensions``: a Matryoshka model's
+        embedding size."""
+        del use_tqdm
+        self._need_runner("pooling", "embed")
+        return self.engine.embed(
+            prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+        )
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each (text_1, text_2) pair (one text_1 goes with every text_2): a
+        cross-encoder's relevance, or the cosine similarity of an embedding model's
+        vectors."""
+        del use_tqdm
+        self._need_runner("pooling", "score")
+        return self.engine.score(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence-classification model's class probabilities per prompt."""
+        del use_tqdm
+        self._need_runner("pooling", "classify")
+        return self.engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``)."""
+        self._need_runner("generate", "reset_prefix_cache")
         self.engine.reset_prefix_cache()
 
     def update_weights(self, params: Any) -> None:  # noqa: ANN401 - the model's params pytree
@@ -207,17 +281,20 @@ class LLM:
         without recompiling or reallocating the KV pool; the prefix cache is reset. Params
         already on the device (or sharded on the engine's mesh) are used in place, so do not
         donate or delete them while this engine may still generate from them."""
+        self._need_runner("generate", "update_weights")
         self.engine.update_weights(params)
 
     def sleep(self, level: int = 1) -> int:
         """Frees the KV cache (level 1) and also drops the weights (level 2), so a trainer
         can use the memory; ``generate`` raises EngineAsleepError until :meth:`wake_up`.
         Returns the KV bytes freed."""
+        self._need_runner("generate", "sleep")
         return self.engine.sleep(level)
 
     def wake_up(self, params: Any = None) -> None:  # noqa: ANN401
         """Restores the KV cache after :meth:`sleep`. After level 2 pass the new ``params``
         (an engine that loaded its model reloads it when none are given)."""
+        self._need_runner("generate", "wake_up")
         self.engine.wake_up(params)
 
     def close(self) -> None:

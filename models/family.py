@@ -186,6 +186,9 @@ class ModelFamily:
     refused: Callable[[ModelConfig], Mapping[str, str]] = _no_refusals
     # LoRA: the PEFT modules and forward sites of a config (None: the family has none)
     lora: Callable[[ModelConfig], LoraLayout] | None = None
+    # the runner its checkpoints run by default (vLLM's ``--runner``): "generate" (the paged
+    # decoder engine) or "pooling" (an encoder's embeddings and scores, engine/pooling.py)
+    runner: str = "generate"
 
     @property
     def matmul_weights(self) -> Mapping[str, int]:

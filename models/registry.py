@@ -32,6 +32,12 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "Gemma3ForCausalLM": "gemma",
         "BloomForCausalLM": "bloom",
         "GraniteForCausalLM": "granite",
+        "BertModel": "bert",
+        "RobertaModel": "bert",
+        "XLMRobertaModel": "bert",
+        "BertForSequenceClassification": "bert",
+        "RobertaForSequenceClassification": "bert",
+        "XLMRobertaForSequenceClassification": "bert",
     }
 )
 # Architectures and model types that name a model jaxpaged knows and does not run, and why

@@ -503,3 +503,50 @@ class ServerInfo(_message.Message):
         in_flight_requests: int | None = ...,
         max_queue_len: int | None = ...,
     ) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(
+        self, text: str | None = ..., token_ids: TokenIds | _Mapping | None = ...
+    ) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "truncate_prompt_tokens", "dimensions")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    truncate_prompt_tokens: int
+    dimensions: int
+    def __init__(
+        self,
+        inputs: _Iterable[EmbedInput | _Mapping] | None = ...,
+        truncate_prompt_tokens: int | None = ...,
+        dimensions: int | None = ...,
+    ) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "prompt_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(
+        self, values: _Iterable[float] | None = ..., prompt_tokens: int | None = ...
+    ) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    def __init__(
+        self,
+        embeddings: _Iterable[Embedding | _Mapping] | None = ...,
+        prompt_tokens: int | None = ...,
+    ) -> None: ...

@@ -59,6 +59,12 @@ class GenerationStub:
             response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.FromString,
             _registered_method=True,
         )
+        self.Embed = channel.unary_unary(
+            "/jaxpaged.v1.Generation/Embed",
+            request_serializer=jaxpaged_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            response_deserializer=jaxpaged_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            _registered_method=True,
+        )
 
 
 class GenerationServicer:
@@ -91,6 +97,14 @@ class GenerationServicer:
         context.set_details("Method not implemented!")
         raise NotImplementedError("Method not implemented!")
 
+    def Embed(self, request, context):
+        """One embedding per input from a pooling model (an encoder: `--runner pooling`); a
+        generating server answers FAILED_PRECONDITION, a bad input INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +127,11 @@ def add_GenerationServicer_to_server(servicer, server):
             servicer.GetServerInfo,
             request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
             response_serializer=jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+        ),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed,
+            request_deserializer=jaxpaged_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+            response_serializer=jaxpaged_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
         ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -235,6 +254,36 @@ class Generation:
             "/jaxpaged.v1.Generation/GetServerInfo",
             jaxpaged_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
             jaxpaged_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True,
+        )
+
+    @staticmethod
+    def Embed(
+        request,
+        target,
+        options=(),
+        channel_credentials=None,
+        call_credentials=None,
+        insecure=False,
+        compression=None,
+        wait_for_ready=None,
+        timeout=None,
+        metadata=None,
+    ):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            "/jaxpaged.v1.Generation/Embed",
+            jaxpaged_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            jaxpaged_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,7 @@ from jaxpaged.serving.frontend import (
     output_kind_for,
 )
 from jaxpaged.serving.grpc_chat import ChatTools, chat_prompt
+from jaxpaged.serving.grpc_embed import embed
 from jaxpaged.serving.metrics import RequestTotals
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "build_grpc_server", "sampling_params_from_proto"]
@@ -306,6 +307,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         info.num_free_blocks = stats.num_free_blocks
         info.num_preemptions = stats.num_preemptions
         return info
+
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        try:
+            self._check_auth(context)
+            check_known_fields(request)
+            return await embed(self._frontend, request)
+        except ServingError as e:
+            await self._fail(context, e)
 
 
 _HEALTH = {

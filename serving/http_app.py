@@ -37,6 +37,7 @@ from jaxpaged.serving.frontend import (
 )
 from jaxpaged.serving.lora_routes import add_lora_routes, lora_model_cards, lora_of
 from jaxpaged.serving.metrics import CONTENT_TYPE, RequestTotals
+from jaxpaged.serving.pooling_routes import add_pooling_routes
 from jaxpaged.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -310,6 +311,7 @@ def create_app(frontend: Frontend) -> FastAPI:
     add_responses_routes(app, frontend)
     add_anthropic_routes(app, frontend)
     add_dev_routes(app, frontend)
+    add_pooling_routes(app, frontend)
 
     @app.get("/version")
     async def version() -> dict:

@@ -170,13 +170,18 @@ class Server:
             cfg.host,
             self.http_port,
         )
+        if getattr(engine, "runner_kind", "generate") == "pooling":
+            path, body = "/v1/embeddings", '{"model": "%s", "input": "Hello"}'
+        else:
+            path = "/v1/chat/completions"
+            body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello"}]}'
         log.info(
-            "  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s "
-            '-d \'{"model": "%s", "messages": [{"role": "user", "content": "Hello"}]}\'',
+            "  curl http://%s:%d%s -H 'Content-Type: application/json'%s -d '%s'",
             host,
             self.http_port,
+            path,
             auth,
-            cfg.served_model_name,
+            body % cfg.served_model_name,
         )
         log.info(
             "  curl http://%s:%d/metrics   (Prometheus; /health for liveness)", host, self.http_port
@@ -230,6 +235,8 @@ def kv_pool_summary(engine: EngineClient) -> list[str]:
     ec = engine.engine_config
     mc = engine.model_config
     block_size = int(ec["block_size"])
+    if block_size == 0:  # the pooling runner
+        return [f"no KV cache: runner {ec.get('runner')!r}, max_model_len {engine.max_model_len}"]
     dtype = str(ec["dtype"])
     per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES.get(dtype, 4)
     gib = num_blocks * block_size * per_token / (1 << 30)

@@ -177,6 +177,10 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
         from jaxpaged.engine.async_engine import AsyncEngine
 
         engine = build_engine(args)
+        if getattr(engine, "runner_kind", "generate") == "pooling":
+            from jaxpaged.engine.async_pooling import AsyncPoolingEngine
+
+            return AsyncPoolingEngine(engine)
         if args.num_processes == 1:
             return AsyncEngine(engine)
         # rank 0 broadcasts each step's batch to the other hosts before running it
@@ -187,10 +191,20 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    """The LLMEngine the flags describe (every host of a multi-host run builds the same one)."""
+    """The engine the flags describe: a PoolingEngine for an encoder (``--runner``, else the
+    checkpoint's family), else the LLMEngine (every host of a multi-host run builds the same
+    one)."""
     from jaxpaged.engine import LLMEngine
+    from jaxpaged.engine.pooling import PoolingEngine
+    from jaxpaged.engine.runner_choice import choose_runner
 
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    if choose_runner(engine_args) == "pooling":  # --runner, else the checkpoint's family
+        if args.num_processes != 1:
+            raise ValueError("the pooling runner runs on one host (--num-processes 1)")
+        engine: Any = PoolingEngine.from_engine_args(engine_args)
+    else:
+        engine = LLMEngine.from_engine_args(engine_args)
     # Loading and warm-up leave a large heap that every full collection would scan again
     # while serving ($JAXPAGED_STEP_LOG showed a 749 ms collection inside one step under
     # load): what exists now lives as long as the server, so the collector skips it.

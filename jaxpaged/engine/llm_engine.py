@@ -305,6 +305,14 @@ class LLMEngine:
         lora_config = args.lora_config()
         process_config = args.process_config()
         if params is None:
+            from jaxpaged.engine.runner_choice import choose_runner
+
+            if choose_runner(args) != "generate":
+                raise ValueError(
+                    f"model {args.model!r} is a pooling model (an encoder: embeddings and "
+                    "scores, no generation): use LLM(model, runner='pooling') and embed() / "
+                    "score(), or `jaxpaged serve` (its runner is chosen from the checkpoint)"
+                )
             if (
                 model_config is not None
                 or tokenizer is not None

@@ -21,6 +21,7 @@ from jaxpaged.models.testing import random_params, tiny_config
 # field -> (command-line words, the value they give): every field, none at its default
 CLI_CASES = {
     "model": (["/models/m.gguf"], "/models/m.gguf"),
+    "runner": (["--runner", "generate"], "generate"),
     "revision": (["--revision", "v1.0"], "v1.0"),
     "download_dir": (["--download-dir", "/data/hub"], "/data/hub"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
