@@ -54,6 +54,11 @@ class EngineStats:
     num_steps: int
     num_compilations: int  # since the engine started, warm-up included
     num_compilations_after_warmup: int
+    # LoRA adapter names (sorted) of the running and of the waiting (swapped included)
+    # requests, and the device's adapter slots (0: LoRA off): vLLM's lora_requests_info
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 class Tokenizer(Protocol):
