@@ -1,0 +1,174 @@
+"""jaxpaged as a Ray Serve application: replicas of one engine each, behind Ray's HTTP proxy,
+serving the same OpenAI-compatible routes as `jaxpaged serve` (the same FastAPI app).
+
+    serve run jaxpaged.serving.ray_serve:build_app model=Qwen/Qwen2.5-0.5B-Instruct num_replicas=2
+
+or from Python: ``serve.run(build_app({"model": ..., "num_replicas": 2}))``. The mapping holds
+`jaxpaged serve`'s flags (dashes or underscores, checked by its own parser before anything
+starts) and Ray Serve's deployment options (``num_replicas``, ``autoscaling_config``,
+``ray_actor_options``, ``max_ongoing_requests``, health-check and graceful-shutdown
+settings; ``num_gpus``, ``num_cpus``, ``resources`` and ``accelerator_type`` go into
+``ray_actor_options``). Ray routes the requests, scales the replicas, restarts a failed one
+(its health check is the engine's) and drains one it removes; jaxpaged adds no router of its
+own. Requires the ``ray`` extra (``pip install 'jaxpaged[ray]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+__all__ = ["JaxpagedReplica", "build_app", "deployment_options", "serve_argv"]
+
+log = logging.getLogger("jaxpaged.serving.ray_serve")
+
+# Ray Serve's deployment options that build_app passes through
+_DEPLOYMENT_OPTIONS = frozenset({
+    "name", "num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests",
+    "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
+    "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "user_config",
+})  # fmt: skip
+# shorthands for ray_actor_options
+_ACTOR_OPTIONS = frozenset({"num_gpus", "num_cpus", "resources", "accelerator_type"})
+# serve flags with no meaning inside Ray (it owns the ports and the process)
+_NOT_IN_RAY = frozenset({"host", "port", "grpc_port", "num_processes", "process_id",
+                         "coordinator_address"})  # fmt: skip
+
+
+def _parse_value(key: str, value: Any) -> Any:
+    """`serve run` hands every value over as a string: numbers and JSON objects are parsed."""
+    if not isinstance(value, str):
+        return value
+    if key in ("autoscaling_config", "ray_actor_options", "resources", "user_config"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{key} must be a JSON object, got {value!r}: {e}") from None
+    if key == "num_replicas" and value == "auto":
+        return value
+    if key in ("name", "accelerator_type"):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+    return int(number) if number.is_integer() else number
+
+
+def deployment_options(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits build_app's mapping into (Ray Serve deployment options, serve flags)."""
+    options: dict[str, Any] = {}
+    actor: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
+    for raw_key, value in args.items():
+        key = str(raw_key).replace("-", "_")
+        if key in _DEPLOYMENT_OPTIONS:
+            options[key] = _parse_value(key, value)
+        elif key in _ACTOR_OPTIONS:
+            actor[key] = _parse_value(key, value)
+        elif key in _NOT_IN_RAY:
+            raise ValueError(
+                f"{raw_key!r} does not apply under Ray Serve (Ray's proxy owns the ports; one "
+                "replica is one process on one host)"
+            )
+        else:
+            flags[raw_key] = value
+    if actor:
+        options["ray_actor_options"] = {**options.get("ray_actor_options", {}), **actor}
+    return options, flags
+
+
+def serve_argv(flags: dict[str, Any]) -> list[str]:
+    """`jaxpaged serve`'s command line for ``flags``, checked by its parser (ValueError
+    naming a bad key or value)."""
+    from jaxpaged.cli.config_file import mapping_to_argv
+    from jaxpaged.cli.serve import build_parser
+
+    parser = build_parser("jaxpaged.serving.ray_serve:build_app")
+    # "true"/"false" from `serve run key=value` for the on/off flags
+    values = {k: {"true": True, "false": False}.get(v, v) if isinstance(v, str) else v
+              for k, v in flags.items()}  # fmt: skip
+    argv = mapping_to_argv(parser, values, "build_app")
+
+    def refuse(message: str) -> None:
+        raise ValueError(f"build_app: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    parser.parse_args(argv)
+    return argv
+
+
+class JaxpagedReplica:
+    """One Ray Serve replica: one engine and the HTTP app of `jaxpaged serve` over it. Built
+    at replica start (``__serve_build_asgi_app__``: loading runs in a thread, so the replica's
+    loop stays free); Ray calls ``check_health`` periodically and the destructor when it
+    removes the replica, after its own drain."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = list(argv)
+        self.frontend: Any = None
+
+    async def __serve_build_asgi_app__(self) -> Any:  # noqa: ANN401 - an ASGI app
+        from jaxpaged.args import EngineArgs
+        from jaxpaged.cli.config_file import parse_args_with_config
+        from jaxpaged.cli.serve import (
+            _read_chat_template,
+            build_engine,
+            build_parser,
+            serving_config_from_args,
+        )
+        from jaxpaged.engine import configure_process
+        from jaxpaged.engine.async_engine import AsyncEngine
+        from jaxpaged.serving.frontend import Frontend
+        from jaxpaged.serving.http_app import create_app
+        from jaxpaged.serving.metrics import ServingMetrics
+
+        args = parse_args_with_config(build_parser(), self.argv)
+        engine_args = EngineArgs.from_cli_args(args)
+        if engine_args.configure_process:  # before the engine starts JAX in this process
+            configure_process(engine_args.gpu_memory_utilization)
+        config = serving_config_from_args(args, _read_chat_template(args.chat_template))
+        self.frontend = Frontend(config, ServingMetrics())
+        engine = AsyncEngine(await asyncio.to_thread(build_engine, args))
+        engine.start()
+        self.frontend.attach_engine(engine)
+        log.info("replica ready: serving %s", config.served_model_name)
+        return create_app(self.frontend)
+
+    async def check_health(self) -> None:
+        """Raises while the engine is not serving (Ray then replaces the replica)."""
+        from jaxpaged.serving.frontend import Phase
+
+        frontend = self.frontend
+        if frontend is None:
+            raise RuntimeError("the engine is not built yet")
+        frontend.check_engine()
+        if frontend.phase is not Phase.SERVING:
+            raise RuntimeError(f"the engine is {frontend.phase.value}: {frontend.failure}")
+
+    async def __del__(self) -> None:
+        """Ray has stopped routing here and waited for the ongoing requests (its
+        graceful_shutdown_timeout_s): abort what is left and stop the engine."""
+        frontend = self.frontend
+        if frontend is not None and frontend.engine is not None:
+            await frontend.drain(0.0)
+            await frontend.engine.shutdown()
+            frontend.stopped()
+        parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
+        if parent is not None:
+            await parent()
+
+
+def build_app(args: dict[str, Any]) -> Any:  # noqa: ANN401 - a ray.serve Application
+    """Ray Serve's application builder: ``args`` holds serve's flags and Ray's deployment
+    options (module docstring). Bad keys or values raise ValueError before Ray starts
+    anything."""
+    from ray import serve
+
+    options, flags = deployment_options(dict(args))
+    argv = serve_argv(flags)
+    options.setdefault("name", "jaxpaged")
+    deployment = serve.deployment(serve.ingress()(JaxpagedReplica), **options)
+    return deployment.bind(argv)
