@@ -157,6 +157,16 @@ def _vllm_families(frontend: Any, values: dict[str, Any]):  # noqa: ANN201 - a g
             time.time(),
         )
     yield g
+    # the KV cache's shape, which prefix-aware routers read (value 1, the facts are labels)
+    g = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "Information of the KV cache config.",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    if values:
+        block_size = frontend.engine.engine_config.get("block_size", "")
+        g.add_metric([str(block_size), str(values["num_kv_blocks"])], 1.0)
+    yield g
 
 
 class ServingMetrics:

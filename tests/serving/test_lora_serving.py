@@ -221,6 +221,8 @@ def test_router_metrics_under_load(server, folders, monkeypatch):  # noqa: F811
     assert all(s.num_running <= 4 for read, _ in seen for s in read)  # max_num_seqs
 
     m = _scrape(srv.http)  # all done: nothing running, waiting or held
+    (cache,) = m["vllm:cache_config_info"]  # the fixture's pool: 32 blocks of 16 tokens
+    assert cache.labels == {"block_size": "16", "num_gpu_blocks": "32"} and cache.value == 1
     assert [s.value for s in m["vllm:num_requests_running"]] == [0]
     assert [s.value for s in m["vllm:num_requests_waiting"]] == [0]
     (info,) = m["vllm:lora_requests_info"]
