@@ -7,8 +7,9 @@ bad key is refused before Ray starts anything.
 With JAXPAGED_TEST_FULL=1: a local Ray cluster runs 2 replicas of a tiny random Llama (the
 bundled tokenizer) and the real `openai` client sends 16 concurrent requests through Ray's
 proxy; then one replica's actor is killed: requests sent afterwards are all answered and Ray
-brings the replica back. Opt-in because it starts a Ray cluster and two engine processes
-(about a minute of both cores here), over the default suite's budget.
+brings the replica back; then every replica is killed while a stream runs: the stream fails
+(never hangs) and a request sent meanwhile is answered by the restarted replicas. Opt-in because it starts a Ray cluster and two engine processes
+(70-80 s of both cores here), over the default suite's budget.
 """
 
 from __future__ import annotations
@@ -170,3 +171,40 @@ def test_killed_replica_is_replaced_and_requests_go_on(ray_app):
     while _replicas() != ["RUNNING", "RUNNING"]:
         assert time.monotonic() < deadline, _replicas()
         time.sleep(1)
+
+
+def _replica_actors() -> list:
+    import ray
+
+    return [
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::jaxpaged#")
+    ]  # fmt: skip
+
+
+def test_stream_cut_by_dead_replicas_fails_and_new_requests_wait_for_new_ones(ray_app):
+    """Every replica killed while a stream runs: the stream ends with an error (no hang), and
+    a request sent meanwhile is answered once Ray has started replicas again."""
+    import openai
+    import ray
+
+    deadline = time.monotonic() + 240
+    while _replicas() != ["RUNNING", "RUNNING"]:  # after the previous test's replacement
+        assert time.monotonic() < deadline, _replicas()
+        time.sleep(1)
+    client = openai.OpenAI(base_url=ray_app + "/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.completions.create(
+        model="tiny", prompt="Go:", max_tokens=120, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)  # streaming has started
+    start = time.monotonic()
+    for actor in _replica_actors():
+        ray.kill(actor, no_restart=True)
+    with pytest.raises(openai.APIError):
+        n = sum(1 for _ in chunks)
+        pytest.fail(f"the stream ended normally after {n} more chunks")  # not an APIError
+    assert time.monotonic() - start < 30
+    assert _ask(ray_app, 1)[1] == 6  # queued by Ray until a replica is back
