@@ -170,6 +170,11 @@ def test_command_lines_parse_and_agree(rendered):
         )
         assert args.host == "0.0.0.0", where
         assert env["HF_HOME"] == c["volumeMounts"][0]["mountPath"], where
+        # the image's own cache folder and user (docker/Dockerfile, Dockerfile.cuda)
+        dockerfile = "Dockerfile.cuda" if c["image"].endswith(":cuda") else "Dockerfile"
+        text = (ROOT / "docker" / dockerfile).read_text()
+        assert f"HF_HOME={env['HF_HOME']} " in text, where
+        assert "USER 1000:1000" in text and template["spec"]["securityContext"]["runAsUser"] == 1000
         (token,) = (e for e in c["env"] if e["name"] == "HF_TOKEN")
         assert token["valueFrom"]["secretKeyRef"]["name"] == "hf-token", where
         limits = c.get("resources", {}).get("limits", {})
