@@ -7,8 +7,9 @@ or from Python: ``serve.run(build_app({"model": ..., "num_replicas": 2}))``. The
 `jaxpaged serve`'s flags (dashes or underscores, checked by its own parser before anything
 starts) and Ray Serve's deployment options (``num_replicas``, ``autoscaling_config``,
 ``ray_actor_options``, ``max_ongoing_requests``, health-check and graceful-shutdown
-settings; ``num_gpus``, ``num_cpus``, ``resources`` and ``accelerator_type`` go into
-``ray_actor_options``). Ray routes the requests, scales the replicas, restarts a failed one
+settings, ``request_router_config``; ``num_gpus``, ``num_cpus``, ``resources`` and
+``accelerator_type`` go into ``ray_actor_options``; ``session_affinity=true`` selects Ray's
+consistent-hash router on the ``x-session-id`` header). Ray routes the requests, scales the replicas, restarts a failed one
 (its health check is the engine's) and drains one it removes; jaxpaged adds no router of its
 own. Requires the ``ray`` extra (``pip install 'jaxpaged[ray]'``).
 """
@@ -29,7 +30,12 @@ _DEPLOYMENT_OPTIONS = frozenset({
     "name", "num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests",
     "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
     "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "user_config",
+    "request_router_config",
 })  # fmt: skip
+# Ray's router that hashes the session header (x-session-id) onto a replica, falling back to
+# the next ones when that replica is at max_ongoing_requests: a conversation stays where its
+# prefix is cached while that replica is not overloaded
+_SESSION_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 # shorthands for ray_actor_options
 _ACTOR_OPTIONS = frozenset({"num_gpus", "num_cpus", "resources", "accelerator_type"})
 # serve flags with no meaning inside Ray (it owns the ports and the process)
@@ -41,7 +47,8 @@ def _parse_value(key: str, value: Any) -> Any:
     """`serve run` hands every value over as a string: numbers and JSON objects are parsed."""
     if not isinstance(value, str):
         return value
-    if key in ("autoscaling_config", "ray_actor_options", "resources", "user_config"):
+    if key in ("autoscaling_config", "ray_actor_options", "resources", "user_config",
+               "request_router_config"):  # fmt: skip
         try:
             return json.loads(value)
         except json.JSONDecodeError as e:
@@ -50,6 +57,10 @@ def _parse_value(key: str, value: Any) -> Any:
         return value
     if key in ("name", "accelerator_type"):
         return value
+    if key == "session_affinity":
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"session_affinity must be true or false, got {value!r}")
+        return value.lower() == "true"
     try:
         number = float(value)
     except ValueError:
@@ -68,6 +79,9 @@ def deployment_options(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
             options[key] = _parse_value(key, value)
         elif key in _ACTOR_OPTIONS:
             actor[key] = _parse_value(key, value)
+        elif key == "session_affinity":
+            if _parse_value(key, value):
+                options["request_router_config"] = {"request_router_class": _SESSION_ROUTER}
         elif key in _NOT_IN_RAY:
             raise ValueError(
                 f"{raw_key!r} does not apply under Ray Serve (Ray's proxy owns the ports; one "
@@ -135,7 +149,11 @@ class JaxpagedReplica:
         engine.start()
         self.frontend.attach_engine(engine)
         log.info("replica ready: serving %s", config.served_model_name)
-        return create_app(self.frontend)
+        from ray import serve
+
+        app = create_app(self.frontend)
+        app.add_middleware(_ReplicaHeader, tag=serve.get_replica_context().replica_tag)
+        return app
 
     async def check_health(self) -> None:
         """Raises while the engine is not serving (Ray then replaces the replica)."""
@@ -159,6 +177,28 @@ class JaxpagedReplica:
         parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
         if parent is not None:
             await parent()
+
+
+class _ReplicaHeader:
+    """ASGI middleware: responses carry the header ``x-jaxpaged-replica`` (this replica's Ray
+    tag), so a client can see where its session landed."""
+
+    def __init__(self, app: Any, tag: str) -> None:  # noqa: ANN401 - an ASGI app
+        self.app = app
+        self.tag = tag.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:  # noqa: ANN401
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_tagged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (b"x-jaxpaged-replica", self.tag)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)
 
 
 def build_app(args: dict[str, Any]) -> Any:  # noqa: ANN401 - a ray.serve Application

@@ -49,6 +49,11 @@ def test_build_app_maps_flags_and_ray_options():
         {"autoscaling_config": '{"min_replicas": 1, "max_replicas": 4}'}
     )
     assert options == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
+    options, _ = deployment_options({"session_affinity": "true"})
+    router = options["request_router_config"]["request_router_class"]
+    module, _, name = router.rpartition(".")
+    assert hasattr(__import__(module, fromlist=[name]), name)  # this Ray has that router
+    assert deployment_options({"session_affinity": False})[0] == {}
 
 
 @pytest.mark.parametrize(
@@ -58,6 +63,7 @@ def test_build_app_maps_flags_and_ray_options():
         ({"max_model_len": "many"}, "max-model-len"),
         ({"port": "9000"}, "Ray"),
         ({"num_replicas": "two"}, "num_replicas"),
+        ({"session_affinity": "maybe"}, "session_affinity"),
     ],
 )
 def test_build_app_refuses_bad_keys(args, message):
@@ -108,7 +114,7 @@ def ray_app(tmp_path_factory):
     app = build_app({
         "model": str(folder), "served_model_name": "tiny", "num_replicas": 2, "num_cpus": 0,
         "max_model_len": 128, "num_kv_blocks": 64, "max_num_seqs": 8, "enforce_eager": True,
-        "health_check_period_s": 1, "health_check_timeout_s": 30,
+        "health_check_period_s": 1, "health_check_timeout_s": 30, "session_affinity": True,
     })  # fmt: skip
     serve.run(app, name="jaxpaged", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -153,6 +159,26 @@ def test_two_replicas_answer_concurrent_openai_requests(ray_app):
     # greedy: a prompt gives one text, whichever replica (and streamed or not) served it
     for k in range(4):
         assert len({text for i, (text, _) in enumerate(got) if i % 4 == k}) == 1
+
+
+def test_a_session_stays_on_one_replica(ray_app):
+    """session_affinity: requests with one x-session-id land on one replica (Ray's
+    consistent-hash router), and different sessions spread over both."""
+    import httpx
+
+    def replica(session: str) -> str:
+        r = httpx.post(
+            ray_app + "/v1/completions",
+            headers={"x-session-id": session},
+            json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return r.headers["x-jaxpaged-replica"]
+
+    for session in ("conversation-a", "conversation-b"):
+        assert len({replica(session) for _ in range(4)}) == 1, session
+    assert len({replica(f"s{i}") for i in range(16)}) == 2
 
 
 def test_killed_replica_is_replaced_and_requests_go_on(ray_app):
