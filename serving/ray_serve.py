@@ -17,6 +17,7 @@ own. Requires the ``ray`` extra (``pip install 'jaxpaged[ray]'``).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 from typing import Any
@@ -81,6 +82,12 @@ def deployment_options(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
             actor[key] = _parse_value(key, value)
         elif key == "session_affinity":
             if _parse_value(key, value):
+                module = _SESSION_ROUTER.rpartition(".")[0]
+                if importlib.util.find_spec(module) is None:
+                    raise ValueError(
+                        f"session_affinity needs Ray's consistent-hash router ({module}); "
+                        "this Ray has none (pip install 'jaxpaged[ray]')"
+                    )
                 options["request_router_config"] = {"request_router_class": _SESSION_ROUTER}
         elif key in _NOT_IN_RAY:
             raise ValueError(
