@@ -173,16 +173,23 @@ class JaxpagedReplica:
         if frontend.phase is not Phase.SERVING:
             raise RuntimeError(f"the engine is {frontend.phase.value}: {frontend.failure}")
 
-    async def __del__(self) -> None:
-        """Ray has stopped routing here and waited for the ongoing requests (its
-        graceful_shutdown_timeout_s): abort what is left and stop the engine."""
+    def __del__(self) -> Any:  # noqa: ANN401 - a coroutine or None
+        """Ray calls this when it removes the replica, after it stopped routing here and
+        waited for the ongoing requests (graceful_shutdown_timeout_s), and awaits what it
+        returns: abort what is left and stop the engine. Once stopped (or never built) there
+        is nothing to return, so the interpreter's own call leaves no coroutine behind."""
         frontend = self.frontend
-        if frontend is not None and frontend.engine is not None:
+        if frontend is None or frontend.phase.value == "stopped":
+            return None
+        return self._stop(getattr(super(), "__del__", None))
+
+    async def _stop(self, parent: Any) -> None:  # noqa: ANN401 - the wrapper's __del__
+        frontend = self.frontend
+        if frontend.engine is not None:
             await frontend.drain(0.0)
             await frontend.engine.shutdown()
-            frontend.stopped()
-        parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
-        if parent is not None:
+        frontend.stopped()
+        if parent is not None:  # Ray's ASGI wrapper: the app's lifespan shutdown
             await parent()
 
 

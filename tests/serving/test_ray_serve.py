@@ -234,3 +234,41 @@ def test_stream_cut_by_dead_replicas_fails_and_new_requests_wait_for_new_ones(ra
         pytest.fail(f"the stream ended normally after {n} more chunks")  # not an APIError
     assert time.monotonic() - start < 30
     assert _ask(ray_app, 1)[1] == 6  # queued by Ray until a replica is back
+
+
+def test_replica_health_follows_its_engine_and_the_destructor_stops_it():
+    """What Ray calls on a replica, without Ray: check_health raises until the engine serves
+    and after it fails; the destructor (Ray's downscale) drains and stops the engine."""
+    import asyncio
+
+    from fakes import FakeAsyncEngine
+
+    from jaxpaged.serving.frontend import Frontend, Phase, ServingConfig
+    from jaxpaged.serving.ray_serve import JaxpagedReplica
+
+    async def go() -> None:
+        replica = JaxpagedReplica([])
+        with pytest.raises(RuntimeError, match="not built"):
+            await replica.check_health()
+        engine = FakeAsyncEngine()
+        engine.start()
+        replica.frontend = Frontend(ServingConfig(served_model_name="m"))
+        replica.frontend.attach_engine(engine)
+        await replica.check_health()
+        await replica.__del__()
+        assert replica.frontend.phase is Phase.STOPPED
+        with pytest.raises(RuntimeError, match="stopped"):
+            await replica.check_health()
+
+        failing = JaxpagedReplica([])
+        engine = FakeAsyncEngine()
+        engine.start()
+        failing.frontend = Frontend(ServingConfig(served_model_name="m"))
+        failing.frontend.attach_engine(engine)
+        engine.kill(RuntimeError("device lost"))
+        with pytest.raises(RuntimeError, match="failed: device lost"):
+            await failing.check_health()
+        await failing.__del__()
+        assert failing.__del__() is None  # stopped: nothing left for the interpreter's call
+
+    asyncio.run(go())
