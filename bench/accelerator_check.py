@@ -158,10 +158,15 @@ PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(5 + 3 * i)] for i in range(4)]
 
 
 def greedy_tokens(
-    attention_backend: str | None, max_tokens: int, *, eager: bool = False
-) -> tuple[list, float]:
-    """Greedy tokens of PROMPTS and tokens per second of the whole run (warm-up excluded;
-    ``eager`` skips the warm-up, so compiling is included: dry runs)."""
+    attention_backend: str | None,
+    max_tokens: int,
+    *,
+    eager: bool = False,
+    speculative_config: dict | None = None,
+) -> tuple[list, float, Any]:
+    """Greedy tokens of PROMPTS, tokens per second of the whole run (warm-up excluded;
+    ``eager`` skips the warm-up, so compiling is included: dry runs) and the engine's
+    stats at the end."""
     import jax
 
     from jaxpaged.engine import LLMEngine
@@ -172,7 +177,7 @@ def greedy_tokens(
         engine = LLMEngine.from_params(
             config, params, attention_backend=attention_backend, max_model_len=128,
             max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, block_size=16,
-            enforce_eager=eager,
+            enforce_eager=eager, speculative_config=speculative_config,
         )  # fmt: skip
         start = time.perf_counter()
         for i, prompt in enumerate(PROMPTS):
@@ -183,7 +188,7 @@ def greedy_tokens(
                 tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         seconds = time.perf_counter() - start
     ordered = [tokens[str(i)] for i in range(len(PROMPTS))]
-    return ordered, sum(map(len, ordered)) / seconds
+    return ordered, sum(map(len, ordered)) / seconds, engine.get_stats()
 
 
 def engine_stage(rep: Report, *, eager: bool) -> None:
@@ -197,7 +202,7 @@ def engine_stage(rep: Report, *, eager: bool) -> None:
         # a dry run checks the first 3 tokens (compiling the eager engine's shapes dominates)
         max_tokens = 3 if eager else expected["max_tokens"]
         want = [t[:max_tokens] for t in expected["tokens"]]
-        tokens, tok_s = greedy_tokens(None, max_tokens, eager=eager)
+        tokens, tok_s, _ = greedy_tokens(None, max_tokens, eager=eager)
     except Exception as e:
         rep.fail("engine run", e)
         return
@@ -208,6 +213,33 @@ def engine_stage(rep: Report, *, eager: bool) -> None:
     )
     rep.line(f"- greedy tokens {'equal' if same else 'DIFFER FROM'} the CPU engine's"
              + ("" if same else f": got {tokens}, CPU {want}"))  # fmt: skip
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}  # fmt: skip
+
+
+def spec_stage(rep: Report, *, eager: bool) -> None:
+    rep.stage("Speculative decoding (n-gram drafts verified in the step, same model)")
+    if rep.left() < rep.reserve:
+        rep.line("skipped: deadline")
+        return
+    with open(EXPECTED) as f:
+        expected = json.load(f)
+    try:
+        max_tokens = 3 if eager else expected["max_tokens"]
+        want = [t[:max_tokens] for t in expected["tokens"]]
+        tokens, tok_s, stats = greedy_tokens(None, max_tokens, eager=eager, speculative_config=SPEC)
+    except Exception as e:
+        rep.fail("speculative run", e)
+        return
+    same = tokens == want
+    rep.failures += not same
+    drafted = stats.spec_decode_num_draft_tokens
+    rep.line(f"- {sum(map(len, tokens))} tokens at {tok_s:.0f} tok/s, "
+             f"{stats.spec_decode_num_accepted_tokens} of {drafted} drafts accepted")  # fmt: skip
+    rep.line(f"- greedy tokens {'equal' if same else 'DIFFER FROM'} the CPU engine's"
+             + ("" if same else f" (speculative): got {tokens}, CPU {want}"))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import_jaxpaged()
     if args.write_expected:
-        tokens, _ = greedy_tokens(None, 8)
+        tokens, _, _ = greedy_tokens(None, 8)
         with open(EXPECTED, "w") as f:
             json.dump({"max_tokens": 8, "tokens": tokens}, f)
             f.write("\n")
@@ -241,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     correctness_stage(rep, platform, interpret, small=args.dry_run)
     timing_stage(rep, platform, interpret, small=args.dry_run)
     engine_stage(rep, eager=args.dry_run)
+    spec_stage(rep, eager=args.dry_run)
     rep.line(f"\nfailures: {rep.failures}; total {time.monotonic() - rep.start:.0f} s")
     return 1 if rep.failures else 0
 

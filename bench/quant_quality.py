@@ -55,7 +55,8 @@ def main() -> int:
     from jaxpaged.kernels.cpu.linear_q4 import linear_q4
     from jaxpaged.models import load_tokenizer
     from jaxpaged.models.gguf_params import has_quantized_weights, load_gguf_host_params
-    from jaxpaged.models.llama import map_matmul_weights
+    from jaxpaged.models.linear import map_matmul_weights
+    from jaxpaged.models.llama import LINEARS
     from jaxpaged.models.loader import load_host_params
     from jaxpaged.models.quant import quantize_grouped, quantize_params, weight_bytes
     from jaxpaged.models.quant.quality import first_divergence, perplexity
@@ -102,7 +103,7 @@ def main() -> int:
         params = jax.tree.map(jnp.asarray, params)
         nbytes = weight_bytes(params)  # before any kernel layout (which copies a tied head)
         if method == "int8":  # as served: int8 layers in linear_q8, the float head in cpu.linear
-            weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+            weight_map = lambda p, fn: map_matmul_weights(p, LINEARS, fn)  # noqa: E731
             backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
             params, linear_fn = backend.pack_weights(params, weight_map), backend.kernels.linear
         parted = [

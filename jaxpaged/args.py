@@ -36,6 +36,7 @@ from jaxpaged.config import (
     SchedulerConfig,
 )
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.spec.config import SpeculativeConfig
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -147,6 +148,16 @@ def stall_ratio(text: str) -> float:
 def optional_text(text: str) -> str | None:
     """The text, or None for an empty one (argparse type: '' turns the setting off)."""
     return text or None
+
+
+def speculative_json(text: str) -> SpeculativeConfig | None:
+    """A speculative_config from its JSON text, vLLM's keys (argparse type); '' = off."""
+    if not text:
+        return None
+    try:
+        return SpeculativeConfig.from_value(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def fraction(text: str) -> float:
@@ -373,6 +384,16 @@ class EngineArgs:
         metavar="NAME=PATH",
         nargs="+",
     )
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = _setting(
+        None,
+        "speculative decoding, vLLM's keys as JSON, e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}' + " (ngram: drafts from the request's own text, verified "
+        "in the same step; greedy output unchanged, sampling keeps the model's distribution)",
+        "--speculative-config",
+        parse=speculative_json,
+        metavar="JSON",
+    )
     logits_processors: tuple[Any, ...] = _setting(
         (),
         "jittable logits processors (jaxpaged.worker.logits_processors.LogitsProcessor) that "
@@ -390,6 +411,9 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend: {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config)
+        )
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
         object.__setattr__(
             self, "swap_space", _normalise_size("swap_space", self.swap_space, parse_gib)

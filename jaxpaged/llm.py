@@ -232,9 +232,25 @@ class LLM:
         self.close()
 
     def get_metrics(self) -> dict[str, float | int]:
-        """Engine counters: preemptions, prefix cache, KV usage and waste, compilations."""
+        """Engine counters: preemptions, prefix cache, KV usage and waste, compilations, and
+        speculative decoding's (vLLM's spec_decode names; the acceptance rate is accepted /
+        drafted tokens, the mean acceptance length 1 + accepted / verifications, and
+        ``spec_decode_num_accepted_tokens_per_pos_j`` counts drafts accepted at position j)."""
         s = self.engine.get_stats()
+        drafted, accepted = s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
+        per_pos = {
+            f"spec_decode_num_accepted_tokens_per_pos_{j}": n
+            for j, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)
+        }
         return {
+            "spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens": drafted,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_decode_mean_acceptance_length": (
+                1 + accepted / s.spec_decode_num_drafts if s.spec_decode_num_drafts else 0.0
+            ),
+            **per_pos,
             "num_preemptions": s.num_preemptions,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,

@@ -17,14 +17,14 @@ of hd rows each: ``wqkv`` is that weight reshaped, and it is the Llama family's 
 with one query per KV head ([L, Hkv, G + 2, hd, D], G = 1), so tensor parallelism splits
 ``wqkv``, ``bqkv`` and ``wo`` over heads by the same table (distributed/parallel.py).
 
-Every matmul goes to ``linear_fn(x, w, index)`` over the stacked weight (default
-`linear.linear_xla`; the CPU platform's native kernel reads layer ``index`` in place), the
+Every matmul is a `blocks.projection` of a declared linear (``LINEARS``: the platform's
+``linear_fn`` over the stacked weight, which the CPU's native kernel reads in place), the
 bias added after it, the residual after the bias, as transformers does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .blocks import LayerLinears, projection
 from .config import ModelConfig
 from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
 from .gpt import FLOAT_FAMILY_REFUSALS, layer_norm
-from .layers import StackedParams, alibi_slopes, dense_causal_attention
-from .linear import linear_xla, map_matmul_views, streamed_weights
-from .lora_term import LoraInputs, lora_delta
+from .layers import StackedParams, alibi_slopes, dense_causal_attention, param
+from .linear import Linear, linear_splits, linear_xla
+from .lora_term import LoraInputs
 from .quant.matmul import vocab_logits
 from .types import AttentionFn, LinearFn, Params, TensorReader
 
@@ -115,23 +116,6 @@ def bloom_gelu(x: jax.Array) -> jax.Array:
     return x * 0.5 * (1.0 + jnp.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
 
 
-def _matmul_views(layers: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
-    """The stacked matmul weights as the [L, out, in] views that ``linear_fn`` receives
-    (free reshapes): wqkv [L, H*3*hd, D], wo [L, D, H*hd], w_fc [L, F, D], w_proj [L, D, F]."""
-    n, d = config.num_layers, config.hidden_size
-    views = {"wqkv": layers["wqkv"].reshape(n, -1, d), "wo": layers["wo"].reshape(n, d, -1)}
-    return {**views, "w_fc": layers["w_fc"], "w_proj": layers["w_proj"]}
-
-
-def map_matmul_weights(
-    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-) -> Params:
-    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
-    (`linear.map_matmul_views`: the vocabulary projection as "lm_head" [1, V, D], even when
-    tied)."""
-    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
-
-
 class BloomForCausalLM(nnx.Module):
     """BLOOM; the state is the params tree of the module docstring.
 
@@ -147,10 +131,11 @@ class BloomForCausalLM(nnx.Module):
             shapes.pop("lm_head", None)
             if lm_head:
                 shapes["lm_head"] = shapes["embed"]
-        self.layers = StackedParams(shapes["layers"], dtype)
-        for name, shape in shapes.items():
+        self.layers = StackedParams(shapes["layers"], dtype, splits=LAYER_SPLITS)
+        for name, shape in shapes.items():  # the vocabulary split, the rest replicated
             if name != "layers":
-                setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+                split = 0 if name in ("embed", "lm_head") else None
+                setattr(self, name, param(jnp.zeros(shape, dtype), split))
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
@@ -187,26 +172,17 @@ class BloomForCausalLM(nnx.Module):
         def body(carry, layer):
             x, cache = carry
             # norms and biases sliced to the layer; matmul weights go to linear_fn whole
-            w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
-            m = _matmul_views(layers, c)
+            lin = LayerLinears.of(layers, LINEARS, layer, linear_fn, lora)
+            w = {k: v[layer] for k, v in layers.items() if k not in lin.views}
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
-            qkv = linear_fn(y, m["wqkv"], layer).reshape(t, h, 3, hd) + w["bqkv"]  # [T, H, 3, hd]
-            if lora is not None:  # after the base product, on the same input
-                qkv = qkv + lora_delta(y, lora, "qkv", layer).reshape(t, h, 3, hd)
+            qkv = projection(lin, "wqkv", y, bias=w["bqkv"].reshape(-1)).reshape(t, h, 3, hd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             attn, cache = attention_fn(q, k, v, layer, cache, alibi_slopes=slopes)
-            out = linear_fn(attn.astype(x.dtype).reshape(t, h * hd), m["wo"], layer) + w["bo"]
-            if lora is not None:
-                out = out + lora_delta(attn.astype(x.dtype).reshape(t, h * hd), lora, "o", layer)
+            out = projection(lin, "wo", attn.astype(x.dtype).reshape(t, h * hd), bias=w["bo"])
             x = (y if post else x) + out
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            fc = linear_fn(y, m["w_fc"], layer) + w["b_fc"]
-            if lora is not None:
-                fc = fc + lora_delta(y, lora, "fc", layer)
-            act = bloom_gelu(fc)
-            mlp = linear_fn(act, m["w_proj"], layer) + w["b_proj"]
-            if lora is not None:
-                mlp = mlp + lora_delta(act, lora, "proj", layer)
+            act = bloom_gelu(projection(lin, "w_fc", y, bias=w["b_fc"]))
+            mlp = projection(lin, "w_proj", act, bias=w["b_proj"])
             x = (y if post else x) + mlp
             return (x, cache), None
 
@@ -224,17 +200,6 @@ class BloomForCausalLM(nnx.Module):
         if linear_fn is not None:
             return linear_fn(hidden, w[None], 0).astype(jnp.float32)
         return vocab_logits(hidden, w)
-
-    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
-    @staticmethod
-    def map_matmul_weights(
-        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-    ) -> Params:
-        return map_matmul_weights(params, config, fn)
-
-    @staticmethod
-    def streamed_weights(params: Params) -> list[jax.Array]:
-        return streamed_weights(params)
 
 
 # ------------------------------------------------------------------- loading
@@ -288,23 +253,19 @@ def _has(read: Any, name: str) -> bool:
 
 # ------------------------------------------------------------------- family
 
-# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
-MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType({"wqkv": 1, "wo": 2, "w_fc": 1, "w_proj": 1})
-
-# Megatron split (distributed/parallel.py): the fused attention over heads (the Llama
-# family's layout with G = 1), the plain MLP column- then row-parallel over F
-SPLIT_AXES: Mapping[str, int] = MappingProxyType(
-    {
-        "layers/wqkv": 1,
-        "layers/bqkv": 1,
-        "layers/wo": 2,
-        "layers/w_fc": 1,
-        "layers/b_fc": 1,
-        "layers/w_proj": 2,
-        "embed": 0,
-        "lm_head": 0,
-    }
+# The decoder layer's linears (models/linear.py) with their Megatron split: the fused
+# attention over heads (the Llama family's layout with G = 1), the plain MLP column- then
+# row-parallel over F. No pre-quantized checkpoint modules: the family reads float
+# checkpoints only
+LINEARS: tuple[Linear, ...] = (
+    Linear(leaf="wqkv", split=1, lora=("qkv",)),  # [L, H, 3, hd, D] -> [L, H*3*hd, D]
+    Linear(leaf="wo", in_axes=2, split=2, lora=("o",)),  # [L, D, H, hd] -> [L, D, H*hd]
+    Linear(leaf="w_fc", split=1, lora=("fc",)),  # [L, F, D]
+    Linear(leaf="w_proj", split=2, lora=("proj",)),  # [L, D, F]
 )
+# the "layers" leaves tensor parallelism splits: the linears', and the column-parallel
+# layers' biases with them (the row-parallel ones' and the LayerNorms are replicated)
+LAYER_SPLITS: Mapping[str, int] = MappingProxyType({**linear_splits(LINEARS), "bqkv": 1, "b_fc": 1})
 
 
 def lora_layout(config: ModelConfig) -> LoraLayout:
@@ -345,8 +306,7 @@ FAMILY = ModelFamily(
     module=BloomForCausalLM,
     param_shapes=param_shapes,
     load_host_params=load_host_params,
-    split_axes=SPLIT_AXES,
-    matmul_weights=MATMUL_WEIGHTS,
+    linears=LINEARS,
     refused=_refused,
     lora=lora_layout,
 )

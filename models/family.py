@@ -6,7 +6,8 @@ granite.py) defines one ``FAMILY``; models/registry.py finds it by architecture.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -118,6 +119,42 @@ class LoraLayout:
     conv1d: bool = False
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Linear:
+    """One matmul weight of a family's decoder layer, declared once: the stacked "layers"
+    leaf and how it reshapes into the ``[L', out, in]`` view that ``linear_fn`` multiplies
+    by (its first ``stack_axes`` axes are L', its last ``in_axes`` the contracted ones, the
+    rest the output), the axis of the leaf tensor parallelism splits (None: replicated; the
+    family's module puts it on the leaf's nnx.Param as partition metadata), the Hugging Face
+    modules of one layer (``model.layers.N.<module>``) whose pre-quantized weights fill it,
+    and the LoRA sites its products add a term at (one per stacked product, or one for all).
+    int8 / fp8 quantization rounds the leaf per output channel over its ``in_axes``."""
+
+    leaf: str  # in params["layers"], e.g. "wqkv"
+    in_axes: int = 1  # trailing axes of the leaf its matmul contracts
+    stack_axes: int = 1  # leading axes of the leaf that index its products (1: layers only)
+    split: int | None = None  # the leaf's axis N devices split
+    hf_modules: tuple[str, ...] = ()  # pre-quantized checkpoints' modules (empty: none)
+    lora: tuple[str, ...] = ()  # LoRA sites of its products (LoraLayout.sites)
+
+    def view(self, w: Any) -> Any:  # [L', out, in], a free reshape of the leaf
+        """The stacked leaf (float, quantized or packed: anything with the leaf's shape and
+        ``reshape``) as the ``[L', out, in]`` stack ``linear_fn`` reads."""
+        shape = tuple(w.shape)
+        lead, trail = shape[: self.stack_axes], shape[len(shape) - self.in_axes :]
+        k = math.prod(trail)
+        return w.reshape(math.prod(lead), math.prod(shape) // (math.prod(lead) * k), k)
+
+    def products(self, w: Any) -> int:
+        """How many products of one layer the leaf stacks (its view's L' is L times this)."""
+        return math.prod(tuple(w.shape)[1 : self.stack_axes])
+
+
+def linear_splits(linears: Iterable[Linear]) -> dict[str, int]:
+    """The split axis of every declared linear that tensor parallelism splits, by leaf."""
+    return {lin.leaf: lin.split for lin in linears if lin.split is not None}
+
+
 def _no_refusals(config: ModelConfig) -> Mapping[str, str]:
     del config
     return {}
@@ -138,25 +175,31 @@ class ModelFamily:
     # the safetensors weight names: (read, config, stacked layer buffers to fill) -> host
     # params (the buffers are ``param_shapes(config)["layers"]``'s, float or quantized)
     load_host_params: Callable[[TensorReader, ModelConfig, dict[str, Any]], Params]
-    # tensor parallelism: params leaf path ("layers/wqkv") -> the axis N devices split
-    # (absent: replicated); vocabulary leaves split only when N divides V
-    split_axes: Mapping[str, int]
-    # the matmul weights its forward runs through ``linear_fn``: "layers" leaf -> how many
-    # trailing axes its matmul contracts (a config without a leaf skips it); int8 / fp8
-    # quantize these per output channel (quant/params.py). Empty: none
-    matmul_weights: Mapping[str, int] = dataclasses.field(
-        default_factory=lambda: MappingProxyType({})
-    )
-    # pre-quantized checkpoints (quant/prequantized.py): "layers" leaf -> the HF modules of
-    # one layer (``model.layers.N.<module>``) whose quantized weights fill it. Empty: none
-    prequantized_modules: Mapping[str, tuple[str, ...]] = dataclasses.field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    # its decoder layer's matmul weights, each declared once (models/linear.py): the
+    # ``linear_fn`` views, int8 / fp8 quantization (``matmul_weights``), pre-quantized
+    # checkpoints (``prequantized_modules``) and the CPU platform's weight packing derive
+    # from it; a config whose params lack a leaf skips it. Tensor parallelism reads each
+    # leaf's split from its nnx.Param's partition metadata (the module declares it)
+    linears: tuple[Linear, ...] = ()
     gguf: tuple[GgufLayout, ...] = ()  # the GGUF architectures it imports
     # feature (one of FEATURES) -> why this config cannot have it; absent: supported
     refused: Callable[[ModelConfig], Mapping[str, str]] = _no_refusals
     # LoRA: the PEFT modules and forward sites of a config (None: the family has none)
     lora: Callable[[ModelConfig], LoraLayout] | None = None
+
+    @property
+    def matmul_weights(self) -> Mapping[str, int]:
+        """ "layers" leaf -> how many trailing axes its matmul contracts, for every declared
+        linear (int8 / fp8 quantize these per output channel, quant/params.py)."""
+        return MappingProxyType({lin.leaf: lin.in_axes for lin in self.linears})
+
+    @property
+    def prequantized_modules(self) -> Mapping[str, tuple[str, ...]]:
+        """ "layers" leaf -> the HF modules of one layer whose pre-quantized weights fill it
+        (quant/prequantized.py); empty: the family reads no pre-quantized checkpoint."""
+        return MappingProxyType(
+            {lin.leaf: lin.hf_modules for lin in self.linears if lin.hf_modules}
+        )
 
     def refusal(self, feature: str, config: ModelConfig) -> str | None:
         """Why ``config`` cannot have ``feature`` (None: it can)."""

@@ -21,9 +21,9 @@ The state is a params tree with the layers stacked on a leading L axis, matmul w
      "final_norm": [D],
      "lm_head": [V, D]}     # absent (the projection is "embed") unless int8 or packed added it
 
-Every matmul goes to ``linear_fn(x, w, index)`` over the stacked weight (default
-`linear.linear_xla`; the CPU platform's native kernel reads layer ``index`` in place), as in
-the Llama family, with no fused norm or residual: Gemma's norms scale by (1 + weight) and
+Every matmul is a `blocks.projection` of the Llama family's declared linears (its
+``linear_fn`` over the stacked weight: the CPU platform's native kernel reads layer
+``index`` in place), with no fused norm or residual: Gemma's norms scale by (1 + weight) and
 its post-norms sit between the product and the residual add.
 
 The kernels take the sliding window as a static argument, so the decoder scans over periods
@@ -44,12 +44,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .blocks import LayerLinears, projection
 from .config import ModelConfig, RopeScaling
 from .family import GgufLayout, GgufMetadata, ModelFamily
-from .layers import StackedParams, apply_rope, dense_causal_attention
-from .linear import linear_xla, map_matmul_views, streamed_weights
-from .llama import lora_layout
-from .lora_term import LoraInputs, lora_delta
+from .layers import StackedParams, apply_rope, dense_causal_attention, param
+from .linear import linear_splits, linear_xla
+from .llama import LINEARS, lora_layout
+from .lora_term import LoraInputs
 from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, LinearFn, Params, TensorReader
@@ -222,28 +223,6 @@ def _period(windows: tuple[int | None, ...]) -> int:
     return next(p for p in range(1, n + 1) if all(windows[i] == windows[i % p] for i in range(n)))
 
 
-def _matmul_views(layers: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
-    """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
-    (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
-    of layer l at 2l, up at 2l + 1), w_down [L, D, F]."""
-    n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
-    return {
-        "wqkv": layers["wqkv"].reshape(n, -1, d),
-        "wo": layers["wo"].reshape(n, d, -1),
-        "w_gate_up": layers["w_gate_up"].reshape(2 * n, f, d),
-        "w_down": layers["w_down"],
-    }
-
-
-def map_matmul_weights(
-    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-) -> Params:
-    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
-    (`linear.map_matmul_views`: the vocabulary projection, the tied embedding, as its own
-    "lm_head" [1, V, D])."""
-    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
-
-
 def _layer(
     x: jax.Array,  # [T, D]
     layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
@@ -260,13 +239,10 @@ def _layer(
     c = config
     t, g, hd, eps = x.shape[0], c.queries_per_kv, c.head_dim, c.rms_norm_eps
     # norms sliced to the layer; matmul weights go to linear_fn whole, read in place
-    w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
-    m = _matmul_views(layers, c)
+    lin = LayerLinears.of(layers, LINEARS, layer, linear_fn, lora)
+    w = {k: v[layer] for k, v in layers.items() if k not in lin.views}
     h = gemma_rms_norm(x, w["attn_norm"], eps)
-    qkv = linear_fn(h, m["wqkv"], layer)
-    if lora is not None:  # after the base product, on the same input
-        qkv = qkv + lora_delta(h, lora, "qkv", layer)
-    qkv = qkv.reshape(t, c.num_kv_heads, g + 2, hd)
+    qkv = projection(lin, "wqkv", h).reshape(t, c.num_kv_heads, g + 2, hd)
     q = qkv[:, :, :g].reshape(t, c.num_heads, hd)
     k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, hd]
     if c.qk_norm:
@@ -282,20 +258,13 @@ def _layer(
         sm_scale=c.query_pre_attn_scalar**-0.5, sliding_window=window, soft_cap=c.attn_soft_cap,
     )  # fmt: skip
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * hd)  # heads grouped by KV head
-    o = linear_fn(attn, m["wo"], layer)
-    if lora is not None:
-        o = o + lora_delta(attn, lora, "o", layer)
+    o = projection(lin, "wo", attn)
     x = x + gemma_rms_norm(o, w["post_attn_norm"], eps)
     h = gemma_rms_norm(x, w["pre_mlp_norm"], eps)
-    gate = linear_fn(h, m["w_gate_up"], 2 * layer)
-    up = linear_fn(h, m["w_gate_up"], 2 * layer + 1)
-    if lora is not None:
-        gate = gate + lora_delta(h, lora, "gate", layer)
-        up = up + lora_delta(h, lora, "up", layer)
+    gate = projection(lin, "w_gate_up", h, part=0)
+    up = projection(lin, "w_gate_up", h, part=1)
     act = _ACTIVATIONS[c.hidden_act](gate) * up
-    mlp = linear_fn(act, m["w_down"], layer)
-    if lora is not None:
-        mlp = mlp + lora_delta(act, lora, "down", layer)
+    mlp = projection(lin, "w_down", act)
     return x + gemma_rms_norm(mlp, w["post_mlp_norm"], eps), cache
 
 
@@ -304,7 +273,7 @@ class GemmaForCausalLM(nnx.Module):
 
     ``lm_head``: whether the state holds the vocabulary projection's own copy besides the
     tied embedding (int8 weights quantize it, a native matmul packs it: see
-    `map_matmul_weights`)."""
+    `linear.map_matmul_weights`)."""
 
     def __init__(
         self, config: ModelConfig, *, dtype: Any = jnp.float32, lm_head: bool = False
@@ -313,11 +282,12 @@ class GemmaForCausalLM(nnx.Module):
             raise ValueError("GemmaForCausalLM needs a gemma2 / gemma3_text config")
         self.config = config
         shapes = param_shapes(config)
-        self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
-        self.layers = StackedParams(shapes["layers"], dtype)
+        self.embed = param(jnp.zeros(shapes["embed"], dtype), split=0)  # by vocabulary
+        # the Llama family's linears and splits; the extra norms are replicated
+        self.layers = StackedParams(shapes["layers"], dtype, splits=linear_splits(LINEARS))
         self.final_norm = nnx.Param(jnp.zeros(shapes["final_norm"], dtype))
         if lm_head:
-            self.lm_head = nnx.Param(jnp.zeros(shapes["embed"], dtype))
+            self.lm_head = param(jnp.zeros(shapes["embed"], dtype), split=0)
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
@@ -388,17 +358,6 @@ class GemmaForCausalLM(nnx.Module):
             logits = vocab_logits(hidden, w)
         cap = self.config.final_soft_cap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
-
-    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
-    @staticmethod
-    def map_matmul_weights(
-        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-    ) -> Params:
-        return map_matmul_weights(params, config, fn)
-
-    @staticmethod
-    def streamed_weights(params: Params) -> list[jax.Array]:
-        return streamed_weights(params)
 
 
 # ------------------------------------------------------------------- loading
@@ -473,31 +432,6 @@ def forward(
 
 # ------------------------------------------------------------------- family
 
-# Megatron split (distributed/parallel.py): the Llama family's layout; the extra norms are
-# replicated
-SPLIT_AXES: Mapping[str, int] = MappingProxyType(
-    {
-        "layers/wqkv": 1,
-        "layers/wo": 2,
-        "layers/w_gate_up": 2,
-        "layers/w_down": 2,
-        "embed": 0,
-    }
-)
-# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
-MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType(
-    {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
-)
-# a pre-quantized checkpoint's modules of one layer that fill each stacked leaf (the Llama
-# family's names)
-PREQUANTIZED_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {
-        "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "wo": ("self_attn.o_proj",),
-        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-        "w_down": ("mlp.down_proj",),
-    }
-)
 # llama.cpp's Gemma 3 per-layer tensor names -> transformers' (ffn_norm is the pre-MLP one)
 GGUF_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
     {
@@ -575,10 +509,9 @@ FAMILY = ModelFamily(
     module=GemmaForCausalLM,
     param_shapes=param_shapes,
     load_host_params=load_host_params,
-    split_axes=SPLIT_AXES,
     lora=lora_layout,  # the Llama family's sites and PEFT module names
-    matmul_weights=MATMUL_WEIGHTS,
-    prequantized_modules=PREQUANTIZED_MODULES,
+    # the Llama family's linears: the same fused layout, split, checkpoint modules and sites
+    linears=LINEARS,
     gguf=(
         GgufLayout(
             architecture="gemma3",

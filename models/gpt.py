@@ -12,8 +12,8 @@ transposed at load):
      "final_ln_w", "final_ln_b": [D],
      "lm_head": [V, D]}                      # absent when tied (both families' default)
 
-Every matmul goes to ``linear_fn(x, w, index)`` over the stacked weight (default
-`linear.linear_xla`; the CPU platform's native kernel reads layer ``index`` in place), the
+Every matmul is a `blocks.projection` of a declared linear (``LINEARS``: the platform's
+``linear_fn`` over the stacked weight, which the CPU's native kernel reads in place), the
 bias added after it. The LayerNorms are not the RMSNorm ``linear_fn`` may fuse, and the
 residual is added after the bias, as transformers does.
 """
@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .blocks import LayerLinears, projection
 from .config import ModelConfig
 from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
-from .layers import StackedParams, dense_causal_attention
-from .linear import linear_xla, map_matmul_views, streamed_weights
+from .layers import StackedParams, dense_causal_attention, param
+from .linear import Linear, linear_splits, linear_xla
 from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import vocab_logits
 from .types import AttentionFn, LinearFn, Params, TensorReader
@@ -155,25 +156,6 @@ def layer_norm(
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _matmul_views(layers: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
-    """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
-    (free reshapes): wqkv [3L, Hq*hd, D] (q, k, v of layer l at 3l, 3l + 1, 3l + 2: three
-    dots, so tensor parallelism's split of Hq*hd stays whole), wo [L, D, Hq*hd], w_fc
-    [L, F, D], w_proj [L, D, F]."""
-    n, d, q = config.num_layers, config.hidden_size, config.num_heads * config.head_dim
-    views = {name: layers[name] for name in ("wo", "w_fc", "w_proj")}
-    return {"wqkv": layers["wqkv"].reshape(3 * n, q, d), **views}
-
-
-def map_matmul_weights(
-    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-) -> Params:
-    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
-    (`linear.map_matmul_views`: the vocabulary projection as "lm_head" [1, V, D], even when
-    tied)."""
-    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
-
-
 class GPTForCausalLM(nnx.Module):
     """GPT-2 and OPT; the state is the params tree of the module docstring.
 
@@ -189,10 +171,11 @@ class GPTForCausalLM(nnx.Module):
             shapes.pop("lm_head", None)
             if lm_head:
                 shapes["lm_head"] = shapes["embed"]
-        self.layers = StackedParams(shapes["layers"], dtype)
-        for name, shape in shapes.items():
+        self.layers = StackedParams(shapes["layers"], dtype, splits=LAYER_SPLITS)
+        for name, shape in shapes.items():  # the vocabulary split, the rest replicated
             if name != "layers":
-                setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+                split = 0 if name in ("embed", "lm_head") else None
+                setattr(self, name, param(jnp.zeros(shape, dtype), split))
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
@@ -227,11 +210,11 @@ class GPTForCausalLM(nnx.Module):
         def body(carry, layer):
             x, cache = carry
             # norms and biases sliced to the layer; matmul weights go to linear_fn whole
-            w = {k: v[layer] for k, v in layers.items() if k not in MATMUL_WEIGHTS}
-            m = _matmul_views(layers, c)
+            lin = LayerLinears.of(layers, LINEARS, layer, linear_fn, lora)
+            w = {k: v[layer] for k, v in layers.items() if k not in lin.views}
             y = layer_norm(x, w["ln1_w"], w["ln1_b"], eps)
-            q, k, v = (
-                (linear_fn(y, m["wqkv"], 3 * layer + i) + w["bqkv"][i]).reshape(t, h, hd)
+            q, k, v = (  # q, k and v share one LoRA site: its term is split below
+                projection(lin, "wqkv", y, part=i, bias=w["bqkv"][i], lora=False).reshape(t, h, hd)
                 for i in range(3)
             )
             if lora is not None:  # after the base products, on the same input
@@ -239,19 +222,10 @@ class GPTForCausalLM(nnx.Module):
                 q, k, v = q + delta[:, 0], k + delta[:, 1], v + delta[:, 2]
             attn, cache = attention_fn(q, k, v, layer, cache)
             attn = attn.astype(x.dtype).reshape(t, h * hd)
-            o = linear_fn(attn, m["wo"], layer) + w["bo"]
-            if lora is not None:
-                o = o + lora_delta(attn, lora, "o", layer)
-            x = x + o
+            x = x + projection(lin, "wo", attn, bias=w["bo"])
             y = layer_norm(x, w["ln2_w"], w["ln2_b"], eps)
-            fc = linear_fn(y, m["w_fc"], layer) + w["b_fc"]
-            if lora is not None:
-                fc = fc + lora_delta(y, lora, "fc", layer)
-            y = act(fc)
-            proj = linear_fn(y, m["w_proj"], layer) + w["b_proj"]
-            if lora is not None:
-                proj = proj + lora_delta(y, lora, "proj", layer)
-            x = x + proj
+            y = act(projection(lin, "w_fc", y, bias=w["b_fc"]))
+            x = x + projection(lin, "w_proj", y, bias=w["b_proj"])
             return (x, cache), None
 
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
@@ -268,17 +242,6 @@ class GPTForCausalLM(nnx.Module):
         if linear_fn is not None:
             return linear_fn(hidden, w[None], 0).astype(jnp.float32)
         return vocab_logits(hidden, w)
-
-    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
-    @staticmethod
-    def map_matmul_weights(
-        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-    ) -> Params:
-        return map_matmul_weights(params, config, fn)
-
-    @staticmethod
-    def streamed_weights(params: Params) -> list[jax.Array]:
-        return streamed_weights(params)
 
 
 # ------------------------------------------------------------------- loading
@@ -349,23 +312,20 @@ def load_host_params(
 
 # ------------------------------------------------------------------- family
 
-# Megatron split (distributed/parallel.py): wqkv [L, 3, Hq*hd, D] and bqkv over Hq*hd (whole
-# heads), wo over Hq*hd, the MLP over F; biases of the row-parallel layers, the LayerNorms
-# and the learned positions replicated
-SPLIT_AXES: Mapping[str, int] = MappingProxyType(
-    {
-        "layers/wqkv": 2,
-        "layers/bqkv": 2,
-        "layers/wo": 2,
-        "layers/w_fc": 1,
-        "layers/b_fc": 1,
-        "layers/w_proj": 2,
-        "embed": 0,
-        "lm_head": 0,
-    }
+# The decoder layer's linears (models/linear.py) with their Megatron split: wqkv [L, 3,
+# Hq*hd, D] over Hq*hd (whole heads; three dots, q, k, v of layer l at 3l, 3l + 1, 3l + 2,
+# so the split stays whole), wo over Hq*hd, the MLP over F. No pre-quantized checkpoint
+# modules: the family reads float checkpoints only
+LINEARS: tuple[Linear, ...] = (
+    Linear(leaf="wqkv", stack_axes=2, split=2, lora=("qkv",)),  # [L, 3, Hq*hd, D]
+    Linear(leaf="wo", split=2, lora=("o",)),  # [L, D, Hq*hd]
+    Linear(leaf="w_fc", split=1, lora=("fc",)),  # [L, F, D]
+    Linear(leaf="w_proj", split=2, lora=("proj",)),  # [L, D, F]
 )
-# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts
-MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType({"wqkv": 1, "wo": 1, "w_fc": 1, "w_proj": 1})
+# the "layers" leaves tensor parallelism splits: the linears', and the column-parallel
+# layers' biases with them; the row-parallel layers' biases, the LayerNorms and the learned
+# positions are replicated
+LAYER_SPLITS: Mapping[str, int] = MappingProxyType({**linear_splits(LINEARS), "bqkv": 2, "b_fc": 1})
 
 
 def lora_layout(config: ModelConfig) -> LoraLayout:
@@ -421,8 +381,7 @@ FAMILY = ModelFamily(
     module=GPTForCausalLM,
     param_shapes=param_shapes,
     load_host_params=load_host_params,
-    split_axes=SPLIT_AXES,
-    matmul_weights=MATMUL_WEIGHTS,
+    linears=LINEARS,
     refused=_refused,
     lora=lora_layout,
 )

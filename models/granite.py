@@ -5,13 +5,14 @@ What transformers' Granite computes differently from Llama, and where it happens
 
 - ``embedding_multiplier``: the token embeddings are scaled by it (`LlamaForCausalLM`);
 - ``residual_multiplier``: each attention and MLP output is scaled by it before its
-  residual add (``llama._residual_add``);
+  residual add (``blocks.residual_projection``, ``blocks.gated_silu_mlp``);
 - ``attention_multiplier``: the attention scale, in place of ``head_dim ** -0.5``, passed to
   the attention kernel as ``sm_scale``;
 - ``logits_scaling``: the vocabulary logits are divided by it
   (`LlamaForCausalLM.compute_logits`).
 
-The checkpoint names, the params tree, the tensor-parallel split and the engine features
+The checkpoint names, the params tree, the linears (their tensor-parallel split, quantization
+and CPU packing) and the engine features
 (native CPU linears, int8/fp8 weights, pre-quantized checkpoints, LoRA) are the Llama
 family's, since the layer is.
 """
@@ -56,9 +57,7 @@ FAMILY = ModelFamily(
     module=llama.LlamaForCausalLM,
     param_shapes=llama.param_shapes,
     load_host_params=llama.load_host_params,
-    split_axes=llama.SPLIT_AXES,
-    matmul_weights=llama.MATMUL_WEIGHTS,
-    prequantized_modules=llama.PREQUANTIZED_MODULES,
+    linears=llama.LINEARS,
     refused=_refused,
     lora=llama.lora_layout,
 )

@@ -9,13 +9,15 @@ params dtype with float32 accumulation.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from .types import TP_AXIS
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -130,17 +132,35 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("ti,oi->to", x, w) + b
 
 
+def param(value: Any, split: int | None = None) -> nnx.Param:
+    """An nnx.Param whose partition metadata names the axis tensor parallelism splits
+    (``split``; None: replicated), as nnx.with_partitioning would: the source of the
+    params' shardings (``nnx.get_partition_spec``, distributed/parallel.py). Nothing is
+    sharded when it is made (``eager_sharding=False``): the loader places the weights."""
+    if split is None:
+        return nnx.Param(value)
+    names = tuple(TP_AXIS if axis == split else None for axis in range(len(value.shape)))
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
 class StackedParams(nnx.Module):
     """A family's per-layer leaves, each one nnx.Param stacked over layers [L, ...], so the
     decoder is one ``lax.scan`` and a native matmul reads layer l of a weight in place.
-    ``ones``: the leaves that start at one (norm scales); the rest start at zero."""
+    ``ones``: the leaves that start at one (norm scales); the rest start at zero.
+    ``splits``: leaf -> the axis tensor parallelism splits (`param`; absent: replicated)."""
 
     def __init__(
-        self, shapes: dict[str, tuple[int, ...]], dtype: Any, *, ones: Collection[str] = ()
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: Any,
+        *,
+        ones: Collection[str] = (),
+        splits: Mapping[str, int] | None = None,
     ) -> None:
+        splits = splits or {}
         for name, shape in shapes.items():
             init = jnp.ones if name in ones else jnp.zeros
-            setattr(self, name, nnx.Param(init(shape, dtype)))
+            setattr(self, name, param(init(shape, dtype), splits.get(name)))
 
     def arrays(self) -> dict[str, jax.Array]:
         """Every stacked leaf by name as device arrays (host arrays cannot take the scan's

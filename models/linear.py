@@ -1,23 +1,42 @@
-"""The matmuls every family's forward delegates to: the default `LinearFn` (XLA's dot over
-one layer of a stacked [L, out, in] weight, float or quantized), and the two platform hooks
-built on a family's matmul weight views, which the CPU platform uses to pack the weights for
-its native matmul (``map_matmul_weights``) and to back the streamed ones with huge pages
-(``streamed_weights``). Kept apart from any one family, so every family imports it and none
-imports another for it."""
+"""The linears of a family: `Linear`, the one declaration of a matmul weight (its params
+leaf, its ``[L', out, in]`` view, the axis tensor parallelism splits, the axes it contracts,
+its pre-quantized checkpoint modules and its LoRA sites), from which the family's tensor
+parallel, quantization and CPU packing tables all derive; the default `LinearFn` (XLA's dot
+over one layer of a stacked [L, out, in] weight, float or quantized); and the generic weight
+maps a platform uses over a family's declarations: every matmul weight in its view
+(``map_matmul_weights``, which the CPU platform packs for its native matmul) and the arrays
+every step streams (``streamed_weights``, which it backs with huge pages). Kept apart from
+any one family, so every family imports it and none imports another for it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .family import Linear, linear_splits
 from .layers import rms_norm
 from .quant.matmul import QUANTIZED_WEIGHTS, quantized_matmul
-from .types import Params, RMSNorm
+from .types import TP_AXIS, Params, RMSNorm
 
-__all__ = ["linear_xla", "map_matmul_views", "streamed_weights", "vocab_projection"]
+__all__ = [
+    "TP_AXIS",
+    "Linear",
+    "linear_splits",
+    "linear_xla",
+    "map_matmul_weights",
+    "matmul_views",
+    "streamed_weights",
+    "vocab_projection",
+]
+
+
+def matmul_views(layers: Mapping[str, Any], linears: Iterable[Linear]) -> dict[str, Any]:
+    """Every declared linear's ``[L', out, in]`` view, by leaf (a leaf this config's params
+    lack is skipped: the Llama family's dense MLP under mixture-of-experts)."""
+    return {lin.leaf: lin.view(layers[lin.leaf]) for lin in linears if lin.leaf in layers}
 
 
 def linear_xla(
@@ -45,22 +64,21 @@ def linear_xla(
 
 def vocab_projection(params: Params) -> Any:  # [V, D]
     """The vocabulary projection: "lm_head", absent for tied embeddings unless
-    `map_matmul_views` (or int8 quantization) added the projection's own copy, else the
+    `map_matmul_weights` (or int8 quantization) added the projection's own copy, else the
     embedding table."""
     return params["lm_head"] if "lm_head" in params else params["embed"]
 
 
-def map_matmul_views(
-    params: Params, views: Mapping[str, Any], fn: Callable[[jax.Array], jax.Array]
+def map_matmul_weights(
+    params: Params, linears: Iterable[Linear], fn: Callable[[jax.Array], jax.Array]
 ) -> Params:
-    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view:
-    ``views`` maps a "layers" leaf to its [L', out, in] view (a free reshape of the leaf),
-    and the vocabulary projection goes as [1, V, D], stored as "lm_head" even when tied,
-    since the embedding lookup needs the original. For kernels that want their own layout of
-    the same shape (kernels.cpu.pack_panels); such params only work with the ``linear_fn``
-    that expects that layout."""
+    """New params with ``fn`` applied to every declared linear's weight in its ``linear_fn``
+    view ([L', out, in], `Linear.view`), and to the vocabulary projection as [1, V, D],
+    stored as "lm_head" even when tied, since the embedding lookup needs the original. For
+    kernels that want their own layout of the same shape (kernels.cpu.pack_panels); such
+    params only work with the ``linear_fn`` that expects that layout."""
     layers = dict(params["layers"])
-    for name, view in views.items():
+    for name, view in matmul_views(layers, linears).items():
         layers[name] = fn(view).reshape(layers[name].shape)
     out = {**params, "layers": layers}
     out["lm_head"] = fn(vocab_projection(params)[None])[0]

@@ -20,22 +20,23 @@ is a 2-D dot contracting the weight's last (minor) axis: on XLA:CPU that is 20-4
      "lm_head": [V, D]}                           # absent when tie_word_embeddings
 
 Attention is delegated to `attention_fn(q, k, v, layer, cache) -> (out, cache)` so the paged
-engine can substitute its KV-pool write + ragged paged attention without touching the model, and
-every matmul to `linear_fn(x, w, index, norm=None, silu_gate=None, residual=None)` over the
-stacked weight, so the engine can run decode steps' few-row matmuls in a native CPU kernel that
-reads each layer's weight in place, applies the norm or the MLP's activation as it packs x and
-adds the skip connection as it stores the product.
+engine can substitute its KV-pool write + ragged paged attention without touching the model.
+The layer is a composition of the shared layers of models/blocks.py over its declared linears
+(``LINEARS``): a pre-norm q/k/v projection, a residual-added output projection and the gated
+SiLU MLP. They run every matmul through the platform's ``linear_fn`` over the stacked weight
+(the CPU's native kernel reads each layer's weight in place and fuses the norm, the SiLU gate
+and the residual add); the layer itself says only what it computes.
 
 The module is also the family's declaration (``FAMILY``, models/family.py): its config.json
-parsing, its safetensors and GGUF weight names, its tensor-parallel split and the features
-it refuses. Granite (models/granite.py) is declared on this layer, through the four
+parsing, its safetensors and GGUF weight names, its linears (whose partition metadata is
+the tensor-parallel split) and the features it refuses. Granite (models/granite.py) is declared on this layer, through the four
 ``ModelConfig`` scalars it reads (embedding, residual and attention multipliers, logits
 scaling).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -44,18 +45,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .blocks import LayerLinears, gated_silu_mlp, normed_projection, residual_projection
 from .config import ModelConfig, RopeScaling
 from .family import (
     GgufLayout,
     GgufMetadata,
+    Linear,
     LoraLayout,
     LoraModule,
     LoraPiece,
     LoraSite,
     ModelFamily,
+    linear_splits,
 )
-from .layers import StackedParams, apply_rope, dense_causal_attention, rms_norm
-from .linear import linear_xla, map_matmul_views, streamed_weights
+from .layers import StackedParams, apply_rope, dense_causal_attention, param, rms_norm
+from .linear import linear_xla
 from .lora_term import LoraInputs, lora_delta, lora_expert_delta
 from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
@@ -96,27 +100,6 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def _matmul_views(layers: dict[str, jax.Array], config: ModelConfig) -> dict[str, jax.Array]:
-    """The stacked matmul weights as the [L', out, in] views that ``linear_fn`` receives
-    (free reshapes): wqkv [L, Hkv*(G+2)*hd, D], wo [L, D, Hq*hd], w_gate_up [2L, F, D] (gate
-    of layer l at 2l, up at 2l + 1), w_down [L, D, F]."""
-    n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
-    views = {"wqkv": layers["wqkv"].reshape(n, -1, d), "wo": layers["wo"].reshape(n, d, -1)}
-    if not config.num_experts:  # experts' weights stay XLA's (_moe_mlp)
-        views["w_gate_up"] = layers["w_gate_up"].reshape(2 * n, f, d)
-        views["w_down"] = layers["w_down"]
-    return views
-
-
-def map_matmul_weights(
-    params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-) -> Params:
-    """New params with ``fn`` applied to every matmul weight in its ``linear_fn`` view
-    (`linear.map_matmul_views`: [L', out, in], and the vocabulary projection as [1, V, D],
-    stored as "lm_head" even when tied)."""
-    return map_matmul_views(params, _matmul_views(params["layers"], config), fn)
-
-
 def _layer(
     x: jax.Array,  # [T, D]
     layers: dict[str, jax.Array],  # every layer's params, stacked on a leading L axis
@@ -135,13 +118,10 @@ def _layer(
     g = c.queries_per_kv
     eps = c.rms_norm_eps
     inv_freq = rope_inv_freq_at(c, positions, rope_lengths)
-    # Matmul weights go to linear_fn whole, so a native kernel can read the layer in place.
-    w = _matmul_views(layers, c)
+    # the linears of this layer: matmul weights go to linear_fn whole, read in place
+    lin = LayerLinears.of(layers, LINEARS, layer, linear_fn, lora)
 
-    attn_norm = RMSNorm(layers["attn_norm"][layer], eps)
-    qkv = linear_fn(x, w["wqkv"], layer, norm=attn_norm)
-    if lora is not None:  # after the base call, on the same input
-        qkv = qkv + lora_delta(x, lora, "qkv", layer, norm=attn_norm)
+    qkv = normed_projection(lin, "wqkv", x, RMSNorm(layers["attn_norm"][layer], eps))
     qkv = qkv.reshape(t, c.num_kv_heads, g + 2, c.head_dim)
     if c.qkv_bias:
         qkv = qkv + layers["bqkv"][layer][None]
@@ -159,46 +139,15 @@ def _layer(
         options["sm_scale"] = c.attention_multiplier
     attn, cache = attention_fn(q, k, v, layer, cache, **options)  # [T, Hq, hd]
     attn = attn.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)  # heads grouped by KV head
-    o_delta = None if lora is None else lora_delta(attn, lora, "o", layer)
-    x = _residual_add(x, linear_fn, attn, w["wo"], layer, o_delta, c.residual_multiplier)
+    x = residual_projection(lin, "wo", x, attn, multiplier=c.residual_multiplier)
 
     if c.num_experts:  # the experts' dots in their weights' dtype, as without activation_dtype
         h = rms_norm(x, layers["mlp_norm"][layer], eps).astype(layers["w_experts_down"].dtype)
         out = _moe_mlp(h, layers, layer, c, lora).astype(x.dtype)
         return x + out * jnp.asarray(c.residual_multiplier, x.dtype), cache
     mlp_norm = RMSNorm(layers["mlp_norm"][layer], eps)
-    # two dots, not one over a merged [2F, D]: tensor parallelism splits F, which merging would mix
-    gate = linear_fn(x, w["w_gate_up"], 2 * layer, norm=mlp_norm)
-    up = linear_fn(x, w["w_gate_up"], 2 * layer + 1, norm=mlp_norm)
-    if lora is not None:
-        gate = gate + lora_delta(x, lora, "gate", layer, norm=mlp_norm)
-        up = up + lora_delta(x, lora, "up", layer, norm=mlp_norm)
-    down_delta = None if lora is None else lora_delta(up, lora, "down", layer, silu_gate=gate)
-    x = _residual_add(
-        x, linear_fn, up, w["w_down"], layer, down_delta, c.residual_multiplier, silu_gate=gate
-    )
+    x = gated_silu_mlp(lin, "w_gate_up", "w_down", x, mlp_norm, multiplier=c.residual_multiplier)
     return x, cache
-
-
-def _residual_add(
-    residual: jax.Array,  # [T, N]
-    linear_fn: LinearFn,
-    x: jax.Array,  # [T, K]
-    w: jax.Array,  # [L, N, K]
-    index: jax.Array | int,  # int32 []
-    delta: jax.Array | None,  # [T, N]: the LoRA term of the same product
-    multiplier: float,  # Granite's residual_multiplier
-    **options: Any,
-) -> jax.Array:  # [T, N]
-    """``residual + multiplier * (x @ w[index].T + delta)``; with multiplier 1 the add is
-    ``linear_fn``'s fused epilogue."""
-    if multiplier == 1.0:
-        out = linear_fn(x, w, index, residual=residual, **options)
-        return out if delta is None else out + delta
-    out = linear_fn(x, w, index, **options)
-    if delta is not None:
-        out = out + delta
-    return residual + out * jnp.asarray(multiplier, out.dtype)
 
 
 def _moe_mlp(
@@ -243,7 +192,8 @@ class LlamaForCausalLM(nnx.Module):
     ``(graphdef, state)`` with the graph definition static.
 
     ``lm_head``: whether the state holds its own vocabulary projection (default: unless the
-    embeddings are tied; packed params add one even when tied, see `map_matmul_weights`).
+    embeddings are tied; packed params add one even when tied, see
+    `linear.map_matmul_weights`).
     """
 
     def __init__(
@@ -255,12 +205,15 @@ class LlamaForCausalLM(nnx.Module):
     ) -> None:
         self.config = config
         shapes = param_shapes(config)
-        self.embed = nnx.Param(jnp.zeros(shapes["embed"], dtype))
+        # the vocabulary split over devices (parallel.py replicates it where N does not
+        # divide V)
+        self.embed = param(jnp.zeros(shapes["embed"], dtype), split=0)
         norms = [name for name in shapes["layers"] if name.endswith("norm")]
-        self.layers = StackedParams(shapes["layers"], dtype, ones=norms)
+        self.layers = StackedParams(shapes["layers"], dtype, ones=norms, splits=LAYER_SPLITS)
         self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
         if not config.tie_word_embeddings if lm_head is None else lm_head:
-            self.lm_head = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+            shape = (config.vocab_size, config.hidden_size)
+            self.lm_head = param(jnp.zeros(shape, dtype), split=0)
 
     @classmethod
     def graphdef_for(cls, config: ModelConfig, params: Params) -> nnx.GraphDef:
@@ -334,17 +287,6 @@ class LlamaForCausalLM(nnx.Module):
             logits = vocab_logits(hidden, w)
         scaling = self.config.logits_scaling  # Granite divides the logits by it
         return logits if scaling == 1.0 else logits / scaling
-
-    # The engine's platform hooks (see jaxpaged.kernels.platform), over the state as params.
-    @staticmethod
-    def map_matmul_weights(
-        params: Params, config: ModelConfig, fn: Callable[[jax.Array], jax.Array]
-    ) -> Params:
-        return map_matmul_weights(params, config, fn)
-
-    @staticmethod
-    def streamed_weights(params: Params) -> list[jax.Array]:
-        return streamed_weights(params)
 
 
 def forward(
@@ -583,36 +525,38 @@ def load_host_params(
 
 # ------------------------------------------------------------------- family
 
-# Megatron split over the params layout above (distributed/parallel.py): q/k/v and the
-# output projection by KV heads, the MLP by F, the vocabulary by V
-SPLIT_AXES: Mapping[str, int] = MappingProxyType(
-    {
-        "layers/wqkv": 1,
-        "layers/bqkv": 1,
-        "layers/wo": 2,
-        "layers/w_gate_up": 2,
-        "layers/w_down": 2,
-        "layers/w_experts_gate_up": 3,
-        "layers/w_experts_down": 3,
-        "embed": 0,
-        "lm_head": 0,
-    }
+# The decoder layer's linears (models/linear.py), each with its Megatron split over the
+# params layout above: q/k/v (column-parallel) and the output projection (row-parallel) by
+# KV heads, the MLP by F; its pre-quantized checkpoint modules and its LoRA sites
+# (`lora_layout`). The MoE router and experts run in XLA einsums of their own (_moe_mlp),
+# so they are no linears: they stay float under int8 / fp8
+LINEARS: tuple[Linear, ...] = (
+    Linear(
+        leaf="wqkv",  # [L, Hkv, G + 2, hd, D] -> [L, Hkv * (G + 2) * hd, D]
+        split=1,
+        hf_modules=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        lora=("qkv",),
+    ),
+    Linear(
+        leaf="wo",  # [L, D, Hkv, G, hd] -> [L, D, Hq * hd]
+        in_axes=3,
+        split=2,
+        hf_modules=("self_attn.o_proj",),
+        lora=("o",),
+    ),
+    Linear(
+        leaf="w_gate_up",  # [L, 2, F, D] -> [2L, F, D]: gate of layer l at 2l, up at 2l + 1
+        stack_axes=2,
+        split=2,
+        hf_modules=("mlp.gate_proj", "mlp.up_proj"),
+        lora=("gate", "up"),
+    ),
+    Linear(leaf="w_down", split=2, hf_modules=("mlp.down_proj",), lora=("down",)),  # [L, D, F]
 )
-
-# the leaves linear_fn multiplies by (_matmul_views) -> how many trailing axes it contracts;
-# the MoE router and experts run in XLA einsums of their own and stay float
-MATMUL_WEIGHTS: Mapping[str, int] = MappingProxyType(
-    {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1}
-)
-
-# a pre-quantized checkpoint's modules of one layer that fill each stacked leaf
-PREQUANTIZED_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {
-        "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "wo": ("self_attn.o_proj",),
-        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-        "w_down": ("mlp.down_proj",),
-    }
+# every "layers" leaf tensor parallelism splits: the linears', q/k/v's bias as wqkv, and
+# every expert's F (the router and the norms are replicated)
+LAYER_SPLITS: Mapping[str, int] = MappingProxyType(
+    {**linear_splits(LINEARS), "bqkv": 1, "w_experts_gate_up": 3, "w_experts_down": 3}
 )
 
 # llama.cpp's per-layer tensor names -> transformers' (convert_hf_to_gguf.py)
@@ -765,9 +709,7 @@ FAMILY = ModelFamily(
     module=LlamaForCausalLM,
     param_shapes=param_shapes,
     load_host_params=load_host_params,
-    split_axes=SPLIT_AXES,
-    matmul_weights=MATMUL_WEIGHTS,
-    prequantized_modules=PREQUANTIZED_MODULES,
+    linears=LINEARS,
     gguf=(
         GgufLayout(
             architecture="llama",

@@ -14,6 +14,10 @@ import numpy as np
 # on a leading L axis, the same tree as its family's ``param_shapes``.
 Params = dict[str, Any]
 
+# The mesh axis a params leaf's partition metadata names for its tensor-parallel split
+# (nnx.Param sharding metadata; distributed/parallel.py builds its mesh over this axis).
+TP_AXIS = "tp"
+
 # ``read(hf_name, shape)``: one checkpoint tensor by its Hugging Face name, its presence and
 # shape checked, in the load dtype (a family's ``load_host_params`` reads through it).
 TensorReader = Callable[[str, tuple[int, ...]], np.ndarray]

@@ -115,6 +115,32 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)  # exposed as <name>_total
             c.add_metric([], get(attr))
             yield c
+        # speculative decoding, under vLLM's names (exposed as <name>_total, as vLLM's)
+        spec = [
+            ("vllm:spec_decode_num_drafts", "Draft verifications run.", "spec_decode_num_drafts"),
+            (
+                "vllm:spec_decode_num_draft_tokens",
+                "Draft tokens proposed.",
+                "spec_decode_num_draft_tokens",
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                "spec_decode_num_accepted_tokens",
+            ),
+        ]
+        for name, doc, attr in spec:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], get(attr))
+            yield c
+        c = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels=["position"],
+        )
+        for j, n in enumerate(values.get("spec_decode_num_accepted_tokens_per_pos", ())):
+            c.add_metric([str(j)], float(n))
+        yield c
         g = GaugeMetricFamily("jaxpaged:num_requests_in_flight", "Requests open at the server.")
         g.add_metric([], float(frontend.num_in_flight) if frontend is not None else 0.0)
         yield g
@@ -137,7 +163,9 @@ def _vllm_families(frontend: Any, values: dict[str, Any]):  # noqa: ANN201 - a g
     router configured for vLLM pods reads jaxpaged pods unchanged. ``vllm:lora_requests_info``
     is, as in vLLM, a gauge whose value is the snapshot's time and whose labels carry the
     comma-separated adapter names (routers pick the series with the latest value)."""
-    model = "" if frontend is None else frontend.config.served_model_name
+    # a bare front end (tests bind one with only an engine) has no config: no model name
+    config = getattr(frontend, "config", None)
+    model = getattr(config, "served_model_name", "")
     for name, doc, attr in _VLLM_GAUGES:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
         g.add_metric([model], float(values[attr]) if values else 0.0)
@@ -163,8 +191,9 @@ def _vllm_families(frontend: Any, values: dict[str, Any]):  # noqa: ANN201 - a g
         "Information of the KV cache config.",
         labels=["block_size", "num_gpu_blocks"],
     )
-    if values:
-        block_size = frontend.engine.engine_config.get("block_size", "")
+    engine_config = getattr(frontend.engine, "engine_config", None) if values else None
+    if engine_config is not None:
+        block_size = engine_config.get("block_size", "")
         g.add_metric([str(block_size), str(values["num_kv_blocks"])], 1.0)
     yield g
 

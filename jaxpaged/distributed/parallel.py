@@ -64,6 +64,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,14 +72,14 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.loader import scales_sharding
 from jaxpaged.models.quant import GroupedWeight, QuantizedWeight
 from jaxpaged.models.quant.grouped import grouped_sharding_tree
-from jaxpaged.models.registry import check_feature, family_for_model_type
-from jaxpaged.models.types import Params
+from jaxpaged.models.registry import check_feature, family_of
+from jaxpaged.models.types import TP_AXIS, Params
 
-AXIS = "tp"
+AXIS = TP_AXIS  # the axis the families' partition metadata names
 
-# Each family declares the axis of each leaf that is split over the mesh (its
-# ``ModelFamily.split_axes``); vocabulary-sized leaves are split only when N divides V (see
-# `leaf_spec`).
+# Each family's module declares the axis of each leaf that is split over the mesh where it
+# creates the leaf's nnx.Param (its partition metadata, `split_axes`); vocabulary-sized
+# leaves are split only when N divides V (see `leaf_spec`).
 _VOCAB_LEAVES = ("embed", "lm_head")
 # the pool arrays' split: the KV-head axis (trailing axes unnamed, so replicated whole)
 _POOL_SPEC = P(None, None, AXIS)
@@ -185,18 +186,33 @@ def replicate_kv_heads(
 # ------------------------------------------------------------------------- shardings
 
 
-def split_axes(model_type: str) -> Mapping[str, int]:
-    """Leaf path -> the axis N devices split (leaves absent are replicated), for the params
-    layout of ``model_type``'s family, as the family declares it."""
-    return family_for_model_type(model_type).split_axes
+def split_axes(config: ModelConfig) -> dict[str, int]:
+    """Leaf path ("layers/wqkv") -> the axis N devices split (leaves absent are replicated),
+    as ``config``'s family module declares it: the partition metadata of each nnx.Param
+    (``nnx.get_partition_spec`` of the module's abstract state, built with its own
+    vocabulary projection, which int8 weights add even when tied)."""
+    family = family_of(config)
+    model = nnx.eval_shape(lambda: family.module(config, lm_head=True))
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model)))
+    axes: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, f"{prefix}/{k}" if prefix else str(k))
+        elif isinstance(node, P) and AXIS in tuple(node):
+            axes[prefix] = tuple(node).index(AXIS)
+
+    walk(specs, "")
+    return axes
 
 
 def leaf_spec(
-    path: str, shape: tuple[int, ...], tensor_parallel_size: int, model_type: str = "llama"
+    path: str, shape: tuple[int, ...], tensor_parallel_size: int, axes: Mapping[str, int]
 ) -> P:
-    """PartitionSpec of one params leaf ("layers/wqkv", ...) of a ``model_type`` model for N
-    devices."""
-    axis = split_axes(model_type).get(path)
+    """PartitionSpec of one params leaf ("layers/wqkv", ...) for N devices, given its
+    family's `split_axes`."""
+    axis = axes.get(path)
     if axis is None or tensor_parallel_size == 1:
         return P()
     if shape[axis] % tensor_parallel_size:
@@ -215,8 +231,9 @@ def param_sharding_fn(
     """``(leaf path, shape) -> NamedSharding`` for ``config``'s family: the form
     ``models.loader.load_model`` takes, so each device receives only its own shard of every
     weight."""
-    n, model_type = mesh_size(mesh), config.model_type
-    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, tuple(shape), n, model_type))
+    n = mesh_size(mesh)
+    axes = split_axes(config) if n > 1 else {}
+    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, tuple(shape), n, axes))
 
 
 def param_shardings(

@@ -170,7 +170,7 @@ class OutputProcessor:
             touched[group.request_id] = group
             if u.new_token_ids and group.first_token_time is None:
                 group.first_token_time = now
-            delta, stopped = sample.detokenizer.add_tokens(u.new_token_ids)
+            delta, stopped, kept = _detokenize(sample.detokenizer, u.new_token_ids)
             finish_reason, stop_reason = u.finish_reason, u.stop_reason
             if stopped and finish_reason is None:
                 stop_reason = sample.detokenizer.stop_reason
@@ -185,8 +185,8 @@ class OutputProcessor:
             if u.prompt_logprobs is not None and sample.index == 0:
                 group.prompt_logprobs = (None, *u.prompt_logprobs)
             sample.text.append(delta)
-            sample.token_ids.extend(u.new_token_ids)
-            sample.logprobs.extend(u.new_logprobs)
+            sample.token_ids.extend(u.new_token_ids[:kept])
+            sample.logprobs.extend(u.new_logprobs[:kept])
             sample.changed = True
             if finish_reason is not None:
                 self._end_sample(group, sample, u.request_id, finish_reason, stop_reason, now)
@@ -273,3 +273,21 @@ class OutputProcessor:
                 )
             )
         return outputs
+
+
+def _detokenize(
+    detokenizer: IncrementalDetokenizer | NullDetokenizer, token_ids: Sequence[int]
+) -> tuple[str, bool, int]:
+    """(text delta, stopped, tokens kept) of one update's tokens. Several tokens (a step
+    that verified drafts) go in one at a time, as steps without speculation would bring
+    them, so a stop string ends the output at the same token and the text is the same."""
+    if len(token_ids) <= 1:
+        delta, stopped = detokenizer.add_tokens(token_ids)
+        return delta, stopped, len(token_ids)
+    parts = []
+    for i, t in enumerate(token_ids):
+        delta, stopped = detokenizer.add_tokens((t,))
+        parts.append(delta)
+        if stopped:
+            return "".join(parts), True, i + 1
+    return "".join(parts), False, len(token_ids)

@@ -54,6 +54,12 @@ class EngineStats:
     num_steps: int
     num_compilations: int  # since the engine started, warm-up included
     num_compilations_after_warmup: int
+    # speculative decoding (vLLM's vllm:spec_decode_* counters): verifications run, draft
+    # tokens proposed, drafts accepted, and accepted drafts by position in the draft
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # LoRA adapter names (sorted) of the running and of the waiting (swapped included)
     # requests, and the device's adapter slots (0: LoRA off): vLLM's lora_requests_info
     running_lora_adapters: tuple[str, ...] = ()

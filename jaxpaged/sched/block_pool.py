@@ -385,6 +385,25 @@ class BlockPool:
             self._changed(request_id, first_changed)
         return copies
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Gives back the request's blocks (device, or host slots while swapped out) past
+        those holding its first ``num_tokens`` tokens, tail first: the slots of drafted
+        tokens the target rejected. The runner hears of it as a change from the last kept
+        entry on (re-sent, so the change is never empty)."""
+        keep = _cdiv(num_tokens, self.block_size)
+        table = self.req_to_blocks.get(request_id)
+        if table and len(table) > keep:
+            for b in reversed(table[keep:]):
+                self._decref(b)
+            del table[keep:]
+            self._changed(request_id, max(keep - 1, 0))
+            if self._num_registered.get(request_id, 0) > keep:
+                self._num_registered[request_id] = keep
+        host = self._req_to_host.get(request_id)
+        if host and len(host) > keep:
+            self._host_pending.extend(host[keep:])  # free from the next schedule on
+            del host[keep:]
+
     def fork(
         self, parent_id: str, child_id: str, num_tokens: int, parent_num_computed_tokens: int
     ) -> None:

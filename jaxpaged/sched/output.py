@@ -69,6 +69,9 @@ class ScheduledSeq:
     # prompt_logprobs: the prompt token after each of the first len() fed positions
     prompt_targets: tuple[int, ...] = ()
     prompt_top_k: int = 0  # top logprobs wanted with each
+    # speculative decoding: the last this many of token_ids are drafts to verify (the step
+    # samples after each fed token and keeps the drafts that match, plus one)
+    num_draft_tokens: int = 0
 
     @property
     def do_sample(self) -> bool:
@@ -87,10 +90,11 @@ class ScheduledSeq:
         return range(self.start_pos, self.kv_len)
 
     def __repr__(self) -> str:
+        drafts = f", drafts={self.num_draft_tokens}" if self.num_draft_tokens else ""
         return (
             f"ScheduledSeq({self.request_id!r}, start_pos={self.start_pos}, "
             f"num_tokens={self.num_tokens}, prev_row={self.prev_row}, "
-            f"do_sample={self.do_sample})"
+            f"do_sample={self.do_sample}{drafts})"
         )
 
     def apply_blocks(self, table: list[int]) -> None:
@@ -167,6 +171,11 @@ class RunnerOutput:
     # same alignment: the logprobs of each sequence's prompt_targets (None: none wanted)
     prompt_logprobs: Sequence[Sequence[Logprob] | None] | None = None
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # speculative decoding, same alignment: every token a sequence that verified drafts
+    # emits (its accepted drafts, then the target's own token), None for the others (their
+    # one token is in sampled_token_ids); and the target's logprobs of those tokens
+    spec_token_ids: Sequence[Sequence[int] | None] | None = None
+    spec_logprobs: Sequence[Sequence[Logprob] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,3 +206,9 @@ class SchedulerStats:
     num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
     prefix_cache_queries: int = 0  # tokens needed at admissions
     prefix_cache_hits: int = 0  # of those, tokens found cached (prefix cache or n>1 fork)
+    # speculative decoding (vLLM's spec_decode counters): verifications run, draft tokens
+    # proposed, drafts the target accepted, and accepted drafts by position in the draft
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)

@@ -197,6 +197,14 @@ class Request:
         return None
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether its decodes may verify drafted tokens: each verified position is sampled
+        as if the drafts before it were accepted, which per-request state (penalties,
+        min_tokens, logit_bias, logits processors: the token history) and grammars (the mask
+        after each draft) would have to follow; those requests decode one token a step."""
+        return not self.needs_state_row and self.sampling_params.structured_output is None
+
+    @property
     def needs_state_row(self) -> bool:
         """Whether its sampling reads on-device per-request state: penalties, min_tokens,
         logit_bias or a logits processor (which reads the token history)."""
@@ -229,10 +237,12 @@ class Request:
         *,
         prev_rows: Mapping[str, int],
         block_changes: tuple[int, Sequence[int]],
+        drafts: Sequence[int] = (),
     ) -> ScheduledSeq:
         """The plan entry feeding tokens ``start .. start + n``; ``prev_rows``: the rows of
         the last planned step's samples, for a decode of the token still in flight;
-        ``block_changes``: (first changed entry, the table from there) of its block table."""
+        ``block_changes``: (first changed entry, the table from there) of its block table;
+        ``drafts``: speculative tokens fed after them (a decode of the last known token)."""
         end = start + n
         prev_row = -1
         if end > self.num_tokens:  # feeds the token in flight: a decode of it alone
@@ -249,7 +259,7 @@ class Request:
         return ScheduledSeq(
             request_id=self.request_id,
             seq_id=self.arrival_order,
-            token_ids=token_ids,
+            token_ids=token_ids + tuple(drafts),
             prev_row=prev_row,
             start_pos=start,
             new_block_ids=tuple(new_block_ids),
@@ -257,4 +267,5 @@ class Request:
             key_counter=self.num_generated if end == self.num_total_tokens else -1,
             prompt_targets=self.prompt_logprob_targets(start, end),
             prompt_top_k=self.sampling_params.prompt_logprobs or 0,
+            num_draft_tokens=len(drafts),
         )

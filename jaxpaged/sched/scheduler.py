@@ -51,6 +51,18 @@ in its table (the pool notes them), and the ids of the requests that left the ba
 (``finished_request_ids``, ``preempted_request_ids``). A plan that only drops requests still
 has work: the runner must hear of it before a later plan reuses their rows.
 
+Speculative decoding (``speculative_config``): a decode of a request that can draft
+(``Request.can_speculate``) feeds its last token and up to ``num_speculative_tokens`` drafts
+(n-gram prompt lookup here, or placeholder slots a draft model fills on the device), capped
+so that accepting them all stays within ``max_tokens`` and ``max_model_len``; its blocks
+cover them all. :meth:`update` appends the tokens the runner says the target accepted (plus
+its own next one), checking stop conditions after each as if they came one per step, then
+rolls back: ``num_computed_tokens`` drops to the last emitted token and the blocks past it
+go back to the pool (``BlockPool.trim``). Drafting reads a request's tokens, so a request
+that drafts is not scheduled while a token of it is in flight (the overlapped loop's one
+wait for the host, as for structured output). ``disable_by_batch_size``: no drafts while
+more requests run.
+
 Sampler state: a running request with repetition / presence / frequency penalties or
 ``min_tokens`` holds a row of the runner's on-device sampler state (``state_row``: token
 counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
@@ -70,6 +82,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
 from jaxpaged.sched.lora_slots import LoraSlots
@@ -84,6 +97,7 @@ from jaxpaged.sched.output import (
 )
 from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.request import Request, RequestStatus
+from jaxpaged.spec import DeviceDraftSlots, NgramProposer, SpeculativeConfig
 
 __all__ = [
     "NewRequestData",
@@ -112,11 +126,13 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         max_loras: int = 0,
         step_sizes: Sequence[int] = (),
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``num_blocks``: device KV blocks (the runner's sizing); ``max_loras``: device
         LoRA slots (0: LoRA off); ``step_sizes``: token counts of the runner's compiled
         mixed-step shapes, which the prefill cap rounds to with ``fit_prefill_to_buckets``
-        (:mod:`.prefill_cap`). Host swap slots:
+        (:mod:`.prefill_cap`); ``speculative_config``: draft tokens for decodes (n-gram
+        prompt lookup), verified by the runner's step. Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
         mode (required there), else none."""
         self.config = scheduler_config
@@ -153,6 +169,16 @@ class Scheduler:
         self._in_batch: set[str] = set()
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
         self.step_sizes = tuple(step_sizes) if scheduler_config.fit_prefill_to_buckets else ()
+        self.speculative_config = speculative_config
+        self.proposer: NgramProposer | DeviceDraftSlots | None = None
+        if speculative_config is not None:
+            k = speculative_config.num_speculative_tokens
+            if speculative_config.method == "ngram":
+                lo, hi = speculative_config.lookup_window
+                self.proposer = NgramProposer(min_n=lo, max_n=hi, k=k)
+            else:  # a draft model drafts on the device, into the slots allotted here
+                self.proposer = DeviceDraftSlots(k=k)
+            self.stats.spec_accepted_per_pos = [0] * speculative_config.num_speculative_tokens
 
     def set_prefill_cap(self, cap: int) -> None:
         """Sets ``max_prefill_tokens_with_decodes`` (the engine's measured cap, before any
@@ -300,9 +326,10 @@ class Scheduler:
                 return budget
             return min(budget, prefill_cap(cap, decodes, self.step_sizes) - prefilled)
 
-        def emit(req: Request, start: int, n: int) -> None:
+        def emit(req: Request, start: int, n: int, drafts: Sequence[int] = ()) -> None:
             nonlocal budget, prefilled, decodes
             decodes, prefilled = (decodes + 1, prefilled) if n == 1 else (decodes, prefilled + n)
+            n += len(drafts)  # a decode that verifies drafts feeds them after its token
             rid = req.request_id
             new = rid not in self._in_batch
             if new:  # joins the runner's batch: its settings and whole table cross once
@@ -310,7 +337,13 @@ class Scheduler:
                 new_requests.append(req.new_request_data())
             changes = self.pool.take_block_changes(rid, whole=new)
             seqs.append(
-                req.scheduled_seq(start, n, prev_rows=self._prev_rows, block_changes=changes)
+                req.scheduled_seq(
+                    start,
+                    n - len(drafts),
+                    prev_rows=self._prev_rows,
+                    block_changes=changes,
+                    drafts=drafts,
+                )
             )
             scheduled.append(req)
             fed[req.request_id] = n
@@ -335,6 +368,9 @@ class Scheduler:
                     )
                 )
 
+        limit = None if self.proposer is None else self.speculative_config.disable_by_batch_size
+        drafting = self.proposer is not None and (limit is None or len(self.running) <= limit)
+
         # 1. running: decodes first, then prefills; preempt the latest arrival on shortage.
         order = [r for r in self.running if not r.is_prefill]
         order += [r for r in self.running if r.is_prefill]
@@ -345,8 +381,17 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its last token is in flight
             if req.num_inflight and req.sampling_params.structured_output is not None:
                 continue  # its grammar's next mask needs the token in flight
+            drafts: tuple[int, ...] = ()
+            if drafting and req.can_speculate:
+                if req.num_inflight:
+                    continue  # drafting reads its tokens: the one in flight first
+                drafts = self._drafts(req, room() - 1)
             n = min(req.num_total_tokens - req.num_computed_tokens, room())
-            new_copies = self._allocate(req, n)
+            if drafts and not self.pool.can_allocate(
+                req.request_id, req.num_computed_tokens, n + len(drafts)
+            ):
+                drafts = ()  # no blocks to spare for drafts: a plain decode
+            new_copies = self._allocate(req, n + len(drafts))
             while new_copies is None:
                 victim = next(r for r in reversed(self.running) if r not in scheduled)
                 swap_out.extend(self._preempt(victim))
@@ -357,7 +402,7 @@ class Scheduler:
             if new_copies is None:
                 continue
             copies.extend(new_copies)
-            emit(req, req.num_computed_tokens, n)
+            emit(req, req.num_computed_tokens, n, drafts)
 
         # 2. swapped, oldest first (once their in-flight token is known).
         if not preempted:
@@ -425,6 +470,21 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=tuple(preempted),
         )
+
+    def _drafts(self, req: Request, room: int) -> tuple[int, ...]:
+        """Draft tokens for a decode of ``req``'s last known token (none for a prefill):
+        at most ``room`` of them, and none that would run past ``max_tokens`` or
+        ``max_model_len`` if all were accepted (the step adds one token of its own)."""
+        if req.num_tokens - req.num_computed_tokens != 1:
+            return ()
+        k = min(
+            room,
+            req.max_tokens - req.num_generated - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        if k <= 0:
+            return ()
+        return self.proposer.propose(req.all_token_ids, k)
 
     def _length_reached(self, req: Request) -> bool:
         """Whether the request's last allowed token is already sampled (seen or not)."""
@@ -591,26 +651,57 @@ class Scheduler:
                     )
                 )
                 continue
-            token = int(sampled[i])
-            req.output_token_ids.append(token)
-            lp = logprobs[i] if logprobs is not None else None
+            tokens, lps = self._emitted(i, s, runner_output)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = req.stop_status(token, self.config.max_model_len)
+            first = not req.output_token_ids and req.sampling_params.prompt_logprobs is not None
+            status = None
+            kept = 0
+            for token in tokens:  # stops at the first token that ends it, as one at a time
+                req.output_token_ids.append(token)
+                kept += 1
+                status = req.stop_status(token, self.config.max_model_len)
+                if status is not None:
+                    break
+            if s.num_draft_tokens:
+                self._count_drafts(s.num_draft_tokens, len(tokens) - 1)
+                # rejected drafts' K/V is stale: the next step rewrites from the bonus token
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                self.pool.trim(req.request_id, req.num_computed_tokens)
             if status is not None:
                 self._finish(req, status)
-            first = req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None
             updates.append(
                 RequestUpdate(
                     request_id=s.request_id,
-                    new_token_ids=(token,),
-                    new_logprobs=() if lp is None else (lp,),
+                    new_token_ids=tuple(tokens[:kept]),
+                    new_logprobs=tuple(lps[:kept]),
                     prompt_logprobs=tuple(req.prompt_logprobs) if first else None,
                     finish_reason=None if status is None else status.finish_reason,
                     stop_reason=req.stop_reason if status is not None else None,
                 )
             )
         return updates
+
+    @staticmethod
+    def _emitted(
+        i: int, s: ScheduledSeq, out: RunnerOutput
+    ) -> tuple[Sequence[int], Sequence[Logprob]]:
+        """Sequence ``i``'s tokens from a step (several after a verification of drafts)
+        and their logprobs (empty when not asked for)."""
+        spec = out.spec_token_ids[i] if out.spec_token_ids is not None else None
+        if spec is not None:
+            lps = out.spec_logprobs[i] if out.spec_logprobs is not None else None
+            return [int(t) for t in spec], lps or ()
+        lp = out.logprobs[i] if out.logprobs is not None else None
+        return [int(out.sampled_token_ids[i])], () if lp is None else (lp,)
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        st = self.stats
+        st.spec_num_drafts += 1
+        st.spec_num_draft_tokens += num_drafts
+        st.spec_num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            st.spec_accepted_per_pos[j] += 1
 
     # ----------------------------------------------------------------- metrics
     def kv_cache_usage(self) -> float:

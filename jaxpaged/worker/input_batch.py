@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.output import NewRequestData, ScheduledSeq, SchedulerOutput
-from jaxpaged.worker import sampler
+from jaxpaged.worker import sampler, spec_verify
 from jaxpaged.worker.buckets import Bucket
 from jaxpaged.worker.step import StepBatch
 
@@ -151,8 +151,17 @@ class InputBatch(PersistentBatch):
         engine_key_data: np.ndarray,  # [2] uint32
         processor_names: Sequence[str] = (),
         lora: bool = False,
+        num_speculative_tokens: int = 0,
+        draft_slots_base: int | None = None,
     ) -> None:
+        """``num_speculative_tokens``: the most drafts a sequence verifies per step (0:
+        speculative decoding off; else every step carries ``StepBatch.verify_rows``);
+        ``draft_slots_base``: drafts are made on the device, draft j of sequence i read
+        from row ``base + i * K + j`` of the previous-token array (None: the fed tokens
+        are the drafts)."""
+        self.draft_slots_base = draft_slots_base
         super().__init__(max_rows=max_rows, max_blocks=max_blocks)
+        self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.engine_key_data = np.asarray(engine_key_data, np.uint32)
@@ -229,6 +238,7 @@ class InputBatch(PersistentBatch):
         starts = np.zeros(n, np.int32)
         num_tokens = np.zeros(n, np.int32)
         prev = np.full(n, -1, np.int32)
+        drafts = np.zeros(n, np.int32)
         counters = np.zeros(s, np.int64)
         prompt_targets = np.full(t, -1, np.int32)
         failed: dict[int, str] = {}
@@ -240,6 +250,7 @@ class InputBatch(PersistentBatch):
                 raise RuntimeError(f"{seq.request_id}: not in the batch (no NewRequestData)")
             k = len(seq.token_ids)
             rows[i], starts[i], num_tokens[i], prev[i] = row, seq.start_pos, k, seq.prev_row
+            drafts[i] = seq.num_draft_tokens
             if seq.key_counter >= 0:
                 why = failures.get(row) if failures else None
                 if why is None:
@@ -268,10 +279,26 @@ class InputBatch(PersistentBatch):
         slots[:at] = self.block_tables[row_tok, pos // bs] * bs + pos % bs
         prev_rows = np.full(t, -1, np.int32)
         prev_rows[cu[:n]] = prev  # only a one-token decode is ever fed this way
+        if self.draft_slots_base is not None and drafts.any():  # drafts made on the device
+            k = self.num_speculative_tokens
+            for i in np.flatnonzero(drafts):
+                d = int(drafts[i])
+                first = self.draft_slots_base + i * k
+                prev_rows[cu[i + 1] - d : cu[i + 1]] = np.arange(first, first + d)
         kv_lens = np.zeros(s, np.int32)
         kv_lens[:n] = starts + num_tokens
         sample_rows = np.zeros(s, np.int32)
         sample_rows[:n] = cu[1 : n + 1] - 1
+        spec: dict[str, np.ndarray] = {}
+        # a decode-only step carries no drafts: it samples one row per sequence, as without
+        # speculative decoding (no K + 1 logits rows for nothing)
+        if self.num_speculative_tokens and not bucket.decode_only:
+            k1 = self.num_speculative_tokens + 1
+            spec["verify_rows"] = spec_verify.verify_rows(cu[1 : n + 1] - 1, drafts, s, k1)
+            spec["num_drafts"] = np.zeros(s, np.int32)
+            spec["num_drafts"][:n] = drafts
+        elif drafts.any():
+            raise ValueError("a sequence feeds drafts in a step without verification rows")
         lora_slots = None
         if self.lora:
             lora_slots = np.zeros(t, np.int32)
@@ -295,5 +322,6 @@ class InputBatch(PersistentBatch):
             sampling=sampling,
             prompt_targets=prompt_targets,
             lora_slots=lora_slots,
+            **spec,
         )
         return batch, failed

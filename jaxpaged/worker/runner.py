@@ -56,6 +56,10 @@ class PendingStep:
     # per sequence: (first row, its prompt targets, top-k asked for), None = none
     prompt_wanted: tuple[tuple[int, tuple[int, ...], int] | None, ...]
     failed: dict[str, str]  # sequences left out of the batch: request id -> reason
+    # speculative decoding: verification rows per sequence (1: off), and which sequences
+    # verified drafts (their emitted tokens are read back)
+    rows_per_seq: int = 1
+    verified: tuple[bool, ...] = ()
 
 
 class Runner:
@@ -76,11 +80,25 @@ class Runner:
         logits_processors: tuple[LogitsProcessor, ...] = (),
         graphdef: nnx.GraphDef | None = None,
         lora: LoraAdapters | None = None,
+        num_speculative_tokens: int = 0,
+        draft_slots: bool = False,
+        sampled_rows: int | None = None,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
         chosen by its builder (attention backend, layer kernels, weight packing); ``lora``:
-        the LoRA adapters and their device slots (None: LoRA off)."""
+        the LoRA adapters and their device slots (None: LoRA off);
+        ``num_speculative_tokens``: the most drafts a sequence verifies in one step (0:
+        speculative decoding off), compiled into every step shape; ``draft_slots``: the
+        drafts are a draft model's, made on the device (:attr:`drafter` fills them into the
+        tail of the previous-token array, R * (K + 1) entries, which draft rows read)."""
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_slots = draft_slots
+        self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
+        # entries of the previous-token array (a draft model's runner: its target's size)
+        self._sampled_rows = sampled_rows or max_num_seqs * (
+            1 + num_speculative_tokens * draft_slots
+        )
         self.lora = lora
         self.model_config = model_config
         # traced into the step (static); their names index them in SamplingTensors.processor
@@ -119,6 +137,7 @@ class Runner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             block_size=layout.block_size,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.engine_key_data = sampler.seed_to_key_data(seed)
         # the running requests' block tables and sampling settings, updated from each plan
@@ -130,6 +149,8 @@ class Runner:
             engine_key_data=self.engine_key_data,
             processor_names=self.processor_names,
             lora=lora is not None,
+            num_speculative_tokens=num_speculative_tokens,
+            draft_slots_base=max_num_seqs if draft_slots else None,
         )
         self._create_kv_state()
         # swapped-out blocks: host slot -> one [L, *page] array per pool array
@@ -174,7 +195,9 @@ class Runner:
             )
         )
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
-        self.sampled = self._on_mesh(jax.numpy.zeros((self.buckets.max_num_seqs,), jax.numpy.int32))
+        # (with draft-model drafts, R * (K + 1): the drafts after the R sampled tokens)
+        rows = self._sampled_rows
+        self.sampled = self._on_mesh(jax.numpy.zeros((rows,), jax.numpy.int32))
 
     # ------------------------------------------------- weights and memory (admin)
     def update_params(self, params: Params) -> None:
@@ -203,6 +226,8 @@ class Runner:
         freed = sum(a.nbytes for a in arrays)
         for a in arrays:
             a.delete()
+        if self.drafter is not None:
+            freed += self.drafter.runner.release_kv()
         self.pool = self.seq_state = self.sampled = None
         self._host_blocks.clear()
         return freed
@@ -211,6 +236,8 @@ class Runner:
         """A fresh (zeroed) KV pool and sampler state after :meth:`release_kv`: the same
         shapes, so the compiled programs still apply."""
         self._create_kv_state()
+        if self.drafter is not None:
+            self.drafter.runner.restore_kv()
 
     def close(self) -> None:
         """Frees the KV pool and sampler state and drops the weights and the compiled
@@ -219,6 +246,8 @@ class Runner:
             self.release_kv()
         self.release_params()
         self.programs.close()
+        if self.drafter is not None:
+            self.drafter.runner.close()
 
     @property
     def kv_released(self) -> bool:
@@ -274,6 +303,8 @@ class Runner:
         kwargs = self._step_kwargs()
         if bucket.decode_only:
             kwargs.update(max_q_len=1)
+        elif bucket.max_q_len is not None:
+            kwargs.update(max_q_len=bucket.max_q_len)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool, self.seq_state = self.programs.step(
@@ -297,6 +328,8 @@ class Runner:
         for slot, name in plan.lora_loads:
             self.lora.write_slot(slot, name)
         self.input_batch.update(plan)
+        if self.drafter is not None:  # the draft model's passes (its pool's moves too)
+            self.sampled = self.drafter.propose(plan, self.sampled)
         if not plan.seqs:
             return None
         bucket = self.buckets.pick(plan.seqs)
@@ -305,9 +338,14 @@ class Runner:
         wanted = self.input_batch.logprobs_wanted(plan.seqs)
         prompt_wanted = _prompt_wanted(plan.seqs)
         # start the device->host copies now: they run as soon as the step is done
+        verified = tuple(s.num_draft_tokens > 0 for s in plan.seqs)
         some = any(w is not None for w in wanted) or any(prompt_wanted)
-        for x in out if some else (out.token_ids,):
-            x.copy_to_host_async()
+        needed = list(out) if some else [out.token_ids]
+        if any(verified):
+            needed += [out.spec_token_ids, out.num_emitted]
+        for x in needed:
+            if x is not None:
+                x.copy_to_host_async()
         failed = {plan.seqs[i].request_id: why for i, why in failed_rows.items()}
         return PendingStep(
             out=out,
@@ -315,6 +353,8 @@ class Runner:
             logprobs_wanted=wanted,
             prompt_wanted=prompt_wanted,
             failed=failed,
+            rows_per_seq=1 if batch.verify_rows is None else batch.verify_rows.shape[1],
+            verified=verified if any(verified) else (),
         )
 
     def collect(self, pending: PendingStep | None) -> RunnerOutput:
@@ -323,28 +363,36 @@ class Runner:
             return RunnerOutput(sampled_token_ids=())
         n = pending.num_seqs
         want = pending.logprobs_wanted
-        if all(w is None for w in want) and not any(pending.prompt_wanted):  # the usual case
+        plain = all(w is None for w in want) and not any(pending.prompt_wanted)
+        if plain and not pending.verified:  # the usual case
             token_ids = np.asarray(pending.out.token_ids)
             return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), failed=pending.failed)
         out = jax.device_get(pending.out)
+        k1 = pending.rows_per_seq
+        spec_ids = spec_lps = None
+        if pending.verified:
+            spec_ids = [
+                out.spec_token_ids[i, : out.num_emitted[i]].tolist() if v else None
+                for i, v in enumerate(pending.verified)
+            ]
+            spec_lps = [
+                None
+                if ids is None or want[i] is None
+                else [_logprob(out, i * k1 + j, t, want[i]) for j, t in enumerate(ids)]
+                for i, ids in enumerate(spec_ids)
+            ]
         logprobs = [
-            None
-            if w is None
-            else Logprob(
-                token_id=int(out.token_ids[i]),
-                logprob=float(out.logprobs[i]),
-                top=dict(
-                    zip(out.top_ids[i, :w].tolist(), out.top_logprobs[i, :w].tolist(), strict=True)
-                ),
-            )
+            None if w is None else _logprob(out, i * k1, int(out.token_ids[i]), w)
             for i, w in enumerate(want)
         ]
         prompt = [None if p is None else _prompt_logprobs(out, *p) for p in pending.prompt_wanted]
         return RunnerOutput(
             sampled_token_ids=out.token_ids[:n].tolist(),
-            logprobs=logprobs,
-            prompt_logprobs=prompt,
+            logprobs=None if plain else logprobs,
+            prompt_logprobs=None if plain else prompt,
             failed=pending.failed,
+            spec_token_ids=spec_ids,
+            spec_logprobs=spec_lps,
         )
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -500,6 +548,8 @@ class Runner:
                 bar.update()
         jax.block_until_ready((self.pool, self.seq_state))
         bar.close()
+        if self.drafter is not None:
+            total += self.drafter.warm_up(swap=swap, show_progress=show_progress)[0]
         self.warmed_up = True
         return total, time.perf_counter() - start
 
@@ -515,6 +565,17 @@ def _prompt_wanted(
         out.append((row, seq.prompt_targets, seq.prompt_top_k) if seq.prompt_targets else None)
         row += seq.num_tokens
     return tuple(out)
+
+
+def _logprob(out: StepOutput, row: int, token: int, k: int) -> Logprob:
+    """The sampled token's logprob and the top ``k`` of logprob row ``row`` (host copy)."""
+    return Logprob(
+        token_id=int(token),
+        logprob=float(out.logprobs[row]),
+        top=dict(
+            zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist(), strict=True)
+        ),
+    )
 
 
 def _prompt_logprobs(out: StepOutput, first: int, targets: Sequence[int], k: int) -> list[Logprob]:

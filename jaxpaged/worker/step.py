@@ -18,7 +18,7 @@ from jaxpaged.kernels.pool_format import SPLIT, PoolFormat
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
 from jaxpaged.models.llama import Params
 from jaxpaged.models.lora import LoraInputs
-from jaxpaged.worker import sampler
+from jaxpaged.worker import sampler, spec_verify
 from jaxpaged.worker.engine_jit import engine_jit
 from jaxpaged.worker.kv_cache import KVPool
 from jaxpaged.worker.logits_processors import LogitsProcessor
@@ -57,9 +57,17 @@ class StepBatch(NamedTuple):
     # wanted (SamplingParams.prompt_logprobs), -1 = none
     prompt_targets: jax.Array
     lora_slots: jax.Array | None = None  # int32 [T]; each row's LoRA slot, 0 = none (LoRA on)
+    # speculative decoding on (K drafts at most per sequence): the rows sampled to verify
+    # each sequence's drafts, and how many it feeds (jaxpaged.worker.spec_verify)
+    verify_rows: jax.Array | None = None  # int32 [S, K + 1]
+    num_drafts: jax.Array | None = None  # int32 [S]; 0 = no drafts
 
 
 class StepOutput(NamedTuple):
+    """With speculative decoding (``StepBatch.verify_rows``) the logprob fields have S * (D +
+    1) rows (row ``i * (D + 1) + j``: sequence i's position j; D = drafts at most) and
+    ``token_ids`` holds each sequence's first token."""
+
     token_ids: jax.Array  # int32 [R]; row i < S: sequence i's token; R = the runner's max rows
     logprobs: jax.Array  # float32 [S]; log-probability of the sampled token
     top_ids: jax.Array  # int32 [S, K]
@@ -67,6 +75,8 @@ class StepOutput(NamedTuple):
     prompt_logprobs: jax.Array  # float32 [T]; log-probability of the row's prompt target
     prompt_top_ids: jax.Array  # int32 [T, K]
     prompt_top_logprobs: jax.Array  # float32 [T, K]
+    spec_token_ids: jax.Array | None = None  # int32 [S, D + 1] the target's samples
+    num_emitted: jax.Array | None = None  # int32 [S] of those, the tokens each emits
 
 
 _PROMPT_CHUNK = 64  # rows of [rows, V] logits at a time when prompt logprobs are wanted
@@ -237,21 +247,35 @@ def step(
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
     hidden, pool = model(tokens, batch.positions, attention_fn, pool, **model_kw)
-    rows = hidden[batch.sample_rows]  # [S, D]
+    sampling, sample_rows = batch.sampling, batch.sample_rows
+    speculative = batch.verify_rows is not None
+    if speculative:  # every verification row of every sequence samples
+        num_seqs, k1 = batch.verify_rows.shape
+        sample_rows = batch.verify_rows.reshape(-1)  # [S * (D + 1)]
+        sampling = spec_verify.expand_sampling(sampling, k1)
+        logits_fn = kernels.logits_fn(batch.num_seqs[0] * k1)
+        logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
+    rows = hidden[sample_rows]  # [S, D]
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
     logits = model.compute_logits(rows, **logits_kw).astype(jnp.float32)  # [S, V]
     logits = replicate_on(logits, mesh)
     out = sampler.sample(
         logits,
-        batch.sampling,
+        sampling,
         seq_state,
         num_logprobs=num_logprobs,
         argmax=kernels.argmax,
         logits_processors=logits_processors,
     )
-    seq_state = sampler.record_sampled(seq_state, batch.sampling.state_rows, out.token_ids)
+    first, spec = out.token_ids, ()
+    if speculative:
+        targets = out.token_ids.reshape(num_seqs, k1)  # [S, D + 1]
+        drafts = tokens[batch.verify_rows[:, 1:]]  # [S, D]
+        first = targets[:, 0]
+        spec = (targets, spec_verify.num_emitted(drafts, targets, batch.num_drafts))
+    seq_state = sampler.record_sampled(seq_state, batch.sampling.state_rows, first)
     num_rows = prev_sampled.shape[0]
-    token_ids = jnp.zeros((num_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    token_ids = jnp.zeros((num_rows,), jnp.int32).at[: first.shape[0]].set(first)
     prompt = prompt_logprobs(
         model,
         hidden,
@@ -259,5 +283,5 @@ def step(
         num_logprobs=num_logprobs,
         kernels=kernels,
     )
-    out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs, *prompt)
+    out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs, *prompt, *spec)
     return replicate_on(out, mesh), pool, replicate_on(seq_state, mesh)

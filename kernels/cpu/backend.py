@@ -10,8 +10,9 @@
   (``configure_process``), before JAX starts.
 
 Nothing here imports the model: the caller passes its weight map
-(``map_matmul_weights(params, fn)``: params with ``fn`` applied to every matmul weight in its
-``[L', out, in]`` view).
+(``(params, fn)`` -> params with ``fn`` applied to every matmul weight in its ``[L', out,
+in]`` view: the worker's ModelHooks pairs a family's declared linears with the generic map
+of models/linear.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from jaxpaged.cli import bench as bench_cli
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {
     "accelerator_check", "gpu_decode", "kernels", "overlap", "quant", "quant_quality",
-    "roofline", "serving", "step_breakdown", "throughput",
+    "roofline", "serving", "speculative", "step_breakdown", "throughput",
 }  # fmt: skip
 
 

@@ -51,6 +51,10 @@ CLI_CASES = {
     "max_loras": (["--max-loras", "3"], 3),
     "max_lora_rank": (["--max-lora-rank", "32"], 32),
     "lora_modules": (["--lora-modules", "a=/x", "b=/y"], ["a=/x", "b=/y"]),
+    "speculative_config": (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        {"method": "ngram", "num_speculative_tokens": 3},
+    ),
 }
 NON_DEFAULT = {name: value for name, (_, value) in CLI_CASES.items()}
 PYTHON_ONLY = {"logits_processors"}  # callables: a keyword of LLM / generate, not a flag

@@ -87,7 +87,7 @@ def test_min_bytes_below_a_huge_page_is_rejected():
 
 def test_engine_streams_its_weights_from_huge_pages(bundled_model_path):
     from jaxpaged import LLM
-    from jaxpaged.models.llama import streamed_weights
+    from jaxpaged.models.linear import streamed_weights
 
     # the float expansion of the GGUF (its quantized weights are a fifth of the size)
     llm = LLM(bundled_model_path, quantization="none", enforce_eager=True, max_model_len=256,

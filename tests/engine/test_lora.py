@@ -291,3 +291,38 @@ def test_dense_numpy_reference_of_the_fused_qkv(folders):
     np.testing.assert_allclose(q, scale * term("q_proj"), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fused[:, :, g].reshape(3, -1), scale * term("k_proj"), atol=1e-5)
     np.testing.assert_allclose(fused[:, :, g + 1].reshape(3, -1), scale * term("v_proj"), atol=1e-5)
+
+
+@pytest.mark.skipif(
+    os.environ.get("JAXPAGED_TEST_FULL") != "1",
+    reason="an engine of its own (~45 s cold); JAXPAGED_TEST_FULL=1 runs it",
+)
+def test_adapters_with_ngram_speculation_equal_peft(folders):
+    """Drafts verified under each row's adapter: a mixed batch of adapters with n-gram
+    speculative decoding still gives PEFT's greedy tokens (last in the module: its engine's
+    warm-up would count as the module engine's compilations)."""
+    base, paths, want = folders
+    config, params = load_model(base, progress=False)
+    engine = LLMEngine.from_params(
+        config, params, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+        num_kv_blocks=48, show_progress=False, enable_lora=True, max_loras=2, max_lora_rank=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                            "disable_by_batch_size": 8},
+    )  # fmt: skip
+    try:
+        llm = LLM.from_engine(engine)
+        cases = [(name, i) for i in range(len(PROMPTS)) for name in [None, *ADAPTERS]]
+        outs = llm.generate(
+            [PROMPTS[i] for _, i in cases],
+            GREEDY,
+            lora_request=[_request(paths, name) for name, _ in cases],
+            use_tqdm=False,
+        )
+        got = {case: list(o.outputs[0].token_ids) for case, o in zip(cases, outs, strict=True)}
+        assert got == {case: want[case] for case in cases}
+        stats = engine.get_stats()
+        assert stats.spec_decode_num_drafts > 0 and stats.num_compilations_after_warmup == 0
+        assert stats.num_kv_blocks == stats.num_free_blocks
+    finally:
+        engine.close()

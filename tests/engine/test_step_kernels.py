@@ -15,7 +15,8 @@ from jaxpaged.kernels.cpu.backend import CpuBackend
 from jaxpaged.kernels.cpu.features import has_bf16_dot
 from jaxpaged.kernels.platform import AttentionShape, XlaBackend, choose_platform
 from jaxpaged.kernels.step_kernels import StepKernels
-from jaxpaged.models.llama import compute_logits, forward, linear_xla, map_matmul_weights
+from jaxpaged.models.linear import map_matmul_weights
+from jaxpaged.models.llama import LINEARS, compute_logits, forward, linear_xla
 from jaxpaged.models.testing import random_params, tiny_config
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
@@ -25,7 +26,8 @@ NATIVE_ARGMAX = StepKernels(argmax=cpu.argmax)
 
 
 def _weight_map(cfg):
-    return lambda params, fn: map_matmul_weights(params, cfg, fn)
+    del cfg  # every Llama config's linears are the family's one declaration
+    return lambda params, fn: map_matmul_weights(params, LINEARS, fn)
 
 
 def _backend(params, cfg, attention_backend=None, *, sharded=False, platform="cpu"):

@@ -179,14 +179,15 @@ def test_tensor_parallel_split_rules():
     q/k/v over Hq * hd, the MLP over F, the row-parallel biases replicated."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxpaged.distributed.parallel import kv_replication, leaf_spec
+    from jaxpaged.distributed.parallel import kv_replication, leaf_spec, split_axes
 
     config = parse_config(FAMILIES["opt"]().config.to_dict())
+    opt, gpt2 = split_axes(config), split_axes(parse_config(FAMILIES["gpt2"]().config.to_dict()))
     assert kv_replication(config, 2) == 1
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         kv_replication(config, 3)
-    assert leaf_spec("layers/wqkv", (2, 3, 64, 64), 2, "opt") == P(None, None, "tp")
-    assert leaf_spec("layers/b_fc", (2, 96), 2, "gpt2") == P(None, "tp")
-    assert leaf_spec("layers/w_proj", (2, 64, 96), 2, "gpt2") == P(None, None, "tp")
-    assert leaf_spec("layers/bo", (2, 64), 2, "gpt2") == P()
-    assert leaf_spec("pos_embed", (130, 64), 2, "opt") == P()
+    assert leaf_spec("layers/wqkv", (2, 3, 64, 64), 2, opt) == P(None, None, "tp")
+    assert leaf_spec("layers/b_fc", (2, 96), 2, gpt2) == P(None, "tp")
+    assert leaf_spec("layers/w_proj", (2, 64, 96), 2, gpt2) == P(None, None, "tp")
+    assert leaf_spec("layers/bo", (2, 64), 2, gpt2) == P()
+    assert leaf_spec("pos_embed", (130, 64), 2, opt) == P()

@@ -105,3 +105,42 @@ def test_refusals_name_setting_model_type_and_reason():
     check_feature(tiny_config(model_type="custom"), "lora", "enable_lora")  # yours: not ours
     with pytest.raises(ValueError, match="unknown feature 'speculative'"):
         family_of(tiny_config()).refusal("speculative", tiny_config())
+
+
+def test_linears_agree_with_lora_sites_and_partition_metadata():
+    """Each family's `Linear` declarations against its other declarations: every declared
+    leaf's [L', out, in] view has the widths its LoRA sites declare (one site per product,
+    or one site over all of them), its declared split is the partition metadata the module
+    puts on the leaf's nnx.Param (what tensor parallelism reads), and the quantization and
+    pre-quantized tables list exactly the declared leaves."""
+    import math
+
+    import numpy as np
+
+    from jaxpaged.distributed.parallel import split_axes
+
+    gemma = tiny_config(model_type="gemma2", layer_types=("sliding_attention", "full_attention"),
+                        sliding_window=4, qkv_bias=False)  # fmt: skip
+    configs = [tiny_config(), tiny_config(model_type="gpt2"), tiny_config(model_type="bloom"),
+               dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4), gemma]  # fmt: skip
+    for config in configs:
+        family = family_of(config)
+        layers, sites = family.param_shapes(config)["layers"], family.lora(config).sites
+        axes = split_axes(config)
+        assert axes["embed"] == 0, config.model_type
+        declared = [lin for lin in family.linears if lin.leaf in layers]
+        assert {lin.leaf for lin in family.linears} - set(layers) <= (
+            {"w_gate_up", "w_down"} if config.num_experts else set()
+        )
+        for lin in declared:
+            shape = layers[lin.leaf]
+            view = lin.view(np.zeros(shape, np.int8))
+            products = view.shape[0] // config.num_layers
+            assert view.shape[0] * view.shape[1] * view.shape[2] == math.prod(shape)
+            for site in lin.lora:
+                assert sites[site].in_features == view.shape[2], (config.model_type, lin.leaf)
+                outs = view.shape[1] * (products if len(lin.lora) == 1 else 1)
+                assert sites[site].out_features == outs, (config.model_type, lin.leaf)
+            assert axes.get(f"layers/{lin.leaf}") == lin.split, (config.model_type, lin.leaf)
+        assert dict(family.matmul_weights) == {lin.leaf: lin.in_axes for lin in family.linears}
+        assert set(family.prequantized_modules) <= {lin.leaf for lin in family.linears}

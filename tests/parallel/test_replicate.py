@@ -53,7 +53,8 @@ def test_split_rules() -> None:
     config = tiny_config()
     assert parallel.kv_replication(config, 2) == 1
     assert parallel.kv_replication(config, 4) == 2
-    spec = parallel.leaf_spec
+    axes = parallel.split_axes(config)  # the Llama module's partition metadata
+    spec = lambda path, shape, n: parallel.leaf_spec(path, shape, n, axes)  # noqa: E731
     assert spec("layers/wqkv", (2, 2, 6, 8, 32), 2) == jax.sharding.PartitionSpec(None, "tp")
     assert spec("layers/wo", (2, 32, 2, 4, 8), 2) == jax.sharding.PartitionSpec(None, None, "tp")
     assert spec("layers/w_down", (2, 32, 64), 2) == jax.sharding.PartitionSpec(None, None, "tp")

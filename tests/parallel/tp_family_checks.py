@@ -130,7 +130,7 @@ def check_quantized_families(ctx: Ctx) -> None:
         got, llm = greedy(path, 2, **kw)
         assert got == ref, f"{family} {method} TP=2: {got} != TP=1 {ref}"
         cfg = llm.engine.model_config
-        axes, layers = split_axes(cfg.model_type), llm.engine.runner.params["layers"]
+        axes, layers = split_axes(cfg), llm.engine.runner.params["layers"]
         for name in family_of(cfg).matmul_weights:
             w = layers[name]
             assert isinstance(w, QuantizedWeight), (family, name)

@@ -112,13 +112,14 @@ def test_bundled_served_quantized_matches_the_float_import(bundled_model_path, b
     """As CPU serving runs them: the quantized model in linear_q4 (the CpuBackend's choice),
     the float one in cpu.linear; same argmax at every position of a fixed text."""
     from jaxpaged.kernels.cpu.backend import CpuBackend
-    from jaxpaged.models.llama import map_matmul_weights
+    from jaxpaged.models.linear import map_matmul_weights
+    from jaxpaged.models.llama import LINEARS
 
     config, quantized, floats = bundled_both
     ids = load_tokenizer(bundled_model_path)(TEXT.read_text())["input_ids"][:64]
     logits = {}
     for name, params in (("gguf", quantized), ("float", floats)):
-        weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+        weight_map = lambda p, fn: map_matmul_weights(p, LINEARS, fn)  # noqa: E731
         backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
         assert backend.grouped_weights == (name == "gguf") and backend.native_linear
         packed = backend.pack_weights(params, weight_map)

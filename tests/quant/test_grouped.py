@@ -185,11 +185,12 @@ def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n)
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
 def test_cpu_backend_runs_grouped_weights_in_linear_q4():
     from jaxpaged.kernels.cpu.backend import CpuBackend
-    from jaxpaged.models.llama import map_matmul_weights
+    from jaxpaged.models.linear import map_matmul_weights
+    from jaxpaged.models.llama import LINEARS
 
     config = tiny_config()
     params = jax.tree.map(jnp.asarray, _grouped_params(random_params(config), config, 4))
-    weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+    weight_map = lambda p, fn: map_matmul_weights(p, LINEARS, fn)  # noqa: E731
     backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
     assert backend.native_linear and backend.grouped_weights and not backend.int8_weights
     packed = backend.pack_weights(params, weight_map)

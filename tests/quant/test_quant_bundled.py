@@ -16,7 +16,8 @@ import pytest
 from jaxpaged.kernels import cpu
 from jaxpaged.kernels.cpu.backend import CpuBackend
 from jaxpaged.models import load_tokenizer
-from jaxpaged.models.llama import map_matmul_weights
+from jaxpaged.models.linear import map_matmul_weights
+from jaxpaged.models.llama import LINEARS
 from jaxpaged.models.loader import load_host_params
 from jaxpaged.models.quant import quantize_params
 from jaxpaged.models.quant.quality import perplexity_of, sequence_logits
@@ -36,7 +37,7 @@ def test_bundled_int8_tracks_float32(bundled_model_path):
     want = sequence_logits(jax.tree.map(jnp.asarray, host), config, ids)
     params = jax.tree.map(jnp.asarray, quantize_params(host, config, "int8"))
     del host
-    weight_map = lambda p, fn: map_matmul_weights(p, config, fn)  # noqa: E731
+    weight_map = lambda p, fn: map_matmul_weights(p, LINEARS, fn)  # noqa: E731
     backend = CpuBackend.select(params, weight_map, attention_backend="cpu", sharded=False)
     assert backend.native_linear and backend.int8_weights  # every matmul in linear_q8
     got = sequence_logits(backend.pack_weights(params, weight_map), config, ids,

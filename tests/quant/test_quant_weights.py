@@ -13,7 +13,8 @@ import pytest
 from jaxpaged.kernels import cpu
 from jaxpaged.kernels.cpu.linear_q8 import linear_q8, pack_panels_q8, unpack_panels_q8
 from jaxpaged.models.layers import rms_norm
-from jaxpaged.models.llama import compute_logits, forward, linear_xla, map_matmul_weights
+from jaxpaged.models.linear import map_matmul_weights
+from jaxpaged.models.llama import LINEARS, compute_logits, forward, linear_xla
 from jaxpaged.models.quant import QuantizedWeight, is_quantized, quantize_array, quantize_params
 from jaxpaged.models.testing import random_params, tiny_config
 
@@ -123,7 +124,7 @@ def test_quantized_model_matches_its_dequantized_twin(tied, method):
     if method == "int8":  # as CPU serving picks the kernels: every matmul in linear_q8
         from jaxpaged.kernels.cpu.backend import CpuBackend
 
-        weight_map = lambda p, fn: map_matmul_weights(p, cfg, fn)  # noqa: E731
+        weight_map = lambda p, fn: map_matmul_weights(p, LINEARS, fn)  # noqa: E731
         backend = CpuBackend.select(on_device, weight_map, attention_backend="cpu", sharded=False)
         assert backend.native_linear and backend.int8_weights
         packed = backend.pack_weights(on_device, weight_map)

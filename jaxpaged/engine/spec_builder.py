@@ -1,0 +1,115 @@
+"""The draft model's side of an engine with ``speculative_config={"method": "draft_model"}``:
+its platform, its KV pool (as many blocks as the target's, the two pools sized together in
+one budget) and its runner, wrapped as the target runner's drafter
+(:mod:`jaxpaged.worker.spec_draft`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.engine.kv_plan import KVPlan
+from jaxpaged.engine.platform_choice import engine_platform
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.spec import SpeculativeConfig
+from jaxpaged.worker.kv_cache import kv_storage_dtype
+from jaxpaged.worker.runner import Runner
+from jaxpaged.worker.spec_draft import DraftModelProposer
+
+__all__ = ["DraftModel", "check_draft", "shared_num_blocks"]
+
+
+class DraftModel:
+    """A loaded draft model and its KV plan, before the pool's size is known."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params: Any,  # noqa: ANN401 - the params pytree
+        *,
+        cache_config: CacheConfig,
+        attention_backend: str | None,
+        params_dtype: str,
+    ) -> None:
+        self.model_config = model_config
+        self.params = params
+        dtype = params_dtype
+        kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)
+        self.platform = engine_platform(
+            model_config,
+            params,
+            graphdef=None,
+            params_dtype=dtype,
+            kv_dtype=kv_dtype,
+            block_size=cache_config.block_size,
+            attention_backend=attention_backend,
+            mesh=None,
+        )
+        self.kv = KVPlan(
+            model_config=model_config,
+            block_size=cache_config.block_size,
+            dtype=kv_dtype,
+            platform=self.platform,
+        )
+
+    def proposer(
+        self,
+        num_blocks: int,
+        scheduler_config: SchedulerConfig,
+        speculative_config: SpeculativeConfig,
+        *,
+        seed: int,
+    ) -> DraftModelProposer:
+        """The drafter over a pool of ``num_blocks`` blocks (the target's count)."""
+        k = speculative_config.num_speculative_tokens
+        runner = Runner(
+            model_config=self.model_config,
+            params=self.params,
+            layout=self.kv.layout(num_blocks),
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_model_len=scheduler_config.max_model_len,
+            platform=self.platform,
+            seed=seed,
+            sampled_rows=scheduler_config.max_num_seqs * (k + 1),
+        )
+        return DraftModelProposer(
+            runner, num_speculative_tokens=k, num_rows=scheduler_config.max_num_seqs
+        )
+
+
+def check_draft(
+    draft: ModelConfig,
+    target: ModelConfig,
+    speculative_config: SpeculativeConfig,
+    scheduler_config: SchedulerConfig,
+    *,
+    tensor_parallel_size: int,
+    lora: bool,
+) -> None:
+    """ValueError for a draft model this engine cannot run beside ``target``."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
+            f"is not the target's ({target.vocab_size}): a draft needs the same tokenizer"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            "speculative_config: a draft model with tensor_parallel_size > 1 is not supported"
+        )
+    if lora:
+        raise ValueError("speculative_config: a draft model with LoRA is not supported")
+    limit = speculative_config.max_model_len
+    if limit is not None and limit < scheduler_config.max_model_len:
+        raise ValueError(
+            f"speculative_config: max_model_len ({limit}) is below the engine's "
+            f"({scheduler_config.max_model_len}): the draft must see every position"
+        )
+
+
+def shared_num_blocks(num_blocks: int, target_bytes: int, draft_bytes: int, given: bool) -> int:
+    """Blocks per pool when the target's pool alone would get ``num_blocks`` of
+    ``target_bytes``: the same memory split between both pools (a given count is kept)."""
+    if given:
+        return num_blocks
+    return max(1, num_blocks * target_bytes // (target_bytes + draft_bytes))
