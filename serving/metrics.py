@@ -191,9 +191,8 @@ def _vllm_families(frontend: Any, values: dict[str, Any]):  # noqa: ANN201 - a g
         "Information of the KV cache config.",
         labels=["block_size", "num_gpu_blocks"],
     )
-    engine_config = getattr(frontend.engine, "engine_config", None) if values else None
-    if engine_config is not None:
-        block_size = engine_config.get("block_size", "")
+    if values and config is not None:
+        block_size = frontend.engine.engine_config.get("block_size", "")
         g.add_metric([str(block_size), str(values["num_kv_blocks"])], 1.0)
     yield g
 
