@@ -6,7 +6,8 @@ Modules: `server` (both front ends on one loop, life cycle), `grpc_service`, `ht
 `deltas` (merges several requests' streams), `chat_run` (one chat request, shared by
 `responses` (OpenAI's Responses API; `responses_protocol`, `response_store`) and `anthropic`
 (Anthropic's Messages API; `anthropic_protocol`)), `batch` (OpenAI batch files run in
-process), `metrics`, `client` (gRPC clients; imports
+process), `metrics` (also under vLLM's names, for routers), `ray_serve` (Ray Serve
+replicas: `build_app`; needs the ray extra), `client` (gRPC clients; imports
 neither JAX nor the engine), and the generated `generation_pb2` / `generation_pb2_grpc`
 (regenerate: serving/regen_proto.sh). Nothing is imported here, so `jaxpaged.serving.client`
 stays light.

@@ -4,12 +4,14 @@ servers in one process, e.g. in tests, do not collide).
 Engine-side numbers (queue lengths, KV usage, token and preemption totals) are read from
 ``EngineClient.get_stats()`` at scrape time; latency histograms are observed by the serving
 layer from each finished request's :class:`RequestTotals` (counted from its outputs as they
-arrive, so no output is kept).
+arrive, so no output is kept). The gauges that load- and LoRA-aware routers read are also
+exposed under vLLM's names (``vllm:num_requests_waiting``, ...) beside the ``jaxpaged:`` ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -142,6 +144,57 @@ class _EngineCollector:
         g = GaugeMetricFamily("jaxpaged:num_requests_in_flight", "Requests open at the server.")
         g.add_metric([], float(frontend.num_in_flight) if frontend is not None else 0.0)
         yield g
+        yield from _vllm_families(frontend, values)
+
+
+# vLLM's names for the gauges that routers read (llm-d's and the Gateway API inference
+# extension's endpoint pickers, KServe): name, help, EngineStats field
+_VLLM_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    # the name vLLM used before 0.10 (older endpoint pickers read it)
+    ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+)
+
+
+def _vllm_families(frontend: Any, values: dict[str, Any]):  # noqa: ANN201 - a generator
+    """The same engine numbers under vLLM's names and labels (``model_name``), so that a
+    router configured for vLLM pods reads jaxpaged pods unchanged. ``vllm:lora_requests_info``
+    is, as in vLLM, a gauge whose value is the snapshot's time and whose labels carry the
+    comma-separated adapter names (routers pick the series with the latest value)."""
+    # a bare front end (tests bind one with only an engine) has no config: no model name
+    config = getattr(frontend, "config", None)
+    model = getattr(config, "served_model_name", "")
+    for name, doc, attr in _VLLM_GAUGES:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([model], float(values[attr]) if values else 0.0)
+        yield g
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    if values:
+        g.add_metric(
+            [
+                str(values["max_loras"]),
+                ",".join(values["running_lora_adapters"]),
+                ",".join(values["waiting_lora_adapters"]),
+            ],
+            time.time(),
+        )
+    yield g
+    # the KV cache's shape, which prefix-aware routers read (value 1, the facts are labels)
+    g = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "Information of the KV cache config.",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    if values and config is not None:
+        block_size = frontend.engine.engine_config.get("block_size", "")
+        g.add_metric([str(block_size), str(values["num_kv_blocks"])], 1.0)
+    yield g
 
 
 class ServingMetrics:

@@ -17,7 +17,7 @@ import difflib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["parse_args_with_config"]
+__all__ = ["mapping_to_argv", "parse_args_with_config"]
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -89,6 +89,13 @@ def _file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
         return []
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of flag names to values")
+    return mapping_to_argv(parser, data, path)
+
+
+def mapping_to_argv(parser: argparse.ArgumentParser, data: dict, source: str) -> list[str]:
+    """The command-line words for a mapping of flag names (dashes or underscores) to values,
+    each value checked as its flag's is; ValueError naming ``source`` and the key for an
+    unknown flag or a value of the wrong kind."""
     options = _options(parser)
     words: list[str] = []
     for raw_key, value in data.items():
@@ -96,6 +103,6 @@ def _file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
         if key == "config" or key not in options:
             close = difflib.get_close_matches(key, list(options), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"{path}: unknown flag {raw_key!r}{hint}")
-        words += _words(key, value, options[key], path)
+            raise ValueError(f"{source}: unknown flag {raw_key!r}{hint}")
+        words += _words(key, value, options[key], source)
     return words

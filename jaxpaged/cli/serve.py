@@ -21,7 +21,7 @@ from typing import Any
 from jaxpaged.args import EngineArgs, non_negative_float, parse_size, positive_int
 from jaxpaged.cli.config_file import parse_args_with_config
 
-__all__ = ["build_parser", "main", "parse_size"]
+__all__ = ["build_parser", "main", "parse_size", "serving_config_from_args"]
 
 log = logging.getLogger("jaxpaged.serve")
 
@@ -262,11 +262,30 @@ def main(
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from jaxpaged.serving.frontend import ServingConfig
     from jaxpaged.serving.server import serve
 
+    config = serving_config_from_args(args, chat_template)
+    if args.process_id != 0:
+        # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing
+        logging.getLogger(__name__).info("process %d: following rank 0", args.process_id)
+        return multihost.follow(build_engine(args))
+    factory = engine_factory or engine_factory_from_args(args)
+    try:
+        return asyncio.run(
+            serve(config, factory, log_level=args.uvicorn_log_level or args.log_level)
+        )
+    except OSError as e:  # e.g. a port in use
+        log.error("%s", e)
+        return 1
+
+
+def serving_config_from_args(args: argparse.Namespace, chat_template: str | None) -> Any:
+    """The ServingConfig of parsed `jaxpaged serve` flags (``chat_template``: the template's
+    text, read from --chat-template)."""
+    from jaxpaged.serving.frontend import ServingConfig
+
     names = args.served_model_name or [_served_name(args.model)]
-    config = ServingConfig(
+    return ServingConfig(
         served_model_name=names[0],
         served_model_aliases=tuple(names[1:]),
         model_path=args.model or "",
@@ -284,18 +303,6 @@ def main(
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
-    if args.process_id != 0:
-        # a follower host: same engine, runs whatever rank 0 broadcasts, serves nothing
-        logging.getLogger(__name__).info("process %d: following rank 0", args.process_id)
-        return multihost.follow(build_engine(args))
-    factory = engine_factory or engine_factory_from_args(args)
-    try:
-        return asyncio.run(
-            serve(config, factory, log_level=args.uvicorn_log_level or args.log_level)
-        )
-    except OSError as e:  # e.g. a port in use
-        log.error("%s", e)
-        return 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -469,7 +469,15 @@ class EngineCore:
             spec_decode_num_draft_tokens=st.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=st.spec_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(st.spec_accepted_per_pos),
+            running_lora_adapters=_adapter_names(s.running),
+            waiting_lora_adapters=_adapter_names([*s.waiting, *s.swapped]),
+            max_loras=0 if s.lora_slots is None else s.lora_slots.max_loras,
         )
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct LoRA adapter names of ``requests``, sorted."""
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 def asleep_message(level: int) -> str:

@@ -60,6 +60,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # LoRA adapter names (sorted) of the running and of the waiting (swapped included)
+    # requests, and the device's adapter slots (0: LoRA off): vLLM's lora_requests_info
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 class Tokenizer(Protocol):

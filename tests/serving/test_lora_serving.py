@@ -133,6 +133,103 @@ def test_grpc_lora_name(server, folders):  # noqa: F811
         assert "missing" in err.value.details()
 
 
+def _scrape(url: str) -> dict[str, list]:
+    """/metrics parsed by prometheus_client's own parser: metric name -> its samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_router_metrics_under_load(server, folders, monkeypatch):  # noqa: F811
+    """vLLM's router metrics (what llm-d / the Gateway API inference extension read) from the
+    real server while requests of two adapters compete for its one adapter slot: equal to
+    the engine snapshot the scrape read, never more than one running adapter, and empty
+    once every request is done."""
+    srv, _ = server
+    snapshots: list = []  # every engine snapshot the server read
+    get_stats = srv.engine.get_stats
+
+    def recording_get_stats():
+        stats = get_stats()
+        snapshots.append(stats)
+        return stats
+
+    monkeypatch.setattr(srv.engine, "get_stats", recording_get_stats)
+    _, paths, _ = folders
+    r = httpx.post(
+        srv.http + "/v1/load_lora_adapter",
+        json={"lora_name": "r8mlp", "lora_path": paths["r8mlp"]},
+    )
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=srv.http + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def stream(model: str, i: int) -> int:
+        chunks = client.completions.create(
+            model=model, prompt=PROMPTS[i % 4], max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return sum(1 for _ in chunks)
+
+    jobs = [("r2qv", 0), ("r8mlp", 2), ("r2qv", 3), ("test-model", 0), ("r8mlp", 0), ("r2qv", 2)]
+    seen: list = []  # (snapshots the server read during a scrape, the scrape)
+    waiting_adapters: set[str] = set()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(stream, *job) for job in jobs]
+        while not all(f.done() for f in futures):
+            del snapshots[:]
+            m = _scrape(srv.http)
+            seen.append((list(snapshots), m))
+            info = m["vllm:lora_requests_info"]
+            assert len(info) == 1
+            running = info[0].labels["running_lora_adapters"]
+            assert running in ("", "r2qv", "r8mlp")  # one slot: one adapter runs at a time
+            waiting = info[0].labels["waiting_lora_adapters"]
+            waiting_adapters.update(filter(None, waiting.split(",")))
+            assert info[0].labels["max_lora"] == "1"
+        assert all(f.result() > 0 for f in futures)
+    assert waiting_adapters & {"r2qv", "r8mlp"}, "no request ever waited for the adapter slot"
+    label = {"model_name": "test-model"}
+
+    def matches(stats, m) -> bool:
+        (info,) = m["vllm:lora_requests_info"]
+        got = [
+            *((s.labels, s.value) for s in m["vllm:num_requests_running"]),
+            *((s.labels, s.value) for s in m["vllm:num_requests_waiting"]),
+            *((s.labels, round(s.value, 9)) for s in m["vllm:kv_cache_usage_perc"]),
+            *((s.labels, round(s.value, 9)) for s in m["vllm:gpu_cache_usage_perc"]),
+            m["jaxpaged:num_requests_running"][0].value,
+            info.labels["running_lora_adapters"],
+            info.labels["waiting_lora_adapters"],
+        ]
+        usage = round(stats.kv_cache_usage, 9)
+        return got == [
+            (label, stats.num_running), (label, stats.num_waiting), (label, usage),
+            (label, usage), stats.num_running, ",".join(stats.running_lora_adapters),
+            ",".join(stats.waiting_lora_adapters),
+        ]  # fmt: skip
+
+    busy = 0
+    for read, m in seen:
+        assert any(matches(stats, m) for stats in read), (read, m)
+        busy += any(s.num_running and s.kv_cache_usage > 0 for s in read)
+    assert busy, "no scrape saw a running request"
+    assert all(s.num_running <= 4 for read, _ in seen for s in read)  # max_num_seqs
+
+    m = _scrape(srv.http)  # all done: nothing running, waiting or held
+    (cache,) = m["vllm:cache_config_info"]  # the fixture's pool: 32 blocks of 16 tokens
+    assert cache.labels == {"block_size": "16", "num_gpu_blocks": "32"} and cache.value == 1
+    assert [s.value for s in m["vllm:num_requests_running"]] == [0]
+    assert [s.value for s in m["vllm:num_requests_waiting"]] == [0]
+    (info,) = m["vllm:lora_requests_info"]
+    assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""
+    assert httpx.post(srv.http + "/v1/unload_lora_adapter", json={"lora_name": "r8mlp"}).is_success
+
+
 def test_sleep_mode_over_http(server, folders):  # noqa: F811
     srv, tok = server
     _, _, want = folders
