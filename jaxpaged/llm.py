@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
+from jaxpaged.engine.pooling import PoolingEngine
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.pooling_outputs import (
@@ -51,7 +52,6 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any) -> None:
-        from jaxpaged.engine.pooling import PoolingEngine
         from jaxpaged.engine.runner_choice import choose_runner
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
@@ -215,7 +215,7 @@ class LLM:
 
     # ------------------------------------------------------------ the pooling runner
     def _need_runner(self, runner: str, call: str) -> None:
-        have = getattr(self.engine, "runner_kind", "generate")
+        have = "pooling" if isinstance(self.engine, PoolingEngine) else "generate"
         if have != runner:
             hint = (
                 "embed(), score() and classify()" if have == "pooling" else "generate() and chat()"

@@ -30,10 +30,7 @@ async def embed(frontend: Frontend, request: pb.EmbedRequest) -> pb.EmbedRespons
     dimensions = request.dimensions if request.HasField("dimensions") else None
     outs = await run_pooling(
         frontend,
-        engine,
-        lambda: engine.engine.embed_job(
-            prompts, truncate_prompt_tokens=truncate, dimensions=dimensions
-        ),
+        engine.embed(prompts, truncate_prompt_tokens=truncate, dimensions=dimensions),
     )
     return pb.EmbedResponse(
         embeddings=[

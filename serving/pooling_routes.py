@@ -10,12 +10,13 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
 
-from jaxpaged.engine.protocol import EngineDeadError
+from jaxpaged.engine.protocol import EngineDeadError, PoolingClient
 from jaxpaged.serving.frontend import (
     Frontend,
     InvalidRequest,
@@ -30,6 +31,8 @@ from jaxpaged.serving.pooling_protocol import (
     ScoreRequest,
 )
 from jaxpaged.serving.protocol import parse_body
+
+T = TypeVar("T")
 
 __all__ = ["NotPooling", "add_pooling_routes", "pooling_engine", "run_pooling"]
 
@@ -54,12 +57,12 @@ class NotPooling(ServingError):
     error_type = "invalid_request_error"
 
 
-def pooling_engine(frontend: Frontend, endpoint: str) -> Any:  # noqa: ANN401
-    """The server's AsyncPoolingEngine, once it is ready; NotPooling naming the runner of a
+def pooling_engine(frontend: Frontend, endpoint: str) -> PoolingClient:
+    """The server's pooling engine, once it is ready; NotPooling naming the runner of a
     server whose model generates."""
     frontend.check_ready()
     engine = frontend.engine
-    if getattr(engine, "runner_kind", "generate") != "pooling":
+    if not isinstance(engine, PoolingClient):
         raise NotPooling(
             f"{endpoint} needs a pooling model (an encoder: `jaxpaged serve MODEL --runner "
             f"pooling`); model {frontend.config.served_model_name!r} runs the generate runner "
@@ -68,10 +71,10 @@ def pooling_engine(frontend: Frontend, endpoint: str) -> Any:  # noqa: ANN401
     return engine
 
 
-async def run_pooling(frontend: Frontend, engine: Any, prepare: Any) -> Any:  # noqa: ANN401
-    """``engine.run(prepare)``, its bad input an InvalidRequest, its failure Unavailable."""
+async def run_pooling(frontend: Frontend, call: Awaitable[T]) -> T:
+    """Awaits a pooling call: its bad input an InvalidRequest, its failure Unavailable."""
     try:
-        return await engine.run(prepare)
+        return await call
     except EngineDeadError as e:
         frontend.mark_failed(e)
         raise Unavailable(f"server not ready: the engine failed ({e!r})") from e
@@ -83,7 +86,7 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
     """Adds the pooling endpoints to the server's app."""
     cfg = frontend.config
 
-    async def admit(request: Request, model: type, endpoint: str) -> tuple[Any, Any]:
+    async def admit(request: Request, model: type, endpoint: str) -> tuple[Any, PoolingClient]:
         """(body, the pooling engine): the API key, the body and its model name checked,
         the server ready and serving a pooling model."""
         frontend.check_api_key(request.headers.get("authorization"))
@@ -97,8 +100,8 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
             )
         return body, pooling_engine(frontend, endpoint)
 
-    async def run(engine: Any, prepare: Any) -> Any:  # noqa: ANN401
-        return await run_pooling(frontend, engine, prepare)
+    async def run(call: Awaitable[T]) -> T:
+        return await run_pooling(frontend, call)
 
     def head(prefix: str) -> dict[str, Any]:
         return {
@@ -112,12 +115,11 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
     async def embeddings(request: Request) -> dict:
         body, engine = await admit(request, EmbeddingRequest, "/v1/embeddings")
         outs = await run(
-            engine,
-            lambda: engine.engine.embed_job(
+            engine.embed(
                 body.inputs(),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 dimensions=body.dimensions,
-            ),
+            )
         )
         return {
             **head("embd"),
@@ -137,15 +139,13 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
         """The model's pooled output per input: an embedding model's embedding, a
         cross-encoder's class probabilities."""
         body, engine = await admit(request, PoolingRequest, "/pooling")
-        classifier = engine.engine.info.classifier
-        pe = engine.engine
-        kwargs = {"truncate_prompt_tokens": body.truncate_prompt_tokens}
-        if classifier:
-            outs = await run(engine, lambda: pe.classify_job(body.inputs(), **kwargs))
-            values = [o.outputs.probs for o in outs]
+        truncate = body.truncate_prompt_tokens
+        if engine.is_classifier:
+            classes = await run(engine.classify(body.inputs(), truncate_prompt_tokens=truncate))
+            values, outs = [o.outputs.probs for o in classes], classes
         else:
-            outs = await run(engine, lambda: pe.embed_job(body.inputs(), **kwargs))
-            values = [o.outputs.embedding for o in outs]
+            vectors = await run(engine.embed(body.inputs(), truncate_prompt_tokens=truncate))
+            values, outs = [o.outputs.embedding for o in vectors], vectors
         return {
             **head("pool"),
             "data": [
@@ -159,12 +159,9 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
     async def classify(request: Request) -> dict:
         body, engine = await admit(request, PoolingRequest, "/classify")
         outs = await run(
-            engine,
-            lambda: engine.engine.classify_job(
-                body.inputs(), truncate_prompt_tokens=body.truncate_prompt_tokens
-            ),
+            engine.classify(body.inputs(), truncate_prompt_tokens=body.truncate_prompt_tokens)
         )
-        labels = engine.engine.info.id2label
+        labels = engine.class_labels
         data = []
         for i, o in enumerate(outs):
             best = int(np.argmax(o.outputs.probs))
@@ -176,10 +173,9 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
     async def score(request: Request) -> dict:
         body, engine = await admit(request, ScoreRequest, request.url.path)
         outs = await run(
-            engine,
-            lambda: engine.engine.score_job(
+            engine.score(
                 body.text_1, body.text_2, truncate_prompt_tokens=body.truncate_prompt_tokens
-            ),
+            )
         )
         return {
             **head("score"),
@@ -193,10 +189,9 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
     async def rerank(request: Request) -> dict:
         body, engine = await admit(request, RerankRequest, request.url.path)
         outs = await run(
-            engine,
-            lambda: engine.engine.score_job(
+            engine.score(
                 body.query, body.documents, truncate_prompt_tokens=body.truncate_prompt_tokens
-            ),
+            )
         )
         order = sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score)
         if body.top_n:

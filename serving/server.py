@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from jaxpaged.engine.protocol import EngineClient
+from jaxpaged.engine.protocol import EngineClient, PoolingClient
 from jaxpaged.serving.frontend import Frontend, Phase, ServingConfig
 from jaxpaged.serving.grpc_service import build_grpc_server
 from jaxpaged.serving.http_app import create_app
@@ -170,7 +170,7 @@ class Server:
             cfg.host,
             self.http_port,
         )
-        if getattr(engine, "runner_kind", "generate") == "pooling":
+        if isinstance(engine, PoolingClient):
             path, body = "/v1/embeddings", '{"model": "%s", "input": "Hello"}'
         else:
             path = "/v1/chat/completions"

@@ -177,9 +177,10 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
         from jaxpaged.engine.async_engine import AsyncEngine
 
         engine = build_engine(args)
-        if getattr(engine, "runner_kind", "generate") == "pooling":
-            from jaxpaged.engine.async_pooling import AsyncPoolingEngine
+        from jaxpaged.engine.async_pooling import AsyncPoolingEngine
+        from jaxpaged.engine.pooling import PoolingEngine
 
+        if isinstance(engine, PoolingEngine):
             return AsyncPoolingEngine(engine)
         if args.num_processes == 1:
             return AsyncEngine(engine)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +24,11 @@ from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt, Token
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
+from jaxpaged.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    ScoringRequestOutput,
+)
 from jaxpaged.sampling_params import SamplingParams
 
 __all__ = ["AsyncPoolingEngine"]
@@ -35,8 +40,6 @@ _Work = tuple[Callable[[], PoolingJob], asyncio.Future]
 
 class AsyncPoolingEngine:
     """The pooling runner for the servers: ``await run(lambda: engine.embed_job(...))``."""
-
-    runner_kind = "pooling"  # what LLM and the servers ask (an LLMEngine has none: generate)
 
     def __init__(self, engine: PoolingEngine) -> None:
         self.engine = engine
@@ -94,7 +97,48 @@ class AsyncPoolingEngine:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
 
-    # ---- pooling
+    # ---- pooling (the PoolingClient calls)
+    @property
+    def is_classifier(self) -> bool:
+        return self.engine.info.classifier
+
+    @property
+    def class_labels(self) -> tuple[str, ...]:
+        return tuple(self.engine.info.id2label)
+
+    async def embed(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        return await self.run(
+            lambda: self.engine.embed_job(
+                prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+            )
+        )
+
+    async def classify(
+        self, prompts: Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
+    ) -> list[ClassificationRequestOutput]:
+        return await self.run(
+            lambda: self.engine.classify_job(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
+        )
+
+    async def score(
+        self,
+        text_1: Prompt | Sequence[Prompt],
+        text_2: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        return await self.run(
+            lambda: self.engine.score_job(
+                text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens
+            )
+        )
+
     async def run(self, prepare: Callable[[], PoolingJob]) -> Any:  # noqa: ANN401
         """The outputs of the job ``prepare()`` builds on the engine thread (its ValueError,
         a bad input, is raised here)."""

@@ -48,8 +48,6 @@ DEFAULT_POOLING_TOKENS = 2048
 class PoolingEngine:
     """An encoder with its tokenizer and pooling, compiled for every bucket at start-up."""
 
-    runner_kind = "pooling"  # what LLM and the servers ask (an LLMEngine has none: generate)
-
     def __init__(
         self,
         *,

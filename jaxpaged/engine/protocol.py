@@ -11,9 +11,15 @@ from typing import Protocol, runtime_checkable
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
+from jaxpaged.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    ScoringRequestOutput,
+)
 from jaxpaged.sampling_params import SamplingParams
 
 __all__ = [
+    "PoolingClient",
     "EngineAsleepError",
     "EngineClient",
     "EngineDeadError",
@@ -169,3 +175,41 @@ class EngineClient(Protocol):
     async def update_weights_from(self, path: str) -> float:
         """Loads a checkpoint and swaps it in between steps; returns the load's seconds."""
         ...
+
+
+@runtime_checkable
+class PoolingClient(EngineClient, Protocol):
+    """A pooling engine (embeddings, classification, scoring) as the servers see it: the
+    EngineClient members (it refuses generation by name) and the pooling calls, each a batch
+    of inputs answered in order (ValueError naming a bad input; EngineDeadError once the
+    engine has failed). The servers tell the two apart with ``isinstance``."""
+
+    @property
+    def is_classifier(self) -> bool:
+        """A cross-encoder (sequence classification head) rather than an embedder."""
+        ...
+
+    @property
+    def class_labels(self) -> tuple[str, ...]:
+        """A classifier's label per class (empty: none in the checkpoint)."""
+        ...
+
+    async def embed(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]: ...
+
+    async def classify(
+        self, prompts: Sequence[Prompt], *, truncate_prompt_tokens: int | None = None
+    ) -> list[ClassificationRequestOutput]: ...
+
+    async def score(
+        self,
+        text_1: Prompt | Sequence[Prompt],
+        text_2: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]: ...

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from fakes import FakeAsyncEngine, expected_logprob, expected_text
 
-from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats
+from jaxpaged.engine.protocol import EngineClient, EngineDeadError, EngineStats, PoolingClient
 from jaxpaged.engine.protocol_check import assert_implements, protocol_members
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -258,6 +258,12 @@ def test_the_real_async_engine_implements_the_protocol():
     assert_implements_engine_client(AsyncEngine)
 
 
+def test_the_pooling_engine_implements_the_pooling_protocol():
+    from jaxpaged.engine.async_pooling import AsyncPoolingEngine
+
+    assert_implements(PoolingClient, AsyncPoolingEngine)
+
+
 def test_the_fake_device_behind_the_real_async_engine_is_a_device_runner():
     from fake_llm_engine import _LetterRunner
 
@@ -290,13 +296,13 @@ def _engine_uses_in_the_servers() -> tuple[set[str], list[str], list[str]]:
                 and "engine" in ast.unparse(node.args[0])
             ):
                 probes.append(where)
-    known = set(engine_client_members())
+    known = set(engine_client_members()) | set(protocol_members(PoolingClient))
     used = {attr for attr, _ in members}
     return used, [where for attr, where in members if attr not in known], probes
 
 
 def test_the_servers_use_only_the_protocol_and_probe_nothing():
-    """Whatever a server reads of its engine is an EngineClient member (so the fakes, which
+    """Whatever a server reads of its engine is an EngineClient (or PoolingClient) member (so the fakes, which
     implement the protocol, exercise every feature), and no server looks a member up by
     name or asks whether the engine has one."""
     used, outside, probes = _engine_uses_in_the_servers()
