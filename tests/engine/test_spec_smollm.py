@@ -13,7 +13,15 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+# two SmolLM2 engines cost ~40 s of the default suite's 15 minutes; tests/engine/
+# test_spec_decode.py proves the same identity on a tiny model in every scheduling mode
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("JAXPAGED_TEST_FULL") != "1",
+        reason="greedy identity on the bundled SmolLM2 (~40 s): JAXPAGED_TEST_FULL=1 runs it",
+    ),
+]
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun while the fox "
