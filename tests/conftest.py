@@ -16,7 +16,16 @@ def pytest_configure(config: pytest.Config) -> None:
     Every program is kept, however fast it compiled: each engine jits its own programs (they
     go when it closes), so a module's engines of equal shapes share them through this cache;
     the short ones too (block moves, the sampler row fill) saved ~30% of a cold run of
-    test_generator + test_weights_sleep (133 s -> 94 s)."""
+    test_generator + test_weights_sleep (133 s -> 94 s).
+
+    The suite's XLA programs are compiled at LLVM's cheapest optimization level (set before
+    JAX starts, and inherited by the subprocesses the tests start): the tests check results,
+    not the machine code's speed, and a cold compile of tests/models/test_gemma.py +
+    test_gpt.py took 33 s against 41 s. bench/ measures speed at XLA's default level; the
+    native CPU kernels are compiled by their own build either way."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
     import jax
 
     from jaxpaged.worker.compile_counter import default_compile_cache_dir, enable_persistent_cache
