@@ -38,7 +38,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .family import ModelFamily
-from .layers import StackedParams
+from .layers import StackedParams, layer_norm
 from .types import Params, TensorReader
 
 ACTIVATIONS: Mapping[str, Callable[[jax.Array], jax.Array]] = MappingProxyType(
@@ -239,20 +239,6 @@ def load_host_params(read: TensorReader, config: ModelConfig, layers: dict[str, 
         host["head_out_w"] = read(f"{out}.weight", (c.num_labels, d))
         host["head_out_b"] = read(f"{out}.bias", (c.num_labels,))
     return host
-
-
-def layer_norm(
-    x: jax.Array,  # [..., D]
-    weight: jax.Array,  # [D]
-    bias: jax.Array,  # [D]
-    eps: float,
-) -> jax.Array:
-    """LayerNorm over the last axis in float32, as torch's nn.LayerNorm."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
-    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:

@@ -35,8 +35,8 @@ from flax import nnx
 from .blocks import LayerLinears, projection
 from .config import ModelConfig
 from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
-from .gpt import FLOAT_FAMILY_REFUSALS, layer_norm
-from .layers import StackedParams, alibi_slopes, dense_causal_attention, param
+from .gpt import FLOAT_FAMILY_REFUSALS
+from .layers import StackedParams, alibi_slopes, dense_causal_attention, layer_norm, param
 from .linear import Linear, linear_splits, linear_xla
 from .lora_term import LoraInputs
 from .quant.matmul import vocab_logits

@@ -32,7 +32,7 @@ from flax import nnx
 from .blocks import LayerLinears, projection
 from .config import ModelConfig
 from .family import LoraLayout, LoraModule, LoraPiece, LoraSite, ModelFamily
-from .layers import StackedParams, dense_causal_attention, param
+from .layers import StackedParams, dense_causal_attention, layer_norm, param
 from .linear import Linear, linear_splits, linear_xla
 from .lora_term import LoraInputs, lora_delta
 from .quant.matmul import vocab_logits
@@ -140,20 +140,6 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (c.vocab_size, d)
     return shapes
-
-
-def layer_norm(
-    x: jax.Array,  # [T, D]
-    weight: jax.Array,  # [D]
-    bias: jax.Array,  # [D]
-    eps: float,
-) -> jax.Array:
-    """LayerNorm over the last axis in float32, as torch's nn.LayerNorm."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
-    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 class GPTForCausalLM(nnx.Module):

@@ -1,4 +1,4 @@
-"""Building blocks of the model families: RMSNorm, rotary embeddings, attention, biased
+"""Building blocks of the model families: RMSNorm, LayerNorm, rotary embeddings, attention, biased
 dense layers and the stacked per-layer params every family scans over.
 
 Every function is pure jnp so it traces inside `lax.scan` and jit. Numerics follow
@@ -27,6 +27,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     normed = (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
     return weight.astype(x.dtype) * normed
+
+
+def layer_norm(
+    x: jax.Array,  # [..., D]
+    weight: jax.Array,  # [D]
+    bias: jax.Array,  # [D]
+    eps: float,
+) -> jax.Array:
+    """LayerNorm over the last axis in float32, as torch's nn.LayerNorm."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def apply_rope(
