@@ -136,9 +136,9 @@ def _request(paths, name):
     return None if name is None else LoRARequest(name, 1 + list(ADAPTERS).index(name), paths[name])
 
 
-def test_mixed_batch_equals_peft_and_compiles_nothing(llm, folders):
-    _, paths, want = folders
-    # every adapter and none, on every prompt, all in one generate call (one batch)
+def _every_adapter_on_every_prompt(llm, paths):
+    """Every adapter and none on every prompt, all in one generate call (one batch):
+    (the (adapter, prompt index) cases, each case's greedy tokens)."""
     cases = [(name, i) for i in range(len(PROMPTS)) for name in [None, *ADAPTERS]]
     outs = llm.generate(
         [PROMPTS[i] for _, i in cases],
@@ -146,7 +146,12 @@ def test_mixed_batch_equals_peft_and_compiles_nothing(llm, folders):
         lora_request=[_request(paths, name) for name, _ in cases],
         use_tqdm=False,
     )
-    got = {case: list(o.outputs[0].token_ids) for case, o in zip(cases, outs, strict=True)}
+    return cases, {case: list(o.outputs[0].token_ids) for case, o in zip(cases, outs, strict=True)}
+
+
+def test_mixed_batch_equals_peft_and_compiles_nothing(llm, folders):
+    _, paths, want = folders
+    cases, got = _every_adapter_on_every_prompt(llm, paths)
     assert got == {case: want[case] for case in cases}
     # the adapters really change the outputs (otherwise the comparison proves little)
     for name in ADAPTERS:
@@ -311,15 +316,7 @@ def test_adapters_with_ngram_speculation_equal_peft(folders):
                             "disable_by_batch_size": 8},
     )  # fmt: skip
     try:
-        llm = LLM.from_engine(engine)
-        cases = [(name, i) for i in range(len(PROMPTS)) for name in [None, *ADAPTERS]]
-        outs = llm.generate(
-            [PROMPTS[i] for _, i in cases],
-            GREEDY,
-            lora_request=[_request(paths, name) for name, _ in cases],
-            use_tqdm=False,
-        )
-        got = {case: list(o.outputs[0].token_ids) for case, o in zip(cases, outs, strict=True)}
+        cases, got = _every_adapter_on_every_prompt(LLM.from_engine(engine), paths)
         assert got == {case: want[case] for case in cases}
         stats = engine.get_stats()
         assert stats.spec_decode_num_drafts > 0 and stats.num_compilations_after_warmup == 0
