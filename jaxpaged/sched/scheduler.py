@@ -567,13 +567,17 @@ class Scheduler:
         if not self._by_priority:
             self.waiting.append(req)
             return
-        keys = [self._order(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, self._order(req)), req)
+        self._insert_ordered(self.waiting, req)
+
+    def _insert_ordered(
+        self, queue: list[Request] | collections.deque[Request], req: Request
+    ) -> None:
+        """Inserts ``req`` into ``queue`` (sorted by ``_order``) after its equals."""
+        queue.insert(bisect.bisect(queue, self._order(req), key=self._order), req)
 
     def _set_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
-        keys = [self._order(r) for r in self.running]
-        self.running.insert(bisect.bisect(keys, self._order(req)), req)
+        self._insert_ordered(self.running, req)
 
     def _release_state_row(self, req: Request) -> None:
         if req.state_row >= 0:
@@ -594,16 +598,15 @@ class Scheduler:
         ):
             pairs = self.pool.swap_out(victim.request_id)
             victim.status = RequestStatus.SWAPPED
-            keys = [self._order(r) for r in self.swapped]
-            self.swapped.insert(bisect.bisect(keys, self._order(victim)), victim)
+            self._insert_ordered(self.swapped, victim)
             self.stats.num_swap_outs += 1
             return pairs
         self.pool.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         if self._by_priority:  # ahead of later arrivals of its priority
-            keys = [self._order(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_left(keys, self._order(victim)), victim)
+            at = bisect.bisect_left(self.waiting, self._order(victim), key=self._order)
+            self.waiting.insert(at, victim)
         else:
             self.waiting.appendleft(victim)
         return []
