@@ -17,8 +17,6 @@ import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-
 from jaxpaged.engine.pooling import PoolingEngine, PoolingJob
 from jaxpaged.engine.protocol import EngineDeadError, EngineStats, Prompt, Tokenizer
 from jaxpaged.lora_request import LoRARequest
@@ -63,14 +61,7 @@ class AsyncPoolingEngine:
 
     @property
     def engine_config(self) -> Mapping[str, object]:
-        return {
-            "runner": "pooling",
-            "block_size": 0,  # no KV cache
-            "dtype": str(jax.tree.leaves(self.engine.worker.params)[0].dtype),
-            "max_model_len": self.engine.max_model_len,
-            "pooling": self.engine.pooling.mode,
-            "normalize": self.engine.pooling.normalize,
-        }
+        return self.engine.engine_config
 
     # ---- health and life cycle
     @property

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxpaged.args import EngineArgs
@@ -147,6 +148,18 @@ class PoolingEngine:
     # Each call is a job: its inputs tokenized and checked, and what turns the model's rows
     # into its outputs. Jobs run together (``run_jobs``), so the server batches concurrent
     # requests into the same padded batches.
+    @property
+    def engine_config(self) -> dict[str, object]:
+        """What the server logs of the engine (as LLMEngine.engine_config)."""
+        return {
+            "runner": "pooling",
+            "block_size": 0,  # no KV cache
+            "dtype": str(jax.tree.leaves(self.worker.params)[0].dtype),
+            "max_model_len": self.max_model_len,
+            "pooling": self.pooling.mode,
+            "normalize": self.pooling.normalize,
+        }
+
     def _ids(self, prefix: str, n: int) -> list[str]:
         start = self._requests
         self._requests += n
