@@ -268,4 +268,5 @@ class Request:
             prompt_targets=self.prompt_logprob_targets(start, end),
             prompt_top_k=self.sampling_params.prompt_logprobs or 0,
             num_draft_tokens=len(drafts),
+            next_token=self.token_ids_slice(end, end + 1)[0] if end < self.num_tokens else -1,
         )

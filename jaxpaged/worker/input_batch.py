@@ -304,6 +304,8 @@ class InputBatch(PersistentBatch):
             raise ValueError("a sequence feeds drafts in a step without verification rows")
         if self.seq_rows:
             spec["seq_rows"] = rows.astype(np.int32)
+            spec["next_tokens"] = np.full(s, -1, np.int32)
+            spec["next_tokens"][:n] = [seq.next_token for seq in seqs]
         lora_slots = None
         if self.lora:
             lora_slots = np.zeros(t, np.int32)

@@ -64,6 +64,8 @@ class StepBatch(NamedTuple):
     num_drafts: jax.Array | None = None  # int32 [S]; 0 = no drafts
     # EAGLE-3 on: each sequence's row of the persistent batch (its EagleState row)
     seq_rows: jax.Array | None = None  # int32 [S]; padding R
+    # the known token after each sequence's fed ones (ScheduledSeq.next_token), -1: sampled
+    next_tokens: jax.Array | None = None  # int32 [S]
 
 
 class StepOutput(NamedTuple):
@@ -314,6 +316,7 @@ def step(
         last_rows = jnp.take_along_axis(batch.verify_rows, last, axis=1)[:, 0]
         next_tokens = jnp.take_along_axis(targets, last, axis=1)[:, 0]
     if eagle:
+        next_tokens = jnp.where(batch.next_tokens >= 0, batch.next_tokens, next_tokens)
         eagle_state, pool = spec_eagle.catch_up(
             eagle_params, eagle_config, eagle_state, target_embed, pool,
             aux=aux[0], tokens=tokens, positions=batch.positions, seq_rows=batch.seq_rows,

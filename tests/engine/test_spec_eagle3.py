@@ -264,8 +264,8 @@ def test_head_layout_and_forward_match_the_reference(head_dir, target_params):
 
 def test_engine_drafts_are_the_reference_heads(engines, head_dir, target_params):
     """Every draft the engine verified is the reference's for that context: the head's K/V
-    kept across steps in the target's pool, the aux states, draft 1 carried to the next
-    step and drafts 2..K made inside it."""
+    kept across steps (and prefill chunks) in the target's pool, the aux states, draft 1
+    carried to the next step and drafts 2..K made inside it."""
     _, eagle = engines
     runner = eagle.engine.runner
     seen = []
@@ -279,7 +279,9 @@ def test_engine_drafts_are_the_reference_heads(engines, head_dir, target_params)
 
     runner._run = spy
     try:
-        prompt = [7, 31, 2, 64, 19, 5, 77, 40, 12]
+        # 21 tokens: two prefill chunks (16-token budget); the head's input at the first
+        # chunk's last position is the next chunk's first token
+        prompt = [7, 31, 2, 64, 19, 5, 77, 40, 12, 3, 90, 55, 8, 23, 71, 66, 14, 29, 4, 81, 36]
         (out,) = eagle.generate(
             [prompt], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
         )
