@@ -35,7 +35,13 @@ from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
-from jaxpaged.engine.spec_builder import DraftModel, check_draft, check_eagle, shared_num_blocks
+from jaxpaged.engine.spec_builder import (
+    DraftModel,
+    check_draft,
+    check_eagle,
+    head_params_in,
+    shared_num_blocks,
+)
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.eagle3 import Eagle3Config, load_eagle3
 from jaxpaged.models.llama import Params
@@ -166,6 +172,7 @@ class LLMEngine:
                 tensor_parallel_size=parallel_config.tensor_parallel_size,
                 own_model=graphdef is not None,
             )
+            eagle = (eagle[0], head_params_in(eagle[1], params_dtype))
         kv = KVPlan(
             model_config=pool_config,
             block_size=cache_config.block_size,

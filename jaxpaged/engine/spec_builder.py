@@ -20,7 +20,7 @@ from jaxpaged.worker.kv_cache import kv_storage_dtype
 from jaxpaged.worker.runner import Runner
 from jaxpaged.worker.spec_draft import DraftModelProposer
 
-__all__ = ["DraftModel", "check_draft", "check_eagle", "shared_num_blocks"]
+__all__ = ["DraftModel", "check_draft", "check_eagle", "head_params_in", "shared_num_blocks"]
 
 
 class DraftModel:
@@ -162,3 +162,14 @@ def check_eagle(
         )
     head.aux_layers(target.num_layers)  # refuses ids outside the target
     return dataclasses.replace(target, num_layers=target.num_layers + 1)
+
+
+def head_params_in(params: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """An EAGLE-3 head's float weights in the target's dtype (its K/V goes into the same
+    pool, its hidden states meet the target's); ``d2t`` stays int32."""
+    import jax.numpy as jnp
+
+    return {
+        k: v if not jnp.issubdtype(v.dtype, jnp.floating) else jnp.asarray(v, dtype)
+        for k, v in params.items()
+    }

@@ -84,9 +84,10 @@ def propose(
     one_row = jnp.arange(s + 1, dtype=jnp.int32)
     for j in range(2, num_speculative_tokens + 1):
         live = num_drafts >= j
-        pos = start + j - 2  # [S]
+        pos = jnp.where(live, start + j - 2, 0)  # [S]
         slots = jnp.where(live, slot_mapping[first + j - 2], -1)
-        attention_fn = attention_for(slots, pos + 1, one_row, 1)
+        # a sequence without draft j reads position 0 only: never past its blocks
+        attention_fn = attention_for(slots, jnp.where(live, pos + 1, 1), one_row, 1)
         embeds = eagle3.embed(head, target_embed, token, hidden.dtype)
         normed, hidden, pool = eagle3.head_forward(
             head, config, embeds, hidden, pos, attention_fn, pool, layer_index=layer_index
