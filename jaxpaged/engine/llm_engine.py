@@ -44,6 +44,7 @@ from jaxpaged.engine.spec_builder import (
 )
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.eagle3 import Eagle3Config, load_eagle3
+from jaxpaged.models.hub import resolve_model_path
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -371,7 +372,10 @@ class LLMEngine:
             draft = cls._load(draft_args, ParallelConfig())[:2]
         eagle = None
         if spec is not None and spec.method == "eagle3":
-            eagle = load_eagle3(spec.model)
+            folder = resolve_model_path(
+                spec.model, revision=spec.revision, download_dir=args.download_dir
+            )
+            eagle = load_eagle3(folder)
         engine = cls(
             model_config=model_config,
             params=params,

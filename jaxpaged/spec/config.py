@@ -116,12 +116,11 @@ class SpeculativeConfig:
                     raise ValueError(
                         f"speculative_config: {name} belongs to method 'ngram', not {m!r}"
                     )
-            for name in ("quantization", "revision") if m == "eagle3" else ():
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"speculative_config: {name} is not supported for an EAGLE-3 head "
-                        "(a local folder of float weights)"
-                    )
+            if m == "eagle3" and self.quantization is not None:
+                raise ValueError(
+                    "speculative_config: quantization is not supported for an EAGLE-3 head "
+                    "(its float weights are kept in the target's dtype)"
+                )
             tp = self.draft_tensor_parallel_size
             if tp is not None and tp != 1:
                 raise ValueError(
