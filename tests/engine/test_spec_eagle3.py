@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 
 import jax.numpy as jnp
@@ -30,17 +31,18 @@ DRAFT_VOCAB = 64
 K = 3
 
 
-def _write_head(path, *, seed: int = 3) -> dict[str, np.ndarray]:
-    """A random head in the published layout; returns its tensors by checkpoint name."""
+def _write_head(path, *, target=CONFIG, aux=AUX, num_heads: int = 4, seed: int = 3):
+    """A random head for ``target`` in the published layout (``aux`` None: no layer ids,
+    vLLM's default); returns its tensors by checkpoint name."""
     rng = np.random.default_rng(seed)
-    h, hd, f = CONFIG.hidden_size, CONFIG.head_dim, 48
-    nq, nkv = 4, CONFIG.num_kv_heads  # the head's own query heads; its KV shape the target's
+    h, hd, f = target.hidden_size, target.head_dim, 48
+    nq, nkv = num_heads, target.num_kv_heads  # the head's query heads; its KV: the target's
 
     def w(*shape, scale=0.3):
         return rng.normal(0, scale, shape).astype(np.float32)
 
-    keep = np.sort(rng.choice(CONFIG.vocab_size, DRAFT_VOCAB, replace=False))
-    t2d = np.zeros(CONFIG.vocab_size, bool)
+    keep = np.sort(rng.choice(target.vocab_size, DRAFT_VOCAB, replace=False))
+    t2d = np.zeros(target.vocab_size, bool)
     t2d[keep] = True
     tensors = {
         "fc.weight": w(h, 3 * h),
@@ -71,11 +73,12 @@ def _write_head(path, *, seed: int = 3) -> dict[str, np.ndarray]:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
-        "vocab_size": CONFIG.vocab_size,
+        "vocab_size": target.vocab_size,
         "draft_vocab_size": DRAFT_VOCAB,
         "target_hidden_size": h,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(AUX)},
     }
+    if aux is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
@@ -315,3 +318,27 @@ def test_heads_the_engine_cannot_run_are_refused(head_dir, target_params, tmp_pa
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         bad = {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # the target has layers 0, 1
         eagle3.parse_eagle3_config({**cfg, "eagle_config": bad}).aux_layers(2)
+
+
+@pytest.mark.skipif(
+    os.environ.get("JAXPAGED_TEST_FULL") != "1",
+    reason="an engine of its own (~30 s cold); the default suite's engine preempts by "
+    "recomputing; JAXPAGED_TEST_FULL=1 runs it",
+)
+def test_greedy_identical_under_swap_preemption(engines, head_dir, target_params):
+    """Swapped-out blocks carry the head's K/V layer with the target's."""
+    plain, _ = engines
+    spec = {"method": "eagle3", "model": str(head_dir[0]), "num_speculative_tokens": K,
+            "disable_by_batch_size": 64}  # fmt: skip
+    swap = _llm(target_params, speculative_config=spec, preemption_mode="swap")
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(96) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        assert _ids(swap.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+        m = swap.get_metrics()
+        assert m["num_preemptions"] > 0 and m["spec_decode_num_draft_tokens"] > 0
+        pool = swap.engine.scheduler.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    finally:
+        swap.close()
