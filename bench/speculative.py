@@ -2,11 +2,13 @@
 
     python bench/speculative.py [--model M] [--batch-sizes 1 8 32] [--max-tokens 96]
         [--num-speculative-tokens 4] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
-        [--workloads copy chat] [--draft-model PATH|bundled-gguf] [--json FILE]
+        [--workloads copy chat] [--draft-model PATH|bundled-gguf] [--eagle3 HEAD] [--json FILE]
 
 Engines over the same model: one without speculation, one with
 ``speculative_config={"method": "ngram", ...}`` and, with ``--draft-model``, one with that
-draft model (``bundled-gguf``: the bundled SmolLM2's own Q4_1 GGUF kept 4-bit); every workload at every batch size through both, in turn: B requests at once,
+draft model (``bundled-gguf``: the bundled SmolLM2's own Q4_1 GGUF kept 4-bit) and, with
+``--eagle3``, one with that EAGLE-3 head (a folder or hub id trained for ``--model``); every
+workload at every batch size through each, in turn: B requests at once,
 greedy, EOS ignored, the same token ids. Workloads:
   copy  edit / repeat / rewrite a given paragraph (the reply copies much of the prompt:
         where n-gram lookup pays)
@@ -123,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also a draft_model engine over this checkpoint (bundled-gguf: SmolLM2's Q4_1)",
     )
+    p.add_argument(
+        "--eagle3",
+        default=None,
+        help="also an eagle3 engine with this EAGLE-3 head (a folder or hub id for --model)",
+    )
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -157,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         if path.endswith(".gguf"):
             draft["quantization"] = "gguf"
         engines["draft"] = LLM(args.model, speculative_config=draft, **kw)
+    if args.eagle3:
+        head = {"method": "eagle3", "model": args.eagle3,
+                "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
+        if args.disable_by_batch_size is not None:
+            head["disable_by_batch_size"] = args.disable_by_batch_size
+        engines["eagle3"] = LLM(args.model, speculative_config=head, **kw)
     tokenizer = engines["off"].engine.tokenizer
     makers = {"copy": copy_workload, "chat": chat_workload}
     rows = []

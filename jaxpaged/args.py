@@ -399,7 +399,9 @@ class EngineArgs:
         "speculative decoding, vLLM's keys as JSON, e.g. "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}' + " (ngram: drafts from the request's own text, verified "
-        "in the same step; greedy output unchanged, sampling keeps the model's distribution)",
+        "in the same step; draft_model: a smaller model's drafts; eagle3: an EAGLE-3 head's, "
+        "model its folder or hub id; greedy output unchanged, sampling keeps the model's "
+        "distribution)",
         "--speculative-config",
         parse=speculative_json,
         metavar="JSON",

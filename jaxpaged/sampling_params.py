@@ -193,6 +193,10 @@ class SamplingParams:
     # the request's place in the queue under scheduling_policy="priority": lower first
     # (vLLM's request priority); 0 is the only value the fcfs policy takes
     priority: int = 0
+    # False: this request never drafts (one token per step) on an engine with
+    # speculative_config; requests whose settings speculation does not follow (penalties,
+    # min_tokens, logit_bias, a logits processor, structured output) never draft either
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -249,7 +253,12 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "speculative",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_logits_processor()

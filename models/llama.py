@@ -241,9 +241,12 @@ class LlamaForCausalLM(nnx.Module):
         activation_dtype: Any = None,
         lora: LoraInputs | None = None,
         rope_lengths: jax.Array | None = None,  # int32 [T]
-    ) -> tuple[jax.Array, Any]:
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, jax.Array]:
         """Final-normed hidden states [T, D] and the cache as threaded through every layer's
         ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`).
+        ``aux_layers`` (an EAGLE-3 head's, models/eagle3.py): also the residual stream
+        entering each of those layers, concatenated in their order, [T, len * D], third.
         ``activation_dtype``: the hidden states' dtype between layers (None: the params'),
         e.g. float32 where a ``linear_fn`` computes bfloat16 weights in float32; ``lora``
         adds each token's adapter term after the matmuls it targets. ``rope_lengths``: each
@@ -260,17 +263,30 @@ class LlamaForCausalLM(nnx.Module):
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
         layers = self.layers.arrays()
 
+        unique = sorted(set(aux_layers))
+        n_aux = len(unique)
+        wanted = jnp.asarray(unique or (-1,), jnp.int32)
+        # slot n_aux takes the layers nobody asked for: one in-place write per layer
+        aux = jnp.zeros((n_aux + 1, *x.shape), x.dtype) if n_aux else None
+
         def body(carry, layer):
-            x, cache = carry
+            x, cache, aux = carry
+            if aux is not None:
+                hit = wanted == layer
+                slot = jnp.where(jnp.any(hit), jnp.argmax(hit), n_aux)
+                aux = jax.lax.dynamic_update_index_in_dim(aux, x, slot, 0)
             x, cache = _layer(
                 x, layers, layer, positions, cache,
                 config=config, attention_fn=attention_fn, linear_fn=linear_fn, lora=lora,
                 rope_lengths=rope_lengths,
             )  # fmt: skip
-            return (x, cache), None
+            return (x, cache, aux), None
 
-        (x, cache), _ = jax.lax.scan(body, (x, cache), layer_ids)
-        return rms_norm(x, self.final_norm[...], config.rms_norm_eps), cache
+        (x, cache, aux), _ = jax.lax.scan(body, (x, cache, aux), layer_ids)
+        out = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
+        if aux is None:
+            return out, cache
+        return out, cache, jnp.concatenate([aux[unique.index(i)] for i in aux_layers], axis=-1)
 
     def compute_logits(
         self,

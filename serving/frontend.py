@@ -145,6 +145,9 @@ class ServingConfig:
     allow_runtime_lora_updating: bool = False
     # Responses API: how many stored responses are kept (least recently used evicted first)
     responses_store_size: int = 1024
+    # seconds between the log's stats lines (vLLM's throughput and SpecDecoding lines,
+    # serving/stats_log.py) while the engine is busy; 0: none (--disable-log-stats)
+    log_stats_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
@@ -167,6 +170,8 @@ class ServingConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.log_stats_interval < 0:
+            raise ValueError(f"log_stats_interval must be >= 0, got {self.log_stats_interval}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for name in ("port", "grpc_port"):

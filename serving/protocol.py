@@ -164,6 +164,8 @@ class _SamplingFields(_Strict):
     logits_processor_args: list[float] | None = None
     # vLLM's request priority (--scheduling-policy priority: lower first)
     priority: int | None = None
+    # false: no speculative decoding for this request (jaxpaged's; docs/speculative.md)
+    speculative: bool = True
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -196,6 +198,7 @@ class _SamplingFields(_Strict):
             "logits_processor": self.logits_processor,
             "logits_processor_args": tuple(self.logits_processor_args or ()),
             "priority": self.priority or 0,
+            "speculative": self.speculative,
         }
         for name in (
             "temperature",

@@ -22,6 +22,7 @@ from jaxpaged.serving.frontend import Frontend, Phase, ServingConfig
 from jaxpaged.serving.grpc_service import build_grpc_server
 from jaxpaged.serving.http_app import create_app
 from jaxpaged.serving.metrics import ServingMetrics
+from jaxpaged.serving.stats_log import StatsLog
 
 __all__ = ["Server", "serve"]
 
@@ -59,6 +60,7 @@ class Server:
         self._http: _UvicornServer | None = None
         self._http_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
 
     # ---- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -145,6 +147,17 @@ class Server:
         engine.start()
         self.frontend.attach_engine(engine)
         self.log_ready()
+        if self.config.log_stats_interval > 0:
+            self._stats_task = asyncio.create_task(self._log_stats(engine))
+
+    async def _log_stats(self, engine: EngineClient) -> None:
+        """vLLM's periodic stats lines (serving/stats_log.py) while the engine is busy."""
+        stats_log = StatsLog()
+        loop = asyncio.get_running_loop()
+        while True:
+            for line in stats_log.lines(engine.get_stats(), loop.time()):
+                log.info("%s", line)
+            await asyncio.sleep(self.config.log_stats_interval)
 
     def log_ready(self) -> None:
         engine = self.frontend.engine
@@ -200,6 +213,8 @@ class Server:
             log.info("aborted %d request(s) at the shutdown timeout", aborted)
         if self._watch_task is not None:
             self._watch_task.cancel()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._grpc is not None:
             await self._grpc.stop(1.0)
         if self._http is not None:

@@ -122,6 +122,12 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         "nothing (kept so that vLLM command lines run)",
     )
     s.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats lines in the log (vLLM's: throughput, running and waiting "
+        "requests, KV cache usage, and SpecDecoding metrics every 10 s while busy)",
+    )
+    s.add_argument(
         "--enable-weight-updates",
         action="store_true",
         help="serve the gRPC admin call jaxpaged.v1.Admin/UpdateWeights (weights from a "
@@ -303,6 +309,7 @@ def serving_config_from_args(args: argparse.Namespace, chat_template: str | None
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        log_stats_interval=0.0 if args.disable_log_stats else 10.0,
     )
 
 

@@ -35,8 +35,16 @@ from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
-from jaxpaged.engine.spec_builder import DraftModel, check_draft, shared_num_blocks
+from jaxpaged.engine.spec_builder import (
+    DraftModel,
+    check_draft,
+    check_eagle,
+    head_params_in,
+    shared_num_blocks,
+)
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.eagle3 import Eagle3Config, load_eagle3
+from jaxpaged.models.hub import resolve_model_path
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -79,11 +87,13 @@ class LLMEngine:
         lora_config: LoraConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
         draft: tuple[ModelConfig, Params] | None = None,
+        eagle: tuple[Eagle3Config, dict[str, Any]] | None = None,
     ) -> None:
         """``params`` is the model's state; ``graphdef`` the NNX graph definition of a model
         of the paged-model protocol (docs/models.md; None: the Llama family of
         ``model_config``); ``speculative_config``: speculative decoding (None: off);
-        ``draft``: the draft model's (config, params) for its method ``draft_model``."""
+        ``draft``: the draft model's (config, params) for its method ``draft_model``;
+        ``eagle``: the EAGLE-3 head's (config, params) for method ``eagle3``."""
         cache_config = cache_config or CacheConfig()
         logits_processors = _check_processors(logits_processors)
         if speculative_config is not None and jax.process_count() > 1:
@@ -95,6 +105,12 @@ class LLMEngine:
             raise ValueError(
                 "speculative_config: method 'draft_model' and the draft model's (config, params) "
                 "come together (from_engine_args loads the draft from its model key)"
+            )
+        wants_eagle = speculative_config is not None and speculative_config.method == "eagle3"
+        if wants_eagle != (eagle is not None):
+            raise ValueError(
+                "speculative_config: method 'eagle3' and the head's (config, params) come "
+                "together (from_engine_args loads the head from its model key)"
             )
         # only what was asked for; again for engines built on params in hand (JAX started:
         # the malloc thresholds still take)
@@ -149,8 +165,17 @@ class LLMEngine:
             mesh=self.mesh,
         )
         speculative_config = _spec_defaults(speculative_config, self.platform.device)
+        pool_config = model_config  # what the KV pool holds: an EAGLE-3 head adds a layer
+        if eagle is not None:
+            pool_config = check_eagle(
+                eagle[0],
+                model_config,
+                tensor_parallel_size=parallel_config.tensor_parallel_size,
+                own_model=graphdef is not None,
+            )
+            eagle = (eagle[0], head_params_in(eagle[1], params_dtype))
         kv = KVPlan(
-            model_config=model_config,
+            model_config=pool_config,
             block_size=cache_config.block_size,
             dtype=kv_dtype,
             platform=self.platform,
@@ -174,6 +199,7 @@ class LLMEngine:
                 if speculative_config is None
                 else speculative_config.num_speculative_tokens,
                 draft_slots=draft is not None,
+                eagle=eagle,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -344,6 +370,12 @@ class LLMEngine:
                 configure_process=False,
             )
             draft = cls._load(draft_args, ParallelConfig())[:2]
+        eagle = None
+        if spec is not None and spec.method == "eagle3":
+            folder = resolve_model_path(
+                spec.model, revision=spec.revision, download_dir=args.download_dir
+            )
+            eagle = load_eagle3(folder)
         engine = cls(
             model_config=model_config,
             params=params,
@@ -362,6 +394,7 @@ class LLMEngine:
             lora_config=lora_config,
             speculative_config=args.speculative_config,
             draft=draft,
+            eagle=eagle,
         )
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again

@@ -1,22 +1,26 @@
-"""The draft model's side of an engine with ``speculative_config={"method": "draft_model"}``:
-its platform, its KV pool (as many blocks as the target's, the two pools sized together in
-one budget) and its runner, wrapped as the target runner's drafter
-(:mod:`jaxpaged.worker.spec_draft`)."""
+"""The draft side of an engine with a draft model (``speculative_config={"method":
+"draft_model"}``: its platform, its KV pool (as many blocks as the target's, the two pools
+sized together in one budget) and its runner, wrapped as the target runner's drafter,
+:mod:`jaxpaged.worker.spec_draft`) or an EAGLE-3 head (``"eagle3"``: the checks it passes
+before its K/V becomes one more layer of the target's pool, :mod:`jaxpaged.worker.spec_eagle`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.eagle3 import Eagle3Config
+from jaxpaged.models.llama import MODEL_TYPES as LLAMA_MODEL_TYPES
 from jaxpaged.spec import SpeculativeConfig
 from jaxpaged.worker.kv_cache import kv_storage_dtype
 from jaxpaged.worker.runner import Runner
 from jaxpaged.worker.spec_draft import DraftModelProposer
 
-__all__ = ["DraftModel", "check_draft", "shared_num_blocks"]
+__all__ = ["DraftModel", "check_draft", "check_eagle", "head_params_in", "shared_num_blocks"]
 
 
 class DraftModel:
@@ -113,3 +117,59 @@ def shared_num_blocks(num_blocks: int, target_bytes: int, draft_bytes: int, give
     if given:
         return num_blocks
     return max(1, num_blocks * target_bytes // (target_bytes + draft_bytes))
+
+
+def check_eagle(
+    head: Eagle3Config,
+    target: ModelConfig,
+    *,
+    tensor_parallel_size: int,
+    own_model: bool,
+) -> ModelConfig:
+    """ValueError for an EAGLE-3 head this engine cannot run on ``target``; else the config
+    the KV plan sizes the pool by (the target's layers and the head's one)."""
+    if own_model or target.model_type not in LLAMA_MODEL_TYPES:
+        raise ValueError(
+            "speculative_config: method 'eagle3' needs a Llama-family target (its aux hidden "
+            f"states), got model_type {target.model_type!r}"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            "speculative_config: an EAGLE-3 head with tensor_parallel_size > 1 is not supported"
+        )
+    c = head.layer
+    if c.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the EAGLE-3 head's vocabulary ({c.vocab_size} tokens) is not "
+            f"the target's ({target.vocab_size})"
+        )
+    if head.target_hidden_size != target.hidden_size:
+        raise ValueError(
+            f"speculative_config: the EAGLE-3 head reads hidden states of size "
+            f"{head.target_hidden_size}, the target's are {target.hidden_size}"
+        )
+    if not head.own_embeddings and c.hidden_size != target.hidden_size:
+        raise ValueError(
+            "speculative_config: an EAGLE-3 head without embed_tokens shares the target's "
+            f"embeddings, so its hidden size ({c.hidden_size}) must be the target's "
+            f"({target.hidden_size})"
+        )
+    if (c.num_kv_heads, c.head_dim) != (target.num_kv_heads, target.head_dim):
+        raise ValueError(
+            "speculative_config: the EAGLE-3 head keeps its K/V as a layer of the target's "
+            f"pool, so its KV heads x head_dim ({c.num_kv_heads} x {c.head_dim}) must be the "
+            f"target's ({target.num_kv_heads} x {target.head_dim})"
+        )
+    head.aux_layers(target.num_layers)  # refuses ids outside the target
+    return dataclasses.replace(target, num_layers=target.num_layers + 1)
+
+
+def head_params_in(params: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """An EAGLE-3 head's float weights in the target's dtype (its K/V goes into the same
+    pool, its hidden states meet the target's); ``d2t`` stays int32."""
+    import jax.numpy as jnp
+
+    return {
+        k: v if not jnp.issubdtype(v.dtype, jnp.floating) else jnp.asarray(v, dtype)
+        for k, v in params.items()
+    }

@@ -72,6 +72,9 @@ class ScheduledSeq:
     # speculative decoding: the last this many of token_ids are drafts to verify (the step
     # samples after each fed token and keeps the drafts that match, plus one)
     num_draft_tokens: int = 0
+    # the known token after the fed ones (a non-final prefill chunk's next prompt token), -1
+    # when the step samples it: an EAGLE-3 head's input at the last fed position
+    next_token: int = -1
 
     @property
     def do_sample(self) -> bool:

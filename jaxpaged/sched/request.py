@@ -201,8 +201,10 @@ class Request:
         """Whether its decodes may verify drafted tokens: each verified position is sampled
         as if the drafts before it were accepted, which per-request state (penalties,
         min_tokens, logit_bias, logits processors: the token history) and grammars (the mask
-        after each draft) would have to follow; those requests decode one token a step."""
-        return not self.needs_state_row and self.sampling_params.structured_output is None
+        after each draft) would have to follow; those requests decode one token a step, as
+        do requests that turned speculation off (``SamplingParams.speculative``)."""
+        sp = self.sampling_params
+        return sp.speculative and not self.needs_state_row and sp.structured_output is None
 
     @property
     def needs_state_row(self) -> bool:
@@ -268,4 +270,5 @@ class Request:
             prompt_targets=self.prompt_logprob_targets(start, end),
             prompt_top_k=self.sampling_params.prompt_logprobs or 0,
             num_draft_tokens=len(drafts),
+            next_token=self.token_ids_slice(end, end + 1)[0] if end < self.num_tokens else -1,
         )

@@ -53,7 +53,8 @@ has work: the runner must hear of it before a later plan reuses their rows.
 
 Speculative decoding (``speculative_config``): a decode of a request that can draft
 (``Request.can_speculate``) feeds its last token and up to ``num_speculative_tokens`` drafts
-(n-gram prompt lookup here, or placeholder slots a draft model fills on the device), capped
+(n-gram prompt lookup here, or placeholder slots a draft model or an EAGLE-3 head fills on
+the device), capped
 so that accepting them all stays within ``max_tokens`` and ``max_model_len``; its blocks
 cover them all. :meth:`update` appends the tokens the runner says the target accepted (plus
 its own next one), checking stop conditions after each as if they came one per step, then

@@ -8,10 +8,11 @@ Keys (vLLM's): ``method``, ``num_speculative_tokens``, ``prompt_lookup_max``,
 (no drafting while more requests than this run). An unknown key, a bad
 value or a combination this engine does not run is a ValueError naming it.
 
-Methods this engine runs: ``ngram`` (prompt lookup, no extra model) and ``draft_model`` (a
+Methods this engine runs: ``ngram`` (prompt lookup, no extra model), ``draft_model`` (a
 smaller model of the same tokenizer, or the target itself kept quantized: ``model`` its path,
-``quantization`` / ``revision`` how to load it). ``eagle``, ``eagle3``, ``mtp`` and
-``suffix`` are vLLM's names too; they are refused by name until the engine runs them.
+``quantization`` / ``revision`` how to load it) and ``eagle3`` (an EAGLE-3 head: ``model``
+its folder). ``eagle``, ``mtp`` and ``suffix`` are vLLM's names too; they are refused by
+name until the engine runs them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from typing import Any
 
 __all__ = ["KNOWN_METHODS", "SUPPORTED_METHODS", "SpeculativeConfig"]
 
-SUPPORTED_METHODS: tuple[str, ...] = ("ngram", "draft_model")
+SUPPORTED_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle3")
+# refused with their own reason
+_REFUSED = {
+    "eagle": "EAGLE-1/2 heads (one layer over the last hidden state) are not supported; "
+    "method 'eagle3' runs EAGLE-3 heads",
+    "mtp": "MTP heads that ship with a model are not supported yet",
+    "suffix": "suffix decoding is not supported yet",
+}
 KNOWN_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix")
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 _MAX_SPECULATIVE_TOKENS = 16  # verification rows per sequence are compiled into every step
@@ -57,6 +65,8 @@ class SpeculativeConfig:
                 f"speculative_config: method {self.method!r} is not one of "
                 f"{', '.join(KNOWN_METHODS)}"
             )
+        if self.method in _REFUSED:
+            raise ValueError(f"speculative_config: method {self.method!r}: {_REFUSED[self.method]}")
         if self.method not in SUPPORTED_METHODS:
             raise ValueError(
                 f"speculative_config: method {self.method!r} is not supported by this engine "
@@ -97,14 +107,20 @@ class SpeculativeConfig:
                     f"prompt_lookup_max ({hi})"
                 )
 
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle3"):
+            m = self.method
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError("speculative_config: method 'draft_model' needs model (a path)")
+                raise ValueError(f"speculative_config: method {m!r} needs model (a path)")
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, name) is not None:
                     raise ValueError(
-                        f"speculative_config: {name} belongs to method 'ngram', not 'draft_model'"
+                        f"speculative_config: {name} belongs to method 'ngram', not {m!r}"
                     )
+            if m == "eagle3" and self.quantization is not None:
+                raise ValueError(
+                    "speculative_config: quantization is not supported for an EAGLE-3 head "
+                    "(its float weights are kept in the target's dtype)"
+                )
             tp = self.draft_tensor_parallel_size
             if tp is not None and tp != 1:
                 raise ValueError(

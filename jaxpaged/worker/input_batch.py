@@ -153,13 +153,16 @@ class InputBatch(PersistentBatch):
         lora: bool = False,
         num_speculative_tokens: int = 0,
         draft_slots_base: int | None = None,
+        seq_rows: bool = False,
     ) -> None:
         """``num_speculative_tokens``: the most drafts a sequence verifies per step (0:
         speculative decoding off; else every step carries ``StepBatch.verify_rows``);
         ``draft_slots_base``: drafts are made on the device, draft j of sequence i read
         from row ``base + i * K + j`` of the previous-token array (None: the fed tokens
-        are the drafts)."""
+        are the drafts); ``seq_rows``: every step carries ``StepBatch.seq_rows`` (an
+        EAGLE-3 head's state is kept per row)."""
         self.draft_slots_base = draft_slots_base
+        self.seq_rows = seq_rows
         super().__init__(max_rows=max_rows, max_blocks=max_blocks)
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
@@ -299,6 +302,10 @@ class InputBatch(PersistentBatch):
             spec["num_drafts"][:n] = drafts
         elif drafts.any():
             raise ValueError("a sequence feeds drafts in a step without verification rows")
+        if self.seq_rows:
+            spec["seq_rows"] = rows.astype(np.int32)
+            spec["next_tokens"] = np.full(s, -1, np.int32)
+            spec["next_tokens"][:n] = [seq.next_token for seq in seqs]
         lora_slots = None
         if self.lora:
             lora_slots = np.zeros(t, np.int32)

@@ -28,11 +28,12 @@ from jaxpaged.distributed.parallel import kv_pool_sharding, replicated
 from jaxpaged.kernels.platform import Platform
 from jaxpaged.kernels.step_kernels import StepKernels
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.eagle3 import Eagle3Config
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
-from jaxpaged.worker import sampler
+from jaxpaged.worker import sampler, spec_eagle
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_cache import KVLayout
@@ -83,6 +84,7 @@ class Runner:
         num_speculative_tokens: int = 0,
         draft_slots: bool = False,
         sampled_rows: int | None = None,
+        eagle: tuple[Eagle3Config, dict[str, np.ndarray]] | None = None,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
@@ -91,7 +93,10 @@ class Runner:
         ``num_speculative_tokens``: the most drafts a sequence verifies in one step (0:
         speculative decoding off), compiled into every step shape; ``draft_slots``: the
         drafts are a draft model's, made on the device (:attr:`drafter` fills them into the
-        tail of the previous-token array, R * (K + 1) entries, which draft rows read)."""
+        tail of the previous-token array, R * (K + 1) entries, which draft rows read);
+        ``eagle``: an EAGLE-3 head's (config, params), drafting inside the step
+        (:mod:`jaxpaged.worker.spec_eagle`; ``layout`` has one layer more than the model,
+        the head's)."""
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_slots = draft_slots
         self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
@@ -101,6 +106,10 @@ class Runner:
         )
         self.lora = lora
         self.model_config = model_config
+        self.eagle_config = None if eagle is None else eagle[0]
+        self.eagle_params = None if eagle is None else jax.device_put(eagle[1])
+        if eagle is not None and layout.num_layers != model_config.num_layers + 1:
+            raise ValueError("an EAGLE-3 head's K/V needs one pool layer after the model's")
         # traced into the step (static); their names index them in SamplingTensors.processor
         self.logits_processors = tuple(logits_processors)
         self.processor_names = tuple(p.name for p in self.logits_processors)
@@ -151,6 +160,7 @@ class Runner:
             lora=lora is not None,
             num_speculative_tokens=num_speculative_tokens,
             draft_slots_base=max_num_seqs if draft_slots else None,
+            seq_rows=eagle is not None,
         )
         self._create_kv_state()
         # swapped-out blocks: host slot -> one [L, *page] array per pool array
@@ -198,6 +208,12 @@ class Runner:
         # (with draft-model drafts, R * (K + 1): the drafts after the R sampled tokens)
         rows = self._sampled_rows
         self.sampled = self._on_mesh(jax.numpy.zeros((rows,), jax.numpy.int32))
+        self.eagle_state = None
+        if self.eagle_config is not None:  # each batch row's next draft 1 and hidden state
+            dtype = self.eagle_params["norm"].dtype
+            self.eagle_state = spec_eagle.create_state(
+                self.buckets.max_num_seqs, self.eagle_config.layer.hidden_size, dtype
+            )
 
     # ------------------------------------------------- weights and memory (admin)
     def update_params(self, params: Params) -> None:
@@ -221,14 +237,16 @@ class Runner:
         """Frees the KV pool, the sampler state and swapped-out blocks (sleep); returns the
         device bytes freed. Nothing may be running."""
         arrays = [
-            a for a in jax.tree.leaves((self.pool, self.seq_state, self.sampled)) if a is not None
+            a
+            for a in jax.tree.leaves((self.pool, self.seq_state, self.sampled, self.eagle_state))
+            if a is not None
         ]
         freed = sum(a.nbytes for a in arrays)
         for a in arrays:
             a.delete()
         if self.drafter is not None:
             freed += self.drafter.runner.release_kv()
-        self.pool = self.seq_state = self.sampled = None
+        self.pool = self.seq_state = self.sampled = self.eagle_state = None
         self._host_blocks.clear()
         return freed
 
@@ -297,7 +315,14 @@ class Runner:
         return self.input_batch.prepare(seqs, bucket, allowed)
 
     def _lora_kwargs(self) -> dict[str, object]:
-        return {} if self.lora is None else {"lora_weights": self.lora.slots}
+        out: dict[str, object] = {} if self.lora is None else {"lora_weights": self.lora.slots}
+        if self.eagle_config is not None:
+            out.update(
+                eagle_config=self.eagle_config,
+                eagle_params=self.eagle_params,
+                eagle_state=self.eagle_state,
+            )
+        return out
 
     def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
         kwargs = self._step_kwargs()
@@ -307,7 +332,7 @@ class Runner:
             kwargs.update(max_q_len=bucket.max_q_len)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
-        out, self.pool, self.seq_state = self.programs.step(
+        out, self.pool, self.seq_state, self.eagle_state = self.programs.step(
             self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
             **kwargs,
         )  # fmt: skip

@@ -7,8 +7,8 @@ a step without speculation would use for that output position (``key_counter + j
 keeps the longest run of drafts that equal the target's own samples, plus the target's token
 after that run.
 
-Why that is exact. The drafts are a point mass q = delta(x) (n-gram lookup proposes, it
-does not sample). Rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x)
+Why that is exact. The drafts are a point mass q = delta(x) (n-gram lookup proposes, draft
+models and EAGLE-3 heads draft greedily: none samples). Rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x)
 and on rejection draws from the residual norm(max(p - q, 0)) = p without x, renormalised.
 Drawing y ~ p and accepting iff y == x does exactly that: P(accept) = p(x), and a rejected
 y is distributed as p conditioned on y != x. With greedy sampling y is the argmax, so the

@@ -16,9 +16,10 @@ from jaxpaged.distributed.parallel import replicate_on, shard_attention
 from jaxpaged.kernels import BACKENDS
 from jaxpaged.kernels.pool_format import SPLIT, PoolFormat
 from jaxpaged.kernels.step_kernels import XLA_KERNELS, StepKernels
+from jaxpaged.models.eagle3 import Eagle3Config
 from jaxpaged.models.llama import Params
 from jaxpaged.models.lora import LoraInputs
-from jaxpaged.worker import sampler, spec_verify
+from jaxpaged.worker import sampler, spec_eagle, spec_verify
 from jaxpaged.worker.engine_jit import engine_jit
 from jaxpaged.worker.kv_cache import KVPool
 from jaxpaged.worker.logits_processors import LogitsProcessor
@@ -61,6 +62,10 @@ class StepBatch(NamedTuple):
     # each sequence's drafts, and how many it feeds (jaxpaged.worker.spec_verify)
     verify_rows: jax.Array | None = None  # int32 [S, K + 1]
     num_drafts: jax.Array | None = None  # int32 [S]; 0 = no drafts
+    # EAGLE-3 on: each sequence's row of the persistent batch (its EagleState row)
+    seq_rows: jax.Array | None = None  # int32 [S]; padding R
+    # the known token after each sequence's fed ones (ScheduledSeq.next_token), -1: sampled
+    next_tokens: jax.Array | None = None  # int32 [S]
 
 
 class StepOutput(NamedTuple):
@@ -77,6 +82,7 @@ class StepOutput(NamedTuple):
     prompt_top_logprobs: jax.Array  # float32 [T, K]
     spec_token_ids: jax.Array | None = None  # int32 [S, D + 1] the target's samples
     num_emitted: jax.Array | None = None  # int32 [S] of those, the tokens each emits
+    spec_draft_ids: jax.Array | None = None  # int32 [S, D] the drafts verified (fed)
 
 
 _PROMPT_CHUNK = 64  # rows of [rows, V] logits at a time when prompt logprobs are wanted
@@ -149,6 +155,7 @@ def prompt_logprobs(
         "mesh",
         "kernels",
         "logits_processors",
+        "eagle_config",
     ),
     donate_argnums=(1, 2),
 )
@@ -172,7 +179,10 @@ def step(
     kernels: StepKernels = XLA_KERNELS,
     logits_processors: tuple[LogitsProcessor, ...] = (),
     lora_weights: dict[str, tuple[jax.Array, jax.Array]] | None = None,
-) -> tuple[StepOutput, KVPool, sampler.SeqState]:
+    eagle_config: Eagle3Config | None = None,
+    eagle_params: dict[str, jax.Array] | None = None,
+    eagle_state: spec_eagle.EagleState | None = None,
+) -> tuple[StepOutput, KVPool, sampler.SeqState, spec_eagle.EagleState | None]:
     """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
     docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
     samples one token per sequence. Decode tokens the host has not seen yet come straight
@@ -184,7 +194,9 @@ def step(
     site -> A [L, S, r', in], B [L, S, out, r'], see jaxpaged.models.lora) add each row's
     adapter (``batch.lora_slots``) to the projections it targets. ``backend`` and
     ``interpret``: the attention kernel as the engine's Platform chose it (a name, never None:
-    the step never leaves the choice to trace time)."""
+    the step never leaves the choice to trace time). ``eagle_config`` / ``eagle_params`` /
+    ``eagle_state``: an EAGLE-3 head drafting in the step (jaxpaged.worker.spec_eagle), its
+    K/V the pool's layer after the model's; its new state is returned fourth (else None)."""
     if backend not in BACKENDS:
         raise ValueError(
             f"step: backend must be a resolved attention backend of {BACKENDS} (the engine's "
@@ -195,7 +207,7 @@ def step(
     layer_slots = num_blocks * block_size
 
     def paged(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n, *slopes,
-              sm_scale, sliding_window, soft_cap):  # fmt: skip
+              sm_scale, sliding_window, soft_cap, q_len_bound):  # fmt: skip
         # slopes: () or (float32 [Hq] ALiBi slopes,), head-sliced like q under shard_map
         slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
         pool = pool_format.write(pool, k, v, slots)
@@ -212,26 +224,33 @@ def step(
             soft_cap=soft_cap,
             backend=backend,
             interpret=interpret,
-            max_q_len=max_q_len,
+            max_q_len=q_len_bound,
             max_kv_len=max_kv_len,
             **({"alibi_slopes": slopes[0]} if slopes else {}),
         )
         return out, pool
 
-    def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None, soft_cap=None,
-                     alibi_slopes=None):  # fmt: skip
-        attend = functools.partial(
-            paged,
-            sm_scale=default_scale if sm_scale is None else sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-        )
-        slopes = () if alibi_slopes is None else (jnp.asarray(alibi_slopes, jnp.float32),)
-        if mesh is not None:
-            attend = shard_attention(attend, mesh, alibi=bool(slopes))
-        b = batch
-        meta = (b.slot_mapping, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
-        return attend(q, k, v, layer, tuple(pool), *meta, *slopes)
+    def attention_for(slot_mapping, kv_lens, cu_q_lens, q_len_bound):
+        """The AttentionFn of rows with this metadata over the step's block tables."""
+
+        def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None,
+                         soft_cap=None, alibi_slopes=None):  # fmt: skip
+            attend = functools.partial(
+                paged,
+                sm_scale=default_scale if sm_scale is None else sm_scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                q_len_bound=q_len_bound,
+            )
+            slopes = () if alibi_slopes is None else (jnp.asarray(alibi_slopes, jnp.float32),)
+            if mesh is not None:
+                attend = shard_attention(attend, mesh, alibi=bool(slopes))
+            meta = (slot_mapping, kv_lens, batch.block_tables, cu_q_lens, batch.num_seqs)
+            return attend(q, k, v, layer, tuple(pool), *meta, *slopes)
+
+        return attention_fn
+
+    attention_fn = attention_for(batch.slot_mapping, batch.kv_lens, batch.cu_q_lens, max_q_len)
 
     # The platform's matmul (a model the backend packed weights for takes it); none on
     # platforms that leave the matmuls to XLA's dots
@@ -246,9 +265,27 @@ def step(
     logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
-    hidden, pool = model(tokens, batch.positions, attention_fn, pool, **model_kw)
-    sampling, sample_rows = batch.sampling, batch.sample_rows
     speculative = batch.verify_rows is not None
+    eagle = eagle_config is not None
+    head_layer = model.config.num_layers  # the head's K/V: the pool's layer after the model's
+    if eagle:
+        model_kw["aux_layers"] = eagle_config.aux_layers(model.config.num_layers)
+        target_embed = model.embed.get_value()
+    if eagle and speculative:  # the drafts, into the draft rows' placeholder tokens
+        drafts, pool = spec_eagle.propose(
+            eagle_params, eagle_config, eagle_state, target_embed, pool,
+            seq_rows=batch.seq_rows, cu_q_lens=batch.cu_q_lens, positions=batch.positions,
+            slot_mapping=batch.slot_mapping, num_drafts=batch.num_drafts,
+            num_speculative_tokens=batch.verify_rows.shape[1] - 1, layer_index=head_layer,
+            attention_for=attention_for,
+        )  # fmt: skip
+        k = drafts.shape[1]
+        draft_rows = batch.verify_rows[:, 1:]  # [S, K]
+        fed = jnp.arange(k)[None, :] < batch.num_drafts[:, None]
+        at = jnp.where(fed, draft_rows, tokens.shape[0])
+        tokens = tokens.at[at.reshape(-1)].set(drafts.reshape(-1), mode="drop")
+    hidden, pool, *aux = model(tokens, batch.positions, attention_fn, pool, **model_kw)
+    sampling, sample_rows = batch.sampling, batch.sample_rows
     if speculative:  # every verification row of every sequence samples
         num_seqs, k1 = batch.verify_rows.shape
         sample_rows = batch.verify_rows.reshape(-1)  # [S * (D + 1)]
@@ -268,11 +305,24 @@ def step(
         logits_processors=logits_processors,
     )
     first, spec = out.token_ids, ()
+    last_rows, next_tokens = batch.sample_rows, out.token_ids  # the last accepted row
     if speculative:
         targets = out.token_ids.reshape(num_seqs, k1)  # [S, D + 1]
         drafts = tokens[batch.verify_rows[:, 1:]]  # [S, D]
         first = targets[:, 0]
-        spec = (targets, spec_verify.num_emitted(drafts, targets, batch.num_drafts))
+        emitted = spec_verify.num_emitted(drafts, targets, batch.num_drafts)
+        spec = (targets, emitted, drafts)
+        last = (emitted - 1)[:, None]
+        last_rows = jnp.take_along_axis(batch.verify_rows, last, axis=1)[:, 0]
+        next_tokens = jnp.take_along_axis(targets, last, axis=1)[:, 0]
+    if eagle:
+        next_tokens = jnp.where(batch.next_tokens >= 0, batch.next_tokens, next_tokens)
+        eagle_state, pool = spec_eagle.catch_up(
+            eagle_params, eagle_config, eagle_state, target_embed, pool,
+            aux=aux[0], tokens=tokens, positions=batch.positions, seq_rows=batch.seq_rows,
+            last_rows=last_rows, next_tokens=next_tokens, num_seqs=batch.num_seqs[0],
+            layer_index=head_layer, attention_fn=attention_fn,
+        )  # fmt: skip
     seq_state = sampler.record_sampled(seq_state, batch.sampling.state_rows, first)
     num_rows = prev_sampled.shape[0]
     token_ids = jnp.zeros((num_rows,), jnp.int32).at[: first.shape[0]].set(first)
@@ -284,4 +334,4 @@ def step(
         kernels=kernels,
     )
     out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs, *prompt, *spec)
-    return replicate_on(out, mesh), pool, replicate_on(seq_state, mesh)
+    return replicate_on(out, mesh), pool, replicate_on(seq_state, mesh), eagle_state

@@ -127,7 +127,7 @@ def test_serve_takes_its_engine_flags_from_engine_args():
     own = set(serve_dests) - CLI_FIELDS
     assert own == {
         "host", "port", "grpc_port", "served_model_name", "chat_template", "max_queue_len",
-        "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
+        "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests", "disable_log_stats",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
         "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
         "allow_runtime_lora_updating", "responses_store_size",

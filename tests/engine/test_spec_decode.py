@@ -102,20 +102,23 @@ def test_seeded_sampling_and_logprobs_identical(plain, spec, prompts):
     _pool_is_whole(spec)
 
 
-def test_requests_with_sampler_state_do_not_draft(plain, spec, prompts):
+def test_requests_with_sampler_state_or_speculation_off_do_not_draft(plain, spec, prompts):
     """Penalties, min_tokens and logit_bias read per-request state that would have to follow
-    every draft: such requests decode one token a step beside drafting ones, and their
-    outputs are the engine's without speculation."""
+    every draft: such requests decode one token a step beside drafting ones (vLLM serves
+    the requests speculation does not support without it), as does a request that turned
+    speculation off; their outputs are the engine's without speculation."""
     before = spec.get_metrics()["spec_decode_num_drafts"]
     params = [
         SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=20, min_tokens=15, stop_token_ids=[1]),
         SamplingParams(temperature=0, max_tokens=20, logit_bias={5: 3.0}),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False),
     ]
-    assert _ids(spec.generate(prompts[:3], params)) == _ids(plain.generate(prompts[:3], params))
+    assert _ids(spec.generate(prompts[:4], params)) == _ids(plain.generate(prompts[:4], params))
     assert spec.get_metrics()["spec_decode_num_drafts"] == before
     mixed = params + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
-    assert _ids(spec.generate(prompts[:4], mixed)) == _ids(plain.generate(prompts[:4], mixed))
+    assert _ids(spec.generate(prompts[:5], mixed)) == _ids(plain.generate(prompts[:5], mixed))
+    assert spec.get_metrics()["spec_decode_num_drafts"] > before
     assert spec.get_metrics()["num_compilations_after_warmup"] == 0
     _pool_is_whole(spec)
 

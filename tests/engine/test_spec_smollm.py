@@ -101,3 +101,29 @@ def test_quantized_self_draft_on_smollm2(engines, bundled_model_path):
         assert pool.num_free_blocks == pool.num_blocks
     finally:
         draft.close()
+
+
+@pytest.mark.skipif(
+    os.environ.get("JAXPAGED_TEST_FULL") != "1",
+    reason="another SmolLM2 engine (~30 s); JAXPAGED_TEST_FULL=1 runs it",
+)
+def test_random_eagle3_head_on_smollm2(engines, bundled_model_path, tmp_path):
+    """A random EAGLE-3 head of SmolLM2's shape, with vLLM's default aux layers (2, 15, 27):
+    the replies are the model's own, token for token."""
+    from test_spec_eagle3 import _write_head
+
+    from jaxpaged.models.config import ModelConfig
+    from jaxpaged.models.registry import load_config
+
+    plain, _ = engines
+    target: ModelConfig = load_config(bundled_model_path)
+    _write_head(tmp_path, target=target, aux=None, num_heads=target.num_heads)
+    spec = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 8}  # fmt: skip
+    eagle = LLM(bundled_model_path, speculative_config=spec, **KW)
+    try:
+        chats, params = _chats_and_params()
+        _assert_same(eagle.chat(chats, params), plain.chat(chats, params))
+        assert eagle.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    finally:
+        eagle.close()

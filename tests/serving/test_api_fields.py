@@ -225,13 +225,16 @@ def test_logit_bias_reaches_the_engine_as_sampling_params(server):
         assert "logit_bias" in e.value.details()
 
 
-def test_priority_reaches_the_engine_over_http_and_grpc(server):
+def test_priority_and_speculative_reach_the_engine_over_http_and_grpc(server):
     engine = server.engine
     for path, body in [("/v1/completions", {"prompt": "q"}), ("/v1/chat/completions",
                        {"messages": [{"role": "user", "content": "q"}]})]:  # fmt: skip
         r = _post(server, path, {**body, "max_tokens": 2, "priority": -4})
         assert r.status_code == 200, r.text
-        assert engine.added[-1][2].priority == -4
+        assert engine.added[-1][2].priority == -4 and engine.added[-1][2].speculative
+        r = _post(server, path, {**body, "max_tokens": 2, "speculative": False})
+        assert r.status_code == 200, r.text
+        assert not engine.added[-1][2].speculative
     r = _post(server, "/v1/completions", {"prompt": "q", "priority": "high"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     with grpc.insecure_channel(server.grpc_target) as channel:
