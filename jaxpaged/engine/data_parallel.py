@@ -241,6 +241,8 @@ class DataParallelClient:
 
     async def shutdown(self) -> None:
         """Aborts what is left, asks every replica to stop and waits for its process."""
+        if self._stopping:
+            return
         for rid in list(self._owner):
             await self.abort(rid)
         self._stopping = True
@@ -256,6 +258,8 @@ class DataParallelClient:
 
     def close(self) -> None:
         """Stops the replica processes at once (no loop needed)."""
+        if self._stopping:
+            return
         self._stopping = True
         self._terminate(grace=5)
 

@@ -36,12 +36,14 @@ class DataParallelEngine:
         self._thread.start()
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         self._open: set[str] = set()
-        self._run(self._start())
+        self.run_on_loop(self._start())
 
     async def _start(self) -> None:
         self.client.start()
 
-    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:  # noqa: ANN401
+    def run_on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:  # noqa: ANN401
+        """Runs ``coro`` on the client's event loop and returns its result: whatever talks to
+        ``self.client`` asynchronously (a server over the same replicas) runs there."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ------------------------------------------------------------- what LLM reads
@@ -73,7 +75,7 @@ class DataParallelEngine:
         """Validates (in the replica; its ValueError is raised here) and queues one request;
         its outputs come from :meth:`step`. A new LoRA adapter is registered on every
         replica first."""
-        self._run(
+        self.run_on_loop(
             self._add(request_id, prompt, params or SamplingParams(), output_kind, lora_request)
         )
         self._open.add(request_id)
@@ -127,11 +129,11 @@ class DataParallelEngine:
 
     def abort(self, request_id: str) -> None:
         self._open.discard(request_id)
-        self._run(self.client.abort(request_id))
+        self.run_on_loop(self.client.abort(request_id))
 
     # ----------------------------------------------------------------------- admin
     def sleep(self, level: int = 1) -> int:
-        return self._run(self.client.sleep(level))
+        return self.run_on_loop(self.client.sleep(level))
 
     def wake_up(self, params: Any = None) -> None:  # noqa: ANN401
         if params is not None:
@@ -139,7 +141,7 @@ class DataParallelEngine:
                 "wake_up(params): the replicas of data_parallel_size > 1 reload their own "
                 "weights; call wake_up() without params"
             )
-        self._run(self.client.wake_up())
+        self.run_on_loop(self.client.wake_up())
 
     def update_weights(self, params: Any) -> None:  # noqa: ANN401
         raise ValueError(
@@ -158,6 +160,6 @@ class DataParallelEngine:
         """Stops the replicas and the loop thread."""
         if not self._loop.is_running():
             return
-        self._run(self.client.shutdown())
+        self.run_on_loop(self.client.shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)

@@ -5,10 +5,11 @@ test_data_parallel.py (the rest of the suite keeps its single device):
         --workdir /tmp/x --out /tmp/x/results.json
 
 A tiny random Llama (the bundled tokenizer) is written once. The reference is one engine at
-tensor_parallel_size 2 in this process; the server is `jaxpaged serve`'s Server over a
-DataParallelClient of 2 replica processes x 2 devices each, asked through the real `openai`
-client; then the offline LLM(data_parallel_size=2). The JSON maps each check to "ok" or its
-traceback (a check after a failed one may fail for that reason).
+tensor_parallel_size 2 in this process. One set of 2 replica processes x 2 devices each
+serves everything after it (two engines' start-up in all): first the offline
+LLM(data_parallel_size=2), then `jaxpaged serve`'s Server over the same DataParallelClient,
+on its event loop, asked through the real `openai` client. The JSON maps each check to "ok"
+or its traceback (a check after a failed one may fail for that reason).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serving"))
 
 ENGINE = {
     "max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 8, "enforce_eager": True,
@@ -78,26 +76,62 @@ def sent(client) -> list[int]:
     return [r.sent_total for r in client.replicas]
 
 
-def check_server(ctx: dict) -> None:
-    """Greedy texts equal one engine's; requests spread over both replicas."""
-    from harness import ServerThread
+def check_offline(ctx: dict) -> None:
+    """LLM(data_parallel_size=2) gives one engine's greedy texts, spread over both replicas;
+    too few devices is refused by name before any process starts."""
+    from jaxpaged import LLM, SamplingParams
 
-    from jaxpaged.args import EngineArgs
-    from jaxpaged.engine.data_parallel import DataParallelClient
+    try:
+        LLM(ctx["model"], data_parallel_size=3, **ENGINE)
+    except ValueError as exc:
+        assert "needs 6 devices" in str(exc) and "4 cpu device" in str(exc), exc
+    else:
+        raise AssertionError("data_parallel_size 3 x tp 2 on 4 devices was not refused")
+    ctx["llm"] = llm = LLM(ctx["model"], data_parallel_size=2, **ENGINE)
+    ctx["client"] = client = llm.engine.client
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert [o.outputs[0].text for o in outs] == ctx["ref"]
+    assert sent(client) == [4, 4], sent(client)  # a burst of 8 alternates
+
+
+class _Server:
+    """`jaxpaged serve`'s Server over the offline LLM's client, on that client's loop."""
+
+    def __init__(self, llm) -> None:
+        from jaxpaged.serving.frontend import ServingConfig
+        from jaxpaged.serving.server import Server
+
+        self._llm = llm
+        config = ServingConfig(served_model_name="tiny", host="127.0.0.1", port=0, grpc_port=0)
+        self.server = Server(config, log_level="warning")
+
+        async def start() -> None:
+            await self.server.start()
+            self.server.attach(llm.engine.client)
+
+        llm.engine.run_on_loop(start())
+        self.http = f"http://127.0.0.1:{self.server.http_port}"
+
+    def stop(self) -> None:
+        self._llm.engine.run_on_loop(self.server.shutdown())
+
+
+def check_server(ctx: dict) -> None:
+    """Behind the real server: greedy texts equal one engine's; requests spread."""
     from jaxpaged.engine.protocol import EngineClient
     from jaxpaged.engine.protocol_check import assert_implements
 
-    client = DataParallelClient(EngineArgs(model=ctx["model"], data_parallel_size=2, **ENGINE))
+    client = ctx["client"]
     assert_implements(EngineClient, client)
-    ctx["client"] = client
-    ctx["server"] = server = ServerThread(client, served_model_name="tiny")
+    ctx["server"] = server = _Server(ctx["llm"])
+    before = sent(client)
     with ThreadPoolExecutor(8) as pool:
         got = list(
             pool.map(lambda i: complete(server.http, PROMPTS[i], stream=i % 2 == 0), range(8))
         )
     assert got == ctx["ref"], f"data-parallel {got} != one engine {ctx['ref']}"
-    assert all(n > 0 for n in sent(client)), f"requests per replica: {sent(client)}"
-    assert sum(sent(client)) == 8
+    delta = [a - b for a, b in zip(sent(client), before, strict=True)]
+    assert sum(delta) == 8 and all(n > 0 for n in delta), f"requests per replica: {delta}"
 
 
 def check_metrics(ctx: dict) -> None:
@@ -109,7 +143,8 @@ def check_metrics(ctx: dict) -> None:
     client, server = ctx["client"], ctx["server"]
     text = httpx.get(server.http + "/metrics", timeout=30).text
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert values["jaxpaged:prompt_tokens_total"] == ctx["ref_prompt_tokens"], values
+    # PROMPTS twice: offline, then through the server
+    assert values["jaxpaged:prompt_tokens_total"] == 2 * ctx["ref_prompt_tokens"], values
     per_replica = [r.stats.num_kv_blocks for r in client.replicas]
     assert per_replica == [96, 96] and values["jaxpaged:num_kv_blocks"] == 192, values
     assert values["vllm:num_requests_running"] == 0, values
@@ -190,32 +225,14 @@ def check_replica_death(ctx: dict) -> None:
     assert texts == ctx["ref"][:4], texts
     assert [a - b for a, b in zip(sent(client), before, strict=True)] == [4, 0]
     assert httpx.get(server.http + "/health", timeout=10).status_code == 200
-    server.stop()
-
-
-def check_offline(ctx: dict) -> None:
-    """LLM(data_parallel_size=2) gives one engine's greedy texts; too few devices is refused
-    by name before any process starts."""
-    from jaxpaged import LLM, SamplingParams
-
-    try:
-        LLM(ctx["model"], data_parallel_size=3, **ENGINE)
-    except ValueError as exc:
-        assert "needs 6 devices" in str(exc) and "4 cpu device" in str(exc), exc
-    else:
-        raise AssertionError("data_parallel_size 3 x tp 2 on 4 devices was not refused")
-    with LLM(ctx["model"], data_parallel_size=2, **ENGINE) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-        assert [o.outputs[0].text for o in outs] == ctx["ref"]
-        assert all(r.sent_total == 4 for r in llm.engine.client.replicas)
 
 
 CHECKS = {
+    "offline": check_offline,
     "server": check_server,
     "metrics": check_metrics,
     "affinity": check_affinity,
     "replica_death": check_replica_death,
-    "offline": check_offline,
 }
 
 
@@ -242,6 +259,8 @@ def main() -> None:
             print(f"{name}: {results[name][:200]} ({time.time() - start:.1f} s)", flush=True)
     if "server" in ctx:
         ctx["server"].stop()
+    if "llm" in ctx:
+        ctx["llm"].close()
     with open(args.out, "w") as f:
         json.dump(results, f)
 

@@ -2,10 +2,11 @@
 
 In this process: the router's choices against hand-computed loads, each replica's devices,
 the replicas' stats added up, and the refusals. In ONE subprocess with 4 simulated CPU
-devices (dp_checks.py): 2 replica processes x 2 devices behind the real server, asked with
-the `openai` client: greedy texts equal one engine's, requests spread, /metrics adds the
-replicas up, a shared prompt prefix stays on one replica, killing a replica fails exactly
-its open streams (never a hang) and the rest is served by the other; then the offline LLM.
+devices (dp_checks.py): 2 replica processes x 2 devices, first as the offline
+LLM(data_parallel_size=2), then behind the real server, asked with the `openai` client:
+greedy texts equal one engine's, requests spread, /metrics adds the replicas up, a shared
+prompt prefix stays on one replica, killing a replica fails exactly its open streams (never
+a hang) and the rest is served by the other.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def dp_results(tmp_path_factory) -> tuple[dict[str, str], str]:
     return found, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("check", ["server", "metrics", "affinity", "replica_death", "offline"])
+@pytest.mark.parametrize("check", ["offline", "server", "metrics", "affinity", "replica_death"])
 def test_data_parallel(dp_results, check):
     found, log = dp_results
     assert found.get(check) == "ok", f"{check}: {found.get(check)}\n{log}"
