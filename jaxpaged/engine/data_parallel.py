@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -163,8 +164,14 @@ class DataParallelClient:
         self._call_ids = itertools.count()
         self._sleep_level = 0
         self._stopping = False
+        try:  # before any process starts: every setting must reach the replicas
+            child_args = pickle.dumps(replica_args(args))
+        except Exception as exc:  # noqa: BLE001 - e.g. a lambda among logits_processors
+            raise ValueError(
+                f"data_parallel_size: the engine arguments must be picklable to reach the "
+                f"replica processes (logits_processors: importable functions), got {exc}"
+            ) from exc
         self.replicas: list[ReplicaInfo] = []
-        child_args = replica_args(args)
         for rank, env in enumerate(envs):
             # a fresh interpreter per replica (not multiprocessing's spawn, which would run
             # the caller's __main__ again), with its devices in its environment from the start
@@ -178,11 +185,11 @@ class DataParallelClient:
             theirs.close()  # the replica's end: its exit then reads as EOF here
             conn = Connection(ours.detach())
             self.replicas.append(ReplicaInfo(rank, process, conn))
-            conn.send(child_args)
+            conn.send_bytes(child_args)  # the replica's conn.recv() unpickles it
         try:
             infos = [_wait_ready(r, start_timeout) for r in self.replicas]
         except BaseException:
-            self._terminate()
+            self._terminate(grace=0)
             raise
         first = infos[0]
         self._model_config: ModelConfig = first["model_config"]

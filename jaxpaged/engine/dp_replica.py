@@ -20,9 +20,9 @@ import gc
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m jaxpaged.engine.dp_replica FD RANK``: FD is this end of the client's
     socket pair; the first message on it is the EngineArgs. The environment (this replica's
     devices) was set by the client when it started the process, before JAX could start."""
+    # Ctrl-C reaches the whole process group: the server drains, then stops its replicas
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd, rank = (int(x) for x in (sys.argv[1:] if argv is None else argv))
     conn = Connection(fd)
     args = conn.recv()
@@ -99,30 +101,35 @@ async def _serve(engine: Any, conn: Connection) -> None:  # noqa: ANN401 - an LL
     stats = asyncio.create_task(_report_stats(client, sender))
     stats.add_done_callback(lambda _: inbox.put_nowait(None))  # the engine died: exit
     tasks: set[asyncio.Task] = set()
+    # requests being added (validated off the loop) -> whether an abort came meanwhile
+    adding: dict[str, bool] = {}
     while True:
         msg = await inbox.get()
         if msg is None or msg[0] == "shutdown":
             break
         if msg[0] == "abort":
-            await client.abort(msg[1])
+            if msg[1] in adding:
+                adding[msg[1]] = True  # aborted as soon as it is in
+            else:
+                await client.abort(msg[1])
             continue
-        task = asyncio.create_task(
-            _request(client, sender, *msg[1:])
-            if msg[0] == "add"
-            else _call(client, sender, *msg[1:])
-        )
+        if msg[0] == "add":
+            adding[msg[2]] = False
+            coro = _request(client, sender, adding, *msg[1:])
+        else:
+            coro = _call(client, sender, *msg[1:])
+        task = asyncio.create_task(coro)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     stats.cancel()
-    t0 = time.perf_counter()
     await client.shutdown()
     sender.flush()
-    log.info("stopped in %.2f s", time.perf_counter() - t0)
 
 
 async def _request(
     client: Any,  # noqa: ANN401 - the AsyncEngine
     sender: _Sender,
+    adding: dict[str, bool],
     call_id: int,
     request_id: str,
     prompt: Any,  # noqa: ANN401
@@ -135,9 +142,12 @@ async def _request(
             request_id, prompt, params, output_kind=output_kind, lora_name=lora_name
         )
     except Exception as exc:  # noqa: BLE001 - the client raises it
+        adding.pop(request_id, None)
         sender.send(("reply", call_id, False, _picklable(exc)))
         return
     sender.send(("reply", call_id, True, None))
+    if adding.pop(request_id, False):
+        await client.abort(request_id)
     try:
         async for out in stream:
             sender.send(("out", out))
