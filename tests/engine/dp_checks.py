@@ -51,15 +51,18 @@ def write_model(folder: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def reference(model: str) -> tuple[list[str], int]:
-    """One engine's greedy texts of PROMPTS, and their prompt tokens in all."""
+def reference(model: str) -> tuple[list[str], list[int], int]:
+    """One engine's greedy texts of PROMPTS, their prompt token counts, and the KV bytes
+    its sleep frees."""
     from jaxpaged import LLM, SamplingParams
 
     with LLM(model, **ENGINE) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        freed = llm.sleep()
     texts = [o.outputs[0].text for o in outs]
     assert len(set(texts)) > 1, f"degenerate reference {texts}"
-    return texts, sum(len(o.prompt_token_ids) for o in outs)
+    assert freed > 0
+    return texts, [len(o.prompt_token_ids) for o in outs], freed
 
 
 def complete(url: str, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKENS) -> str:
@@ -80,6 +83,7 @@ def check_offline(ctx: dict) -> None:
     """LLM(data_parallel_size=2) gives one engine's greedy texts, spread over both replicas;
     too few devices is refused by name before any process starts."""
     from jaxpaged import LLM, SamplingParams
+    from jaxpaged.engine.protocol import EngineAsleepError
 
     try:
         LLM(ctx["model"], data_parallel_size=3, **ENGINE)
@@ -89,9 +93,22 @@ def check_offline(ctx: dict) -> None:
         raise AssertionError("data_parallel_size 3 x tp 2 on 4 devices was not refused")
     ctx["llm"] = llm = LLM(ctx["model"], data_parallel_size=2, **ENGINE)
     ctx["client"] = client = llm.engine.client
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    outs = llm.generate(PROMPTS, greedy)
     assert [o.outputs[0].text for o in outs] == ctx["ref"]
     assert sent(client) == [4, 4], sent(client)  # a burst of 8 alternates
+    # sleep mode reaches every replica: both free their KV pools, requests are refused
+    # until wake_up, then served as before
+    freed = llm.sleep()
+    assert freed == 2 * ctx["ref_sleep_bytes"], (freed, ctx["ref_sleep_bytes"])
+    try:
+        llm.generate(PROMPTS[:1], greedy)
+    except EngineAsleepError:
+        pass
+    else:
+        raise AssertionError("a sleeping data-parallel LLM generated")
+    llm.wake_up()
+    assert [o.outputs[0].text for o in llm.generate(PROMPTS[:2], greedy)] == ctx["ref"][:2]
 
 
 class _Server:
@@ -143,8 +160,10 @@ def check_metrics(ctx: dict) -> None:
     client, server = ctx["client"], ctx["server"]
     text = httpx.get(server.http + "/metrics", timeout=30).text
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    # PROMPTS twice: offline, then through the server
-    assert values["jaxpaged:prompt_tokens_total"] == 2 * ctx["ref_prompt_tokens"], values
+    # PROMPTS offline, the first two after waking up, then all through the server
+    lengths = ctx["ref_prompt_tokens"]
+    expected = 2 * sum(lengths) + sum(lengths[:2])
+    assert values["jaxpaged:prompt_tokens_total"] == expected, (expected, values)
     per_replica = [r.stats.num_kv_blocks for r in client.replicas]
     assert per_replica == [96, 96] and values["jaxpaged:num_kv_blocks"] == 192, values
     assert values["vllm:num_requests_running"] == 0, values
@@ -245,7 +264,7 @@ def main() -> None:
     results: dict[str, str] = {}
     try:
         write_model(ctx["model"])
-        ctx["ref"], ctx["ref_prompt_tokens"] = reference(ctx["model"])
+        ctx["ref"], ctx["ref_prompt_tokens"], ctx["ref_sleep_bytes"] = reference(ctx["model"])
     except Exception:  # noqa: BLE001
         results = {name: "setup failed:\n" + traceback.format_exc() for name in CHECKS}
     else:
