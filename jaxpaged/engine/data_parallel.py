@@ -22,6 +22,7 @@ every live replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -46,6 +47,7 @@ from jaxpaged.engine.protocol import (
     EngineDeadError,
     EngineStats,
     Prompt,
+    ReplicaStats,
     Tokenizer,
 )
 from jaxpaged.lora_request import LoRARequest
@@ -121,6 +123,17 @@ class ReplicaInfo:
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    def summary(self) -> ReplicaStats:
+        """Its gauges for the metrics (zeros once dead, or before its first stats)."""
+        stats = self.stats if self.alive else None
+        return ReplicaStats(
+            alive=self.alive,
+            num_running=0 if stats is None else stats.num_running,
+            num_waiting=0 if stats is None else stats.num_waiting + stats.num_swapped,
+            kv_cache_usage=0.0 if stats is None else stats.kv_cache_usage,
+            requests_total=self.sent_total,
+        )
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -234,7 +247,8 @@ class DataParallelClient:
     def get_stats(self) -> EngineStats:
         """The replicas' latest stats added up: counters over every replica (a dead one's
         last), gauges over the live ones, KV usage as the share of all their blocks."""
-        return _sum_stats([(r.stats, r.alive) for r in self.replicas if r.stats is not None])
+        total = _sum_stats([(r.stats, r.alive) for r in self.replicas if r.stats is not None])
+        return dataclasses.replace(total, replicas=tuple(r.summary() for r in self.replicas))
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:

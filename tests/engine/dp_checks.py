@@ -151,15 +151,26 @@ def check_server(ctx: dict) -> None:
     assert sum(delta) == 8 and all(n > 0 for n in delta), f"requests per replica: {delta}"
 
 
-def check_metrics(ctx: dict) -> None:
-    """/metrics adds up the replicas: prompt tokens as the reference engine counted them,
-    KV blocks of both pools, and nothing running once all finished."""
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as name -> value, a labelled series as name{label=value,...} -> value."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return values
+
+
+def check_metrics(ctx: dict) -> None:
+    """/metrics adds up the replicas: prompt tokens as the reference engine counted them,
+    KV blocks of both pools, and nothing running once all finished; per replica (label
+    engine): alive, and the requests it was sent."""
     client, server = ctx["client"], ctx["server"]
-    text = httpx.get(server.http + "/metrics", timeout=30).text
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    values = scrape(server.http)
     # PROMPTS offline, the first two after waking up, then all through the server
     lengths = ctx["ref_prompt_tokens"]
     expected = 2 * sum(lengths) + sum(lengths[:2])
@@ -168,6 +179,12 @@ def check_metrics(ctx: dict) -> None:
     assert per_replica == [96, 96] and values["jaxpaged:num_kv_blocks"] == 192, values
     assert values["vllm:num_requests_running"] == 0, values
     assert values["vllm:num_requests_waiting"] == 0, values
+    for r in ("0", "1"):
+        assert values[f"jaxpaged:replica_alive{{engine={r}}}"] == 1, values
+        assert values[f"jaxpaged:replica_num_requests_running{{engine={r}}}"] == 0, values
+    # 8 prompts offline, 2 after waking up, 8 through the server
+    sent_total = sum(values[f"jaxpaged:replica_requests_total{{engine={r}}}"] for r in "01")
+    assert sent_total == 18, values
 
 
 def check_affinity(ctx: dict) -> None:
@@ -244,6 +261,9 @@ def check_replica_death(ctx: dict) -> None:
     assert texts == ctx["ref"][:4], texts
     assert [a - b for a, b in zip(sent(client), before, strict=True)] == [4, 0]
     assert httpx.get(server.http + "/health", timeout=10).status_code == 200
+    values = scrape(server.http)
+    alive = [values[f"jaxpaged:replica_alive{{engine={r}}}"] for r in "01"]
+    assert alive == [1, 0], values
 
 
 CHECKS = {
