@@ -295,30 +295,35 @@ class DataParallelClient:
         lora_name: str | None = None,
     ) -> RequestStream:
         """Chooses a replica (least loaded, or the holder of the prompt's prefix) and adds
-        the request there; the replica validates it (its ValueError is raised here)."""
+        the request there; the replica validates it (its ValueError is raised here). A
+        replica that dies before it took the request (nothing ran) leaves it to the next."""
         if self._sleep_level:
             raise EngineAsleepError(asleep_message(self._sleep_level))
         if self._loop is None:
             raise RuntimeError("DataParallelClient.start() has not been called")
-        error = self.dead_error
-        if error is not None:
-            raise EngineDeadError(f"the engine has failed: {error}")
         check_request_id(request_id, self._owner)
         keys = prefix_keys(prompt, self._router.config) if _is_prompt(prompt) else []
-        r = self.replicas[self._router.choose(keys, [x.load() for x in self.replicas])]
-        stream = RequestStream(request_id)
-        r.streams[request_id] = stream
-        self._owner[request_id] = r
-        r.sent_total += 1
-        try:
-            await self._request(r, "add", request_id, prompt, params, output_kind, lora_name)
-        except BaseException:
-            if r.streams.pop(request_id, None) is not None:
-                self._owner.pop(request_id, None)
-                if r.alive:  # e.g. the caller went away while the replica added it
-                    self._send(r, ("abort", request_id))
-            raise
-        return stream
+        while True:
+            error = self.dead_error
+            if error is not None:
+                raise EngineDeadError(f"the engine has failed: {error}")
+            r = self.replicas[self._router.choose(keys, [x.load() for x in self.replicas])]
+            stream = RequestStream(request_id)
+            r.streams[request_id] = stream
+            self._owner[request_id] = r
+            r.sent_total += 1
+            try:
+                await self._request(r, "add", request_id, prompt, params, output_kind, lora_name)
+            except (ReplicaFailedError, EngineDeadError) as exc:
+                self._forget_request(r, request_id)
+                if r.alive:  # its engine failed: the replica's own report follows
+                    self._died(r, f"its engine failed: {exc}")
+                continue  # to a live replica, or the engine's death above
+            except BaseException:
+                if self._forget_request(r, request_id) and r.alive:
+                    self._send(r, ("abort", request_id))  # e.g. the caller went away
+                raise
+            return stream
 
     async def abort(self, request_id: str) -> None:
         r = self._owner.get(request_id)
@@ -357,6 +362,13 @@ class DataParallelClient:
         return max(await self._broadcast("update_weights_from", path))
 
     # ---------------------------------------------------------------- private
+    def _forget_request(self, r: ReplicaInfo, request_id: str) -> bool:
+        """Drops a request that was being added; False if it was dropped already."""
+        if r.streams.pop(request_id, None) is None:
+            return False
+        self._owner.pop(request_id, None)
+        return True
+
     def _send(self, r: ReplicaInfo, msg: tuple) -> None:
         try:
             r.conn.send(msg)

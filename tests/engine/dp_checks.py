@@ -197,7 +197,7 @@ def check_affinity(ctx: dict) -> None:
         complete(server.http, SHARED + f"Question {i}?", stream=False)
     delta = [a - b for a, b in zip(sent(client), before, strict=True)]
     assert sorted(delta) == [0, 3], f"shared-prefix requests per replica: {delta}"
-    rank = delta.index(3)
+    ctx["affinity_rank"] = rank = delta.index(3)
     deadline = time.time() + 5
     while client.replicas[rank].stats.prefix_cache_hits <= hits[rank] and time.time() < deadline:
         time.sleep(0.05)
@@ -212,13 +212,17 @@ def check_affinity(ctx: dict) -> None:
 
 
 def check_replica_death(ctx: dict) -> None:
-    """Killing replica 1's process fails exactly its open streams, fast and naming it; the
-    others finish; later requests all go to replica 0 and are answered; health stays up."""
+    """The replica that holds SHARED's prefix is frozen (SIGSTOP) while 4 streams run, a
+    SHARED request is routed to it, then its process is killed: exactly its open streams
+    fail, fast and naming it; the others finish; the SHARED request, which it had not taken,
+    is served by the other replica; later requests all go there; health stays up."""
     import httpx
 
     client, server = ctx["client"], ctx["server"]
+    victim = client.replicas[ctx["affinity_rank"]]
+    other = client.replicas[1 - victim.rank]
     first = [threading.Event() for _ in range(4)]
-    results: list[object] = [None] * 4
+    results: list[object] = [None] * 5
 
     def run(i: int) -> None:
         import openai
@@ -237,33 +241,50 @@ def check_replica_death(ctx: dict) -> None:
             results[i] = exc
         first[i].set()
 
+    def shared() -> None:
+        try:
+            results[4] = complete(server.http, SHARED + "Question 9?", stream=False)
+        except Exception as exc:  # noqa: BLE001
+            results[4] = exc
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for e in first:
         assert e.wait(60), "a stream never started"
-    victim = client.replicas[1]
     on_victim = len(victim.streams)
-    assert on_victim >= 1, "no stream on replica 1"
+    assert on_victim >= 1, f"no stream on replica {victim.rank}"
+    os.kill(victim.pid, signal.SIGSTOP)
+    sent_before = sent(client)
+    threads.append(threading.Thread(target=shared))
+    threads[-1].start()
+    deadline = time.time() + 30
+    while victim.sent_total == sent_before[victim.rank] and time.time() < deadline:
+        time.sleep(0.02)
+    assert victim.sent_total == sent_before[victim.rank] + 1, "SHARED not routed to its holder"
     killed = time.time()
     os.kill(victim.pid, signal.SIGKILL)
     for t in threads:
         t.join(60)
-        assert not t.is_alive(), "a stream hung after its replica was killed"
+        assert not t.is_alive(), "a request hung after its replica was killed"
     failed = [r for r in results if isinstance(r, Exception)]
-    assert len(failed) == on_victim, f"{on_victim} streams on replica 1, failures: {results}"
-    assert all("data-parallel replica 1" in str(r) for r in failed), failed
+    assert len(failed) == on_victim, f"{on_victim} streams on the victim, results: {results}"
+    name = f"data-parallel replica {victim.rank}"
+    assert all(name in str(r) for r in failed), failed
     assert time.time() - killed < 30
+    assert isinstance(results[4], str) and results[4], results[4]  # served by the other
+    assert other.sent_total == sent_before[other.rank] + 1
     assert not victim.alive and not client.errored
     before = sent(client)
     with ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda i: complete(server.http, PROMPTS[i], stream=False), range(4)))
     assert texts == ctx["ref"][:4], texts
-    assert [a - b for a, b in zip(sent(client), before, strict=True)] == [4, 0]
+    after = sent(client)
+    assert after[other.rank] - before[other.rank] == 4 and after[victim.rank] == before[victim.rank]
     assert httpx.get(server.http + "/health", timeout=10).status_code == 200
     values = scrape(server.http)
     alive = [values[f"jaxpaged:replica_alive{{engine={r}}}"] for r in "01"]
-    assert alive == [1, 0], values
+    assert alive[victim.rank] == 0 and alive[other.rank] == 1, values
 
 
 CHECKS = {

@@ -4,9 +4,10 @@ In this process: the router's choices against hand-computed loads, each replica'
 the replicas' stats added up, and the refusals. In ONE subprocess with 4 simulated CPU
 devices (dp_checks.py): 2 replica processes x 2 devices, first as the offline
 LLM(data_parallel_size=2), then behind the real server, asked with the `openai` client:
-greedy texts equal one engine's, requests spread, /metrics adds the replicas up, a shared
-prompt prefix stays on one replica, killing a replica fails exactly its open streams (never
-a hang) and the rest is served by the other.
+greedy texts equal one engine's, requests spread, /metrics adds the replicas up (and shows
+each), a shared prompt prefix stays on one replica, killing a replica fails exactly its open
+streams (never a hang), a request it had not taken yet goes to the other, which serves the
+rest.
 """
 
 from __future__ import annotations
