@@ -278,10 +278,14 @@ class DataParallelClient:
         self._owner.clear()
 
     def close(self) -> None:
-        """Stops the replica processes at once (no loop needed)."""
+        """Stops the replica processes without draining (no event loop needed): each is
+        asked to stop, and killed if it has not within 5 s."""
         if self._stopping:
             return
         self._stopping = True
+        for r in self.replicas:
+            if r.alive:
+                self._send(r, ("shutdown",))
         self._terminate(grace=5)
 
     # --------------------------------------------------------------- requests
