@@ -258,7 +258,7 @@ def main(
     import jax
 
     if args.data_parallel_size > 1:
-        from jaxpaged.engine.data_parallel import replica_environments
+        from jaxpaged.engine.dp_devices import replica_environments
 
         try:
             replica_environments(

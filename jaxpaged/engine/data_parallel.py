@@ -27,7 +27,6 @@ import itertools
 import logging
 import os
 import pickle
-import re
 import socket
 import subprocess
 import sys
@@ -39,8 +38,10 @@ from typing import Any
 from jaxpaged.args import EngineArgs
 from jaxpaged.engine.async_engine import RequestStream
 from jaxpaged.engine.core import asleep_message
+from jaxpaged.engine.dp_devices import replica_environments
 from jaxpaged.engine.dp_replica import replica_args
 from jaxpaged.engine.dp_router import ReplicaLoad, Router, RouterConfig, prefix_keys
+from jaxpaged.engine.dp_stats import sum_stats
 from jaxpaged.engine.input_processor import check_request_id
 from jaxpaged.engine.protocol import (
     EngineAsleepError,
@@ -55,51 +56,9 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["DataParallelClient", "ReplicaFailedError", "ReplicaInfo", "replica_environments"]
+__all__ = ["DataParallelClient", "ReplicaFailedError", "ReplicaInfo"]
 
 log = logging.getLogger(__name__)
-
-_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-
-
-def replica_environments(
-    data_parallel_size: int,
-    tensor_parallel_size: int,
-    *,
-    platform: str,
-    num_devices: int,
-    environ: Mapping[str, str],
-) -> list[dict[str, str]]:
-    """The environment variables that give each replica its own devices: on GPUs a slice of
-    the visible devices (``CUDA_VISIBLE_DEVICES``, which ROCm honours too), on the CPU its own
-    ``tensor_parallel_size`` simulated devices. ValueError when the
-    ``data_parallel_size * tensor_parallel_size`` devices are not there, or on a platform
-    whose devices one process holds (TPU)."""
-    needed = data_parallel_size * tensor_parallel_size
-    if needed > num_devices:
-        raise ValueError(
-            f"data_parallel_size {data_parallel_size} x tensor_parallel_size "
-            f"{tensor_parallel_size} needs {needed} devices; {num_devices} {platform} "
-            "device(s) are available"
-        )
-    tp = tensor_parallel_size
-    if platform == "cpu":
-        flags = _COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
-        flags.append(f"--xla_force_host_platform_device_count={tp}")
-        env = {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
-        return [dict(env) for _ in range(data_parallel_size)]
-    if platform in ("gpu", "cuda", "rocm"):
-        given = environ.get("CUDA_VISIBLE_DEVICES")
-        visible = given.split(",") if given else [str(i) for i in range(num_devices)]
-        return [
-            {"CUDA_VISIBLE_DEVICES": ",".join(visible[r * tp : (r + 1) * tp])}
-            for r in range(data_parallel_size)
-        ]
-    raise ValueError(
-        f"data_parallel_size > 1 is not supported on {platform} yet (one process holds all "
-        "its chips): run one server per group of chips behind a balancer, or Ray Serve "
-        "(docs/scaling.md)"
-    )
 
 
 class ReplicaFailedError(RuntimeError):
@@ -247,7 +206,7 @@ class DataParallelClient:
     def get_stats(self) -> EngineStats:
         """The replicas' latest stats added up: counters over every replica (a dead one's
         last), gauges over the live ones, KV usage as the share of all their blocks."""
-        total = _sum_stats([(r.stats, r.alive) for r in self.replicas if r.stats is not None])
+        total = sum_stats([(r.stats, r.alive) for r in self.replicas if r.stats is not None])
         return dataclasses.replace(total, replicas=tuple(r.summary() for r in self.replicas))
 
     # -------------------------------------------------------------- lifecycle
@@ -527,48 +486,4 @@ def _wait(process: subprocess.Popen, timeout: float) -> bool:
 def _is_prompt(prompt: object) -> bool:
     return isinstance(prompt, str) or (
         isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)
-    )
-
-
-def _sum_stats(items: Sequence[tuple[EngineStats, bool]]) -> EngineStats:
-    """Replicas' stats (with whether each is alive) added up (see ``get_stats``)."""
-    live = [s for s, alive in items if alive]
-    blocks = sum(s.num_kv_blocks for s in live)
-    per_pos: list[int] = []
-    for s, _ in items:
-        for j, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            if j == len(per_pos):
-                per_pos.append(0)
-            per_pos[j] += n
-    waste = [s.kv_cache_waste for s in live]
-
-    def total(name: str, stats: Sequence[EngineStats]) -> int:
-        return sum(getattr(s, name) for s in stats)
-
-    every = [s for s, _ in items]
-    return EngineStats(
-        num_running=total("num_running", live),
-        num_waiting=total("num_waiting", live),
-        num_swapped=total("num_swapped", live),
-        kv_cache_usage=(
-            sum(s.kv_cache_usage * s.num_kv_blocks for s in live) / blocks if blocks else 0.0
-        ),
-        kv_cache_waste=sum(waste) / len(waste) if waste else 0.0,
-        num_kv_blocks=blocks,
-        num_free_blocks=total("num_free_blocks", live),
-        num_preemptions=total("num_preemptions", every),
-        prefix_cache_queries=total("prefix_cache_queries", every),
-        prefix_cache_hits=total("prefix_cache_hits", every),
-        prompt_tokens_total=total("prompt_tokens_total", every),
-        generation_tokens_total=total("generation_tokens_total", every),
-        num_steps=total("num_steps", every),
-        num_compilations=total("num_compilations", every),
-        num_compilations_after_warmup=total("num_compilations_after_warmup", every),
-        spec_decode_num_drafts=total("spec_decode_num_drafts", every),
-        spec_decode_num_draft_tokens=total("spec_decode_num_draft_tokens", every),
-        spec_decode_num_accepted_tokens=total("spec_decode_num_accepted_tokens", every),
-        spec_decode_num_accepted_tokens_per_pos=tuple(per_pos),
-        running_lora_adapters=tuple(sorted({a for s in live for a in s.running_lora_adapters})),
-        waiting_lora_adapters=tuple(sorted({a for s in live for a in s.waiting_lora_adapters})),
-        max_loras=max((s.max_loras for s in every), default=0),
     )

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxpaged.engine.data_parallel import DataParallelClient, _sum_stats, replica_environments
+from jaxpaged.engine.data_parallel import DataParallelClient
+from jaxpaged.engine.dp_devices import replica_environments
 from jaxpaged.engine.dp_router import ReplicaLoad, Router, RouterConfig, prefix_keys
+from jaxpaged.engine.dp_stats import sum_stats
 from jaxpaged.engine.protocol import EngineClient, EngineStats
 from jaxpaged.engine.protocol_check import assert_implements
 
@@ -110,7 +112,7 @@ def test_stats_add_up():
                prompt_tokens_total=5, spec_decode_num_accepted_tokens_per_pos=(2,),
                running_lora_adapters=("w", "x"))  # fmt: skip
     dead = _stats(num_running=7, prompt_tokens_total=100)
-    s = _sum_stats([(a, True), (b, True), (dead, False)])
+    s = sum_stats([(a, True), (b, True), (dead, False)])
     assert (s.num_running, s.num_waiting) == (2, 1)  # gauges: the live replicas
     assert s.prompt_tokens_total == 115  # counters: every replica's last
     assert s.num_kv_blocks == 400 and s.num_free_blocks == 340
