@@ -253,6 +253,15 @@ class EngineArgs:
         "--tensor-parallel-size",
         parse=positive_int,
     )
+    data_parallel_size: int = _setting(
+        1,
+        "engine replicas behind one server, each on its own tensor_parallel_size devices "
+        "(its own process); requests go to the least-loaded replica, keeping a prompt "
+        "prefix on the replica that served it while that one is not overloaded",
+        "-dp",
+        "--data-parallel-size",
+        parse=positive_int,
+    )
     max_model_len: int | None = _setting(
         None,
         "most tokens (prompt + output) of one request (default: the model's context length)",
@@ -538,7 +547,10 @@ class EngineArgs:
         )
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+        )
 
     def process_config(self) -> ProcessConfig:
         cache = self.compile_cache_dir

@@ -168,15 +168,18 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Tensor parallelism: weights and the KV pool are split over this many devices."""
+    """Tensor parallelism: weights and the KV pool are split over this many devices; data
+    parallelism: this many engine replicas, each on its own ``tensor_parallel_size`` devices
+    (jaxpaged.engine.data_parallel)."""
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
-            )
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -48,15 +48,21 @@ class LLM:
 
     ``model=None`` serves the bundled SmolLM2-135M-Instruct; otherwise a local Hugging Face
     folder, a hub id, or a .gguf file. The keywords are :class:`~jaxpaged.args.EngineArgs`
-    fields; an unknown one is a ValueError naming its close matches.
+    fields; an unknown one is a ValueError naming its close matches. With
+    ``data_parallel_size=N`` the prompts are spread over N engine processes
+    (jaxpaged.engine.dp_offline; call :meth:`close` when done, or use ``with``).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args: Any) -> None:
         from jaxpaged.engine.runner_choice import choose_runner
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        if choose_runner(args) == "pooling":
-            self.engine: LLMEngine | PoolingEngine = PoolingEngine.from_engine_args(args)
+        if args.data_parallel_size > 1:  # replica processes, driven like one engine
+            from jaxpaged.engine.dp_offline import DataParallelEngine
+
+            self.engine: Any = DataParallelEngine(args)
+        elif choose_runner(args) == "pooling":
+            self.engine = PoolingEngine.from_engine_args(args)
         else:
             self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()

@@ -144,7 +144,40 @@ class _EngineCollector:
         g = GaugeMetricFamily("jaxpaged:num_requests_in_flight", "Requests open at the server.")
         g.add_metric([], float(frontend.num_in_flight) if frontend is not None else 0.0)
         yield g
+        yield from _replica_families(values.get("replicas", ()))
         yield from _vllm_families(frontend, values)
+
+
+# data parallelism: each replica's gauges under vLLM's per-engine label, beside the sums
+# above (which stay one series per name, as routers read them)
+_REPLICA_GAUGES = (
+    ("jaxpaged:replica_alive", "1 while the data-parallel replica serves, 0 once it died.",
+     "alive"),
+    ("jaxpaged:replica_num_requests_running", "Requests in the replica's running batch.",
+     "num_running"),
+    ("jaxpaged:replica_num_requests_waiting", "Requests waiting (or swapped) in the replica.",
+     "num_waiting"),
+    ("jaxpaged:replica_kv_cache_usage_perc", "Fraction of the replica's KV blocks in use.",
+     "kv_cache_usage"),
+)  # fmt: skip
+
+
+def _replica_families(replicas: Any):  # noqa: ANN201 - a generator
+    """Per-replica gauges (label ``engine``: the replica's rank) and requests routed to
+    each; nothing for one engine."""
+    if not replicas:
+        return
+    for name, doc, attr in _REPLICA_GAUGES:
+        g = GaugeMetricFamily(name, doc, labels=["engine"])
+        for rank, replica in enumerate(replicas):
+            g.add_metric([str(rank)], float(replica[attr]))
+        yield g
+    c = CounterMetricFamily(
+        "jaxpaged:replica_requests", "Requests routed to the replica.", labels=["engine"]
+    )
+    for rank, replica in enumerate(replicas):
+        c.add_metric([str(rank)], float(replica["requests_total"]))
+    yield c
 
 
 # vLLM's names for the gauges that routers read (llm-d's and the Gateway API inference

@@ -41,7 +41,7 @@ _SESSION_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashR
 _ACTOR_OPTIONS = frozenset({"num_gpus", "num_cpus", "resources", "accelerator_type"})
 # serve flags with no meaning inside Ray (it owns the ports and the process)
 _NOT_IN_RAY = frozenset({"host", "port", "grpc_port", "num_processes", "process_id",
-                         "coordinator_address"})  # fmt: skip
+                         "coordinator_address", "data_parallel_size"})  # fmt: skip
 
 
 def _parse_value(key: str, value: Any) -> Any:
@@ -92,7 +92,7 @@ def deployment_options(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         elif key in _NOT_IN_RAY:
             raise ValueError(
                 f"{raw_key!r} does not apply under Ray Serve (Ray's proxy owns the ports; one "
-                "replica is one process on one host)"
+                "replica is one process on one host: num_replicas sets the replicas)"
             )
         else:
             flags[raw_key] = value

@@ -2,7 +2,8 @@
 OpenAI-compatible HTTP server.
 
 MODEL (positional or --model) is a Hugging Face hub id, a local folder or a .gguf file
-(default: the bundled SmolLM2-135M-Instruct). --config FILE.yaml holds flags as a mapping. One process: one engine thread, gRPC and HTTP on one asyncio loop.
+(default: the bundled SmolLM2-135M-Instruct). --config FILE.yaml holds flags as a mapping. One process: one engine thread, gRPC and HTTP on one asyncio loop (with
+--data-parallel-size N, N engine processes behind that loop).
 SIGTERM / SIGINT drain: new requests are refused, in-flight ones may finish for up to
 --shutdown-timeout seconds, the rest are aborted; then the process exits 0.
 """
@@ -182,6 +183,10 @@ def engine_factory_from_args(args: argparse.Namespace) -> Callable[[], Any]:
         from jaxpaged.distributed import multihost
         from jaxpaged.engine.async_engine import AsyncEngine
 
+        if args.data_parallel_size > 1:  # replica processes behind one client
+            from jaxpaged.engine.data_parallel import DataParallelClient
+
+            return DataParallelClient(EngineArgs.from_cli_args(args))
         engine = build_engine(args)
         from jaxpaged.engine.async_pooling import AsyncPoolingEngine
         from jaxpaged.engine.pooling import PoolingEngine
@@ -241,6 +246,11 @@ def main(
         engine_args.process_config()
         if engine_args.configure_process:  # before anything starts JAX
             configure_process(engine_args.gpu_memory_utilization)
+        if args.data_parallel_size > 1 and args.num_processes != 1:
+            raise ValueError(
+                "--data-parallel-size runs its replicas on one host (--num-processes 1); "
+                "for replicas on several hosts see docs/scaling.md"
+            )
         multihost.check_engine_args(
             num_processes=args.num_processes, preemption_mode=engine_args.preemption_mode
         )
@@ -253,7 +263,20 @@ def main(
         parser.error(str(e))
     import jax
 
-    if args.tensor_parallel_size > jax.device_count():
+    if args.data_parallel_size > 1:
+        from jaxpaged.engine.dp_devices import replica_environments
+
+        try:
+            replica_environments(
+                args.data_parallel_size,
+                args.tensor_parallel_size,
+                platform=jax.devices()[0].platform,
+                num_devices=jax.device_count(),
+                environ=os.environ,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+    elif args.tensor_parallel_size > jax.device_count():
         parser.error(
             f"--tensor-parallel-size {args.tensor_parallel_size} exceeds the "
             f"{jax.device_count()} available device(s)"

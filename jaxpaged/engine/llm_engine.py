@@ -120,6 +120,7 @@ class LLMEngine:
         )
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
+        _check_one_replica(parallel_config)
         self.mesh = None
         # what update_weights takes: the params as given, before sharding / KV replication
         self._given_config = model_config
@@ -328,6 +329,7 @@ class LLMEngine:
         over ``args.model`` loaded. The settings the model does not decide are checked before
         any weight is read."""
         cache_config, parallel_config = args.cache_config(), args.parallel_config()
+        _check_one_replica(parallel_config)  # before any weight is read
         lora_config = args.lora_config()
         process_config = args.process_config()
         if params is None:
@@ -722,6 +724,15 @@ def _params_dtype(params: Params) -> Any:
     if not floats:
         raise ValueError("the model's state holds no floating-point arrays")
     return floats[0]
+
+
+def _check_one_replica(parallel_config: ParallelConfig) -> None:
+    if parallel_config.data_parallel_size != 1:
+        raise ValueError(
+            f"data_parallel_size {parallel_config.data_parallel_size}: an LLMEngine is one "
+            "replica; several run behind jaxpaged.engine.data_parallel.DataParallelClient "
+            "(`jaxpaged serve --data-parallel-size N`, LLM(data_parallel_size=N))"
+        )
 
 
 def _eos_ids(config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStats",
     "Prompt",
+    "ReplicaStats",
     "Tokenizer",
 ]
 
@@ -38,6 +39,18 @@ class EngineDeadError(RuntimeError):
 class EngineAsleepError(RuntimeError):
     """A request reached an engine that is asleep (``sleep()``, its KV cache freed): call
     ``wake_up()`` first."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaStats:
+    """One data-parallel replica's gauges, beside the sums of an EngineStats
+    (jaxpaged.engine.data_parallel)."""
+
+    alive: bool
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    requests_total: int  # requests routed to it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +84,9 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # data parallelism (--data-parallel-size): each replica's gauges, by rank (the fields
+    # above are the replicas added up); empty for one engine
+    replicas: tuple[ReplicaStats, ...] = ()
 
 
 class Tokenizer(Protocol):

@@ -27,6 +27,7 @@ CLI_CASES = {
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "quantization": (["-q", "int8"], "int8"),
     "tensor_parallel_size": (["-tp", "2"], 2),
+    "data_parallel_size": (["-dp", "2"], 2),
     "max_model_len": (["--max-model-len", "512"], 512),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "128"], 128),
@@ -135,16 +136,21 @@ def test_serve_takes_its_engine_flags_from_engine_args():
 
 
 def test_serve_flags_reach_the_engine(monkeypatch):
-    """`serve`'s engine factory builds the engine from exactly the EngineArgs of its flags."""
+    """`serve`'s engine factory builds the engine (the data-parallel client with -dp N > 1)
+    from exactly the EngineArgs of its flags."""
     from jaxpaged.cli.serve import engine_factory_from_args
-    from jaxpaged.engine import async_engine
+    from jaxpaged.engine import async_engine, data_parallel
 
     seen = []
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(lambda cls, a: seen.append(a)))
     monkeypatch.setattr(async_engine, "AsyncEngine", lambda e: ("async", e))
+    monkeypatch.setattr(data_parallel, "DataParallelClient", lambda a: ("dp", a))
     words = [w for ws, _ in CLI_CASES.values() for w in ws]
-    assert engine_factory_from_args(build_parser().parse_args(words))()[0] == "async"
-    assert seen == [EngineArgs(**NON_DEFAULT)]
+    got = engine_factory_from_args(build_parser().parse_args(words))()
+    assert got == ("dp", EngineArgs(**NON_DEFAULT))
+    one = [w for name, (ws, _) in CLI_CASES.items() if name != "data_parallel_size" for w in ws]
+    assert engine_factory_from_args(build_parser().parse_args(one))()[0] == "async"
+    assert seen == [EngineArgs(**{**NON_DEFAULT, "data_parallel_size": 1})]
 
 
 def test_serve_owns_its_process_by_default():
@@ -182,6 +188,10 @@ def captured(monkeypatch):
         return types.SimpleNamespace(close=lambda: None)
 
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(fake))
+    # LLM(data_parallel_size=N > 1) builds the replicas' engine instead
+    from jaxpaged.engine import dp_offline
+
+    monkeypatch.setattr(dp_offline, "DataParallelEngine", lambda args: fake(None, args))
     return seen
 
 
@@ -242,6 +252,7 @@ def test_unknown_keyword_is_a_value_error_with_close_matches(build):
         ("scheduling_policy", "lottery"),
         ("enable_prefix_caching", "yes"),
         ("tensor_parallel_size", 0),
+        ("data_parallel_size", 0),
         ("configure_process", "yes"),
         ("compile_cache_dir", ""),
     ],
@@ -258,6 +269,7 @@ def test_settings_the_model_does_not_decide_fail_before_loading(monkeypatch):
         {"gpu_memory_utilization": 0},
         {"block_size": 0},
         {"tensor_parallel_size": 0},
+        {"data_parallel_size": 0},
         {"compile_cache_dir": 7},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -62,6 +62,7 @@ def test_build_app_maps_flags_and_ray_options():
         ({"max_model_lenn": "8"}, "max_model_lenn"),
         ({"max_model_len": "many"}, "max-model-len"),
         ({"port": "9000"}, "Ray"),
+        ({"data_parallel_size": "2"}, "num_replicas"),
         ({"num_replicas": "two"}, "num_replicas"),
         ({"session_affinity": "maybe"}, "session_affinity"),
     ],

@@ -1,0 +1,489 @@
+"""Data parallelism in one server: ``data_parallel_size`` engine replicas, each a process of
+its own on its own ``tensor_parallel_size`` devices, behind one :class:`DataParallelClient`,
+which is itself an ``EngineClient`` (the servers serve it unchanged).
+
+Processes rather than threads: each engine's host work (scheduling, batch preparation,
+output processing, detokenizing) is Python and holds the GIL, and the step overlap
+(jaxpaged.engine.core) hides it only while one engine's host work is shorter than its device
+step; N engines on threads of one process would share one interpreter's host time. A process
+per replica also gives each replica its own view of the devices (the accelerator's visible
+devices variable, JAX's simulated CPU devices), so every replica builds its engine exactly as
+a one-replica server does, and a replica that dies takes nothing else with it.
+
+Each request goes to one replica (jaxpaged.engine.dp_router: the least-loaded, or the one
+that served the prompt's prefix unless it is overloaded). A replica that dies (its process
+exits, or its engine fails) ends its open requests with :class:`ReplicaFailedError` naming
+it (a request's failure: the server goes on); the others keep serving, and the router sends
+nothing more to it. When the last one dies, its requests get :class:`EngineDeadError` and
+``errored`` turns true (the server then reports NOT_SERVING). Admin calls (LoRA adapters, sleep mode, weights by path) go to
+every live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from jaxpaged.args import EngineArgs
+from jaxpaged.engine.async_engine import RequestStream
+from jaxpaged.engine.core import asleep_message
+from jaxpaged.engine.dp_devices import replica_environments
+from jaxpaged.engine.dp_replica import replica_args
+from jaxpaged.engine.dp_router import ReplicaLoad, Router, RouterConfig, prefix_keys
+from jaxpaged.engine.dp_stats import sum_stats
+from jaxpaged.engine.input_processor import check_request_id
+from jaxpaged.engine.protocol import (
+    EngineAsleepError,
+    EngineDeadError,
+    EngineStats,
+    Prompt,
+    ReplicaStats,
+    Tokenizer,
+)
+from jaxpaged.lora_request import LoRARequest
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.outputs import RequestOutput, RequestOutputKind
+from jaxpaged.sampling_params import SamplingParams
+
+__all__ = ["DataParallelClient", "ReplicaFailedError", "ReplicaInfo"]
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaFailedError(RuntimeError):
+    """The data-parallel replica serving a request died (others still serve)."""
+
+
+class ReplicaInfo:
+    """One replica as the client tracks it (its process, pipe, open requests, stats)."""
+
+    def __init__(self, rank: int, process: subprocess.Popen, conn: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self.alive = True
+        self.error: RuntimeError | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self.stats: EngineStats | None = None
+        self.sent_total = 0  # requests routed here
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def summary(self) -> ReplicaStats:
+        """Its gauges for the metrics (zeros once dead, or before its first stats)."""
+        stats = self.stats if self.alive else None
+        return ReplicaStats(
+            alive=self.alive,
+            num_running=0 if stats is None else stats.num_running,
+            num_waiting=0 if stats is None else stats.num_waiting + stats.num_swapped,
+            kv_cache_usage=0.0 if stats is None else stats.kv_cache_usage,
+            requests_total=self.sent_total,
+        )
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(
+            alive=self.alive,
+            open_requests=len(self.streams),
+            kv_cache_usage=0.0 if self.stats is None else self.stats.kv_cache_usage,
+            sent_total=self.sent_total,
+        )
+
+
+class DataParallelClient:
+    """``data_parallel_size`` replica processes behind one EngineClient (module docstring).
+    Construction starts the replicas and waits until every one has loaded and warmed up
+    (they do so at the same time); ``start()`` inside the serving loop."""
+
+    def __init__(
+        self, args: EngineArgs, *, router: RouterConfig | None = None, start_timeout: float = 3600
+    ) -> None:
+        args.parallel_config()  # ValueError naming a bad size
+        args.cache_config()
+        from jaxpaged.engine.runner_choice import choose_runner
+
+        if choose_runner(args) != "generate":
+            raise ValueError(
+                "data_parallel_size: replicas serve text generation; a pooling model "
+                "(embeddings, scores) runs on one engine (data_parallel_size 1)"
+            )
+        import jax
+
+        devices = jax.devices()
+        envs = replica_environments(
+            args.data_parallel_size,
+            args.tensor_parallel_size,
+            platform=devices[0].platform,
+            num_devices=len(devices),
+            environ=os.environ,
+        )
+        self._router = Router(router or RouterConfig(block_size=args.block_size))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._owner: dict[str, ReplicaInfo] = {}  # request id -> the replica serving it
+        self._call_ids = itertools.count()
+        self._sleep_level = 0
+        self._stopping = False
+        try:  # before any process starts: every setting must reach the replicas
+            child_args = pickle.dumps(replica_args(args))
+        except Exception as exc:  # noqa: BLE001 - e.g. a lambda among logits_processors
+            raise ValueError(
+                f"data_parallel_size: the engine arguments must be picklable to reach the "
+                f"replica processes (logits_processors: importable functions), got {exc}"
+            ) from exc
+        self.replicas: list[ReplicaInfo] = []
+        for rank, env in enumerate(envs):
+            # a fresh interpreter per replica (not multiprocessing's spawn, which would run
+            # the caller's __main__ again), with its devices in its environment from the start
+            ours, theirs = socket.socketpair()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "jaxpaged.engine.dp_replica", str(theirs.fileno()),
+                 str(rank)],
+                env={**os.environ, **env},
+                pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+            theirs.close()  # the replica's end: its exit then reads as EOF here
+            conn = Connection(ours.detach())
+            self.replicas.append(ReplicaInfo(rank, process, conn))
+            conn.send_bytes(child_args)  # the replica's conn.recv() unpickles it
+        try:
+            infos = [_wait_ready(r, start_timeout) for r in self.replicas]
+        except BaseException:
+            self._terminate(grace=0)
+            raise
+        first = infos[0]
+        self._model_config: ModelConfig = first["model_config"]
+        self._engine_config = {**first["engine_config"], "data_parallel_size": len(envs)}
+        self._max_model_len: int = first["max_model_len"]
+        self._tokenizer = first["tokenizer"]
+        self._loras: dict[str, str] = dict(first["loras"])
+        for r, info in zip(self.replicas, infos, strict=True):
+            r.stats = info["stats"]
+
+    # ------------------------------------------------------------- properties
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def engine_config(self) -> Mapping[str, object]:
+        return self._engine_config
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        if any(r.alive for r in self.replicas):
+            return None
+        return next((r.error for r in self.replicas if r.error is not None), None)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._owner)
+
+    def get_stats(self) -> EngineStats:
+        """The replicas' latest stats added up: counters over every replica (a dead one's
+        last), gauges over the live ones, KV usage as the share of all their blocks."""
+        total = sum_stats([(r.stats, r.alive) for r in self.replicas if r.stats is not None])
+        return dataclasses.replace(total, replicas=tuple(r.summary() for r in self.replicas))
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        for r in self.replicas:
+            threading.Thread(
+                target=self._read, args=(r,), name=f"jaxpaged-dp-{r.rank}", daemon=True
+            ).start()
+
+    async def shutdown(self) -> None:
+        """Aborts what is left, asks every replica to stop and waits for its process."""
+        if self._stopping:
+            return
+        for rid in list(self._owner):
+            await self.abort(rid)
+        self._stopping = True
+        for r in self.replicas:
+            if r.alive:
+                self._send(r, ("shutdown",))
+        await asyncio.to_thread(self._terminate)
+        for r in self.replicas:  # outputs that did not arrive before the replica stopped
+            for rid, stream in r.streams.items():
+                stream.put(EngineDeadError(f"the engine shut down while serving {rid!r}"))
+            r.streams.clear()
+        self._owner.clear()
+
+    def close(self) -> None:
+        """Stops the replica processes without draining (no event loop needed): each is
+        asked to stop, and killed if it has not within 5 s."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for r in self.replicas:
+            if r.alive:
+                self._send(r, ("shutdown",))
+        self._terminate(grace=5)
+
+    # --------------------------------------------------------------- requests
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_name: str | None = None,
+    ) -> RequestStream:
+        """Chooses a replica (least loaded, or the holder of the prompt's prefix) and adds
+        the request there; the replica validates it (its ValueError is raised here). A
+        replica that dies before it took the request (nothing ran) leaves it to the next."""
+        if self._sleep_level:
+            raise EngineAsleepError(asleep_message(self._sleep_level))
+        if self._loop is None:
+            raise RuntimeError("DataParallelClient.start() has not been called")
+        check_request_id(request_id, self._owner)
+        keys = prefix_keys(prompt, self._router.config) if _is_prompt(prompt) else []
+        while True:
+            error = self.dead_error
+            if error is not None:
+                raise EngineDeadError(f"the engine has failed: {error}")
+            r = self.replicas[self._router.choose(keys, [x.load() for x in self.replicas])]
+            stream = RequestStream(request_id)
+            r.streams[request_id] = stream
+            self._owner[request_id] = r
+            r.sent_total += 1
+            try:
+                await self._request(r, "add", request_id, prompt, params, output_kind, lora_name)
+            except (ReplicaFailedError, EngineDeadError) as exc:
+                self._forget_request(r, request_id)
+                if r.alive:  # its engine failed: the replica's own report follows
+                    self._died(r, f"its engine failed: {exc}")
+                continue  # to a live replica, or the engine's death above
+            except BaseException:
+                if self._forget_request(r, request_id) and r.alive:
+                    self._send(r, ("abort", request_id))  # e.g. the caller went away
+                raise
+            return stream
+
+    async def abort(self, request_id: str) -> None:
+        r = self._owner.get(request_id)
+        if r is not None and r.alive:
+            self._send(r, ("abort", request_id))
+
+    # ------------------------------------------------------------------ admin
+    def list_loras(self) -> dict[str, str]:
+        return dict(self._loras)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        added = await self._broadcast("add_lora", lora_request)
+        known = self._loras.get(lora_request.lora_name)
+        self._loras[lora_request.lora_name] = lora_request.lora_path or known or ""
+        return any(added)
+
+    async def remove_lora(self, name: str) -> None:
+        await self._broadcast("remove_lora", name)
+        self._loras.pop(name, None)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    async def sleep(self, level: int = 1) -> int:
+        freed = await self._broadcast("sleep", level)
+        self._sleep_level = max(self._sleep_level, level)
+        return sum(freed)
+
+    async def wake_up(self) -> None:
+        await self._broadcast("wake_up")
+        self._sleep_level = 0
+
+    async def update_weights_from(self, path: str) -> float:
+        """Every replica loads ``path`` and swaps it in; returns the slowest load's seconds."""
+        return max(await self._broadcast("update_weights_from", path))
+
+    # ---------------------------------------------------------------- private
+    def _forget_request(self, r: ReplicaInfo, request_id: str) -> bool:
+        """Drops a request that was being added; False if it was dropped already."""
+        if r.streams.pop(request_id, None) is None:
+            return False
+        self._owner.pop(request_id, None)
+        return True
+
+    def _send(self, r: ReplicaInfo, msg: tuple) -> None:
+        try:
+            r.conn.send(msg)
+        except (OSError, ValueError) as exc:  # its process is gone
+            self._died(r, f"its pipe broke ({exc})")
+
+    async def _request(self, r: ReplicaInfo, kind: str, *body: Any) -> Any:  # noqa: ANN401
+        """Sends a message that the replica replies to; its value, or its exception."""
+        assert self._loop is not None
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        r.calls[call_id] = future
+        self._send(r, (kind, call_id, *body))
+        try:
+            return await future
+        finally:
+            r.calls.pop(call_id, None)
+
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:  # noqa: ANN401
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        results = await asyncio.gather(
+            *(self._request(r, "call", method, args) for r in live), return_exceptions=True
+        )
+        for value in results:
+            if isinstance(value, BaseException):
+                raise value
+        return results
+
+    def _read(self, r: ReplicaInfo) -> None:
+        """A replica's reader thread: hands each batch of messages to the loop."""
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                batch = r.conn.recv()
+            except (EOFError, OSError):
+                batch = None
+                _wait(r.process, 2)  # so that its exit code is known
+            try:
+                loop.call_soon_threadsafe(self._on_batch, r, batch)
+            except RuntimeError:  # the loop is closed
+                return
+            if batch is None:
+                return
+
+    def _on_batch(self, r: ReplicaInfo, batch: list[tuple] | None) -> None:
+        if batch is None:
+            code = r.process.poll()
+            self._died(r, "its process exited" + ("" if code is None else f" (exit code {code})"))
+            return
+        for msg in batch:
+            kind = msg[0]
+            if kind == "out":
+                self._deliver(r, msg[1])
+            elif kind == "reply":
+                _, call_id, ok, value = msg
+                future = r.calls.get(call_id)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+            elif kind == "stats":
+                r.stats = msg[1]
+            elif kind == "fail":
+                stream = r.streams.pop(msg[1], None)
+                self._owner.pop(msg[1], None)
+                if stream is not None:
+                    stream.put(ReplicaFailedError(f"data-parallel replica {r.rank}: {msg[2]}"))
+            elif kind == "dead":
+                self._died(r, f"its engine failed: {msg[1]}")
+
+    def _deliver(self, r: ReplicaInfo, out: RequestOutput) -> None:
+        stream = r.streams.get(out.request_id)
+        if stream is None:
+            return
+        stream.put(out)
+        if out.finished:
+            del r.streams[out.request_id]
+            self._owner.pop(out.request_id, None)
+
+    def _died(self, r: ReplicaInfo, reason: str) -> None:
+        """Marks a replica dead: its open requests and calls fail naming it, and the router
+        forgets it."""
+        if not r.alive:
+            return
+        r.alive = False
+        left = sum(x.alive for x in self.replicas)
+        # the last one takes the engine with it; before that, only its requests fail
+        error_type = ReplicaFailedError if left else EngineDeadError
+        r.error = error_type(f"data-parallel replica {r.rank} (pid {r.pid}) failed: {reason}")
+        if self._stopping:
+            return
+        log.error("%s; %d open requests fail; %d replicas left", r.error, len(r.streams), left)
+        self._router.forget(r.rank)
+        for rid, stream in r.streams.items():
+            self._owner.pop(rid, None)
+            stream.put(error_type(f"{r.error} while serving request {rid!r}"))
+        r.streams.clear()
+        for future in r.calls.values():
+            if not future.done():
+                future.set_exception(r.error)
+        r.calls.clear()
+
+    def _terminate(self, grace: float = 30) -> None:
+        """Waits ``grace`` seconds for every replica process, then kills what is left."""
+        for r in self.replicas:
+            if not _wait(r.process, grace):
+                r.process.kill()
+                _wait(r.process, 5)
+            r.alive = False
+            r.conn.close()
+
+
+def _wait_ready(r: ReplicaInfo, timeout: float) -> dict[str, Any]:
+    """The replica's ready info, once it has loaded and warmed up; its start-up error (or
+    its exit) raised."""
+    waited = 0.0
+    while waited < timeout:
+        batch: list[tuple] = []
+        if r.conn.poll(0.5):
+            try:
+                batch = r.conn.recv()
+            except (EOFError, OSError):
+                _wait(r.process, 5)
+            for msg in batch:
+                if msg[0] == "ready":
+                    return msg[1]
+                if msg[0] == "failed":
+                    log.error("data-parallel replica %d could not start: %s", r.rank, msg[1])
+                    raise msg[1]
+        if not batch and r.process.poll() is not None:
+            raise RuntimeError(
+                f"data-parallel replica {r.rank} exited while starting (exit code "
+                f"{r.process.returncode}); its log is above"
+            )
+        waited += 0.5
+    raise TimeoutError(f"data-parallel replica {r.rank} did not start within {timeout} s")
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``process`` exited within ``timeout`` seconds."""
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _is_prompt(prompt: object) -> bool:
+    return isinstance(prompt, str) or (
+        isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)
+    )

@@ -1,0 +1,168 @@
+"""Data parallelism (``--data-parallel-size``, ``LLM(data_parallel_size=N)``).
+
+In this process: the router's choices against hand-computed loads, each replica's devices,
+the replicas' stats added up, and the refusals. In ONE subprocess with 4 simulated CPU
+devices (dp_checks.py): 2 replica processes x 2 devices, first as the offline
+LLM(data_parallel_size=2), then behind the real server, asked with the `openai` client:
+greedy texts equal one engine's, requests spread, /metrics adds the replicas up (and shows
+each), a shared prompt prefix stays on one replica, killing a replica fails exactly its open
+streams (never a hang), a request it had not taken yet goes to the other, which serves the
+rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxpaged.engine.data_parallel import DataParallelClient
+from jaxpaged.engine.dp_devices import replica_environments
+from jaxpaged.engine.dp_router import ReplicaLoad, Router, RouterConfig, prefix_keys
+from jaxpaged.engine.dp_stats import sum_stats
+from jaxpaged.engine.protocol import EngineClient, EngineStats
+from jaxpaged.engine.protocol_check import assert_implements
+
+HERE = Path(__file__).parent
+
+
+def _load(open_requests=0, kv=0.0, sent=0, alive=True) -> ReplicaLoad:
+    return ReplicaLoad(alive=alive, open_requests=open_requests, kv_cache_usage=kv, sent_total=sent)
+
+
+def test_router_least_loaded_then_affinity_within_its_slack():
+    router = Router(RouterConfig(block_size=2, affinity_slack=1, kv_overload=0.9))
+    # fewest open requests, then KV usage in tenths, then fewest sent, then rank
+    assert router.least_loaded([_load(2), _load(1), _load(1, kv=0.3)]) == 1
+    assert router.least_loaded([_load(1, kv=0.31, sent=9), _load(1, kv=0.34)]) == 1
+    assert router.least_loaded([_load(1, sent=3), _load(1, sent=2)]) == 1
+    assert router.least_loaded([_load(0, alive=False), _load(5)]) == 1
+    with pytest.raises(ValueError, match="no live replica"):
+        router.least_loaded([_load(alive=False)])
+
+    conversation = [1, 2, 3, 4, 5, 6]
+    keys = prefix_keys(conversation, router.config)
+    assert len(keys) == 3 and prefix_keys([1, 2, 3], router.config) == keys[:1]
+    assert router.choose(keys, [_load(1), _load(0)]) == 1  # new prefix: least loaded
+    # a longer turn of the same conversation stays, up to `slack` more open requests
+    longer = prefix_keys([*conversation, 7, 8], router.config)
+    assert router.choose(longer, [_load(0), _load(1)]) == 1
+    assert router.choose(longer, [_load(0), _load(2)]) == 0  # overloaded by 2 > slack 1
+    assert router.choose(longer, [_load(0), _load(0, kv=0.95)]) == 0  # now held by 0
+    assert router.choose(keys, [_load(3), _load(0)]) == 1  # 0's KV: fine, its load: not
+    # only the shared first block: the replica that was sent it last
+    assert router.choose(prefix_keys([1, 2, 9, 9], router.config), [_load(0), _load(0)]) == 1
+    router.forget(1)
+    assert router.choose(keys, [_load(1), _load(0, alive=False)]) == 0
+
+
+def test_text_prefix_keys_follow_characters():
+    config = RouterConfig(block_size=4)  # 16-character chunks
+    a = prefix_keys("x" * 40 + "tail one", config)
+    b = prefix_keys("x" * 40 + "other tail", config)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert prefix_keys("short", config) == []
+    assert len(prefix_keys("y" * 10_000, config)) == config.max_chunks
+
+
+def test_replica_devices():
+    envs = replica_environments(
+        2, 2, platform="cpu", num_devices=4,
+        environ={"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_foo=1"},
+    )  # fmt: skip
+    assert (
+        envs
+        == [
+            {
+                "XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=2",
+                "JAX_PLATFORMS": "cpu",
+            }
+        ]
+        * 2
+    )
+    gpu = replica_environments(3, 2, platform="gpu", num_devices=6, environ={})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in gpu] == ["0,1", "2,3", "4,5"]
+    given = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    gpu = replica_environments(2, 1, platform="gpu", num_devices=4, environ=given)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in gpu] == ["4", "5"]
+    with pytest.raises(ValueError, match=r"data_parallel_size 3 x tensor_parallel_size 2 needs 6"):
+        replica_environments(3, 2, platform="gpu", num_devices=4, environ={})
+    with pytest.raises(ValueError, match="not supported on tpu"):
+        replica_environments(2, 1, platform="tpu", num_devices=4, environ={})
+
+
+def _stats(**kw) -> EngineStats:
+    base = dict(
+        num_running=0, num_waiting=0, num_swapped=0, kv_cache_usage=0.0, kv_cache_waste=0.0,
+        num_kv_blocks=100, num_free_blocks=100, num_preemptions=0, prefix_cache_queries=0,
+        prefix_cache_hits=0, prompt_tokens_total=0, generation_tokens_total=0, num_steps=0,
+        num_compilations=0, num_compilations_after_warmup=0,
+    )  # fmt: skip
+    return EngineStats(**{**base, **kw})
+
+
+def test_stats_add_up():
+    a = _stats(num_running=2, kv_cache_usage=0.5, prompt_tokens_total=10,
+               spec_decode_num_accepted_tokens_per_pos=(3, 1), running_lora_adapters=("x",))  # fmt: skip
+    b = _stats(num_waiting=1, kv_cache_usage=0.2, num_kv_blocks=300, num_free_blocks=240,
+               prompt_tokens_total=5, spec_decode_num_accepted_tokens_per_pos=(2,),
+               running_lora_adapters=("w", "x"))  # fmt: skip
+    dead = _stats(num_running=7, prompt_tokens_total=100)
+    s = sum_stats([(a, True), (b, True), (dead, False)])
+    assert (s.num_running, s.num_waiting) == (2, 1)  # gauges: the live replicas
+    assert s.prompt_tokens_total == 115  # counters: every replica's last
+    assert s.num_kv_blocks == 400 and s.num_free_blocks == 340
+    assert s.kv_cache_usage == pytest.approx((0.5 * 100 + 0.2 * 300) / 400)
+    assert s.spec_decode_num_accepted_tokens_per_pos == (5, 1)
+    assert s.running_lora_adapters == ("w", "x")
+
+
+def test_refusals(capsys):
+    from jaxpaged.args import EngineArgs
+    from jaxpaged.cli.serve import build_parser, main
+    from jaxpaged.engine import LLMEngine
+
+    assert_implements(EngineClient, DataParallelClient)
+    args = build_parser().parse_args(["-dp", "2", "-tp", "2"])
+    assert EngineArgs.from_cli_args(args).parallel_config().data_parallel_size == 2
+    with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
+        EngineArgs(data_parallel_size=0).parallel_config()
+    with pytest.raises(ValueError, match="an LLMEngine is one replica"):  # before any load
+        LLMEngine.from_engine_args(EngineArgs(model="/nonexistent", data_parallel_size=2))
+    for argv, message in [
+        (["-dp", "2"], "data_parallel_size 2 x tensor_parallel_size 1 needs 2 devices; 1 "),
+        (["-dp", "2", "--num-processes", "2"], "runs its replicas on one host"),
+    ]:  # this process has one device
+        with pytest.raises(SystemExit):
+            main([*argv, "--no-configure-process"])
+        assert message in capsys.readouterr().err
+
+
+# ---- 2 replica processes x 2 simulated devices (one subprocess) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory) -> tuple[dict[str, str], str]:
+    work = tmp_path_factory.mktemp("dp")
+    out = work / "results.json"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "dp_checks.py"), "--workdir", str(work), "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    found = json.loads(out.read_text()) if out.exists() else {}
+    return found, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("check", ["offline", "server", "metrics", "affinity", "replica_death"])
+def test_data_parallel(dp_results, check):
+    found, log = dp_results
+    assert found.get(check) == "ok", f"{check}: {found.get(check)}\n{log}"
