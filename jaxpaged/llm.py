@@ -34,7 +34,7 @@ def _is_token_ids(x: object) -> bool:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
+    if isinstance(prompts, (str, Mapping)) or (_is_token_ids(prompts) and len(prompts) > 0):
         return [prompts]  # type: ignore[list-item]
     if not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")

@@ -29,28 +29,13 @@ from .family import ModelFamily
 from .gemma import GemmaForCausalLM, gemma_config_fields, gemma_rms_norm
 from .gemma import load_host_params as load_text_params
 from .gemma import param_shapes as text_shapes
+from .image_spec import ImageSpec
 from .llama import LINEARS
 from .safetensors_index import TensorError
 from .siglip import SiglipConfig, load_siglip, parse_siglip_config, siglip_encode, siglip_shapes
 from .types import Params, TensorReader
 
 MODEL_TYPE = "gemma3"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ImageSpec:
-    """What the serving side needs to turn an image into the model's inputs: pixels of
-    ``size`` squared, normalized per channel, and how the prompt stands for one image."""
-
-    size: int  # images are resized to size x size
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    tokens_per_image: int = 256
-    image_token_id: int = 262144  # the placeholder the features replace
-    boi_token: str = "<start_of_image>"  # what a prompt writes for an image
-    # what the processor expands ``boi_token`` to; {image} stands for the placeholders
-    expansion: str = "\n\n<start_of_image>{image}<end_of_image>\n\n"
-    image_token: str = "<image_soft_token>"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

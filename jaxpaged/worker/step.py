@@ -61,6 +61,9 @@ class StepBatch(NamedTuple):
     # each sequence's drafts, and how many it feeds (jaxpaged.worker.spec_verify)
     verify_rows: jax.Array | None = None  # int32 [S, K + 1]
     num_drafts: jax.Array | None = None  # int32 [S]; 0 = no drafts
+    # a vision-language model: each row's image features in the encoder cache (flat index
+    # slot * I + j, jaxpaged.worker.images), -1 = a text token
+    image_rows: jax.Array | None = None  # int32 [T]
 
 
 class StepOutput(NamedTuple):
@@ -172,6 +175,7 @@ def step(
     kernels: StepKernels = XLA_KERNELS,
     logits_processors: tuple[LogitsProcessor, ...] = (),
     lora_weights: dict[str, tuple[jax.Array, jax.Array]] | None = None,
+    image_cache: jax.Array | None = None,
 ) -> tuple[StepOutput, KVPool, sampler.SeqState]:
     """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
     docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
@@ -184,7 +188,8 @@ def step(
     site -> A [L, S, r', in], B [L, S, out, r'], see jaxpaged.models.lora) add each row's
     adapter (``batch.lora_slots``) to the projections it targets. ``backend`` and
     ``interpret``: the attention kernel as the engine's Platform chose it (a name, never None:
-    the step never leaves the choice to trace time)."""
+    the step never leaves the choice to trace time). ``image_cache`` [C, I, D]: the encoded
+    images ``batch.image_rows`` index, whose features replace those rows' embeddings."""
     if backend not in BACKENDS:
         raise ValueError(
             f"step: backend must be a resolved attention backend of {BACKENDS} (the engine's "
@@ -244,6 +249,10 @@ def step(
         slots = batch.lora_slots
         model_kw["lora"] = LoraInputs(lora_weights, slots, jnp.any(slots > 0))
     logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
+    if batch.image_rows is not None:
+        flat = image_cache.reshape(-1, image_cache.shape[-1])  # [C * I, D]
+        rows = batch.image_rows
+        model_kw["image_embeds"] = (flat[jnp.maximum(rows, 0)], rows >= 0)
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
     hidden, pool = model(tokens, batch.positions, attention_fn, pool, **model_kw)

@@ -1,0 +1,178 @@
+"""Images into a vision-language model's inputs, in the caller's thread, with numpy and
+Pillow only (no PyTorch at serve time): untrusted bytes decoded with bounds
+(:func:`decode_image`), an image resized and normalized as the model's processor does
+(:func:`preprocess`), and a prompt's image placeholders expanded and located
+(:class:`ImagePrompts`), giving the :class:`~jaxpaged.sched.images.ImageItem` s a request
+carries.
+
+Gemma 3's processor (transformers' ``Gemma3ImageProcessorPil``, the one transformers uses
+without torchvision) resizes to size x size with Pillow's bilinear filter, rescales by 1/255
+and normalizes with the mean and std of ``preprocessor_config.json``; a prompt's
+``<start_of_image>`` becomes ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image``
+``<image_soft_token>`` + ``<end_of_image>\\n\\n``. Pan-and-scan crops are not done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxpaged.models.image_spec import ImageSpec
+from jaxpaged.sched.images import ImageItem
+from jaxpaged.worker.images import content_hash
+
+__all__ = [
+    "FORMATS",
+    "ImagePrompts",
+    "decode_image",
+    "image_spec_from_folder",
+    "preprocess",
+]
+
+FORMATS = ("PNG", "JPEG", "WEBP")  # what decode_image accepts
+MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # width x height of one image, checked before decoding
+
+
+def decode_image(
+    data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS, formats: Sequence[str] = FORMATS
+) -> Any:  # PIL.Image.Image, decoded
+    """A PNG, JPEG or WebP image from untrusted bytes; ValueError for anything else: not an
+    image of those formats, 0 x 0, more than ``max_pixels`` pixels (checked from the header,
+    before any pixel is decoded: a decompression bomb never expands), or truncated. Pillow's
+    process-wide MAX_IMAGE_PIXELS is left as it is."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data), formats=list(formats))
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as e:
+        kind = "too large" if isinstance(e, Image.DecompressionBombError) else "not"
+        raise ValueError(
+            f"image: {kind} a valid {'/'.join(formats)} image" if kind == "not" else
+            f"image: too many pixels (limit {max_pixels})"
+        ) from None  # fmt: skip
+    w, h = image.size
+    if w < 1 or h < 1:
+        raise ValueError(f"image: {w} x {h} pixels; an image needs at least 1 x 1")
+    if w * h > max_pixels:
+        raise ValueError(f"image: {w} x {h} pixels is more than the limit of {max_pixels}")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+        raise ValueError(f"image: the {image.format} data is truncated or corrupt ({e})") from None
+    return image
+
+
+def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
+    """An image (PIL) as the model's normalized pixels, channels first."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"image must be a PIL.Image.Image, got {type(image).__name__}")
+    w, h = image.size
+    if w < 1 or h < 1:
+        raise ValueError(f"image: {w} x {h} pixels; an image needs at least 1 x 1")
+    rgb = image.convert("RGB").resize((spec.size, spec.size), Image.Resampling.BILINEAR)
+    x = np.asarray(rgb, np.float32) * np.float32(1 / 255)
+    x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+
+
+def image_spec_from_folder(spec: ImageSpec, folder: str | os.PathLike | None) -> ImageSpec:
+    """``spec`` with the mean, std and size of the folder's image processor config
+    (preprocessor_config.json, or processor_config.json's "image_processor"), if any."""
+    if folder is None:
+        return spec
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):  # fmt: skip  # noqa: E501
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            d = json.load(f)
+        d = d.get(key, {}) if key else d
+        if not d:
+            continue
+        size = d.get("size") or {}
+        side = size.get("height", size.get("shortest_edge", spec.size))
+        if size.get("width", side) != side:
+            raise ValueError(f"{name}: image size {size} is not square")
+        if int(side) != spec.size:
+            raise ValueError(
+                f"{name}: image size {side} differs from the vision tower's image_size {spec.size}"
+            )
+        if d.get("do_pan_and_scan"):
+            raise ValueError(f"{name}: do_pan_and_scan is not supported")
+        return dataclasses.replace(
+            spec,
+            size=int(side),
+            mean=tuple(float(v) for v in d.get("image_mean", spec.mean)),
+            std=tuple(float(v) for v in d.get("image_std", spec.std)),
+        )
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePrompts:
+    """A model's image prompts: ``limit`` images per prompt at most."""
+
+    spec: ImageSpec
+    limit: int
+
+    def expand(self, text: str) -> str:
+        """The prompt text with each image marker (``spec.boi_token``) expanded to the
+        model's placeholders, as its processor does."""
+        full = self.spec.expansion.format(image=self.spec.image_token * self.spec.tokens_per_image)
+        return text.replace(self.spec.boi_token, full)
+
+    def images(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[ImageItem, ...]:
+        """The ImageItems of a tokenized prompt whose placeholders are expanded, one run of
+        ``tokens_per_image`` per image in order; ValueError when they do not match."""
+        if len(images) > self.limit:
+            raise ValueError(
+                f"multi_modal_data: {len(images)} images in one prompt, more than the limit "
+                f"of {self.limit} (limit_mm_per_prompt)"
+            )
+        per = self.spec.tokens_per_image
+        where = np.flatnonzero(np.asarray(ids, np.int64) == self.spec.image_token_id)
+        if len(where) != per * len(images):
+            raise ValueError(
+                f"prompt: {len(where)} image placeholder tokens for {len(images)} images "
+                f"({per} each); write {self.spec.boi_token!r} in the prompt for each image"
+            )
+        items = []
+        for i, image in enumerate(images):
+            run = where[i * per : (i + 1) * per]
+            if run[-1] - run[0] != per - 1:
+                raise ValueError(f"prompt: the placeholders of image {i} are not contiguous")
+            pixels = preprocess(image, self.spec)
+            items.append(
+                ImageItem(
+                    content_hash=content_hash(pixels),
+                    offset=int(run[0]),
+                    length=per,
+                    pixels=pixels,
+                )
+            )
+        return tuple(items)
+
+
+def split_prompt(prompt: Mapping[str, Any]) -> tuple[Any, list[Any]]:
+    """(text or token ids, images) of a dict prompt ``{"prompt": text}`` or
+    ``{"prompt_token_ids": ids}`` with ``"multi_modal_data": {"image": image or list}``."""
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown:
+        raise ValueError(f"prompt: unknown keys {sorted(unknown)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt: give exactly one of 'prompt' and 'prompt_token_ids'")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, Mapping) or set(data) - {"image"}:
+        raise ValueError("multi_modal_data: only {'image': image or list of images} is supported")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    body = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return body, images

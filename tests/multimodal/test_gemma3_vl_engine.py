@@ -1,0 +1,95 @@
+"""Gemma 3 with images through the paged engine against transformers' generate on a tiny
+random checkpoint, with the processor's outputs as transformers' inputs: greedy tokens of
+image prompts batched with a text-only one, prefilled in chunks that split an image's
+placeholders, with prefix caching on; a repeated image encoded once; two prompts that differ
+only in the image share no block holding it; nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from jaxpaged import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _image(seed: int, size=(40, 52)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy ids) of transformers on the processor's outputs (no token types:
+    causal attention over the image tokens, as jaxpaged's paged attention computes it)."""
+    p = tiny_vl.processor
+    inputs = p(text=text, images=images or None, return_tensors="pt")
+    kw = {"pixel_values": inputs["pixel_values"]} if images else {}
+    with torch.no_grad():
+        out = tiny_vl.hf.generate(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **kw,
+            max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    n = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_vl):
+    engine = LLM(
+        model=tiny_vl.folder, max_model_len=64, block_size=4, num_kv_blocks=64,
+        max_num_seqs=4, max_num_batched_tokens=8, enable_prefix_caching=True,
+        limit_mm_per_prompt={"image": 2}, encoder_cache_images=2,
+    )  # fmt: skip
+    yield engine
+    engine.engine.close()
+
+
+TEXT_1 = (
+    "<bos><start_of_turn>user w1 w2 w3 <start_of_image> w4 w5<end_of_turn> <start_of_turn>model "
+)
+TEXT_2 = "<bos>w6 <start_of_image> w7 <start_of_image> w8 w9"
+TEXT_ONLY = "<bos>w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21"
+
+
+def test_greedy_matches_transformers_batched_chunked_cached(tiny_vl, llm):
+    a, b, c = _image(1), _image(2, (30, 20)), _image(3, (64, 64))
+    cases = [(TEXT_1, [a]), (TEXT_2, [b, c]), (TEXT_ONLY, []), (TEXT_1, [b])]
+    prompts = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in cases]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for (text, images), out in zip(cases, outs, strict=True):
+        ids, want = _hf_greedy(tiny_vl, text, images)
+        assert list(out.prompt_token_ids) == ids  # the processor's expansion
+        assert list(out.outputs[0].token_ids) == want
+    # the same text with another image gives other tokens (the features reach the decoder)
+    assert outs[0].outputs[0].token_ids != outs[3].outputs[0].token_ids
+    images = llm.engine.runner.images
+    assert images.num_encoded == 3  # image b, in two prompts of one batch, encoded once
+
+    # the prefix cache: prompt 1 again hits up to its last full block; with image c in
+    # place of a, only the blocks before the image's are shared
+    before = llm.get_metrics()["prefix_cache_hits"]
+    again = llm.generate([{"prompt": TEXT_1, "multi_modal_data": {"image": a}}], GREEDY,
+                         use_tqdm=False)  # fmt: skip
+    hits_same = llm.get_metrics()["prefix_cache_hits"] - before
+    other = llm.generate([{"prompt": TEXT_1, "multi_modal_data": {"image": c}}], GREEDY,
+                         use_tqdm=False)  # fmt: skip
+    hits_other = llm.get_metrics()["prefix_cache_hits"] - before - hits_same
+    n = len(outs[0].prompt_token_ids)
+    offset = outs[0].prompt_token_ids.index(127)  # the image's first placeholder
+    assert hits_same == (n - 1) // 4 * 4
+    assert hits_other == offset // 4 * 4 < hits_same
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert list(other[0].outputs[0].token_ids) == _hf_greedy(tiny_vl, TEXT_1, [c])[1]
+    assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+
+
+def test_bad_image_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="2 image placeholder tokens|4 image placeholder"):
+        llm.generate({"prompt": TEXT_1, "multi_modal_data": {"image": [_image(1)] * 2}})
+    with pytest.raises(ValueError, match="more than the limit of 2"):
+        llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [_image(1)] * 3}})
+    with pytest.raises(ValueError, match="4 image placeholder tokens for 0 images"):
+        llm.generate({"prompt": TEXT_1})
