@@ -432,7 +432,8 @@ class EngineArgs:
             raise ValueError(
                 f"quantization: {self.quantization!r} is not one of {', '.join(known)}"
             )
-        image_limit(self.limit_mm_per_prompt)  # ValueError naming a bad value
+        # N, {"image": N} or either as text: kept as N
+        object.__setattr__(self, "limit_mm_per_prompt", image_limit(self.limit_mm_per_prompt))
         if self.runner not in RUNNERS:
             raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
         backend = self.attention_backend
@@ -546,7 +547,7 @@ class EngineArgs:
 
     def mm_config(self) -> MultiModalConfig:
         return MultiModalConfig(
-            limit_images_per_prompt=image_limit(self.limit_mm_per_prompt),
+            limit_images_per_prompt=self.limit_mm_per_prompt,
             encoder_cache_images=self.encoder_cache_images,
         )
 

@@ -50,6 +50,8 @@ CLI_CASES = {
     "compile_cache_dir": (["--compile-cache-dir", "/tmp/xla-cache"], "/tmp/xla-cache"),
     "enable_lora": (["--enable-lora"], True),
     "max_loras": (["--max-loras", "3"], 3),
+    "limit_mm_per_prompt": (["--limit-mm-per-prompt", '{"image": 2}'], 2),
+    "encoder_cache_images": (["--encoder-cache-images", "5"], 5),
     "max_lora_rank": (["--max-lora-rank", "32"], 32),
     "lora_modules": (["--lora-modules", "a=/x", "b=/y"], ["a=/x", "b=/y"]),
     "speculative_config": (
