@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from jaxpaged.engine.images import chat_images
 from jaxpaged.engine.protocol import EngineAsleepError, EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -421,9 +422,10 @@ class Frontend:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
-    ) -> list[int]:
+        tokenize: bool = True,
+    ) -> Any:
         """Token ids of a conversation under the chat template, ready for the reply (the same
-        ids as ``LLM.chat`` uses). ``template_kwargs`` become variables of the template (the
+        ids as ``LLM.chat`` uses); ``tokenize=False``: the rendered text. ``template_kwargs`` become variables of the template (the
         request's ``chat_template_kwargs``, e.g. ``enable_thinking``). ``tools`` and tool turns
         go to the template, or into the messages where it does not render them
         (serving/tool_prompt.py)."""
@@ -446,7 +448,7 @@ class Frontend:
             ids = self.engine.tokenizer.apply_chat_template(
                 list(messages),
                 add_generation_prompt=add_generation_prompt,
-                tokenize=True,
+                tokenize=tokenize,
                 chat_template=self.config.chat_template,
                 **template_kwargs,
             )
@@ -454,9 +456,33 @@ class Frontend:
             raise InvalidRequest(
                 f"messages: cannot apply the chat template: {e}", param="messages"
             ) from e
+        if not tokenize:
+            return ids
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+    async def chat_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> Any:
+        """The engine prompt of a conversation: its token ids (``render_chat``), or with
+        image parts the rendered text and the decoded images (engine/images.py), decoded off
+        the event loop; InvalidRequest (400) for an image that is malformed, truncated, too
+        large, 0 x 0 or of another format, before anything reaches the engine."""
+        try:
+            template_messages, images = await asyncio.to_thread(chat_images, messages)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="messages") from None
+        if not images:
+            return self.render_chat(messages, template_kwargs=template_kwargs, tools=tools)
+        text = self.render_chat(
+            template_messages, template_kwargs=template_kwargs, tools=tools, tokenize=False
+        )
+        return {"prompt": text, "add_special_tokens": False, "multi_modal_data": {"image": images}}
 
     def _template_tool_support(self) -> TemplateToolSupport:
         if self._tool_support is None:

@@ -14,29 +14,98 @@ and normalizes with the mean and std of ``preprocessor_config.json``; a prompt's
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import io
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxpaged.models.image_spec import ImageSpec
-from jaxpaged.sched.images import ImageItem
-from jaxpaged.worker.images import content_hash
+from jaxpaged.sched.images import ImageItem, content_hash
 
 __all__ = [
     "FORMATS",
     "ImagePrompts",
     "decode_image",
+    "chat_images",
+    "decode_data_url",
     "image_spec_from_folder",
     "preprocess",
+    "split_prompt",
 ]
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # what decode_image accepts
 MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # width x height of one image, checked before decoding
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image's encoded bytes
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,", re.IGNORECASE)
+
+
+def decode_data_url(url: str, *, max_bytes: int = MAX_IMAGE_BYTES) -> Any:  # PIL.Image.Image
+    """The image of a ``data:image/{png,jpeg,webp};base64,...`` URL; ValueError for another
+    kind of URL (fetching http(s) images is not supported), bad base64, more than
+    ``max_bytes`` bytes, or an image :func:`decode_image` refuses. The error never quotes
+    the data."""
+    if not isinstance(url, str):
+        raise ValueError("image_url: the url must be a string")
+    m = _DATA_URL.match(url)
+    if m is None:
+        scheme = url.split(":", 1)[0][:16] if ":" in url else "no scheme"
+        if scheme.lower() in ("http", "https"):
+            raise ValueError("image_url: fetching http(s) images is disabled; send a data URL")
+        raise ValueError(
+            "image_url: only data:image/png, image/jpeg or image/webp ;base64 URLs are "
+            f"supported (got {scheme!r})"
+        )
+    body = url[m.end() :]
+    if len(body) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ValueError(f"image_url: the image is larger than {max_bytes} bytes")
+    try:
+        data = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("image_url: the data URL is not valid base64") from None
+    return decode_image(data)
+
+
+def chat_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(the messages as multimodal chat templates take them, their images in order) of chat
+    messages whose content may list parts: {"type": "text", "text"}, {"type": "image_url",
+    "image_url": {"url": data URL} or the URL}, {"type": "image" or "image_pil", ...: a PIL
+    image}. Each image part becomes {"type": "image"}; messages without images stay as
+    they are."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list) or not any(
+            isinstance(p, Mapping) and p.get("type") != "text" for p in content
+        ):
+            out.append(dict(m) if isinstance(m, Mapping) else m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text", "")})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, Mapping) else url
+                images.append(decode_data_url(url))
+                parts.append({"type": "image"})
+            elif kind in ("image", "image_pil"):
+                images.append(part.get(kind))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(
+                    f"messages[{i}].content[{j}]: unsupported part type {kind!r} (text, "
+                    "image_url, image, image_pil)"
+                )
+        out.append({**m, "content": parts})
+    return out, images
 
 
 def decode_image(
@@ -50,12 +119,10 @@ def decode_image(
 
     try:
         image = Image.open(io.BytesIO(data), formats=list(formats))
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as e:
-        kind = "too large" if isinstance(e, Image.DecompressionBombError) else "not"
-        raise ValueError(
-            f"image: {kind} a valid {'/'.join(formats)} image" if kind == "not" else
-            f"image: too many pixels (limit {max_pixels})"
-        ) from None  # fmt: skip
+    except Image.DecompressionBombError:  # Pillow's own process-wide bound, far above ours
+        raise ValueError(f"image: too many pixels, more than the limit of {max_pixels}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        raise ValueError(f"image: not a valid {'/'.join(formats)} image") from None
     w, h = image.size
     if w < 1 or h < 1:
         raise ValueError(f"image: {w} x {h} pixels; an image needs at least 1 x 1")
@@ -163,8 +230,10 @@ class ImagePrompts:
 
 def split_prompt(prompt: Mapping[str, Any]) -> tuple[Any, list[Any]]:
     """(text or token ids, images) of a dict prompt ``{"prompt": text}`` or
-    ``{"prompt_token_ids": ids}`` with ``"multi_modal_data": {"image": image or list}``."""
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    ``{"prompt_token_ids": ids}`` with ``"multi_modal_data": {"image": image or list}``
+    (and ``"add_special_tokens"``: False for a text rendered by a chat template, which
+    writes them itself)."""
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "add_special_tokens"}
     if unknown:
         raise ValueError(f"prompt: unknown keys {sorted(unknown)}")
     if ("prompt" in prompt) == ("prompt_token_ids" in prompt):

@@ -73,14 +73,18 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
         self.logits_processors = tuple(logits_processors)  # their names
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: Prompt, *, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text or ids; text prompts get the tokenizer's
-        special tokens (BOS where the model uses one)."""
+        special tokens (BOS where the model uses one) unless ``add_special_tokens`` is off."""
         if isinstance(prompt, str):
             if not prompt:  # before tokenizing: a tokenizer may add BOS to nothing
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            if not add_special_tokens:
+                return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
@@ -132,15 +136,16 @@ class InputProcessor:
                 self.images.images(ids, [])  # placeholders with no image: refused
             return text, ids, ()
         body, images = split_prompt(prompt)
+        special = bool(prompt.get("add_special_tokens", True))
         if self.images is None:
             if images:
                 raise ValueError("multi_modal_data: this model takes no images")
-            text, ids = self.tokenize(body)
+            text, ids = self.tokenize(body, add_special_tokens=special)
             return text, ids, ()
         if isinstance(body, str):
             if not body:
                 raise ValueError("prompt must not be empty")
-            text, ids = self.tokenize(self.images.expand(body))
+            _, ids = self.tokenize(self.images.expand(body), add_special_tokens=special)
             text = body
         else:
             text, ids = self.tokenize(body)

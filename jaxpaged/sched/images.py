@@ -6,10 +6,19 @@ the runner reads."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ImageItem", "image_key_slice"]
+__all__ = ["ImageItem", "content_hash", "image_key_slice"]
+
+
+def content_hash(pixels: Any) -> str:  # pixels: a numpy array
+    """The sha256 hex of an image's preprocessed pixels (C order) with their dtype and
+    shape."""
+    h = hashlib.sha256(f"{pixels.dtype.str}{tuple(pixels.shape)}".encode())
+    h.update(pixels.tobytes())
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

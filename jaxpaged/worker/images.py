@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -35,15 +34,7 @@ from jaxpaged.sched.output import ScheduledSeq, SchedulerOutput
 from jaxpaged.worker.buckets import pow2_ladder
 from jaxpaged.worker.engine_jit import engine_jit
 
-__all__ = ["ImageEncoder", "content_hash", "min_image_slots"]
-
-
-def content_hash(pixels: np.ndarray) -> str:
-    """The sha256 hex of an image's preprocessed pixels and their shape and dtype."""
-    a = np.ascontiguousarray(pixels)
-    h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
-    h.update(a.tobytes())
-    return h.hexdigest()
+__all__ = ["ImageEncoder", "min_image_slots"]
 
 
 def min_image_slots(

@@ -5,8 +5,13 @@ multimodal tests of one process."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 import pytest
+
+# the serving tests' harness (a server on loopback ports in a thread)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "serving"))
 
 VOCAB = 128
 BOI, EOI, IMAGE = 125, 126, 127  # <start_of_image>, <end_of_image>, <image_soft_token>
