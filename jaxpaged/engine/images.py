@@ -136,7 +136,8 @@ def decode_image(
 
 
 def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
-    """An image (PIL) as the model's normalized pixels, channels first."""
+    """An image (PIL) as the model's normalized pixels, channels first: RGB (transparency
+    composited over white), resized, rescaled to [0, 1] and normalized."""
     from PIL import Image
 
     if not isinstance(image, Image.Image):
@@ -144,7 +145,14 @@ def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
     w, h = image.size
     if w < 1 or h < 1:
         raise ValueError(f"image: {w} x {h} pixels; an image needs at least 1 x 1")
-    rgb = image.convert("RGB").resize((spec.size, spec.size), Image.Resampling.BILINEAR)
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        # transparency over white, as transformers' convert_to_rgb
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        rgb = Image.alpha_composite(white, rgba).convert("RGB")
+    else:
+        rgb = image.convert("RGB")
+    rgb = rgb.resize((spec.size, spec.size), Image.Resampling.BILINEAR)
     x = np.asarray(rgb, np.float32) * np.float32(1 / 255)
     x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)

@@ -47,9 +47,7 @@ def llm(tiny_vl):
     engine.engine.close()
 
 
-TEXT_1 = (
-    "<bos><start_of_turn>user w1 w2 w3 <start_of_image> w4 w5<end_of_turn> <start_of_turn>model "
-)
+TEXT_1 = "<bos><start_of_turn>user w1 w2 <start_of_image> w4 w5<end_of_turn> <start_of_turn>model "
 TEXT_2 = "<bos>w6 <start_of_image> w7 <start_of_image> w8 w9"
 TEXT_ONLY = "<bos>w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21"
 
@@ -59,6 +57,8 @@ def test_greedy_matches_transformers_batched_chunked_cached(tiny_vl, llm):
     cases = [(TEXT_1, [a]), (TEXT_2, [b, c]), (TEXT_ONLY, []), (TEXT_1, [b])]
     prompts = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in cases]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # the first prompt's first step (8 tokens) ends inside its image: positions 7 | 8..10
+    assert outs[0].prompt_token_ids.index(127) == 7
     for (text, images), out in zip(cases, outs, strict=True):
         ids, want = _hf_greedy(tiny_vl, text, images)
         assert list(out.prompt_token_ids) == ids  # the processor's expansion
