@@ -13,7 +13,7 @@ from PIL import Image
 
 from jaxpaged import LLM, SamplingParams
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
 def _image(seed: int, size=(40, 52)) -> Image.Image:
@@ -21,9 +21,10 @@ def _image(seed: int, size=(40, 52)) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
-def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int]]:
-    """(prompt ids, greedy ids) of transformers on the processor's outputs (no token types:
-    causal attention over the image tokens, as jaxpaged's paged attention computes it)."""
+def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int], np.ndarray]:
+    """(prompt ids, greedy ids, log-probabilities [steps, V]) of transformers on the
+    processor's outputs (no token types: causal attention over the image tokens, as
+    jaxpaged's paged attention computes it; see docs/multimodal.md)."""
     p = tiny_vl.processor
     inputs = p(text=text, images=images or None, return_tensors="pt")
     kw = {"pixel_values": inputs["pixel_values"]} if images else {}
@@ -31,9 +32,11 @@ def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int]]:
         out = tiny_vl.hf.generate(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **kw,
             max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None,
+            output_scores=True, return_dict_in_generate=True,
         )  # fmt: skip
     n = inputs["input_ids"].shape[1]
-    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+    logprobs = torch.log_softmax(torch.cat(out.scores).float(), -1).numpy()
+    return inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(), logprobs
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +63,13 @@ def test_greedy_matches_transformers_batched_chunked_cached(tiny_vl, llm):
     # the first prompt's first step (8 tokens) ends inside its image: positions 7 | 8..10
     assert outs[0].prompt_token_ids.index(127) == 7
     for (text, images), out in zip(cases, outs, strict=True):
-        ids, want = _hf_greedy(tiny_vl, text, images)
+        ids, want, logprobs = _hf_greedy(tiny_vl, text, images)
         assert list(out.prompt_token_ids) == ids  # the processor's expansion
         assert list(out.outputs[0].token_ids) == want
+        for got, ref in zip(out.outputs[0].logprobs, logprobs, strict=True):
+            top = np.argsort(-ref)[:3]
+            assert list(got.top) == top.tolist()
+            np.testing.assert_allclose(list(got.top.values()), ref[top], atol=2e-4)
     # the same text with another image gives other tokens (the features reach the decoder)
     assert outs[0].outputs[0].token_ids != outs[3].outputs[0].token_ids
     images = llm.engine.runner.images
@@ -83,6 +90,7 @@ def test_greedy_matches_transformers_batched_chunked_cached(tiny_vl, llm):
     assert hits_other == offset // 4 * 4 < hits_same
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert list(other[0].outputs[0].token_ids) == _hf_greedy(tiny_vl, TEXT_1, [c])[1]
+    assert list(again[0].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
 
 
