@@ -431,6 +431,15 @@ class Frontend:
         (serving/tool_prompt.py)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        for i, m in enumerate(messages):
+            parts = m.get("content")
+            if isinstance(parts, list) and any(
+                isinstance(p, Mapping) and p.get("type") == "image_url" for p in parts
+            ):  # chat_prompt decodes them; elsewhere the template would drop them silently
+                raise InvalidRequest(
+                    "image_url parts are taken by /v1/chat/completions only",
+                    param=f"messages.{i}.content",
+                )
         template_kwargs = dict(template_kwargs or {})
         reserved = sorted(set(template_kwargs) & _RESERVED_TEMPLATE_ARGS)
         if reserved:

@@ -13,6 +13,7 @@ import re
 import struct
 import zlib
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -147,6 +148,9 @@ def test_bad_images_are_refused_with_400(served, caplog):
         three = [{"type": "image_url", "image_url": {"url": served.urls["PNG"]}}] * 3
         with pytest.raises(openai.BadRequestError, match="more than the limit of 2"):
             client.chat.completions.create(model="tiny-vl", max_tokens=2, messages=_chat(three))
+        # /tokenize renders no images: refused, not dropped
+        r = httpx.post(served.http + "/tokenize", json={"messages": _chat(three[:1])})
+        assert r.status_code == 400 and "chat/completions only" in r.text
     payload = served.urls["PNG"].split(",", 1)[1]
     assert (
         payload[40:80] not in caplog.text and base64.b64encode(png[:30]).decode() not in caplog.text
