@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from jaxpaged.engine.images import chat_images
+from jaxpaged.engine.images import MAX_IMAGE_BYTES, chat_images
 from jaxpaged.engine.protocol import EngineAsleepError, EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.media import fetch_image_bytes
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
 from jaxpaged.serving.reasoning import REASONING_PARSERS
 from jaxpaged.serving.tool_parsers import TOOL_CALL_PARSERS
@@ -146,6 +148,10 @@ class ServingConfig:
     allow_runtime_lora_updating: bool = False
     # Responses API: how many stored responses are kept (least recently used evicted first)
     responses_store_size: int = 1024
+    # hosts whose http(s) image URLs chat requests may name (empty: fetching is off), and
+    # the time one fetch may take in all (serving/media.py)
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
@@ -482,8 +488,16 @@ class Frontend:
         image parts the rendered text and the decoded images (engine/images.py), decoded off
         the event loop; InvalidRequest (400) for an image that is malformed, truncated, too
         large, 0 x 0 or of another format, before anything reaches the engine."""
+        fetch = None
+        if self.config.allowed_media_domains:
+            fetch = functools.partial(
+                fetch_image_bytes,
+                allowed_domains=self.config.allowed_media_domains,
+                timeout=self.config.media_fetch_timeout,
+                max_bytes=MAX_IMAGE_BYTES,
+            )
         try:
-            template_messages, images = await asyncio.to_thread(chat_images, messages)
+            template_messages, images = await asyncio.to_thread(chat_images, messages, fetch)
         except ValueError as e:
             raise InvalidRequest(str(e), param="messages") from None
         if not images:

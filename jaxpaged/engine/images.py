@@ -21,7 +21,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,18 +46,25 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image's encoded bytes
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,", re.IGNORECASE)
 
 
-def decode_data_url(url: str, *, max_bytes: int = MAX_IMAGE_BYTES) -> Any:  # PIL.Image.Image
-    """The image of a ``data:image/{png,jpeg,webp};base64,...`` URL; ValueError for another
-    kind of URL (fetching http(s) images is not supported), bad base64, more than
-    ``max_bytes`` bytes, or an image :func:`decode_image` refuses. The error never quotes
-    the data."""
+def decode_data_url(
+    url: str, *, max_bytes: int = MAX_IMAGE_BYTES, fetch: Callable[[str], bytes] | None = None
+) -> Any:  # PIL.Image.Image
+    """The image of a ``data:image/{png,jpeg,webp};base64,...`` URL, or of an http(s) URL
+    that ``fetch`` reads (None: fetching is off, refused); ValueError for another kind of
+    URL, bad base64, more than ``max_bytes`` bytes, or an image :func:`decode_image`
+    refuses. The error never quotes the data."""
     if not isinstance(url, str):
         raise ValueError("image_url: the url must be a string")
     m = _DATA_URL.match(url)
     if m is None:
         scheme = url.split(":", 1)[0][:16] if ":" in url else "no scheme"
         if scheme.lower() in ("http", "https"):
-            raise ValueError("image_url: fetching http(s) images is disabled; send a data URL")
+            if fetch is None:
+                raise ValueError(
+                    "image_url: fetching http(s) images is disabled (the server's "
+                    "--allowed-media-domains); send a data URL"
+                )
+            return decode_image(fetch(url))
         raise ValueError(
             "image_url: only data:image/png, image/jpeg or image/webp ;base64 URLs are "
             f"supported (got {scheme!r})"
@@ -72,12 +79,14 @@ def decode_data_url(url: str, *, max_bytes: int = MAX_IMAGE_BYTES) -> Any:  # PI
     return decode_image(data)
 
 
-def chat_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+def chat_images(
+    messages: Sequence[Mapping[str, Any]], fetch: Callable[[str], bytes] | None = None
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """(the messages as multimodal chat templates take them, their images in order) of chat
     messages whose content may list parts: {"type": "text", "text"}, {"type": "image_url",
     "image_url": {"url": data URL} or the URL}, {"type": "image" or "image_pil", ...: a PIL
     image}. Each image part becomes {"type": "image"}; messages without images stay as
-    they are."""
+    they are. ``fetch``: reads an http(s) image URL (None: such URLs are refused)."""
     out, images = [], []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, Mapping) else None
@@ -94,7 +103,7 @@ def chat_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, A
             elif kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, Mapping) else url
-                images.append(decode_data_url(url))
+                images.append(decode_data_url(url, fetch=fetch))
                 parts.append({"type": "image"})
             elif kind in ("image", "image_pil"):
                 images.append(part.get(kind))

@@ -132,7 +132,8 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
         "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
-        "allow_runtime_lora_updating", "responses_store_size",
+        "allow_runtime_lora_updating", "responses_store_size", "allowed_media_domains",
+        "media_fetch_timeout",
     }  # fmt: skip
 
 

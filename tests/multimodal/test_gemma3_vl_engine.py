@@ -21,7 +21,9 @@ def _image(seed: int, size=(40, 52)) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
-def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int], np.ndarray]:
+def _hf_greedy(
+    tiny_vl, text: str, images: list, max_new_tokens: int = 8
+) -> tuple[list[int], list[int], np.ndarray]:
     """(prompt ids, greedy ids, log-probabilities [steps, V]) of transformers on the
     processor's outputs (no token types: causal attention over the image tokens, as
     jaxpaged's paged attention computes it; see docs/multimodal.md)."""
@@ -31,7 +33,7 @@ def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int], 
     with torch.no_grad():
         out = tiny_vl.hf.generate(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **kw,
-            max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None,
+            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
             output_scores=True, return_dict_in_generate=True,
         )  # fmt: skip
     n = inputs["input_ids"].shape[1]
@@ -42,7 +44,7 @@ def _hf_greedy(tiny_vl, text: str, images: list) -> tuple[list[int], list[int], 
 @pytest.fixture(scope="module")
 def llm(tiny_vl):
     engine = LLM(
-        model=tiny_vl.folder, max_model_len=64, block_size=4, num_kv_blocks=64,
+        model=tiny_vl.folder, max_model_len=64, block_size=4, num_kv_blocks=40,
         max_num_seqs=4, max_num_batched_tokens=8, enable_prefix_caching=True,
         limit_mm_per_prompt={"image": 2}, encoder_cache_images=2,
     )  # fmt: skip
@@ -101,3 +103,17 @@ def test_bad_image_prompts_are_refused(llm):
         llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [_image(1)] * 3}})
     with pytest.raises(ValueError, match="4 image placeholder tokens for 0 images"):
         llm.generate({"prompt": TEXT_1})
+
+
+def test_preempted_image_requests_recompute_exactly(tiny_vl, llm):
+    """Four image prompts running to 40 tokens need 60 blocks of a 40-block pool: some are
+    preempted and recomputed, their images taken from the encoder cache or encoded again."""
+    before = llm.get_metrics()["num_preemptions"]
+    cases = [(TEXT_1, [_image(10 + i)]) for i in range(3)] + [(TEXT_2, [_image(1), _image(2)])]
+    prompts = [{"prompt": t, "multi_modal_data": {"image": im}} for t, im in cases]
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, long, use_tqdm=False)
+    assert llm.get_metrics()["num_preemptions"] > before
+    for (text, images), out in zip(cases, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(tiny_vl, text, images, 40)[1]
+    assert llm.get_metrics()["num_compilations_after_warmup"] == 0

@@ -7,10 +7,13 @@ them, and no image bytes reach the logs."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import logging
 import re
 import struct
+import threading
+import time
 import zlib
 
 import httpx
@@ -83,10 +86,55 @@ def served(tiny_vl):
     chats.append(_chat([{"type": "image", "image": decoded["PNG"]},
                         {"type": "image_url", "image_url": {"url": urls["JPEG"]}}]))  # fmt: skip
     ref = llm.chat(chats, GREEDY, use_tqdm=False)
-    server = ServerThread(AsyncEngine(engine), served_model_name="tiny-vl")
+    media = _MediaServer(_encode(IMAGES["PNG"], "PNG"))
+    server = ServerThread(
+        AsyncEngine(engine), served_model_name="tiny-vl",
+        allowed_media_domains=("127.0.0.1",), media_fetch_timeout=1.0,
+    )  # fmt: skip
     server.urls, server.decoded, server.ref, server.chats = urls, decoded, ref, chats
+    server.media = media
     yield server
     server.stop()
+    media.shutdown()
+
+
+class _MediaServer(http.server.ThreadingHTTPServer):
+    """Images over http on 127.0.0.1: /cat.png, and a redirect, a huge Content-Length,
+    a slow answer and a 404."""
+
+    def __init__(self, png: bytes) -> None:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/cat.png":
+                    self._send(200, {"Content-Length": str(len(png))}, png)
+                elif self.path == "/redirect":
+                    self._send(302, {"Location": "/cat.png", "Content-Length": "0"}, b"")
+                elif self.path == "/huge":
+                    self._send(200, {"Content-Length": str(1 << 40)}, b"")
+                elif self.path == "/slow":
+                    time.sleep(3)
+                    self._send(200, {"Content-Length": str(len(png))}, png)
+                else:
+                    self._send(404, {"Content-Length": "0"}, b"")
+
+            def _send(self, code: int, headers: dict, body: bytes) -> None:
+                self.send_response(code)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.daemon_threads = True
+        threading.Thread(target=outer.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}{path}"
 
 
 def test_offline_chat_matches_transformers(tiny_vl, served):
@@ -121,6 +169,13 @@ def test_openai_client_image_chat_equals_offline(served):
         assert reply.choices[0].message.content == ref.outputs[0].text
         assert reply.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert len({r.outputs[0].text for r in served.ref}) > 1  # the image changes the reply
+    # the PNG again, fetched over http from an allowed host
+    fetched = [{"type": "image_url", "image_url": {"url": served.media.url("/cat.png")}}]
+    reply = client.chat.completions.create(
+        model="tiny-vl", messages=_chat(fetched), max_tokens=6, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].message.content == served.ref[0].outputs[0].text
 
 
 def test_bad_images_are_refused_with_400(served, caplog):
@@ -136,7 +191,11 @@ def test_bad_images_are_refused_with_400(served, caplog):
         (_data_url(gif, "image/png"), "not a valid PNG/JPEG/WEBP"),
         (_data_url(gif, "image/gif"), "only data:image"),
         ("data:image/png;base64,@@@@", "not valid base64"),
-        ("https://example.com/cat.png", "fetching http(s) images is disabled"),
+        ("https://example.com/cat.png", "example.com is not one of the allowed media"),
+        (served.media.url("/redirect"), "HTTP 302 (redirects are not followed)"),
+        (served.media.url("/huge"), "larger than"),
+        (served.media.url("/slow"), "could not fetch from 127.0.0.1"),
+        (served.media.url("/missing"), "HTTP 404"),
     ]
     with caplog.at_level(logging.DEBUG, logger="jaxpaged"):
         for url, why in cases:

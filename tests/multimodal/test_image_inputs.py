@@ -13,7 +13,7 @@ import transformers
 from PIL import Image
 
 from jaxpaged.args import EngineArgs
-from jaxpaged.engine.images import ImagePrompts, decode_data_url, preprocess
+from jaxpaged.engine.images import ImagePrompts, chat_images, decode_data_url, preprocess
 from jaxpaged.models.image_spec import ImageSpec
 
 SPEC = ImageSpec(size=32, mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.4), tokens_per_image=4,
@@ -44,6 +44,10 @@ def test_data_url_bounds():
         decode_data_url(url, max_bytes=16)
     with pytest.raises(ValueError, match="url must be a string"):
         decode_data_url(None)
+    # http(s) URLs are fetched only through a fetcher the server configures
+    with pytest.raises(ValueError, match="fetching http\\(s\\) images is disabled"):
+        chat_images([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])  # fmt: skip
 
 
 def test_placeholders_located_and_checked():
