@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +47,12 @@ def min_image_slots(
 
 @functools.partial(engine_jit, static_argnames=("graphdef",), donate_argnums=(1,))
 def encode_into(
-    params,
+    params: Any,  # the model's state
     cache: jax.Array,  # [C, I, D]
     pixels: jax.Array,  # float32 [B, C_in, H, W]
     slots: jax.Array,  # int32 [B]; -1: padding (not written)
     *,
-    graphdef,
+    graphdef: Any,  # StaticGraph of a module with ``encode_images``
 ) -> jax.Array:  # [C, I, D]
     """Encodes a batch of images into their cache slots."""
     model = nnx.merge(graphdef.graphdef, params)
@@ -67,10 +68,10 @@ class ImageEncoder:
     def __init__(
         self,
         *,
-        graphdef,  # the step's StaticGraph (a module with ``encode_images``)
+        graphdef: Any,  # the step's StaticGraph (a module with ``encode_images``)
         feature_shape: tuple[int, int],  # (I, D)
         pixel_shape: tuple[int, ...],  # (C_in, H, W)
-        dtype,
+        dtype: Any,
         slots: int,
         max_batch: int = 8,
     ) -> None:
@@ -85,7 +86,12 @@ class ImageEncoder:
         self._free = list(range(slots - 1, -1, -1))
         self._images: dict[str, tuple[ImageItem, ...]] = {}  # request id -> its images
         self.num_encoded = 0  # images run through the encoder (cache misses)
-        self.num_hits = 0  # images found in the cache
+        self.num_hits = 0  # (step, image) pairs whose image was already encoded
+
+    def clear(self) -> None:
+        """Forgets every encoded image (new weights encode differently)."""
+        self._slot_of.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
 
     # ------------------------------------------------------------- requests
     def update(self, plan: SchedulerOutput) -> None:
@@ -99,7 +105,7 @@ class ImageEncoder:
                 self._images.pop(data.request_id, None)
 
     # ------------------------------------------------------------- one step
-    def rows(self, params, seqs: Sequence[ScheduledSeq], num_rows: int) -> np.ndarray:
+    def rows(self, params: Any, seqs: Sequence[ScheduledSeq], num_rows: int) -> np.ndarray:
         """Each token row's feature index in the cache (int32 [num_rows], -1: none),
         encoding (with ``params``, the runner's) the images the step reads that the cache
         lacks."""
@@ -128,7 +134,7 @@ class ImageEncoder:
             out[first + a - lo : first + b - lo] = np.arange(a, b, dtype=np.int32) + base
         return out
 
-    def _ensure(self, params, images: Sequence[ImageItem]) -> None:
+    def _ensure(self, params: Any, images: Sequence[ImageItem]) -> None:
         """Every image in the cache; the missing ones encoded, the hits marked recent."""
         keep = {im.content_hash for im in images}
         missing = []
@@ -155,7 +161,7 @@ class ImageEncoder:
                 return self._slot_of.pop(h)
         raise RuntimeError("the encoder cache has no slot to reuse")  # rows() bounds this
 
-    def _encode(self, params, todo: Sequence[tuple[ImageItem, int]]) -> None:
+    def _encode(self, params: Any, todo: Sequence[tuple[ImageItem, int]]) -> None:
         n = next(b for b in self.batch_sizes if b >= len(todo))
         pixels = np.zeros((n, *self.pixel_shape), np.float32)
         slots = np.full(n, -1, np.int32)
@@ -168,7 +174,7 @@ class ImageEncoder:
             pixels[i], slots[i] = im.pixels, slot
         self.cache = self.program(params, self.cache, pixels, slots, graphdef=self.graphdef)
 
-    def warm_up(self, params) -> int:
+    def warm_up(self, params: Any) -> int:
         """Compiles the encoder for every batch size; returns how many programs."""
         for n in self.batch_sizes:
             pixels = np.zeros((n, *self.pixel_shape), np.float32)

@@ -219,6 +219,8 @@ class Runner:
         the old weights. Arrays already where the engine's are stay there (no copy unless
         the platform packs weights into its own layout)."""
         self.params_spec.check(params)
+        if self.images is not None:  # features of the old weights
+            self.images.clear()
         # no huge-page collapse: it costs 1.3-1.8 s per SmolLM2 copy on the dev VM (see
         # kernels/cpu/huge_pages.py) for ~1.8 ms per decode step, a loss for a training loop
         # that swaps weights every few hundred steps
@@ -259,6 +261,7 @@ class Runner:
             self.release_kv()
         self.release_params()
         self.programs.close()
+        self.images = None  # the encoder cache and its program
         if self.drafter is not None:
             self.drafter.runner.close()
 

@@ -117,3 +117,24 @@ def test_preempted_image_requests_recompute_exactly(tiny_vl, llm):
     for (text, images), out in zip(cases, outs, strict=True):
         assert list(out.outputs[0].token_ids) == _hf_greedy(tiny_vl, text, images, 40)[1]
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+
+
+def test_new_weights_reencode_cached_images(tiny_vl, llm):
+    """update_weights forgets the encoded images: an image encoded under the old weights
+    gives transformers' tokens under the new ones (the projection negated)."""
+    from jaxpaged.models import load_model
+
+    prompt = {"prompt": TEXT_1, "multi_modal_data": {"image": _image(1)}}
+    llm.generate(prompt, GREEDY, use_tqdm=False)  # image 1 is in the cache
+    _, params = load_model(tiny_vl.folder, dtype="float32", progress=False)
+    params["projector"]["proj"] = -params["projector"]["proj"]
+    weight = tiny_vl.hf.model.multi_modal_projector.mm_input_projection_weight
+    llm.update_weights(params)
+    with torch.no_grad():
+        weight.neg_()
+    try:
+        want = _hf_greedy(tiny_vl, TEXT_1, [_image(1)])[1]
+    finally:
+        with torch.no_grad():
+            weight.neg_()
+    assert list(llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == want
