@@ -16,6 +16,7 @@ class ImageSpec:
     size: int  # images are resized to size x size
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale: float = 1 / 255  # pixel values are multiplied by it before normalizing
     tokens_per_image: int = 256
     image_token_id: int = 262144  # the placeholder the features replace
     boi_token: str = "<start_of_image>"  # what a prompt writes for an image

@@ -162,14 +162,15 @@ def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
     else:
         rgb = image.convert("RGB")
     rgb = rgb.resize((spec.size, spec.size), Image.Resampling.BILINEAR)
-    x = np.asarray(rgb, np.float32) * np.float32(1 / 255)
+    x = np.asarray(rgb, np.float32) * np.float32(spec.rescale)
     x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
 
 
 def image_spec_from_folder(spec: ImageSpec, folder: str | os.PathLike | None) -> ImageSpec:
-    """``spec`` with the mean, std and size of the folder's image processor config
-    (preprocessor_config.json, or processor_config.json's "image_processor"), if any."""
+    """``spec`` with the size, rescale factor, mean and std of the folder's image processor
+    config (preprocessor_config.json, or processor_config.json's "image_processor"), if
+    any; ValueError for a setting :func:`preprocess` does not reproduce."""
     if folder is None:
         return spec
     for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):  # fmt: skip  # noqa: E501
@@ -191,11 +192,18 @@ def image_spec_from_folder(spec: ImageSpec, folder: str | os.PathLike | None) ->
             )
         if d.get("do_pan_and_scan"):
             raise ValueError(f"{name}: do_pan_and_scan is not supported")
+        if d.get("resample", 2) != 2 or d.get("do_resize") is False:
+            raise ValueError(f"{name}: only bilinear resizing (resample 2) is supported")
+        normalize = d.get("do_normalize", True)
+        rescale = d.get("rescale_factor", spec.rescale) if d.get("do_rescale", True) else 1.0
         return dataclasses.replace(
             spec,
             size=int(side),
-            mean=tuple(float(v) for v in d.get("image_mean", spec.mean)),
-            std=tuple(float(v) for v in d.get("image_std", spec.std)),
+            mean=tuple(float(v) for v in d.get("image_mean", spec.mean))
+            if normalize
+            else (0.0,) * 3,
+            std=tuple(float(v) for v in d.get("image_std", spec.std)) if normalize else (1.0,) * 3,
+            rescale=float(rescale),
         )
     return spec
 

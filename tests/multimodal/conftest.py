@@ -84,8 +84,8 @@ def build_tiny_vl(folder: str) -> TinyVL:
         proj.mm_input_projection_weight.normal_(0, 0.3)
         proj.mm_soft_emb_norm.weight.normal_(0, 0.3)
     hf.save_pretrained(folder)
-    images = transformers.Gemma3ImageProcessor(
-        size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    images = transformers.Gemma3ImageProcessor(  # mean and std as the engine must read them
+        size={"height": 32, "width": 32}, image_mean=[0.48, 0.45, 0.4], image_std=[0.26, 0.27, 0.28]
     )
     processor = transformers.Gemma3Processor(
         image_processor=images, tokenizer=_tokenizer(), chat_template=CHAT_TEMPLATE,

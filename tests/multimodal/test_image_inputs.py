@@ -71,3 +71,20 @@ def test_limit_mm_per_prompt_forms():
     for bad, why in (({"video": 1}, "only 'image'"), (0, ">= 1"), ("x", "neither N nor JSON")):
         with pytest.raises(ValueError, match=why):
             EngineArgs(limit_mm_per_prompt=bad)
+
+
+def test_processor_config_read_or_refused(tmp_path):
+    import json
+
+    from jaxpaged.engine.images import image_spec_from_folder
+
+    config = {"size": {"height": 32, "width": 32}, "image_mean": [0.1, 0.2, 0.3],
+              "image_std": [0.4, 0.5, 0.6], "rescale_factor": 0.5, "resample": 2}  # fmt: skip
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    spec = image_spec_from_folder(SPEC, tmp_path)
+    assert (spec.mean, spec.std, spec.rescale) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6), 0.5)
+    for bad, why in (({"resample": 3}, "bilinear"), ({"size": {"height": 64, "width": 64}},
+                     "differs from the vision tower"), ({"do_pan_and_scan": True}, "pan_and_scan")):  # fmt: skip
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(ValueError, match=why):
+            image_spec_from_folder(SPEC, tmp_path)
