@@ -175,7 +175,7 @@ def step(
     kernels: StepKernels = XLA_KERNELS,
     logits_processors: tuple[LogitsProcessor, ...] = (),
     lora_weights: dict[str, tuple[jax.Array, jax.Array]] | None = None,
-    image_cache: jax.Array | None = None,
+    image_cache: jax.Array | None = None,  # [C, I, D] encoded images (jaxpaged.worker.images)
 ) -> tuple[StepOutput, KVPool, sampler.SeqState]:
     """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
     docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
