@@ -214,3 +214,30 @@ def test_bad_images_are_refused_with_400(served, caplog):
     assert (
         payload[40:80] not in caplog.text and base64.b64encode(png[:30]).decode() not in caplog.text
     )
+
+
+def test_responses_input_image_equals_chat(served):
+    """The Responses API's input_image parts take the chat path: the same text and prompt
+    tokens as /v1/chat/completions for the same conversation."""
+    client = openai.OpenAI(base_url=served.http + "/v1", api_key="x", max_retries=0)
+    url = served.urls["WEBP"]
+    chat = client.chat.completions.create(
+        model="tiny-vl", max_tokens=6, temperature=0.0,
+        messages=_chat([{"type": "image_url", "image_url": {"url": url}}]),
+    )  # fmt: skip
+    reply = client.responses.create(
+        model="tiny-vl", max_output_tokens=6, temperature=0.0, store=False,
+        input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "w1 w2 "}, {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": " w3"}]}],
+    )  # fmt: skip
+    assert reply.output_text == chat.choices[0].message.content
+    assert (
+        reply.usage.input_tokens == chat.usage.prompt_tokens == len(served.ref[2].prompt_token_ids)
+    )
+    with pytest.raises(openai.BadRequestError, match="not a valid"):
+        client.responses.create(
+            model="tiny-vl", max_output_tokens=2, store=False,
+            input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": _data_url(b"not an image")}]}],
+        )  # fmt: skip
