@@ -16,6 +16,7 @@ import threading
 import time
 import zlib
 
+import anthropic
 import httpx
 import numpy as np
 import openai
@@ -216,9 +217,9 @@ def test_bad_images_are_refused_with_400(served, caplog):
     )
 
 
-def test_responses_input_image_equals_chat(served):
-    """The Responses API's input_image parts take the chat path: the same text and prompt
-    tokens as /v1/chat/completions for the same conversation."""
+def test_responses_and_messages_images_equal_chat(served):
+    """The Responses API's input_image parts and Anthropic's image blocks take the chat
+    path: the same text and prompt tokens as /v1/chat/completions for the same turn."""
     client = openai.OpenAI(base_url=served.http + "/v1", api_key="x", max_retries=0)
     url = served.urls["WEBP"]
     chat = client.chat.completions.create(
@@ -241,3 +242,15 @@ def test_responses_input_image_equals_chat(served):
             input=[{"role": "user", "content": [
                 {"type": "input_image", "image_url": _data_url(b"not an image")}]}],
         )  # fmt: skip
+
+    b64 = served.urls["WEBP"].split(",", 1)[1]
+    message = anthropic.Anthropic(base_url=served.http, api_key="x", max_retries=0).messages.create(
+        model="tiny-vl", max_tokens=6, extra_body={"temperature": 0.0},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "w1 w2 "},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/webp", "data": b64}},
+            {"type": "text", "text": " w3"}]}],
+    )  # fmt: skip
+    assert message.content[0].text == chat.choices[0].message.content
+    usage = message.usage  # Anthropic leaves the prefix cache's tokens out of input_tokens
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
