@@ -254,3 +254,37 @@ def test_responses_and_messages_images_equal_chat(served):
     assert message.content[0].text == chat.choices[0].message.content
     usage = message.usage  # Anthropic leaves the prefix cache's tokens out of input_tokens
     assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+
+
+def test_grpc_chat_image_bytes_equal_chat(served):
+    """gRPC chat messages carry image bytes (placed before the text): the same text as the
+    chat API's image-then-text message; bad bytes are INVALID_ARGUMENT."""
+    import grpc
+
+    from jaxpaged.serving import generation_pb2 as pb
+    from jaxpaged.serving import generation_pb2_grpc as pb_grpc
+
+    client = openai.OpenAI(base_url=served.http + "/v1", api_key="x", max_retries=0)
+    url = served.urls["JPEG"]
+    chat = client.chat.completions.create(
+        model="tiny-vl", max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "w1 w2"}]}],
+    )  # fmt: skip
+    data = base64.b64decode(url.split(",", 1)[1])
+
+    def request(images: list[bytes]) -> pb.GenerateRequest:
+        message = pb.ChatMessage(role="user", content="w1 w2", images=images)
+        return pb.GenerateRequest(
+            chat=pb.Chat(messages=[message]),
+            sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        )
+
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        msgs = list(stub.Generate(request([data]), timeout=120))
+        assert "".join(d.text for m in msgs for d in m.outputs) == chat.choices[0].message.content
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([b"not an image"]), timeout=120))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid" in e.value.details()
