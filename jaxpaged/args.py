@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ from jaxpaged.config import (
     SCHEDULING_POLICIES,
     CacheConfig,
     LoraConfig,
+    MultiModalConfig,
     ParallelConfig,
     ProcessConfig,
     SchedulerConfig,
@@ -415,6 +417,20 @@ class EngineArgs:
         parse=speculative_json,
         metavar="JSON",
     )
+    limit_mm_per_prompt: int | dict[str, int] | str = _setting(
+        4,
+        'most images in one prompt of a vision-language model: N, or vLLM\'s JSON {"image": N}',
+        "--limit-mm-per-prompt",
+        parse=str,
+        metavar="N|JSON",
+    )
+    encoder_cache_images: int = _setting(
+        16,
+        "encoded images a vision-language model's encoder cache keeps beyond the most one "
+        "step reads (a resent image is not encoded again)",
+        "--encoder-cache-images",
+        parse=int,
+    )
     logits_processors: tuple[Any, ...] = _setting(
         (),
         "jittable logits processors (jaxpaged.worker.logits_processors.LogitsProcessor) that "
@@ -427,6 +443,8 @@ class EngineArgs:
             raise ValueError(
                 f"quantization: {self.quantization!r} is not one of {', '.join(known)}"
             )
+        # N, {"image": N} or either as text: kept as N
+        object.__setattr__(self, "limit_mm_per_prompt", image_limit(self.limit_mm_per_prompt))
         if self.runner not in RUNNERS:
             raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
         backend = self.attention_backend
@@ -538,6 +556,12 @@ class EngineArgs:
             fit_prefill_to_buckets=self.fit_prefill_to_buckets,
         )
 
+    def mm_config(self) -> MultiModalConfig:
+        return MultiModalConfig(
+            limit_images_per_prompt=self.limit_mm_per_prompt,
+            encoder_cache_images=self.encoder_cache_images,
+        )
+
     def lora_config(self) -> LoraConfig:
         return LoraConfig(
             enable_lora=self.enable_lora,
@@ -558,6 +582,28 @@ class EngineArgs:
             configure_process=self.configure_process,
             compile_cache_dir=os.fspath(cache) if isinstance(cache, os.PathLike) else cache,
         )
+
+
+def image_limit(value: int | Mapping[str, int] | str) -> int:
+    """The images-per-prompt limit of ``limit_mm_per_prompt``: an int, ``{"image": N}``,
+    or either as text (the command line)."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(
+                f'limit_mm_per_prompt: {value!r} is neither N nor JSON {{"image": N}}'
+            ) from None
+    if isinstance(value, Mapping):
+        if set(value) - {"image"}:
+            raise ValueError(f"limit_mm_per_prompt: only 'image' is supported, got {sorted(value)}")
+        value = value.get("image", 4)
+    if not _is_int(value) or value < 1:
+        raise ValueError(
+            f"limit_mm_per_prompt: images per prompt must be an int >= 1, got {value!r}"
+        )
+    return int(value)
 
 
 class _GivenOnce(argparse.Action):

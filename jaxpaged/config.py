@@ -110,6 +110,23 @@ class CacheConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MultiModalConfig:
+    """Images of a vision-language model: at most ``limit_images_per_prompt`` per prompt;
+    the encoder cache keeps ``encoder_cache_images`` encoded images beyond the most that one
+    step reads (jaxpaged.worker.images)."""
+
+    limit_images_per_prompt: int = 4
+    encoder_cache_images: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("limit_images_per_prompt", "encoder_cache_images"):
+            value = getattr(self, name)
+            least = 1 if name.startswith("limit") else 0
+            if not _is_int(value) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Per-step limits. ``max_num_batched_tokens`` is the step's token budget (prefill chunks
     plus one token per decode); ``max_num_seqs`` bounds the running requests, hence the

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.args import EngineArgs
 from jaxpaged.engine import LLMEngine, Prompt
+from jaxpaged.engine.images import chat_images
 from jaxpaged.engine.pooling import PoolingEngine
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
@@ -34,7 +35,7 @@ def _is_token_ids(x: object) -> bool:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
+    if isinstance(prompts, (str, Mapping)) or (_is_token_ids(prompts) and len(prompts) > 0):
         return [prompts]  # type: ignore[list-item]
     if not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
@@ -185,18 +186,34 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to each conversation, then generates."""
+        """Applies the tokenizer's chat template to each conversation, then generates. A
+        message's content may list parts: text, and images of a vision-language model
+        (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` or
+        ``{"type": "image", "image": PIL.Image}``)."""
         self._need_runner("generate", "chat")
         if messages and isinstance(messages[0], Mapping):
             conversations = [messages]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
-        prompts = [
-            self.apply_chat_template(
-                c, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        prompts: list[Prompt] = []
+        for c in conversations:
+            template_messages, images = chat_images(c)
+            if not images:
+                prompts.append(
+                    self.apply_chat_template(
+                        c, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                    )
+                )
+                continue
+            text = self.tokenizer.apply_chat_template(
+                template_messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
-            for c in conversations
-        ]
+            prompts.append(
+                {"prompt": text, "add_special_tokens": False, "multi_modal_data": {"image": images}}
+            )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(

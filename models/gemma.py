@@ -275,10 +275,14 @@ class GemmaForCausalLM(nnx.Module):
     tied embedding (int8 weights quantize it, a native matmul packs it: see
     `linear.map_matmul_weights`)."""
 
+    model_types: tuple[str, ...] = MODEL_TYPES  # the configs it runs
+
     def __init__(
         self, config: ModelConfig, *, dtype: Any = jnp.float32, lm_head: bool = False
     ) -> None:
-        if config.model_type not in MODEL_TYPES or len(config.layer_types) != (config.num_layers):
+        if config.model_type not in self.model_types or len(config.layer_types) != (
+            config.num_layers
+        ):
             raise ValueError("GemmaForCausalLM needs a gemma2 / gemma3_text config")
         self.config = config
         shapes = param_shapes(config)
@@ -309,18 +313,24 @@ class GemmaForCausalLM(nnx.Module):
         linear_fn: LinearFn | None = None,
         activation_dtype: Any = None,
         lora: LoraInputs | None = None,
+        image_embeds: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, Any]:
         """Final-normed hidden states [T, D] and the cache threaded through every layer;
         ``linear_fn`` does every matmul (None: `linear_xla`). ``activation_dtype``: the
         hidden states' dtype between layers (None: the params'), e.g. float32 where a
         ``linear_fn`` computes bfloat16 weights in float32.
-        ``lora`` adds each token's adapter term after the matmuls it targets."""
+        ``lora`` adds each token's adapter term after the matmuls it targets.
+        ``image_embeds``: (features [T, D], bool [T]) rows that replace the scaled token
+        embeddings where the mask is set (image placeholders, models/gemma3_vl.py)."""
         c = self.config
         embed = self.embed.get_value()
         # a quantized table's rows come back in float32: the float leaves' dtype, as a float
         # table's own
         x = embedding_rows(embed, tokens).astype(self.final_norm[...].dtype)
         x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
+        if image_embeds is not None:
+            features, mask = image_embeds
+            x = jnp.where(mask[:, None], features.astype(x.dtype), x)
         if activation_dtype is not None:
             x = x.astype(activation_dtype)
         layers = self.layers.arrays()

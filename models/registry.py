@@ -30,6 +30,7 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "OPTForCausalLM": "gpt",
         "Gemma2ForCausalLM": "gemma",
         "Gemma3ForCausalLM": "gemma",
+        "Gemma3ForConditionalGeneration": "gemma3_vl",
         "BloomForCausalLM": "bloom",
         "GraniteForCausalLM": "granite",
         "BertModel": "bert",
@@ -41,15 +42,7 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     }
 )
 # Architectures and model types that name a model jaxpaged knows and does not run, and why
-_REFUSED: Mapping[str, str] = MappingProxyType(
-    {
-        "gemma3": "unsupported model_type 'gemma3' (Gemma3ForConditionalGeneration, with a "
-        "vision tower); jaxpaged runs the text-only gemma3_text (Gemma3ForCausalLM)",
-        "Gemma3ForConditionalGeneration": "unsupported architecture "
-        "'Gemma3ForConditionalGeneration' (with a vision tower); jaxpaged runs the text-only "
-        "Gemma3ForCausalLM",
-    }
-)
+_REFUSED: Mapping[str, str] = MappingProxyType({})
 
 
 def _modules() -> tuple[str, ...]:

@@ -32,7 +32,7 @@ REFUSED_FIELDS: dict[str, str] = {
     "workspace_id": "not supported",
 }
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class _Body(_Strict):
@@ -82,6 +82,34 @@ class ToolResultBlock(_Strict):
         return f"Error: {text}" if self.is_error else text
 
 
+class Base64Source(_Strict):
+    type: Literal["base64"]
+    media_type: str  # image/png, image/jpeg or image/webp (the data decides)
+    data: str
+
+    def __repr__(self) -> str:  # never the image's bytes
+        return f"Base64Source({self.media_type}, <{len(self.data)} characters>)"
+
+
+class UrlSource(_Strict):
+    type: Literal["url"]
+    url: str  # fetched only from the server's --allowed-media-domains
+
+
+class ImageBlock(_Strict):
+    """An image of a vision-language model, in a user message."""
+
+    type: Literal["image"]
+    source: Base64Source | UrlSource
+    cache_control: CacheControl | None = None
+
+    def chat_part(self) -> dict[str, Any]:
+        """The chat API's image_url part (serving/frontend.py decodes it)."""
+        src = self.source
+        url = src.url if isinstance(src, UrlSource) else f"data:{src.media_type};base64,{src.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ThinkingBlock(_Strict):
     """Earlier turns' reasoning sent back: left out of the prompt, as chat templates do."""
 
@@ -103,6 +131,7 @@ def _block_tag(block: Any) -> str:
 
 Block = Annotated[
     Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")],
@@ -121,9 +150,19 @@ class Message(_Strict):
             return [{"role": self.role, "content": self.content}]
         out: list[dict[str, Any]] = []
         text, calls = "", []
+        parts: list[dict[str, Any]] = []  # a user turn's text and images, once it has images
         for i, block in enumerate(self.content):
             if isinstance(block, TextBlock):
                 text += block.text
+            elif isinstance(block, ImageBlock):
+                if self.role != "user":
+                    raise InvalidRequest(
+                        "image blocks belong to user messages", param=f"{where}.{i}"
+                    )
+                if text:
+                    parts.append({"type": "text", "text": text})
+                    text = ""
+                parts.append(block.chat_part())
             elif isinstance(block, ToolUseBlock):
                 if self.role != "assistant":
                     raise InvalidRequest(
@@ -141,9 +180,9 @@ class Message(_Strict):
                     raise InvalidRequest(
                         "tool_result blocks belong to user messages", param=f"{where}.{i}"
                     )
-                if text:
-                    out.append({"role": "user", "content": text})
-                    text = ""
+                if text or parts:
+                    out.append(_user(text, parts))
+                    text, parts = "", []
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": block.text()})  # fmt: skip
         if self.role == "assistant":
@@ -152,9 +191,17 @@ class Message(_Strict):
                 if calls:
                     msg["tool_calls"] = calls
                 out.append(msg)
-        elif text or not out:
-            out.append({"role": "user", "content": text})
+        elif text or parts or not out:
+            out.append(_user(text, parts))
         return out
+
+
+def _user(text: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A user chat message of text, or of parts (images) and the text after them."""
+    if not parts:
+        return {"role": "user", "content": text}
+    tail = [{"type": "text", "text": text}] if text else []
+    return {"role": "user", "content": parts + tail}
 
 
 class Tool(_Strict):

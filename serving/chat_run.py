@@ -76,7 +76,15 @@ class ChatRun:
     handle: RequestHandle
     tools: ToolPlan
     reasoning_parser: str | None
-    num_prompt_tokens: int
+    # known when the server tokenized the prompt; None for a prompt with images, which
+    # the engine tokenizes (then the count comes with the outputs)
+    prompt_tokens: int | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
+        return self.handle.totals.num_prompt_tokens
 
     def builder(self) -> ReplyBuilder:
         return ReplyBuilder(self.reasoning_parser, self.tools)
@@ -118,7 +126,12 @@ async def start_chat(
         body, tool_call_parser=cfg.tool_call_parser, auto_enabled=cfg.enable_auto_tool_choice
     )
     params = body.sampling_params(tool_grammar=tools.grammar)
-    prompt = render_prompt(frontend, body)
+    frontend.check_ready()
+    prompt = await frontend.chat_prompt(
+        body.template_messages(),
+        template_kwargs=body.chat_template_kwargs,
+        tools=body.template_tools(),
+    )
     handle = await frontend.open(
         request_id,
         prompt,
@@ -126,4 +139,5 @@ async def start_chat(
         output_kind=output_kind_for(stream=stream),
         lora_name=lora_of(frontend, body.model),
     )
-    return ChatRun(handle, tools, cfg.reasoning_parser, len(prompt))
+    count = len(prompt) if isinstance(prompt, list) else None
+    return ChatRun(handle, tools, cfg.reasoning_parser, count)

@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from jaxpaged.engine.images import MAX_IMAGE_BYTES, chat_images
 from jaxpaged.engine.protocol import EngineAsleepError, EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.media import fetch_image_bytes
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
 from jaxpaged.serving.reasoning import REASONING_PARSERS
 from jaxpaged.serving.tool_parsers import TOOL_CALL_PARSERS
@@ -148,6 +151,10 @@ class ServingConfig:
     # seconds between the log's stats lines (vLLM's throughput and SpecDecoding lines,
     # serving/stats_log.py) while the engine is busy; 0: none (--disable-log-stats)
     log_stats_interval: float = 10.0
+    # hosts whose http(s) image URLs chat requests may name (empty: fetching is off), and
+    # the time one fetch may take in all (serving/media.py)
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
@@ -426,14 +433,24 @@ class Frontend:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
-    ) -> list[int]:
+        tokenize: bool = True,
+    ) -> Any:
         """Token ids of a conversation under the chat template, ready for the reply (the same
-        ids as ``LLM.chat`` uses). ``template_kwargs`` become variables of the template (the
+        ids as ``LLM.chat`` uses); ``tokenize=False``: the rendered text. ``template_kwargs`` become variables of the template (the
         request's ``chat_template_kwargs``, e.g. ``enable_thinking``). ``tools`` and tool turns
         go to the template, or into the messages where it does not render them
         (serving/tool_prompt.py)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        for i, m in enumerate(messages):
+            parts = m.get("content")
+            if isinstance(parts, list) and any(
+                isinstance(p, Mapping) and p.get("type") == "image_url" for p in parts
+            ):  # chat_prompt decodes them; elsewhere the template would drop them silently
+                raise InvalidRequest(
+                    "image_url parts are taken by /v1/chat/completions only",
+                    param=f"messages.{i}.content",
+                )
         template_kwargs = dict(template_kwargs or {})
         reserved = sorted(set(template_kwargs) & _RESERVED_TEMPLATE_ARGS)
         if reserved:
@@ -451,7 +468,7 @@ class Frontend:
             ids = self.engine.tokenizer.apply_chat_template(
                 list(messages),
                 add_generation_prompt=add_generation_prompt,
-                tokenize=True,
+                tokenize=tokenize,
                 chat_template=self.config.chat_template,
                 **template_kwargs,
             )
@@ -459,9 +476,41 @@ class Frontend:
             raise InvalidRequest(
                 f"messages: cannot apply the chat template: {e}", param="messages"
             ) from e
+        if not tokenize:
+            return ids
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+    async def chat_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> Any:
+        """The engine prompt of a conversation: its token ids (``render_chat``), or with
+        image parts the rendered text and the decoded images (engine/images.py), decoded off
+        the event loop; InvalidRequest (400) for an image that is malformed, truncated, too
+        large, 0 x 0 or of another format, before anything reaches the engine."""
+        fetch = None
+        if self.config.allowed_media_domains:
+            fetch = functools.partial(
+                fetch_image_bytes,
+                allowed_domains=self.config.allowed_media_domains,
+                timeout=self.config.media_fetch_timeout,
+                max_bytes=MAX_IMAGE_BYTES,
+            )
+        try:
+            template_messages, images = await asyncio.to_thread(chat_images, messages, fetch)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="messages") from None
+        if not images:
+            return self.render_chat(messages, template_kwargs=template_kwargs, tools=tools)
+        text = self.render_chat(
+            template_messages, template_kwargs=template_kwargs, tools=tools, tokenize=False
+        )
+        return {"prompt": text, "add_special_tokens": False, "multi_modal_data": {"image": images}}
 
     def _template_tool_support(self) -> TemplateToolSupport:
         if self._tool_support is None:

@@ -27,21 +27,24 @@ class ToolCall(_message.Message):
     ) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "images")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
+    images: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(
         self,
         role: str | None = ...,
         content: str | None = ...,
         tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
         tool_call_id: str | None = ...,
+        images: _Iterable[bytes] | None = ...,
     ) -> None: ...
 
 class Tool(_message.Message):

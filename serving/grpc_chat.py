@@ -7,6 +7,7 @@ model, so both APIs accept, refuse and render the same conversations.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from typing import Any
@@ -30,6 +31,15 @@ def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
             param="role",
         )
     out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.images:
+        if m.role != "user":
+            raise InvalidRequest(
+                f"chat.messages[{i}]: only user messages take images", param="images"
+            )
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": _data_url(b)}} for b in m.images
+        ]
+        out["content"] = parts + ([{"type": "text", "text": m.content}] if m.content else [])
     if m.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -38,6 +48,19 @@ def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     return out
+
+
+def _data_url(data: bytes) -> str:
+    """A data URL of image bytes, the chat path's form (engine/images.py reads the format
+    from the data itself; the MIME type named here only has to be one it takes)."""
+    mime = (
+        "image/jpeg"
+        if data[:2] == b"\xff\xd8"
+        else "image/webp"
+        if data[8:12] == b"WEBP"
+        else "image/png"
+    )
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def _tool(i: int, t: pb.Tool) -> dict[str, Any]:
@@ -68,10 +91,11 @@ def _request(chat: pb.Chat) -> ChatCompletionRequest:
     return parse_body(ChatCompletionRequest, json.dumps(body).encode())
 
 
-def chat_prompt(
+async def chat_prompt(
     frontend: Frontend, chat: pb.Chat, params: SamplingParams
-) -> tuple[list[int], SamplingParams, ToolPlan]:
-    """The chat's prompt ids, its params with a forced tool choice's grammar, and its plan."""
+) -> tuple[Any, SamplingParams, ToolPlan]:
+    """The chat's prompt (ids, or with images the engine's prompt dict), its params with a
+    forced tool choice's grammar, and its plan."""
     body = _request(chat)
     cfg = frontend.config
     plan = plan_tools(
@@ -85,7 +109,7 @@ def chat_prompt(
                 param="tool_choice",
             )
         params = dataclasses.replace(params, structured_output=plan.grammar)
-    prompt = frontend.render_chat(body.template_messages(), tools=body.template_tools())
+    prompt = await frontend.chat_prompt(body.template_messages(), tools=body.template_tools())
     return prompt, params, plan
 
 

@@ -210,11 +210,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     "input: one of text, token_ids or chat is required", param="input"
                 )
             if kind == "text":
-                prompt: str | list[int] = request.text
+                prompt: Any = request.text
             elif kind == "token_ids":
                 prompt = list(request.token_ids.ids)
             else:
-                prompt, params, plan = chat_prompt(frontend, request.chat, params)
+                prompt, params, plan = await chat_prompt(frontend, request.chat, params)
                 tools = ChatTools(plan)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             handle = await frontend.open(

@@ -432,7 +432,7 @@ def create_app(frontend: Frontend) -> FastAPI:
         )
         params = body.sampling_params(tool_grammar=tools.grammar)
         frontend.check_ready()
-        prompt = frontend.render_chat(
+        prompt = await frontend.chat_prompt(
             body.template_messages(),
             template_kwargs=body.chat_template_kwargs,
             tools=body.template_tools(),

@@ -327,6 +327,21 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageUrl(_Strict):
+    url: str  # a data:image/{png,jpeg,webp};base64 URL (http(s) fetching is off)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+
+class ImageUrlPart(_Strict):
+    """An image of a vision-language model (OpenAI's ``image_url`` content part)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+    def __repr__(self) -> str:  # never the image's bytes (a validation error may log it)
+        return f"ImageUrlPart(<{len(self.image_url.url)} characters>)"
+
+
 class FunctionDefinition(_Strict):
     name: str
     description: str | None = None
@@ -367,7 +382,7 @@ _NULL_REPLY_FIELDS = ("refusal", "annotations", "audio", "function_call", "reaso
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this is the result of
@@ -391,7 +406,10 @@ class ChatMessage(_Strict):
                 param=f"{where}.tool_call_id",
             )
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(isinstance(p, ImageUrlPart) for p in content):
+            # the parts as multimodal templates take them; chat_images decodes the images
+            content = [p.model_dump(exclude_none=True) for p in content]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}

@@ -64,10 +64,22 @@ class InputText(_Strict):
     logprobs: list[Any] | None = None  # output_text sent back: ignored (no effect)
 
 
+class InputImage(_Strict):
+    """An image of a vision-language model: a data URL (or an http(s) URL the server may
+    fetch, --allowed-media-domains); ``file_id`` is not supported."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+    def __repr__(self) -> str:  # never the image's bytes
+        return f"InputImage(<{len(self.image_url)} characters>)"
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[InputText | InputImage]
     id: str | None = None  # an output item sent back
     status: str | None = None
     phase: str | None = None  # written back by the openai client; no effect
@@ -75,9 +87,26 @@ class MessageItem(_Strict):
     def text(self, where: str) -> str:
         if isinstance(self.content, str):
             return self.content
+        if any(isinstance(p, InputImage) for p in self.content):
+            raise InvalidRequest("input_image parts are taken in input only", param=where)
         if any(part.annotations for part in self.content):
             raise InvalidRequest("annotations are not supported", param=f"{where}.content")
         return "".join(part.text for part in self.content)
+
+    def chat_content(self, where: str) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: text, or with images the chat API's parts."""
+        if isinstance(self.content, str) or not any(
+            isinstance(p, InputImage) for p in self.content
+        ):
+            return self.text(where)
+        if self.role != "user":
+            raise InvalidRequest("input_image parts are taken in user messages only", param=where)
+        return [
+            {"type": "image_url", "image_url": {"url": p.image_url}}
+            if isinstance(p, InputImage)
+            else {"type": "text", "text": p.text}
+            for p in self.content
+        ]
 
 
 class FunctionCallItem(_Strict):
@@ -284,7 +313,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         where = f"input.{i}"
         if isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": item.text(where)})
+            out.append({"role": item.role, "content": item.chat_content(where)})
         elif isinstance(item, FunctionCallItem):
             try:
                 json.loads(item.arguments)

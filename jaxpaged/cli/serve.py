@@ -98,6 +98,20 @@ def build_parser(prog: str = "python -m jaxpaged.serve") -> argparse.ArgumentPar
         "first (default 1024; 0 stores none)",
     )
     s.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="hosts whose http(s) image URLs chat requests may name, matched exactly "
+        "(default: none, fetching is off; data URLs are always taken)",
+    )
+    s.add_argument(
+        "--media-fetch-timeout",
+        type=non_negative_float,
+        default=10.0,
+        help="seconds one image fetch may take in all (default 10)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
         default=30.0,
@@ -329,6 +343,8 @@ def serving_config_from_args(args: argparse.Namespace, chat_template: str | None
         enable_weight_updates=args.enable_weight_updates,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         responses_store_size=args.responses_store_size,
+        allowed_media_domains=tuple(args.allowed_media_domains),
+        media_fetch_timeout=args.media_fetch_timeout,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -33,6 +33,7 @@ from jaxpaged.engine.protocol import EngineStats
 from jaxpaged.engine.step_log import StepLog
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.images import ImageItem
 from jaxpaged.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
 from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import Scheduler
@@ -55,6 +56,7 @@ class EngineRequest:
     arrival_time: float
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     lora_name: str | None = None  # the registered LoRA adapter it runs with
+    images: tuple[ImageItem, ...] = ()  # its prompt's images, preprocessed (engine/images.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +392,7 @@ class EngineCore:
                         sample_index=i,
                         arrival_time=item.arrival_time,
                         lora_name=lora,
+                        images=item.images,
                     )
                 )
             spec = item.params.structured_output

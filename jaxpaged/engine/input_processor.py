@@ -15,10 +15,11 @@ and ``stop_token_ids``).
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from jaxpaged.engine.core import EngineRequest
+from jaxpaged.engine.images import ImagePrompts, split_prompt
 from jaxpaged.engine.protocol import Prompt
 from jaxpaged.outputs import RequestOutputKind
 from jaxpaged.sampling_params import (
@@ -58,8 +59,10 @@ class InputProcessor:
         grammars: GrammarCompiler | None = None,
         lora: LoraAdapters | None = None,
         scheduling_policy: str = "fcfs",
+        images: ImagePrompts | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's image prompts (None: text only)
         self.scheduling_policy = scheduling_policy  # fcfs takes priority 0 only
         self.grammars = grammars
         self.lora = lora  # the registered adapters a request may name (None: LoRA off)
@@ -70,14 +73,18 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
         self.logits_processors = tuple(logits_processors)  # their names
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: Prompt, *, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text or ids; text prompts get the tokenizer's
-        special tokens (BOS where the model uses one)."""
+        special tokens (BOS where the model uses one) unless ``add_special_tokens`` is off."""
         if isinstance(prompt, str):
             if not prompt:  # before tokenizing: a tokenizer may add BOS to nothing
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            if not add_special_tokens:
+                return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
@@ -105,7 +112,7 @@ class InputProcessor:
             raise ValueError(f"lora: adapter {lora_name!r} is not loaded")
         if not isinstance(output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
-        text, ids = self.tokenize(prompt)
+        text, ids, images = self.tokenize_with_images(prompt)
         validate_prompt(ids, self.max_model_len, self.vocab_size, params)
         self.check_params(params, len(ids))
         return EngineRequest(
@@ -116,7 +123,33 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             output_kind=output_kind,
             lora_name=lora_name,
+            images=images,
         )
+
+    def tokenize_with_images(self, prompt: Any) -> tuple[str | None, list[int], tuple]:
+        """(text, token ids, ImageItems) of a prompt: text, token ids, or a dict with
+        ``multi_modal_data`` (engine/images.py). A text prompt's image markers are expanded
+        to the model's placeholders; a token-id prompt holds them expanded."""
+        if not isinstance(prompt, Mapping):
+            text, ids = self.tokenize(prompt)
+            if self.images is not None:
+                self.images.images(ids, [])  # placeholders with no image: refused
+            return text, ids, ()
+        body, images = split_prompt(prompt)
+        special = bool(prompt.get("add_special_tokens", True))
+        if self.images is None:
+            if images:
+                raise ValueError("multi_modal_data: this model takes no images")
+            text, ids = self.tokenize(body, add_special_tokens=special)
+            return text, ids, ()
+        if isinstance(body, str):
+            if not body:
+                raise ValueError("prompt must not be empty")
+            _, ids = self.tokenize(self.images.expand(body), add_special_tokens=special)
+            text = body
+        else:
+            text, ids = self.tokenize(body)
+        return text, ids, self.images.images(ids, images)
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """The bounds of the engine (not of SamplingParams alone) a request must fit."""

@@ -23,11 +23,13 @@ from jaxpaged.args import EngineArgs
 from jaxpaged.config import (
     CacheConfig,
     LoraConfig,
+    MultiModalConfig,
     ParallelConfig,
     ProcessConfig,
     SchedulerConfig,
 )
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
+from jaxpaged.engine.images import ImagePrompts, image_spec_from_folder
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
@@ -45,6 +47,7 @@ from jaxpaged.engine.spec_builder import (
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.eagle3 import Eagle3Config, load_eagle3
 from jaxpaged.models.hub import resolve_model_path
+from jaxpaged.models.image_spec import ImageSpec
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -52,6 +55,7 @@ from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.spec import SpeculativeConfig
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
+from jaxpaged.worker.images import min_image_slots
 from jaxpaged.worker.kv_cache import KVLayout, kv_storage_dtype
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
@@ -88,12 +92,15 @@ class LLMEngine:
         speculative_config: SpeculativeConfig | None = None,
         draft: tuple[ModelConfig, Params] | None = None,
         eagle: tuple[Eagle3Config, dict[str, Any]] | None = None,
+        mm_config: MultiModalConfig | None = None,
     ) -> None:
         """``params`` is the model's state; ``graphdef`` the NNX graph definition of a model
         of the paged-model protocol (docs/models.md; None: the Llama family of
         ``model_config``); ``speculative_config``: speculative decoding (None: off);
         ``draft``: the draft model's (config, params) for its method ``draft_model``;
-        ``eagle``: the EAGLE-3 head's (config, params) for method ``eagle3``."""
+        ``eagle``: the EAGLE-3 head's (config, params) for method ``eagle3``;
+        ``mm_config``: a vision-language model's image limits (its config has an ``image``
+        ImageSpec, models/gemma3_vl.py)."""
         cache_config = cache_config or CacheConfig()
         logits_processors = _check_processors(logits_processors)
         if speculative_config is not None and jax.process_count() > 1:
@@ -182,6 +189,11 @@ class LLMEngine:
             platform=self.platform,
         )
 
+        mm_config = mm_config or MultiModalConfig()
+        image_prompts, image_slots = _image_setup(
+            model_config, mm_config, scheduler_config, speculative_config, parallel_config
+        )
+
         def runner_for(layout: KVLayout) -> Runner:
             return Runner(
                 model_config=model_config,
@@ -201,6 +213,7 @@ class LLMEngine:
                 else speculative_config.num_speculative_tokens,
                 draft_slots=draft is not None,
                 eagle=eagle,
+                image_slots=image_slots,
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)
@@ -266,6 +279,7 @@ class LLMEngine:
             logits_processors=[p.name for p in logits_processors],
             lora=self.lora,
             scheduling_policy=scheduler_config.scheduling_policy,
+            images=image_prompts,
         )
         self.core = EngineCore(
             scheduler=self.scheduler,
@@ -397,6 +411,7 @@ class LLMEngine:
             speculative_config=args.speculative_config,
             draft=draft,
             eagle=eagle,
+            mm_config=args.mm_config(),
         )
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again
@@ -436,6 +451,11 @@ class LLMEngine:
             quantization=args.quantization,
         )
         eos = load_eos_token_ids(folder, model_config)
+        image = getattr(model_config, "image", None)
+        if isinstance(image, ImageSpec):  # the processor's size, mean and std
+            model_config = dataclasses.replace(
+                model_config, image=image_spec_from_folder(image, folder)
+            )
         return model_config, params, load_tokenizer(folder), eos
 
     @staticmethod
@@ -710,6 +730,34 @@ def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProc
     if len(set(names)) != len(names):
         raise ValueError(f"logits_processors: names must be unique, got {names}")
     return processors
+
+
+def _image_setup(
+    model_config: ModelConfig,
+    mm: MultiModalConfig,
+    scheduler: SchedulerConfig,
+    speculative: SpeculativeConfig | None,
+    parallel: ParallelConfig,
+) -> tuple[ImagePrompts | None, int]:
+    """A vision-language model's image prompts and encoder-cache slots ((None, 0): the
+    model takes no images); ValueError for the features images do not run with yet."""
+    spec = getattr(model_config, "image", None)
+    if not isinstance(spec, ImageSpec):
+        return None, 0
+    for on, what in (
+        (speculative is not None, "speculative decoding"),
+        (parallel.tensor_parallel_size > 1, "tensor parallelism"),
+        (jax.process_count() > 1, "several hosts"),
+    ):
+        if on:
+            raise ValueError(f"{what} is not supported with a vision-language model yet")
+    slots = min_image_slots(
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        tokens_per_image=spec.tokens_per_image,
+        limit=mm.limit_images_per_prompt,
+    )
+    return ImagePrompts(spec, mm.limit_images_per_prompt), slots + mm.encoder_cache_images
 
 
 def _params_dtype(params: Params) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.models.config import ModelConfig
@@ -29,7 +29,9 @@ __all__ = [
     "Tokenizer",
 ]
 
-Prompt = str | Sequence[int]
+# text, token ids, or a dict with images: {"prompt": text or "prompt_token_ids": ids,
+# "multi_modal_data": {"image": PIL image or list}} (a vision-language model, engine/images.py)
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class EngineDeadError(RuntimeError):

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.block_pool import CopyPair
+from jaxpaged.sched.images import ImageItem
 
 __all__ = [
     "NewRequestData",
@@ -43,6 +44,7 @@ class NewRequestData:
     key_stream: int  # sample index (seeded) or the request's engine-unique stream (unseeded)
     state_row: int = -1  # row of the request's on-device sampler state; -1 = none
     lora_slot: int = 0  # the device slot of its LoRA adapter (0 = none)
+    images: tuple[ImageItem, ...] = ()  # its prompt's images (the runner encodes them)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

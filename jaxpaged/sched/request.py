@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sched.images import ImageItem, image_key_slice
 from jaxpaged.sched.output import NewRequestData, ScheduledSeq
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
@@ -73,6 +74,7 @@ class Request:
     sample_index: int = 0  # index among the n samples of one prompt (0..n-1)
     arrival_time: float = dataclasses.field(default_factory=time.time)
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    images: tuple[ImageItem, ...] = ()  # images whose placeholders are in the prompt
 
     # --- scheduler-owned state ---
     status: RequestStatus = RequestStatus.WAITING
@@ -128,6 +130,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def prefix_key_slice(self, start: int, stop: int) -> Sequence[int]:
+        """What the prefix-cache keys of tokens [start, stop) hash: the token ids, each image
+        placeholder replaced by its image's key (ImageItem.key)."""
+        tokens = self.token_ids_slice(start, stop)
+        return image_key_slice(tokens, start, self.images) if self.images else tokens
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output without building the whole list."""
@@ -230,6 +238,7 @@ class Request:
             key_stream=self.sample_index if sp.seed is not None else self.rng_stream,
             state_row=self.state_row,
             lora_slot=self.lora_slot,
+            images=self.images,
         )
 
     def scheduled_seq(

@@ -454,7 +454,7 @@ class Scheduler:
                 req.request_id,
                 req.num_computed_tokens,
                 req.num_tokens,
-                req.token_ids_slice,
+                req.prefix_key_slice,
                 req.lora_name,
             )
         self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
@@ -537,7 +537,7 @@ class Scheduler:
             []
             if req.wants_prompt_logprobs
             else self.pool.find_prefix(
-                req.request_id, req.num_tokens, req.token_ids_slice, req.lora_name
+                req.request_id, req.num_tokens, req.prefix_key_slice, req.lora_name
             )
         )
         start = len(prefix) * self.block_size

@@ -35,6 +35,7 @@ from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROB
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler, spec_eagle
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
+from jaxpaged.worker.images import ImageEncoder
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_cache import KVLayout
 from jaxpaged.worker.logits_processors import LogitsProcessor
@@ -85,6 +86,7 @@ class Runner:
         draft_slots: bool = False,
         sampled_rows: int | None = None,
         eagle: tuple[Eagle3Config, dict[str, np.ndarray]] | None = None,
+        image_slots: int = 0,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
@@ -96,7 +98,9 @@ class Runner:
         tail of the previous-token array, R * (K + 1) entries, which draft rows read);
         ``eagle``: an EAGLE-3 head's (config, params), drafting inside the step
         (:mod:`jaxpaged.worker.spec_eagle`; ``layout`` has one layer more than the model,
-        the head's)."""
+        the head's);
+        ``image_slots``: a vision-language model's encoder cache, in images (0: the model
+        takes no images; jaxpaged.worker.images)."""
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_slots = draft_slots
         self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
@@ -162,6 +166,15 @@ class Runner:
             draft_slots_base=max_num_seqs if draft_slots else None,
             seq_rows=eagle is not None,
         )
+        self.images = None
+        if image_slots:
+            self.images = ImageEncoder(
+                graphdef=self.graphdef,
+                feature_shape=model_config.image_feature_shape,
+                pixel_shape=model_config.image.pixel_shape,
+                dtype=jax.tree.leaves(self.params["embed"])[0].dtype,
+                slots=image_slots,
+            )
         self._create_kv_state()
         # swapped-out blocks: host slot -> one [L, *page] array per pool array
         self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
@@ -222,6 +235,8 @@ class Runner:
         the old weights. Arrays already where the engine's are stay there (no copy unless
         the platform packs weights into its own layout)."""
         self.params_spec.check(params)
+        if self.images is not None:  # features of the old weights
+            self.images.clear()
         # no huge-page collapse: it costs 1.3-1.8 s per SmolLM2 copy on the dev VM (see
         # kernels/cpu/huge_pages.py) for ~1.8 ms per decode step, a loss for a training loop
         # that swaps weights every few hundred steps
@@ -264,6 +279,7 @@ class Runner:
             self.release_kv()
         self.release_params()
         self.programs.close()
+        self.images = None  # the encoder cache and its program
         if self.drafter is not None:
             self.drafter.runner.close()
 
@@ -295,7 +311,7 @@ class Runner:
         bucket = max(self.buckets.all(), key=lambda b: (b.num_tokens, b.max_blocks))
         batch, _ = self.build_batch([], bucket)
         lowered = self.programs.step.lower(
-            self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._array_kwargs(),
             **self._step_kwargs(),
         )  # fmt: skip
         analysis = lowered.compile().memory_analysis()
@@ -312,17 +328,25 @@ class Runner:
         filled (index -> reason: they ride as padding rows and their requests fail; the
         others are unaffected). ``allowed``: sequence index -> its structured-output mask
         (int32 [ceil(V / 32)]). The sequences' requests must be in the batch."""
-        return self.input_batch.prepare(seqs, bucket, allowed)
+        batch, failed = self.input_batch.prepare(seqs, bucket, allowed)
+        if self.images is not None:
+            rows = self.images.rows(self.params, seqs, bucket.num_tokens)
+            batch = batch._replace(image_rows=rows)
+        return batch, failed
 
-    def _lora_kwargs(self) -> dict[str, object]:
-        out: dict[str, object] = {} if self.lora is None else {"lora_weights": self.lora.slots}
+    def _array_kwargs(self) -> dict[str, object]:
+        kw: dict[str, object] = {}
+        if self.lora is not None:
+            kw["lora_weights"] = self.lora.slots
+        if self.images is not None:
+            kw["image_cache"] = self.images.cache
         if self.eagle_config is not None:
-            out.update(
+            kw.update(
                 eagle_config=self.eagle_config,
                 eagle_params=self.eagle_params,
                 eagle_state=self.eagle_state,
             )
-        return out
+        return kw
 
     def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
         kwargs = self._step_kwargs()
@@ -333,7 +357,7 @@ class Runner:
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool, self.seq_state, self.eagle_state = self.programs.step(
-            self.params, self.pool, self.seq_state, self.sampled, batch, **self._lora_kwargs(),
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._array_kwargs(),
             **kwargs,
         )  # fmt: skip
         self.sampled = out.token_ids
@@ -353,6 +377,8 @@ class Runner:
         for slot, name in plan.lora_loads:
             self.lora.write_slot(slot, name)
         self.input_batch.update(plan)
+        if self.images is not None:
+            self.images.update(plan)
         if self.drafter is not None:  # the draft model's passes (its pool's moves too)
             self.sampled = self.drafter.propose(plan, self.sampled)
         if not plan.seqs:
@@ -555,6 +581,8 @@ class Runner:
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
         # the platform's attention compiled once already (its probe, for Pallas): a failure
         # here stops the start-up
+        if self.images is not None:
+            total += self.images.warm_up(self.params)
         self._compile_buckets(buckets, bar)
         if self.lora is not None:
             self.lora.warm_up()

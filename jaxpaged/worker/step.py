@@ -66,6 +66,9 @@ class StepBatch(NamedTuple):
     seq_rows: jax.Array | None = None  # int32 [S]; padding R
     # the known token after each sequence's fed ones (ScheduledSeq.next_token), -1: sampled
     next_tokens: jax.Array | None = None  # int32 [S]
+    # a vision-language model: each row's image features in the encoder cache (flat index
+    # slot * I + j, jaxpaged.worker.images), -1 = a text token
+    image_rows: jax.Array | None = None  # int32 [T]
 
 
 class StepOutput(NamedTuple):
@@ -182,6 +185,7 @@ def step(
     eagle_config: Eagle3Config | None = None,
     eagle_params: dict[str, jax.Array] | None = None,
     eagle_state: spec_eagle.EagleState | None = None,
+    image_cache: jax.Array | None = None,  # [C, I, D] encoded images (jaxpaged.worker.images)
 ) -> tuple[StepOutput, KVPool, sampler.SeqState, spec_eagle.EagleState | None]:
     """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
     docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
@@ -196,7 +200,9 @@ def step(
     ``interpret``: the attention kernel as the engine's Platform chose it (a name, never None:
     the step never leaves the choice to trace time). ``eagle_config`` / ``eagle_params`` /
     ``eagle_state``: an EAGLE-3 head drafting in the step (jaxpaged.worker.spec_eagle), its
-    K/V the pool's layer after the model's; its new state is returned fourth (else None)."""
+    K/V the pool's layer after the model's; its new state is returned fourth (else None).
+    ``image_cache`` [C, I, D]: the encoded images ``batch.image_rows`` index, whose features
+    replace those rows' embeddings."""
     if backend not in BACKENDS:
         raise ValueError(
             f"step: backend must be a resolved attention backend of {BACKENDS} (the engine's "
@@ -263,6 +269,10 @@ def step(
         slots = batch.lora_slots
         model_kw["lora"] = LoraInputs(lora_weights, slots, jnp.any(slots > 0))
     logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
+    if batch.image_rows is not None:
+        flat = image_cache.reshape(-1, image_cache.shape[-1])  # [C * I, D]
+        rows = batch.image_rows
+        model_kw["image_embeds"] = (flat[jnp.maximum(rows, 0)], rows >= 0)
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
     speculative = batch.verify_rows is not None

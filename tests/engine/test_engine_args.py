@@ -51,6 +51,8 @@ CLI_CASES = {
     "compile_cache_dir": (["--compile-cache-dir", "/tmp/xla-cache"], "/tmp/xla-cache"),
     "enable_lora": (["--enable-lora"], True),
     "max_loras": (["--max-loras", "3"], 3),
+    "limit_mm_per_prompt": (["--limit-mm-per-prompt", '{"image": 2}'], 2),
+    "encoder_cache_images": (["--encoder-cache-images", "5"], 5),
     "max_lora_rank": (["--max-lora-rank", "32"], 32),
     "lora_modules": (["--lora-modules", "a=/x", "b=/y"], ["a=/x", "b=/y"]),
     "speculative_config": (
@@ -131,7 +133,8 @@ def test_serve_takes_its_engine_flags_from_engine_args():
         "shutdown_timeout", "api_key", "log_level", "uvicorn_log_level", "disable_log_requests", "disable_log_stats",
         "config", "num_processes", "process_id", "coordinator_address", "enable_weight_updates",
         "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
-        "allow_runtime_lora_updating", "responses_store_size",
+        "allow_runtime_lora_updating", "responses_store_size", "allowed_media_domains",
+        "media_fetch_timeout",
     }  # fmt: skip
 
 

@@ -84,8 +84,10 @@ def test_architectures_decide_and_model_type_is_the_fallback():
     with pytest.raises(ValueError, match=r"model_type 'gemma2'; supported: llama, mistral"):
         parse_config({**LLAMA_FIELDS, "architectures": ["LlamaForCausalLM"],
                       "model_type": "gemma2"})  # fmt: skip
-    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*vision tower"):
-        parse_config({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
+    vl = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
+    assert family_for_hf_config(vl).name == "gemma3_vl"
+    with pytest.raises(ValueError, match="needs text_config and vision_config.*gemma3_text"):
+        parse_config(vl)
     with pytest.raises(ValueError, match="comes with its own module"):
         family_of(tiny_config(model_type="custom"))
 
