@@ -38,6 +38,9 @@ GiB = 1 << 30
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+# where evicted prefix-cache blocks go (vLLM's --kv-offloading-backend): host memory, managed
+# by the engine itself
+KV_OFFLOADING_BACKENDS: tuple[str, ...] = ("native",)
 # KV pool dtypes: the model's, bfloat16, or 8-bit with per-(token, head) scales
 # (fp8 = float8_e4m3fn; kernels/kv_quant.py)
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "fp8", "int8")
@@ -59,7 +62,11 @@ class CacheConfig:
     ``gpu_memory_utilization`` * device memory after weights and a profiling step; else (CPU)
     ``kv_cache_memory`` bytes (None = the runner's default). ``swap_space`` is GiB of host
     memory for blocks of preempted requests (``preemption_mode="swap"``); the scheduler turns
-    it into host slots with the runner's bytes-per-block.
+    it into host slots with the runner's bytes-per-block. ``kv_offloading_size`` is GiB of host
+    memory for a tier of the prefix cache (vLLM's ``--kv-offloading-size``; None or 0: off):
+    full blocks evicted from the device pool are kept there, least recently used out, and a
+    later prefix hit copies them back (:mod:`jaxpaged.sched.host_tier`);
+    ``kv_offloading_backend`` must be ``native`` (this engine's own host tier).
     """
 
     block_size: int = 16
@@ -69,6 +76,8 @@ class CacheConfig:
     swap_space: float = 4.0  # GiB
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto = the model's dtype
+    kv_offloading_size: float | None = None  # GiB of host memory for the prefix-cache tier
+    kv_offloading_backend: str = "native"  # one of KV_OFFLOADING_BACKENDS
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -97,6 +106,19 @@ class CacheConfig:
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
             )
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: "
+                f"jaxpaged offloads to host memory itself ({', '.join(KV_OFFLOADING_BACKENDS)})"
+            )
+        size = self.kv_offloading_size
+        if size is not None and (not _is_real(size) or size < 0):
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {size!r}")
+        if size and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size: the host tier keeps prefix-cache blocks, so it needs "
+                "enable_prefix_caching (drop --no-enable-prefix-caching)"
+            )
 
     @property
     def swap_space_bytes(self) -> int:
@@ -107,6 +129,12 @@ class CacheConfig:
         if not _is_int(bytes_per_block) or bytes_per_block < 1:
             raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
         return self.swap_space_bytes // bytes_per_block
+
+    def num_tier_blocks(self, bytes_per_block: int) -> int:
+        """Blocks of ``bytes_per_block`` bytes the host tier (``kv_offloading_size``) holds."""
+        if not _is_int(bytes_per_block) or bytes_per_block < 1:
+            raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
+        return int((self.kv_offloading_size or 0) * GiB) // bytes_per_block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -119,8 +119,10 @@ class StateRowInit:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerOutput:
     """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
-    (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
-    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``state_rows_to_init``;
+    (device block -> host slot), ``blocks_to_offload`` (device block -> host tier slot),
+    ``blocks_to_swap_in`` (host slot -> device block), ``blocks_to_load`` (host tier slot ->
+    device block), ``blocks_to_copy`` (device src -> device dst, copy-on-write),
+    ``state_rows_to_init``;
     drops ``finished_request_ids`` and ``preempted_request_ids`` from its batch, adds
     ``new_requests``, applies each sequence's block-table change, then runs ``seqs``. Run it
     even when ``seqs`` is empty but a list is not (:attr:`has_work`)."""
@@ -130,6 +132,9 @@ class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...] = ()
     blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
     blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
+    # the prefix cache's host tier: evicted blocks kept, and blocks a prefix hit brings back
+    blocks_to_offload: tuple[CopyPair, ...] = ()  # (device_block, tier_slot)
+    blocks_to_load: tuple[CopyPair, ...] = ()  # (tier_slot, device_block)
     blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
     state_rows_to_init: tuple[StateRowInit, ...] = ()
     # LoRA adapters to write into device slots before the step: (slot, adapter name)
@@ -153,6 +158,8 @@ class SchedulerOutput:
             self.seqs
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
+            or self.blocks_to_offload
+            or self.blocks_to_load
             or self.blocks_to_copy
             or self.state_rows_to_init
             or self.finished_request_ids
@@ -206,6 +213,9 @@ class SchedulerStats:
     num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
     prefix_cache_queries: int = 0  # tokens needed at admissions
     prefix_cache_hits: int = 0  # of those, tokens found cached (prefix cache or n>1 fork)
+    kv_offload_hits: int = 0  # of those, tokens loaded back from the host tier
+    kv_offload_blocks_stored: int = 0  # blocks copied device -> host tier
+    kv_offload_blocks_loaded: int = 0  # blocks copied host tier -> device
     # speculative decoding (vLLM's spec_decode counters): verifications run, draft tokens
     # proposed, drafts the target accepted, and accepted drafts by position in the draft
     spec_num_drafts: int = 0

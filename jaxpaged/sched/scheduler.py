@@ -68,9 +68,14 @@ Sampler state: a running request with repetition / presence / frequency penaltie
 counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
 from a request (``state_rows_to_init``) and the step keeps them current.
 
+Host tier (``kv_offloading_size``): the pool offloads evicted prefix blocks to host slots and
+finds prefixes there too (:class:`jaxpaged.sched.block_pool.BlockPool`); each plan carries
+the copies as plain pairs (``blocks_to_offload``, ``blocks_to_load``) for the runner.
+
 Metrics (:class:`SchedulerStats`): ``prefix_cache_queries`` / ``prefix_cache_hits`` are in
 tokens: at each admission, the tokens the request needs (prompt, or prompt + output after a
-recompute) and how many of them came from the prefix cache or a fork.
+recompute) and how many of them came from the prefix cache or a fork (``kv_offload_hits``:
+of those, the tokens loaded back from the host tier).
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ class Scheduler:
         num_blocks: int,
         bytes_per_block: int | None = None,
         num_host_blocks: int | None = None,
+        num_tier_blocks: int | None = None,
         clock: Callable[[], float] = time.time,
         max_loras: int = 0,
         step_sizes: Sequence[int] = (),
@@ -134,7 +140,8 @@ class Scheduler:
         (:mod:`.prefill_cap`); ``speculative_config``: draft tokens for decodes (n-gram
         prompt lookup), verified by the runner's step. Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
-        mode (required there), else none."""
+        mode (required there), else none. Host tier slots: ``num_tier_blocks`` if given,
+        else ``kv_offloading_size`` / ``bytes_per_block`` (required when it is set)."""
         self.config = scheduler_config
         self.cache_config = cache_config
         if num_host_blocks is None:
@@ -143,11 +150,18 @@ class Scheduler:
                 if bytes_per_block is None:
                     raise ValueError("bytes_per_block is required with preemption_mode='swap'")
                 num_host_blocks = cache_config.num_host_blocks(bytes_per_block)
+        if num_tier_blocks is None:
+            num_tier_blocks = 0
+            if cache_config.kv_offloading_size:
+                if bytes_per_block is None:
+                    raise ValueError("bytes_per_block is required with kv_offloading_size")
+                num_tier_blocks = cache_config.num_tier_blocks(bytes_per_block)
         self.pool = BlockPool(
             num_blocks,
             cache_config.block_size,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
+            num_tier_blocks=num_tier_blocks,
         )
         self.block_size = cache_config.block_size
         self.clock = clock
@@ -458,12 +472,17 @@ class Scheduler:
             )
         self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
+        offload, load = self.pool.take_tier_moves()
         self.stats.num_steps += 1
+        self.stats.kv_offload_blocks_stored += len(offload)
+        self.stats.kv_offload_blocks_loaded += len(load)
         return SchedulerOutput(
             seqs=tuple(seqs),
             new_requests=tuple(new_requests),
             blocks_to_swap_out=tuple(swap_out),
+            blocks_to_offload=tuple(offload),
             blocks_to_swap_in=tuple(swap_in),
+            blocks_to_load=tuple(load),
             blocks_to_copy=tuple(copies),
             state_rows_to_init=tuple(row_inits),
             lora_loads=tuple(lora_loads),
@@ -549,6 +568,7 @@ class Scheduler:
             req.num_cached_tokens = start
         self.stats.prefix_cache_queries += req.num_tokens
         self.stats.prefix_cache_hits += start
+        self.stats.kv_offload_hits += self.block_size * sum(isinstance(b, bytes) for b in prefix)
         return start, n, new_copies
 
     def _allocate(
