@@ -327,6 +327,20 @@ class EngineArgs:
         "--swap-space",
         parse=parse_gib,
     )
+    kv_offloading_size: float | str | None = _setting(
+        None,
+        "host memory for a tier of the prefix cache: GiB, or a size such as 16GiB (unset: "
+        "off); full blocks evicted from the device's prefix cache are kept there, least "
+        "recently used out, and copied back when a later prompt starts with them",
+        "--kv-offloading-size",
+        parse=parse_gib,
+    )
+    kv_offloading_backend: str | None = _setting(
+        None,
+        "where --kv-offloading-size keeps blocks: native (unset: native; this engine's host "
+        "memory tier; other backends, such as lmcache, are refused by name)",
+        "--kv-offloading-backend",
+    )
     preemption_mode: str = _setting(
         "recompute",
         "what a preempted request's blocks become: freed and recomputed, or swapped to host",
@@ -432,6 +446,11 @@ class EngineArgs:
         )
         object.__setattr__(
             self,
+            "kv_offloading_size",
+            _normalise_size("kv_offloading_size", self.kv_offloading_size, parse_gib),
+        )
+        object.__setattr__(
+            self,
             "kv_cache_memory",
             _normalise_size("kv_cache_memory", self.kv_cache_memory, parse_size),
         )
@@ -505,6 +524,8 @@ class EngineArgs:
             swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_backend=self.kv_offloading_backend,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

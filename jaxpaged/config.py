@@ -66,7 +66,7 @@ class CacheConfig:
     memory for a tier of the prefix cache (vLLM's ``--kv-offloading-size``; None or 0: off):
     full blocks evicted from the device pool are kept there, least recently used out, and a
     later prefix hit copies them back (:mod:`jaxpaged.sched.host_tier`);
-    ``kv_offloading_backend`` must be ``native`` (this engine's own host tier).
+    ``kv_offloading_backend`` must be ``native`` or None (this engine's own host tier).
     """
 
     block_size: int = 16
@@ -77,7 +77,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto = the model's dtype
     kv_offloading_size: float | None = None  # GiB of host memory for the prefix-cache tier
-    kv_offloading_backend: str = "native"  # one of KV_OFFLOADING_BACKENDS
+    kv_offloading_backend: str | None = None  # one of KV_OFFLOADING_BACKENDS; None: native
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -106,7 +106,7 @@ class CacheConfig:
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
             )
-        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+        if self.kv_offloading_backend not in (None, *KV_OFFLOADING_BACKENDS):
             raise ValueError(
                 f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: "
                 f"jaxpaged offloads to host memory itself ({', '.join(KV_OFFLOADING_BACKENDS)})"
@@ -134,7 +134,7 @@ class CacheConfig:
         """Blocks of ``bytes_per_block`` bytes the host tier (``kv_offloading_size``) holds."""
         if not _is_int(bytes_per_block) or bytes_per_block < 1:
             raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
-        return int((self.kv_offloading_size or 0) * GiB) // bytes_per_block
+        return round((self.kv_offloading_size or 0) * GiB) // bytes_per_block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

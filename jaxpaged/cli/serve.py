@@ -236,7 +236,9 @@ def main(
         if engine_args.configure_process:  # before anything starts JAX
             configure_process(engine_args.gpu_memory_utilization)
         multihost.check_engine_args(
-            num_processes=args.num_processes, preemption_mode=engine_args.preemption_mode
+            num_processes=args.num_processes,
+            preemption_mode=engine_args.preemption_mode,
+            kv_offloading_size=engine_args.kv_offloading_size,
         )
         multihost.initialize(
             num_processes=args.num_processes,

@@ -261,7 +261,10 @@ class LLMEngine:
         self.warmup_programs = 0
         self.warmup_seconds = 0.0
         if not enforce_eager:
-            swap = scheduler_config.preemption_mode == "swap"
+            # block moves to and from the host: swap preemption or the prefix cache's host tier
+            swap = (
+                scheduler_config.preemption_mode == "swap" or self.scheduler.pool.tier is not None
+            )
             self.warmup_programs, self.warmup_seconds = self.runner.warm_up(
                 swap=swap, show_progress=show_progress
             )

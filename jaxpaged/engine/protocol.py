@@ -71,6 +71,16 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # the prefix cache's host tier (kv_offloading_size): prompt tokens loaded back from it
+    # (part of prefix_cache_hits), blocks and bytes copied device -> tier (stored) and tier
+    # -> device (loaded), blocks it holds now and at most
+    kv_offload_hits: int = 0
+    kv_offload_blocks_stored: int = 0
+    kv_offload_blocks_loaded: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_num_blocks: int = 0
+    kv_offload_capacity_blocks: int = 0
 
 
 class Tokenizer(Protocol):

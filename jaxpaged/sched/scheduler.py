@@ -144,6 +144,7 @@ class Scheduler:
         else ``kv_offloading_size`` / ``bytes_per_block`` (required when it is set)."""
         self.config = scheduler_config
         self.cache_config = cache_config
+        self.bytes_per_block = bytes_per_block or 0  # for the byte counts of metrics
         if num_host_blocks is None:
             num_host_blocks = 0
             if scheduler_config.preemption_mode == "swap":

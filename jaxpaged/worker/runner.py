@@ -6,7 +6,13 @@ step without waiting for it.
 
 ``dispatch(plan)`` applies the plan's block swaps and copies and its sampler-state row fills,
 applies its changes to the persistent batch, builds the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
-device works. ``collect(pending)`` waits for that step and returns what it sampled. The engine
+device works.
+
+Blocks go to host memory (a preempted request's swap-out, or the prefix cache's host tier:
+``blocks_to_offload``) by one path: a gather on the device whose transfer to the host starts at
+once (``copy_to_host_async``) and is fetched into per-slot numpy copies at the next dispatch,
+by when the steps it waited for have been collected, or earlier if a swap-in or load reads the
+slot. So the copy overlaps the step dispatched after it instead of stalling the host. ``collect(pending)`` waits for that step and returns what it sampled. The engine
 dispatches step N+1 before it collects step N, so the device never waits for the host: a
 decode whose token the host has not seen yet reads it from the previous step's output on the
 device (``StepBatch.prev_rows``).
@@ -44,6 +50,16 @@ from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class HostBlock:
+    """One block's copy in host memory: per pool array [L, *page]. Until fetched
+    (``data`` None) it is row ``index`` of a device gather whose transfer is under way."""
+
+    gather: tuple[jax.Array, ...] | None  # one [L, N, *page] array per pool array
+    index: int
+    data: tuple[np.ndarray, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -153,8 +169,11 @@ class Runner:
             draft_slots_base=max_num_seqs if draft_slots else None,
         )
         self._create_kv_state()
-        # swapped-out blocks: host slot -> one [L, *page] array per pool array
-        self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
+        # swapped-out blocks: host slot -> its copy; the prefix cache's host tier: tier slot ->
+        # its copy (the scheduler bounds both); gathers whose host copies are not fetched yet
+        self._host_blocks: dict[int, HostBlock] = {}
+        self._tier_blocks: dict[int, HostBlock] = {}
+        self._unfetched: list[list[HostBlock]] = []
         self.warmed_up = False
 
     @property
@@ -230,6 +249,8 @@ class Runner:
             freed += self.drafter.runner.release_kv()
         self.pool = self.seq_state = self.sampled = None
         self._host_blocks.clear()
+        self._tier_blocks.clear()
+        self._unfetched.clear()
         return freed
 
     def restore_kv(self) -> None:
@@ -320,8 +341,11 @@ class Runner:
         """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
         without waiting for it (None when the plan has no sequences). ``allowed``: sequence
         index -> its structured-output mask."""
+        self._fetch_host_copies()  # the last dispatch's: their steps are collected by now
         self._swap_out(plan.blocks_to_swap_out)
+        self._offload(plan.blocks_to_offload)
         self._swap_in(plan.blocks_to_swap_in)
+        self._load(plan.blocks_to_load)
         self._copy(plan.blocks_to_copy)
         for init in plan.state_rows_to_init:
             self._init_state_row(init)
@@ -451,10 +475,18 @@ class Runner:
         self._in_chunks(self._copy_chunk, pairs)
 
     def _swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(self._swap_out_chunk, pairs)
+        self._in_chunks(lambda chunk: self._to_host(chunk, self._host_blocks), pairs)
+
+    def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self._in_chunks(lambda chunk: self._to_host(chunk, self._tier_blocks), pairs)
 
     def _swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(self._swap_in_chunk, pairs)
+        """Host slots read back are given up (the scheduler frees them)."""
+        self._in_chunks(lambda chunk: self._to_device(chunk, self._host_blocks, keep=False), pairs)
+
+    def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Tier slots read back keep their copy (the tier is inclusive)."""
+        self._in_chunks(lambda chunk: self._to_device(chunk, self._tier_blocks, keep=True), pairs)
 
     def _copy_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         src, dst = zip(*pairs, strict=True)
@@ -477,29 +509,47 @@ class Runner:
             num_blocks=self.layout.num_blocks,
         )
 
-    def _swap_out_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
-        # waits for the steps already dispatched: the blocks hold what they wrote
-        dev, host = zip(*pairs, strict=True)
-        arrays = jax.device_get(
-            self.programs.gather_blocks(
-                self.pool,
-                self._padded(dev),
-                num_layers=self.layout.num_layers,
-                num_blocks=self.layout.num_blocks,
-            )
+    def _to_host(self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock]) -> None:
+        """(device block, host slot) pairs: gathers the blocks (after the steps already
+        dispatched, which wrote them) and starts their transfer; fetched later."""
+        dev, slots = zip(*pairs, strict=True)
+        gather = self.programs.gather_blocks(
+            self.pool,
+            self._padded(dev),
+            num_layers=self.layout.num_layers,
+            num_blocks=self.layout.num_blocks,
         )
-        for i, slot in enumerate(host):
-            self._host_blocks[slot] = tuple(a[:, i].copy() for a in arrays)
+        for a in gather:
+            a.copy_to_host_async()
+        blocks = [HostBlock(gather, i) for i in range(len(slots))]
+        store.update(zip(slots, blocks, strict=True))
+        self._unfetched.append(blocks)
 
-    def _swap_in_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
-        host, dev = zip(*pairs, strict=True)
+    def _fetch_host_copies(self) -> None:
+        """Waits for the gathers whose transfers are under way and keeps one numpy copy per
+        block (not a view: a slot outlives the rest of its gather)."""
+        for blocks in self._unfetched:
+            arrays = jax.device_get(blocks[0].gather)
+            for blk in blocks:
+                blk.data = tuple(a[:, blk.index].copy() for a in arrays)
+                blk.gather = None
+        self._unfetched.clear()
+
+    def _to_device(
+        self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock], *, keep: bool
+    ) -> None:
+        """(host slot, device block) pairs: writes the slots' copies into the blocks."""
+        slots, dev = zip(*pairs, strict=True)
+        blocks = [store[slot] if keep else store.pop(slot) for slot in slots]
+        if any(blk.data is None for blk in blocks):
+            self._fetch_host_copies()
         ids = self._padded(dev)
         arrays = tuple(
             np.zeros((self.layout.num_layers, len(ids), *shape[1:]), p.dtype)
             for shape, p in zip(self.layout.shapes, self.pool, strict=True)
         )
-        for i, slot in enumerate(host):
-            for a, block in zip(arrays, self._host_blocks.pop(slot), strict=True):
+        for i, blk in enumerate(blocks):
+            for a, block in zip(arrays, blk.data, strict=True):
                 a[:, i] = block
         self.pool = self.programs.scatter_blocks(
             self.pool,
@@ -512,6 +562,11 @@ class Runner:
     @property
     def num_host_blocks_in_use(self) -> int:
         return len(self._host_blocks)
+
+    @property
+    def num_tier_blocks_in_use(self) -> int:
+        """Host tier slots holding a copy (at most the tier's size)."""
+        return len(self._tier_blocks)
 
     # ---------------------------------------------------------------- warm-up
     def _compile_buckets(self, buckets: Sequence[Bucket], bar: tqdm) -> None:
