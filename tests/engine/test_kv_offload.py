@@ -24,7 +24,9 @@ OPTS = dict(
     attention_backend="xla", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
     num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, show_progress=False,
 )  # fmt: skip
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# the sampled token's logprob too: a wrong K/V block changes it even where the argmax of
+# this tiny random model survives
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 def _block_bytes() -> int:
@@ -46,9 +48,12 @@ def plain(params):
 
 @pytest.fixture(scope="module")
 def tiered(params):
-    """Warmed up (the tier's block moves included), so serving must not compile."""
+    """Warmed up (the tier's block moves included), so serving must not compile; preempted
+    requests swap (the same host-copy path as the tier's), the plain engine's recompute."""
     size = TIER_BLOCKS * _block_bytes() / GiB
-    engine = LLMEngine.from_params(CFG, params, kv_offloading_size=size, **OPTS)
+    engine = LLMEngine.from_params(
+        CFG, params, kv_offloading_size=size, preemption_mode="swap", swap_space=size, **OPTS
+    )
     assert engine.scheduler.pool.tier.num_slots == TIER_BLOCKS
     yield engine
     engine.close()
@@ -75,24 +80,35 @@ def _nothing_held(request):
             assert set(runner._tier_blocks) == slots
 
 
-def _run(engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+def _run(engine, prompts: dict[str, list[int]], logprobs: dict | None = None) -> dict:
+    """Runs the prompts together; returns their tokens (and adds their logprobs to
+    ``logprobs``)."""
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, GREEDY)
-    done = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return done
+        for out in engine.step():  # deltas
+            tokens[out.request_id] += out.outputs[0].token_ids
+            if logprobs is not None:
+                lps = logprobs.setdefault(out.request_id, [])
+                lps += [lp.logprob for lp in out.outputs[0].logprobs]
+    assert all(len(t) == GREEDY.max_tokens for t in tokens.values())
+    return tokens
 
 
-def _replay(engine, *, turns=4, convs=3) -> dict[str, list[int]]:
+def _assert_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for rid in want:
+        np.testing.assert_allclose(got[rid], want[rid], rtol=0, atol=1e-4, err_msg=rid)
+
+
+def _replay(engine, *, turns=4, convs=3, logprobs: dict | None = None) -> dict:
     """Each round resends every conversation's whole history plus a new user message."""
     rng = np.random.default_rng(7)
     history = {c: rng.integers(1, CFG.vocab_size, 20).tolist() for c in range(convs)}
     outputs = {}
     for t in range(turns):
-        done = _run(engine, {f"c{c}t{t}": history[c] for c in range(convs)})
+        done = _run(engine, {f"c{c}t{t}": history[c] for c in range(convs)}, logprobs)
         for c in range(convs):
             out = done[f"c{c}t{t}"]
             outputs[f"c{c}t{t}"] = out
@@ -104,11 +120,13 @@ def test_replay_is_token_identical_and_hits_the_tier(plain, tiered):
     """(The device pool holds 16 blocks; the three conversations reach ~27.) The tier is
     LRU-bounded to 12 blocks, evicts, and still gives back prompt tokens: more prefix hits
     than without it, with no compilation after warm-up."""
-    got = _replay(tiered)
+    got_lp, want_lp = {}, {}
+    got = _replay(tiered, logprobs=got_lp)
     # read before the plain engine runs: its lazy compilations count process-wide
     assert tiered.get_stats().num_compilations_after_warmup == 0
-    want = _replay(plain)
+    want = _replay(plain, logprobs=want_lp)
     assert got == want
+    _assert_close(got_lp, want_lp)
     s, base = tiered.get_stats(), plain.get_stats()
     assert s.kv_offload_hits > 0 and s.kv_offload_blocks_loaded * BLOCK == s.kv_offload_hits
     assert s.kv_offload_blocks_stored > TIER_BLOCKS and tiered.scheduler.pool.tier.num_evictions
@@ -117,6 +135,19 @@ def test_replay_is_token_identical_and_hits_the_tier(plain, tiered):
     assert s.kv_offload_num_blocks == s.kv_offload_capacity_blocks == TIER_BLOCKS
     assert s.prefix_cache_hits > base.prefix_cache_hits
     assert base.kv_offload_hits == base.kv_offload_capacity_blocks == 0
+
+
+def test_swap_preemption_beside_the_tier(plain, tiered):
+    """Two 60-token prompts fill the 16 blocks; the first decode past them preempts one:
+    swapped out and in by the tiered engine (the same host-copy path as the tier's),
+    recomputed by the plain one, the same tokens."""
+    rng = np.random.default_rng(5)
+    prompts = {f"p{i}": rng.integers(1, CFG.vocab_size, 60).tolist() for i in range(2)}
+    swaps = tiered.scheduler.stats.num_swap_outs
+    got_lp, want_lp = {}, {}
+    assert _run(tiered, prompts, got_lp) == _run(plain, prompts, want_lp)
+    _assert_close(got_lp, want_lp)
+    assert tiered.scheduler.stats.num_swap_outs > swaps
 
 
 def test_tier_copies_are_bit_exact(tiered):
