@@ -83,6 +83,7 @@ def _turn(llm: LLM, rid: str, prompt: list[int], max_tokens: int) -> tuple[float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--tool-words", type=int, default=160)
@@ -93,6 +94,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     opts = dict(
+        model=a.model,
         max_model_len=a.max_model_len,
         block_size=a.block_size,
         num_kv_blocks=-(-a.max_model_len // a.block_size),  # one sequence: the least allowed
