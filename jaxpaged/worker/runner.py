@@ -6,16 +6,16 @@ step without waiting for it.
 
 ``dispatch(plan)`` applies the plan's block swaps and copies and its sampler-state row fills,
 applies its changes to the persistent batch, builds the padded batch and launches the step; it returns a :class:`PendingStep` at once, while the
-device works.
+device works. ``collect(pending)`` waits for that step and returns what it sampled. The engine
+dispatches step N+1 before it collects step N, so the device never waits for the host: a
+decode whose token the host has not seen yet reads it from the previous step's output on the
+device (``StepBatch.prev_rows``).
 
 Blocks go to host memory (a preempted request's swap-out, or the prefix cache's host tier:
 ``blocks_to_offload``) by one path: a gather on the device whose transfer to the host starts at
 once (``copy_to_host_async``) and is fetched into per-slot numpy copies at the next dispatch,
 by when the steps it waited for have been collected, or earlier if a swap-in or load reads the
-slot. So the copy overlaps the step dispatched after it instead of stalling the host. ``collect(pending)`` waits for that step and returns what it sampled. The engine
-dispatches step N+1 before it collects step N, so the device never waits for the host: a
-decode whose token the host has not seen yet reads it from the previous step's output on the
-device (``StepBatch.prev_rows``).
+slot. So the copy overlaps the step dispatched after it instead of stalling the host.
 """
 
 from __future__ import annotations
