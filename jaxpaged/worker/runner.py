@@ -170,7 +170,9 @@ class Runner:
         )
         self._create_kv_state()
         # swapped-out blocks: host slot -> its copy; the prefix cache's host tier: tier slot ->
-        # its copy (the scheduler bounds both); gathers whose host copies are not fetched yet
+        # its copy (the scheduler bounds both: a slot the tier forgot at a prefix-cache reset
+        # keeps its copy until reused, never more than the tier's size); gathers whose host
+        # copies are not fetched yet
         self._host_blocks: dict[int, HostBlock] = {}
         self._tier_blocks: dict[int, HostBlock] = {}
         self._unfetched: list[list[HostBlock]] = []
