@@ -13,9 +13,10 @@ device (``StepBatch.prev_rows``).
 
 Blocks go to host memory (a preempted request's swap-out, or the prefix cache's host tier:
 ``blocks_to_offload``) by one path: a gather on the device whose transfer to the host starts at
-once (``copy_to_host_async``) and is fetched into per-slot numpy copies at the next dispatch,
-by when the steps it waited for have been collected, or earlier if a swap-in or load reads the
-slot. So the copy overlaps the step dispatched after it instead of stalling the host.
+once (``copy_to_host_async``) and is fetched into per-slot numpy copies once it is done (seen
+at the next dispatch, or at the collect of its step, which waited for it anyway), or earlier
+if a swap-in or load reads the slot. So the copy overlaps the step dispatched after it
+instead of stalling the host.
 """
 
 from __future__ import annotations
@@ -343,7 +344,7 @@ class Runner:
         """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
         without waiting for it (None when the plan has no sequences). ``allowed``: sequence
         index -> its structured-output mask."""
-        self._fetch_host_copies()  # the last dispatch's: their steps are collected by now
+        self._fetch_host_copies(wait=False)
         self._swap_out(plan.blocks_to_swap_out)
         self._offload(plan.blocks_to_offload)
         self._swap_in(plan.blocks_to_swap_in)
@@ -387,6 +388,9 @@ class Runner:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs)."""
         if pending is None:
             return RunnerOutput(sampled_token_ids=())
+        if self._unfetched:  # gathered before this step: done once it is
+            jax.block_until_ready(pending.out.token_ids)
+            self._fetch_host_copies()
         n = pending.num_seqs
         want = pending.logprobs_wanted
         plain = all(w is None for w in want) and not any(pending.prompt_wanted)
@@ -527,15 +531,20 @@ class Runner:
         store.update(zip(slots, blocks, strict=True))
         self._unfetched.append(blocks)
 
-    def _fetch_host_copies(self) -> None:
-        """Waits for the gathers whose transfers are under way and keeps one numpy copy per
-        block (not a view: a slot outlives the rest of its gather)."""
+    def _fetch_host_copies(self, *, wait: bool = True) -> None:
+        """Keeps one numpy copy per block of the gathers whose transfers are under way (not
+        a view: a slot outlives the rest of its gather); without ``wait``, of those done."""
+        left = []
         for blocks in self._unfetched:
-            arrays = jax.device_get(blocks[0].gather)
+            gather = blocks[0].gather
+            if not wait and not all(a.is_ready() for a in gather):
+                left.append(blocks)
+                continue
+            arrays = jax.device_get(gather)
             for blk in blocks:
                 blk.data = tuple(a[:, blk.index].copy() for a in arrays)
                 blk.gather = None
-        self._unfetched.clear()
+        self._unfetched = left
 
     def _to_device(
         self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock], *, keep: bool
