@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import SamplingParams
+from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import GiB
 from jaxpaged.engine import LLMEngine
 from jaxpaged.models.testing import random_params, tiny_config
@@ -134,6 +134,10 @@ def test_replay_is_token_identical_and_hits_the_tier(plain, tiered):
     assert s.kv_offload_bytes_loaded == s.kv_offload_blocks_loaded * _block_bytes()
     assert s.kv_offload_num_blocks == s.kv_offload_capacity_blocks == TIER_BLOCKS
     assert s.prefix_cache_hits > base.prefix_cache_hits
+    m = LLM.from_engine(tiered).get_metrics()
+    assert m["kv_offload_hits"] == s.kv_offload_hits
+    assert m["kv_offload_bytes_loaded"] == s.kv_offload_bytes_loaded
+    assert m["kv_offload_capacity_blocks"] == TIER_BLOCKS
     assert base.kv_offload_hits == base.kv_offload_capacity_blocks == 0
 
 
