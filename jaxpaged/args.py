@@ -341,6 +341,20 @@ class EngineArgs:
         "memory tier; other backends, such as lmcache, are refused by name)",
         "--kv-offloading-backend",
     )
+    kv_offloading_disk_dir: str | None = _setting(
+        None,
+        "a folder for a disk tier behind the host tier (--kv-offloading-size): blocks the "
+        "host tier forgets are written there and read back on a prefix hit",
+        "--kv-offloading-disk-dir",
+        parse=optional_text,
+        metavar="DIR",
+    )
+    kv_offloading_disk_size: float | str | None = _setting(
+        None,
+        "how much of --kv-offloading-disk-dir the disk tier may fill: GiB, or a size such as 64GiB",
+        "--kv-offloading-disk-size",
+        parse=parse_gib,
+    )
     preemption_mode: str = _setting(
         "recompute",
         "what a preempted request's blocks become: freed and recomputed, or swapped to host",
@@ -451,6 +465,11 @@ class EngineArgs:
         )
         object.__setattr__(
             self,
+            "kv_offloading_disk_size",
+            _normalise_size("kv_offloading_disk_size", self.kv_offloading_disk_size, parse_gib),
+        )
+        object.__setattr__(
+            self,
             "kv_cache_memory",
             _normalise_size("kv_cache_memory", self.kv_cache_memory, parse_size),
         )
@@ -526,6 +545,8 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offloading_size=self.kv_offloading_size,
             kv_offloading_backend=self.kv_offloading_backend,
+            kv_offloading_disk_dir=self.kv_offloading_disk_dir,
+            kv_offloading_disk_size=self.kv_offloading_disk_size,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

@@ -340,6 +340,8 @@ class LLM:
             "kv_offload_bytes_loaded": s.kv_offload_bytes_loaded,
             "kv_offload_num_blocks": s.kv_offload_num_blocks,
             "kv_offload_capacity_blocks": s.kv_offload_capacity_blocks,
+            "kv_offload_disk_blocks_stored": s.kv_offload_disk_blocks_stored,
+            "kv_offload_disk_blocks_loaded": s.kv_offload_disk_blocks_loaded,
             "kv_cache_usage": s.kv_cache_usage,
             "kv_cache_waste": s.kv_cache_waste,
             "num_compilations": s.num_compilations,

@@ -133,6 +133,16 @@ class _EngineCollector:
                 "kv_offload_blocks_loaded",
             ),
             (
+                "jaxpaged:kv_offload_disk_stored_blocks",
+                "KV blocks written from the host tier to the disk tier.",
+                "kv_offload_disk_blocks_stored",
+            ),
+            (
+                "jaxpaged:kv_offload_disk_loaded_blocks",
+                "KV blocks read from the disk tier to the device.",
+                "kv_offload_disk_blocks_loaded",
+            ),
+            (
                 "jaxpaged:kv_offload_stored_bytes",
                 "Bytes copied from the device to the host tier.",
                 "kv_offload_bytes_stored",

@@ -480,6 +480,8 @@ class EngineCore:
             kv_offload_bytes_loaded=st.kv_offload_blocks_loaded * s.bytes_per_block,
             kv_offload_num_blocks=0 if tier is None else len(tier),
             kv_offload_capacity_blocks=0 if tier is None else tier.num_slots,
+            kv_offload_disk_blocks_stored=st.kv_offload_disk_blocks_stored,
+            kv_offload_disk_blocks_loaded=st.kv_offload_disk_blocks_loaded,
         )
 
 

@@ -211,6 +211,12 @@ class LLMEngine:
         self.layout = kv.layout(num_blocks)
         self.runner = runner_for(self.layout)
         self.runner.drafter = drafter
+        disk_dir = cache_config.kv_offloading_disk_dir
+        if disk_dir is not None:  # the disk tier's files: the target's blocks (not a draft's)
+            if drafter is not None:
+                raise ValueError("kv_offloading_disk_dir is not supported with a draft model")
+            os.makedirs(disk_dir, exist_ok=True)
+            self.runner.disk_dir = disk_dir
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,

@@ -81,6 +81,9 @@ class EngineStats:
     kv_offload_bytes_loaded: int = 0
     kv_offload_num_blocks: int = 0
     kv_offload_capacity_blocks: int = 0
+    # the disk tier behind it: blocks written there, and of the loaded ones those read back
+    kv_offload_disk_blocks_stored: int = 0
+    kv_offload_disk_blocks_loaded: int = 0
 
 
 class Tokenizer(Protocol):

@@ -43,6 +43,10 @@ copy / swap lists this module returns.
   over once per plan; the runner applies offloads right after swap-outs and loads right after
   swap-ins, so an offload reads a block before anything of the same plan rewrites it, and a
   load fills its block before the forward pass reads it.
+* **Disk tier** (``num_disk_blocks`` > 0, behind the host tier): a key the host tier forgets
+  to make room is *spilled* to a disk slot first (``(tier_slot, disk_slot)``, applied before
+  the offload that reuses the tier slot; a key offloaded in the same plan is not spilled), and
+  :meth:`find_prefix` runs on into keys the disk holds (loaded as ``(disk_slot, block)``).
 
 Invariant (tests assert it): every block taken is given back on finish, abort, preemption
 or error, so after the last request ``num_free_blocks == num_blocks`` and no request id is
@@ -55,14 +59,34 @@ import array
 import collections
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from jaxpaged.sched.host_tier import HostTier
 
-__all__ = ["BlockPool", "CopyPair", "PrefixEntry", "TokenSlice", "hash_block_tokens"]
+__all__ = [
+    "BlockPool",
+    "CopyPair",
+    "PrefixEntry",
+    "TierMoves",
+    "TokenSlice",
+    "hash_block_tokens",
+]
 
 CopyPair = tuple[int, int]  # (src, dst): device->device, device->host or host->device
-# one block of a cached prefix: a device block id, or the key of a block the host tier holds
+# one block of a cached prefix: a device block id, or the key of a block the host (or disk)
+# tier holds
 PrefixEntry = int | bytes
+
+
+class TierMoves(NamedTuple):
+    """One plan's copies of the prefix cache's host and disk tiers (see BlockPool)."""
+
+    offload: list[CopyPair]  # (device_block, tier_slot)
+    load: list[CopyPair]  # (tier_slot, device_block)
+    spill: list[CopyPair]  # (tier_slot, disk_slot)
+    disk_load: list[CopyPair]  # (disk_slot, device_block)
+
+
 # token_slice(start, stop): a request's token ids [start, stop) (Request.token_ids_slice)
 TokenSlice = Callable[[int, int], Sequence[int]]
 
@@ -92,6 +116,7 @@ class BlockPool:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         num_tier_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -103,6 +128,10 @@ class BlockPool:
             raise ValueError(f"num_tier_blocks must be >= 0, got {num_tier_blocks}")
         if num_tier_blocks and not enable_prefix_caching:
             raise ValueError("a host tier (num_tier_blocks > 0) needs prefix caching on")
+        if num_disk_blocks < 0 or (num_disk_blocks and not num_tier_blocks):
+            raise ValueError(
+                f"num_disk_blocks must be >= 0 and needs a host tier, got {num_disk_blocks}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -131,6 +160,10 @@ class BlockPool:
         self.tier = HostTier(num_tier_blocks) if num_tier_blocks else None
         self._offloads: list[CopyPair] = []  # (device_block, tier_slot)
         self._loads: list[CopyPair] = []  # (tier_slot, device_block)
+        self.disk = HostTier(num_disk_blocks) if num_disk_blocks else None
+        self._spills: list[CopyPair] = []  # (tier_slot, disk_slot)
+        self._disk_loads: list[CopyPair] = []  # (disk_slot, device_block)
+        self._offloaded_now: set[bytes] = set()  # keys offloaded in the plan being made
 
     # ------------------------------------------------------------------ queries
     @property
@@ -239,8 +272,18 @@ class BlockPool:
             self.tier.touch(h)
             return
         slot = self.tier.put(h)
-        if slot is not None:
-            self._offloads.append((b, slot))
+        if slot is None:
+            return
+        victim = self.tier.last_evicted
+        if self.disk is not None and victim is not None and victim not in self._offloaded_now:
+            if victim in self.disk:
+                self.disk.touch(victim)
+            else:
+                disk_slot = self.disk.put(victim)
+                if disk_slot is not None:
+                    self._spills.append((slot, disk_slot))
+        self._offloads.append((b, slot))
+        self._offloaded_now.add(h)
 
     def _incref(self, b: int) -> None:
         if self._ref[b] == 0:
@@ -310,6 +353,9 @@ class BlockPool:
             elif self.tier is not None and h in self.tier:
                 self.tier.pin(h)
                 blocks.append(h)
+            elif self.disk is not None and h in self.disk:
+                self.disk.pin(h)
+                blocks.append(h)
             else:
                 break
         return blocks
@@ -352,12 +398,15 @@ class BlockPool:
             self._uncache(b)
         if self.tier is not None:
             self.tier.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
-    def take_tier_moves(self) -> tuple[list[CopyPair], list[CopyPair]]:
-        """``(offloads, loads)`` noted since the last call: (device_block, tier_slot) and
-        (tier_slot, device_block) pairs for the plan being made. Forgets them."""
-        moves = self._offloads, self._loads
-        self._offloads, self._loads = [], []
+    def take_tier_moves(self) -> TierMoves:
+        """The host and disk tiers' moves noted since the last call, for the plan being
+        made. Forgets them."""
+        moves = TierMoves(self._offloads, self._loads, self._spills, self._disk_loads)
+        self._offloads, self._loads, self._spills, self._disk_loads = [], [], [], []
+        self._offloaded_now = set()
         return moves
 
     # ---------------------------------------------------------------- allocate
@@ -451,7 +500,11 @@ class BlockPool:
         b = self._take()
         self._hash[b] = key
         self._cached[key] = b
-        self._loads.append((self.tier.slot(key), b))
+        if key in self.tier:
+            self._loads.append((self.tier.slot(key), b))
+        else:
+            assert self.disk is not None
+            self._disk_loads.append((self.disk.slot(key), b))
         return b
 
     def trim(self, request_id: str, num_tokens: int) -> None:
@@ -559,3 +612,5 @@ class BlockPool:
         self._host_pending.clear()
         if self.tier is not None:
             self.tier.unpin_all()
+        if self.disk is not None:
+            self.disk.unpin_all()

@@ -1,4 +1,5 @@
-"""HostTier: which prefix-cache blocks the host-memory tier holds, and in which host slot.
+"""HostTier: which prefix-cache blocks the host-memory tier holds, and in which host slot
+(the disk tier behind it is a second HostTier over disk slots).
 
 Plain bookkeeping (no bytes): the runner keeps each slot's data, the block pool decides what
 goes in and out (:class:`jaxpaged.sched.block_pool.BlockPool`). A full block evicted from the
@@ -34,6 +35,7 @@ class HostTier:
         self._fresh = 0
         self._pinned: set[bytes] = set()
         self.num_evictions = 0  # keys forgotten to make room
+        self.last_evicted: bytes | None = None  # the key the last put forgot (None: none)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -67,6 +69,7 @@ class HostTier:
         slots at all)."""
         if key in self._slots:
             raise ValueError("put: key is already held")
+        self.last_evicted = None
         if self._free:
             slot = self._free.pop()
         elif self._fresh < self.num_slots:
@@ -78,6 +81,7 @@ class HostTier:
                 return None
             slot = self._slots.pop(victim)
             self.num_evictions += 1
+            self.last_evicted = victim
         self._slots[key] = slot
         return slot
 

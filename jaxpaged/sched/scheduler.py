@@ -129,6 +129,7 @@ class Scheduler:
         bytes_per_block: int | None = None,
         num_host_blocks: int | None = None,
         num_tier_blocks: int | None = None,
+        num_disk_blocks: int | None = None,
         clock: Callable[[], float] = time.time,
         max_loras: int = 0,
         step_sizes: Sequence[int] = (),
@@ -141,7 +142,8 @@ class Scheduler:
         prompt lookup), verified by the runner's step. Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
         mode (required there), else none. Host tier slots: ``num_tier_blocks`` if given,
-        else ``kv_offloading_size`` / ``bytes_per_block`` (required when it is set)."""
+        else ``kv_offloading_size`` / ``bytes_per_block`` (required when it is set); disk
+        tier slots likewise from ``kv_offloading_disk_size``."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.bytes_per_block = bytes_per_block or 0  # for the byte counts of metrics
@@ -157,12 +159,19 @@ class Scheduler:
                 if bytes_per_block is None:
                     raise ValueError("bytes_per_block is required with kv_offloading_size")
                 num_tier_blocks = cache_config.num_tier_blocks(bytes_per_block)
+        if num_disk_blocks is None:
+            num_disk_blocks = 0
+            if cache_config.kv_offloading_disk_dir:
+                if bytes_per_block is None:
+                    raise ValueError("bytes_per_block is required with kv_offloading_disk_dir")
+                num_disk_blocks = cache_config.num_disk_blocks(bytes_per_block)
         self.pool = BlockPool(
             num_blocks,
             cache_config.block_size,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
             num_tier_blocks=num_tier_blocks,
+            num_disk_blocks=num_disk_blocks,
         )
         self.block_size = cache_config.block_size
         self.clock = clock
@@ -473,17 +482,21 @@ class Scheduler:
             )
         self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
-        offload, load = self.pool.take_tier_moves()
+        moves = self.pool.take_tier_moves()
         self.stats.num_steps += 1
-        self.stats.kv_offload_blocks_stored += len(offload)
-        self.stats.kv_offload_blocks_loaded += len(load)
+        self.stats.kv_offload_blocks_stored += len(moves.offload)
+        self.stats.kv_offload_blocks_loaded += len(moves.load) + len(moves.disk_load)
+        self.stats.kv_offload_disk_blocks_stored += len(moves.spill)
+        self.stats.kv_offload_disk_blocks_loaded += len(moves.disk_load)
         return SchedulerOutput(
             seqs=tuple(seqs),
             new_requests=tuple(new_requests),
             blocks_to_swap_out=tuple(swap_out),
-            blocks_to_offload=tuple(offload),
+            blocks_to_offload=tuple(moves.offload),
             blocks_to_swap_in=tuple(swap_in),
-            blocks_to_load=tuple(load),
+            blocks_to_load=tuple(moves.load),
+            blocks_to_spill=tuple(moves.spill),
+            blocks_to_load_from_disk=tuple(moves.disk_load),
             blocks_to_copy=tuple(copies),
             state_rows_to_init=tuple(row_inits),
             lora_loads=tuple(lora_loads),

@@ -16,13 +16,16 @@ Blocks go to host memory (a preempted request's swap-out, or the prefix cache's 
 once (``copy_to_host_async``) and is fetched into per-slot numpy copies once it is done (seen
 at the next dispatch, or at the collect of its step, which waited for it anyway), or earlier
 if a swap-in or load reads the slot. So the copy overlaps the step dispatched after it
-instead of stalling the host.
+instead of stalling the host. The disk tier behind the host tier (``disk_dir``) keeps one file
+per disk slot, each pool array's bytes of the block in turn, written and read on the engine
+thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -177,6 +180,7 @@ class Runner:
         self._host_blocks: dict[int, HostBlock] = {}
         self._tier_blocks: dict[int, HostBlock] = {}
         self._unfetched: list[list[HostBlock]] = []
+        self.disk_dir: str | None = None  # the disk tier's folder (set by the engine builder)
         self.warmed_up = False
 
     @property
@@ -345,10 +349,12 @@ class Runner:
         without waiting for it (None when the plan has no sequences). ``allowed``: sequence
         index -> its structured-output mask."""
         self._fetch_host_copies(wait=False)
+        self._spill(plan.blocks_to_spill)
         self._swap_out(plan.blocks_to_swap_out)
         self._offload(plan.blocks_to_offload)
         self._swap_in(plan.blocks_to_swap_in)
         self._load(plan.blocks_to_load)
+        self._load_from_disk(plan.blocks_to_load_from_disk)
         self._copy(plan.blocks_to_copy)
         for init in plan.state_rows_to_init:
             self._init_state_row(init)
@@ -494,6 +500,41 @@ class Runner:
         """Tier slots read back keep their copy (the tier is inclusive)."""
         self._in_chunks(lambda chunk: self._to_device(chunk, self._tier_blocks, keep=True), pairs)
 
+    def _disk_path(self, slot: int) -> str:
+        if self.disk_dir is None:
+            raise RuntimeError("a plan moves disk-tier blocks but the runner has no disk_dir")
+        return os.path.join(self.disk_dir, f"block-{slot}.kv")
+
+    def _spill(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(tier slot, disk slot) pairs: writes the host tier's copies to disk files."""
+        for slot, disk in pairs:
+            blk = self._tier_blocks[slot]
+            if blk.data is None:
+                self._fetch_host_copies()
+            with open(self._disk_path(disk), "wb") as f:
+                for a in blk.data:
+                    f.write(np.ascontiguousarray(a).tobytes())
+
+    def _load_from_disk(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(disk slot, device block) pairs: reads the files back into the blocks."""
+        shapes = [
+            ((self.layout.num_layers, *shape[1:]), p.dtype)
+            for shape, p in zip(self.layout.shapes, self.pool, strict=True)
+        ]
+        for i in range(0, len(pairs), self._max_move):
+            chunk = pairs[i : i + self._max_move]
+            datas = []
+            for disk, _ in chunk:
+                with open(self._disk_path(disk), "rb") as f:
+                    raw = f.read()
+                arrays, at = [], 0
+                for shape, dtype in shapes:
+                    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                    arrays.append(np.frombuffer(raw[at : at + n], dtype).reshape(shape))
+                    at += n
+                datas.append(tuple(arrays))
+            self._scatter([dev for _, dev in chunk], datas)
+
     def _copy_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         src, dst = zip(*pairs, strict=True)
         src, dst = self._padded(src), self._padded(dst)
@@ -554,13 +595,17 @@ class Runner:
         blocks = [store[slot] if keep else store.pop(slot) for slot in slots]
         if any(blk.data is None for blk in blocks):
             self._fetch_host_copies()
+        self._scatter(dev, [blk.data for blk in blocks])
+
+    def _scatter(self, dev: Sequence[int], datas: Sequence[tuple[np.ndarray, ...]]) -> None:
+        """Writes one [L, *page] array per pool array into each device block of ``dev``."""
         ids = self._padded(dev)
         arrays = tuple(
             np.zeros((self.layout.num_layers, len(ids), *shape[1:]), p.dtype)
             for shape, p in zip(self.layout.shapes, self.pool, strict=True)
         )
-        for i, blk in enumerate(blocks):
-            for a, block in zip(arrays, blk.data, strict=True):
+        for i, data in enumerate(datas):
+            for a, block in zip(arrays, data, strict=True):
                 a[:, i] = block
         self.pool = self.programs.scatter_blocks(
             self.pool,

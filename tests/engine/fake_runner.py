@@ -59,6 +59,7 @@ class FakeRunner(FakeDeviceAdmin):
         *,
         scheduler: Scheduler,
         num_tier_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
         self.scheduler = scheduler  # to read the host's tokens of each request (checks only)
         self.block_size = block_size
@@ -69,6 +70,8 @@ class FakeRunner(FakeDeviceAdmin):
         self.host_pos = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.tier_tok = np.full((max(num_tier_blocks, 1), block_size), -1, np.int64)
         self.tier_pos = np.full((max(num_tier_blocks, 1), block_size), -1, np.int64)
+        self.disk_tok = np.full((max(num_disk_blocks, 1), block_size), -1, np.int64)
+        self.disk_pos = np.full((max(num_disk_blocks, 1), block_size), -1, np.int64)
         self.steps: list[SchedulerOutput] = []
         cfg = scheduler.config
         self.batch = PersistentBatch(
@@ -98,6 +101,9 @@ class FakeRunner(FakeDeviceAdmin):
 
     def _step(self, out: SchedulerOutput) -> RunnerOutput | None:
         self.steps.append(out)
+        for slot, disk in out.blocks_to_spill:
+            self.disk_tok[disk] = self.tier_tok[slot]
+            self.disk_pos[disk] = self.tier_pos[slot]
         for dev, host in out.blocks_to_swap_out:
             self.host_tok[host] = self.dev_tok[dev]
             self.host_pos[host] = self.dev_pos[dev]
@@ -110,6 +116,9 @@ class FakeRunner(FakeDeviceAdmin):
         for slot, dev in out.blocks_to_load:
             self.dev_tok[dev] = self.tier_tok[slot]
             self.dev_pos[dev] = self.tier_pos[slot]
+        for disk, dev in out.blocks_to_load_from_disk:
+            self.dev_tok[dev] = self.disk_tok[disk]
+            self.dev_pos[dev] = self.disk_pos[disk]
         # copies are simultaneous (all sources read, then all written), like copy_blocks
         dsts = [d for _, d in out.blocks_to_copy]
         srcs = [s for s, _ in out.blocks_to_copy]

@@ -47,7 +47,7 @@ def test_block_pool_offloads_on_eviction_and_loads_on_hit():
     assert pool.block_table("a") == (0, 1)
     pool.free("a")  # free cached, least recently freed first: 1, then 0
     assert pool.allocate_slots("b", 0, 4) == [] and pool.block_table("b") == (2, 1)
-    assert pool.take_tier_moves() == ([(1, 0)], [])
+    assert pool.take_tier_moves() == ([(1, 0)], [], [], [])
     key1 = hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
     assert pool.tier.keys() == [key1]
     c = [1, 2, 3, 4, 9]
@@ -57,7 +57,7 @@ def test_block_pool_offloads_on_eviction_and_loads_on_hit():
     pool.free("b")  # unregistered: free uncached, 1 then 2 (a stack)
     assert pool.allocate_slots("c", 0, 1, prefix) == []
     assert pool.block_table("c") == (0, 2, 1)
-    assert pool.take_tier_moves() == ([], [(0, 2)])
+    assert pool.take_tier_moves() == ([], [(0, 2)], [], [])
     assert pool.find_prefix("d", 5, lambda i, j: c[i:j]) == [0, 2]  # registered at once
     pool.free("c")
     pool.free("d")
@@ -68,14 +68,21 @@ def test_block_pool_offloads_on_eviction_and_loads_on_hit():
         BlockPool(3, 2, enable_prefix_caching=False, num_tier_blocks=1)
 
 
-def _make(num_tier_blocks, *, num_blocks=16, block_size=4):
+def _make(num_tier_blocks, *, num_blocks=16, block_size=4, num_disk_blocks=0):
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
         CacheConfig(block_size=block_size),
         num_blocks=num_blocks,
         num_tier_blocks=num_tier_blocks,
+        num_disk_blocks=num_disk_blocks,
     )
-    runner = FakeRunner(num_blocks, block_size, scheduler=sched, num_tier_blocks=num_tier_blocks)
+    runner = FakeRunner(
+        num_blocks,
+        block_size,
+        scheduler=sched,
+        num_tier_blocks=num_tier_blocks,
+        num_disk_blocks=num_disk_blocks,
+    )
     return sched, runner
 
 
@@ -140,6 +147,25 @@ def test_tier_is_bounded_and_least_recently_used_goes():
     assert len(sched.pool.tier) == 4 and sched.pool.tier.num_evictions > 0
     assert all(s < 4 for p in runner.steps for _, s in p.blocks_to_offload)
     _assert_nothing_held(sched, 4)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_disk_tier_behind_a_small_host_tier(overlap):
+    """A 3-block host tier spills what it forgets to a 64-block disk tier; later turns load
+    from both (the FakeRunner checks every block's tokens), outputs stay the reference's,
+    and the prompt tokens computed drop below those of the host tier alone."""
+    computed = {}
+    for disk in (0, 64):
+        sched, runner = _make(3, num_disk_blocks=disk)
+        _replay(sched, runner, overlap=overlap)
+        computed[disk] = sum(s.num_tokens for plan in runner.steps for s in plan.seqs)
+        st = sched.stats
+        if disk:
+            assert st.kv_offload_disk_blocks_stored > 0 and st.kv_offload_disk_blocks_loaded > 0
+            assert st.kv_offload_blocks_loaded > st.kv_offload_disk_blocks_loaded  # both tiers
+            assert len(sched.pool.disk) <= disk
+        _assert_nothing_held(sched, 3)
+    assert computed[64] < computed[0]
 
 
 def test_abort_with_loads_in_flight_leaks_nothing():

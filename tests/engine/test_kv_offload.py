@@ -6,6 +6,8 @@ stays within its size, and no device block or host slot is left held after any t
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,12 +61,28 @@ def tiered(params):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def disk(params, tmp_path_factory):
+    """A 4-block host tier with a 64-block disk tier behind it (eager: cheap to build)."""
+    engine = LLMEngine.from_params(
+        CFG,
+        params,
+        enforce_eager=True,
+        kv_offloading_size=4 * _block_bytes() / GiB,
+        kv_offloading_disk_dir=str(tmp_path_factory.mktemp("kv-disk")),
+        kv_offloading_disk_size=64 * _block_bytes() / GiB,
+        **OPTS,
+    )
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(autouse=True)
 def _nothing_held(request):
     """After every test: every device block free, no request id left in the pool, no swap
     slot in use, and the runner's tier copies exactly the slots the tier maps (<= its size)."""
     yield
-    for name in ("plain", "tiered"):
+    for name in ("plain", "tiered", "disk"):
         if name not in request.fixturenames:
             continue
         engine = request.getfixturevalue(name)
@@ -76,8 +94,12 @@ def _nothing_held(request):
         assert runner.num_host_blocks_in_use == 0
         if pool.tier is not None:
             slots = {pool.tier.slot(k) for k in pool.tier.keys()}
-            assert len(slots) == len(pool.tier) <= TIER_BLOCKS
+            assert len(slots) == len(pool.tier) <= pool.tier.num_slots
             assert set(runner._tier_blocks) == slots
+        if pool.disk is not None:
+            assert len(pool.disk) <= pool.disk.num_slots
+            files = {f"block-{pool.disk.slot(k)}.kv" for k in pool.disk.keys()}
+            assert files <= set(os.listdir(runner.disk_dir))
 
 
 def _run(engine, prompts: dict[str, list[int]], logprobs: dict | None = None) -> dict:
@@ -141,6 +163,17 @@ def test_replay_is_token_identical_and_hits_the_tier(plain, tiered):
     assert base.kv_offload_hits == base.kv_offload_capacity_blocks == 0
 
 
+def test_disk_tier_behind_the_host_tier(plain, disk):
+    """The host tier holds 4 blocks: most evicted blocks go on to disk files and come back
+    from there, with the same tokens and logprobs as the plain engine."""
+    got_lp, want_lp = {}, {}
+    assert _replay(disk, logprobs=got_lp) == _replay(plain, logprobs=want_lp)
+    _assert_close(got_lp, want_lp)
+    s = disk.get_stats()
+    assert s.kv_offload_disk_blocks_stored > 0 and s.kv_offload_disk_blocks_loaded > 0
+    assert s.kv_offload_blocks_loaded > s.kv_offload_disk_blocks_loaded  # both tiers hit
+
+
 def test_swap_preemption_beside_the_tier(plain, tiered):
     """Two 60-token prompts fill the 16 blocks; the first decode past them preempts one:
     swapped out and in by the tiered engine (the same host-copy path as the tier's),
@@ -198,3 +231,5 @@ def test_offloading_settings_are_checked(params):
         LLMEngine.from_params(
             CFG, params, kv_offloading_size=1, enable_prefix_caching=False, **OPTS
         )
+    with pytest.raises(ValueError, match="go together"):
+        LLMEngine.from_params(CFG, params, kv_offloading_disk_dir="/tmp/kv", **OPTS)
