@@ -30,6 +30,7 @@ def make(
     prefix=True,
     num_host_blocks=None,
     num_tier_blocks=0,
+    num_disk_blocks=0,
 ):
     sched = Scheduler(
         SchedulerConfig(
@@ -44,6 +45,7 @@ def make(
         if num_host_blocks is None
         else num_host_blocks,
         num_tier_blocks=num_tier_blocks,
+        num_disk_blocks=num_disk_blocks,
     )
     runner = FakeRunner(
         num_blocks,
@@ -51,6 +53,7 @@ def make(
         sched.pool.num_host_blocks,
         scheduler=sched,
         num_tier_blocks=num_tier_blocks,
+        num_disk_blocks=num_disk_blocks,
     )
     return sched, runner
 
