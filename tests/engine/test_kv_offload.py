@@ -25,6 +25,7 @@ TIER_BLOCKS = 12  # fewer than the replay offloads: the tier must evict
 OPTS = dict(
     attention_backend="xla", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
     num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, show_progress=False,
+    max_prefill_tokens_with_decodes=32,  # the whole budget: no prefill cap to time at start
 )  # fmt: skip
 # the sampled token's logprob too: a wrong K/V block changes it even where the argmax of
 # this tiny random model survives
