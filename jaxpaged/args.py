@@ -338,6 +338,34 @@ class EngineArgs:
         "--swap-space",
         parse=parse_gib,
     )
+    kv_offloading_size: float | str | None = _setting(
+        None,
+        "host memory for a tier of the prefix cache: GiB, or a size such as 16GiB (unset: "
+        "off); full blocks evicted from the device's prefix cache are kept there, least "
+        "recently used out, and copied back when a later prompt starts with them",
+        "--kv-offloading-size",
+        parse=parse_gib,
+    )
+    kv_offloading_backend: str | None = _setting(
+        None,
+        "where --kv-offloading-size keeps blocks: native (unset: native; this engine's host "
+        "memory tier; other backends, such as lmcache, are refused by name)",
+        "--kv-offloading-backend",
+    )
+    kv_offloading_disk_dir: str | None = _setting(
+        None,
+        "a folder for a disk tier behind the host tier (--kv-offloading-size): blocks the "
+        "host tier forgets are written there and read back on a prefix hit",
+        "--kv-offloading-disk-dir",
+        parse=optional_text,
+        metavar="DIR",
+    )
+    kv_offloading_disk_size: float | str | None = _setting(
+        None,
+        "how much of --kv-offloading-disk-dir the disk tier may fill: GiB, or a size such as 64GiB",
+        "--kv-offloading-disk-size",
+        parse=parse_gib,
+    )
     preemption_mode: str = _setting(
         "recompute",
         "what a preempted request's blocks become: freed and recomputed, or swapped to host",
@@ -461,6 +489,16 @@ class EngineArgs:
         )
         object.__setattr__(
             self,
+            "kv_offloading_size",
+            _normalise_size("kv_offloading_size", self.kv_offloading_size, parse_gib),
+        )
+        object.__setattr__(
+            self,
+            "kv_offloading_disk_size",
+            _normalise_size("kv_offloading_disk_size", self.kv_offloading_disk_size, parse_gib),
+        )
+        object.__setattr__(
+            self,
             "kv_cache_memory",
             _normalise_size("kv_cache_memory", self.kv_cache_memory, parse_size),
         )
@@ -534,6 +572,10 @@ class EngineArgs:
             swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_backend=self.kv_offloading_backend,
+            kv_offloading_disk_dir=self.kv_offloading_disk_dir,
+            kv_offloading_disk_size=self.kv_offloading_disk_size,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

@@ -38,6 +38,9 @@ GiB = 1 << 30
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+# where evicted prefix-cache blocks go (vLLM's --kv-offloading-backend): host memory, managed
+# by the engine itself
+KV_OFFLOADING_BACKENDS: tuple[str, ...] = ("native",)
 # KV pool dtypes: the model's, bfloat16, or 8-bit with per-(token, head) scales
 # (fp8 = float8_e4m3fn; kernels/kv_quant.py)
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "fp8", "int8")
@@ -59,7 +62,14 @@ class CacheConfig:
     ``gpu_memory_utilization`` * device memory after weights and a profiling step; else (CPU)
     ``kv_cache_memory`` bytes (None = the runner's default). ``swap_space`` is GiB of host
     memory for blocks of preempted requests (``preemption_mode="swap"``); the scheduler turns
-    it into host slots with the runner's bytes-per-block.
+    it into host slots with the runner's bytes-per-block. ``kv_offloading_size`` is GiB of host
+    memory for a tier of the prefix cache (vLLM's ``--kv-offloading-size``; None or 0: off):
+    full blocks evicted from the device pool are kept there, least recently used out, and a
+    later prefix hit copies them back (:mod:`jaxpaged.sched.host_tier`);
+    ``kv_offloading_backend`` must be ``native`` or None (this engine's own host tier).
+    ``kv_offloading_disk_dir`` / ``kv_offloading_disk_size`` (GiB): a disk tier behind the
+    host tier, which takes the blocks the host tier forgets (the folder's files are this
+    engine's scratch, overwritten freely).
     """
 
     block_size: int = 16
@@ -69,6 +79,10 @@ class CacheConfig:
     swap_space: float = 4.0  # GiB
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto = the model's dtype
+    kv_offloading_size: float | None = None  # GiB of host memory for the prefix-cache tier
+    kv_offloading_backend: str | None = None  # one of KV_OFFLOADING_BACKENDS; None: native
+    kv_offloading_disk_dir: str | None = None  # a folder for a disk tier behind the host's
+    kv_offloading_disk_size: float | None = None  # GiB of it
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -97,6 +111,29 @@ class CacheConfig:
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
             )
+        if self.kv_offloading_backend not in (None, *KV_OFFLOADING_BACKENDS):
+            raise ValueError(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: "
+                f"jaxpaged offloads to host memory itself ({', '.join(KV_OFFLOADING_BACKENDS)})"
+            )
+        size = self.kv_offloading_size
+        if size is not None and (not _is_real(size) or size < 0):
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {size!r}")
+        disk, disk_size = self.kv_offloading_disk_dir, self.kv_offloading_disk_size
+        if disk_size is not None and (not _is_real(disk_size) or disk_size < 0):
+            raise ValueError(f"kv_offloading_disk_size must be >= 0 GiB, got {disk_size!r}")
+        if disk is not None and (not isinstance(disk, str) or not disk):
+            raise ValueError(f"kv_offloading_disk_dir must be a folder path, got {disk!r}")
+        if bool(disk) != bool(disk_size) or (disk and not size):
+            raise ValueError(
+                "kv_offloading_disk_dir and kv_offloading_disk_size go together, and with "
+                "kv_offloading_size (the disk tier sits behind the host tier)"
+            )
+        if size and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size: the host tier keeps prefix-cache blocks, so it needs "
+                "enable_prefix_caching (drop --no-enable-prefix-caching)"
+            )
 
     @property
     def swap_space_bytes(self) -> int:
@@ -107,6 +144,18 @@ class CacheConfig:
         if not _is_int(bytes_per_block) or bytes_per_block < 1:
             raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
         return self.swap_space_bytes // bytes_per_block
+
+    def num_tier_blocks(self, bytes_per_block: int) -> int:
+        """Blocks of ``bytes_per_block`` bytes the host tier (``kv_offloading_size``) holds."""
+        if not _is_int(bytes_per_block) or bytes_per_block < 1:
+            raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
+        return round((self.kv_offloading_size or 0) * GiB) // bytes_per_block
+
+    def num_disk_blocks(self, bytes_per_block: int) -> int:
+        """Blocks the disk tier (``kv_offloading_disk_size``) holds."""
+        if not _is_int(bytes_per_block) or bytes_per_block < 1:
+            raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
+        return round((self.kv_offloading_disk_size or 0) * GiB) // bytes_per_block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

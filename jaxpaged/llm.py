@@ -332,7 +332,9 @@ class LLM:
         self.close()
 
     def get_metrics(self) -> dict[str, float | int]:
-        """Engine counters: preemptions, prefix cache, KV usage and waste, compilations, and
+        """Engine counters: preemptions, prefix cache (and its host tier's ``kv_offload_*``:
+        tokens hit there, blocks and bytes stored and loaded, blocks held and at most), KV
+        usage and waste, compilations, and
         speculative decoding's (vLLM's spec_decode names; the acceptance rate is accepted /
         drafted tokens, the mean acceptance length 1 + accepted / verifications, and
         ``spec_decode_num_accepted_tokens_per_pos_j`` counts drafts accepted at position j)."""
@@ -354,6 +356,15 @@ class LLM:
             "num_preemptions": s.num_preemptions,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            "kv_offload_hits": s.kv_offload_hits,
+            "kv_offload_blocks_stored": s.kv_offload_blocks_stored,
+            "kv_offload_blocks_loaded": s.kv_offload_blocks_loaded,
+            "kv_offload_bytes_stored": s.kv_offload_bytes_stored,
+            "kv_offload_bytes_loaded": s.kv_offload_bytes_loaded,
+            "kv_offload_num_blocks": s.kv_offload_num_blocks,
+            "kv_offload_capacity_blocks": s.kv_offload_capacity_blocks,
+            "kv_offload_disk_blocks_stored": s.kv_offload_disk_blocks_stored,
+            "kv_offload_disk_blocks_loaded": s.kv_offload_disk_blocks_loaded,
             "kv_cache_usage": s.kv_cache_usage,
             "kv_cache_waste": s.kv_cache_waste,
             "num_compilations": s.num_compilations,

@@ -90,6 +90,16 @@ class _EngineCollector:
             ),
             ("jaxpaged:num_kv_blocks", "KV blocks in the pool.", "num_kv_blocks"),
             ("jaxpaged:num_free_kv_blocks", "Free KV blocks.", "num_free_blocks"),
+            (
+                "jaxpaged:kv_offload_blocks",
+                "Blocks the prefix cache's host tier holds.",
+                "kv_offload_num_blocks",
+            ),
+            (
+                "jaxpaged:kv_offload_capacity_blocks",
+                "Blocks the prefix cache's host tier can hold (0: off).",
+                "kv_offload_capacity_blocks",
+            ),
         ]
         for name, doc, attr in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -106,6 +116,41 @@ class _EngineCollector:
                 "jaxpaged:prefix_cache_hits",
                 "Prompt blocks found in the prefix cache.",
                 "prefix_cache_hits",
+            ),
+            (
+                "jaxpaged:kv_offload_hits",
+                "Prompt tokens loaded back from the prefix cache's host tier.",
+                "kv_offload_hits",
+            ),
+            (
+                "jaxpaged:kv_offload_stored_blocks",
+                "KV blocks copied from the device to the host tier.",
+                "kv_offload_blocks_stored",
+            ),
+            (
+                "jaxpaged:kv_offload_loaded_blocks",
+                "KV blocks copied from the host tier to the device.",
+                "kv_offload_blocks_loaded",
+            ),
+            (
+                "jaxpaged:kv_offload_disk_stored_blocks",
+                "KV blocks written from the host tier to the disk tier.",
+                "kv_offload_disk_blocks_stored",
+            ),
+            (
+                "jaxpaged:kv_offload_disk_loaded_blocks",
+                "KV blocks read from the disk tier to the device.",
+                "kv_offload_disk_blocks_loaded",
+            ),
+            (
+                "jaxpaged:kv_offload_stored_bytes",
+                "Bytes copied from the device to the host tier.",
+                "kv_offload_bytes_stored",
+            ),
+            (
+                "jaxpaged:kv_offload_loaded_bytes",
+                "Bytes copied from the host tier to the device.",
+                "kv_offload_bytes_loaded",
             ),
             ("jaxpaged:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
             ("jaxpaged:generation_tokens", "Tokens generated.", "generation_tokens_total"),

@@ -266,7 +266,9 @@ def main(
                 "for replicas on several hosts see docs/scaling.md"
             )
         multihost.check_engine_args(
-            num_processes=args.num_processes, preemption_mode=engine_args.preemption_mode
+            num_processes=args.num_processes,
+            preemption_mode=engine_args.preemption_mode,
+            kv_offloading_size=engine_args.kv_offloading_size,
         )
         multihost.initialize(
             num_processes=args.num_processes,

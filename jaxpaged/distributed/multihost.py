@@ -83,12 +83,22 @@ def initialize(
     )
 
 
-def check_engine_args(*, num_processes: int, preemption_mode: str = "recompute") -> None:
+def check_engine_args(
+    *,
+    num_processes: int,
+    preemption_mode: str = "recompute",
+    kv_offloading_size: float | None = None,
+) -> None:
     """ValueError for engine settings that cannot work across hosts."""
     if num_processes > 1 and preemption_mode == "swap":
         raise ValueError(
             "preemption_mode='swap' is not supported with num_processes > 1 (swap reads every "
             "host's KV shards back to one host); use preemption_mode='recompute'"
+        )
+    if num_processes > 1 and kv_offloading_size:
+        raise ValueError(
+            "kv_offloading_size is not supported with num_processes > 1 (the host tier reads "
+            "every host's KV shards back to one host); leave it unset"
         )
 
 

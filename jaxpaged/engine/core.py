@@ -451,6 +451,7 @@ class EngineCore:
     def _snapshot(self) -> EngineStats:
         s = self.scheduler
         st = s.stats
+        tier = s.pool.tier
         compiles = self._compilations()
         return EngineStats(
             num_running=len(s.running),
@@ -475,6 +476,15 @@ class EngineCore:
             running_lora_adapters=_adapter_names(s.running),
             waiting_lora_adapters=_adapter_names([*s.waiting, *s.swapped]),
             max_loras=0 if s.lora_slots is None else s.lora_slots.max_loras,
+            kv_offload_hits=st.kv_offload_hits,
+            kv_offload_blocks_stored=st.kv_offload_blocks_stored,
+            kv_offload_blocks_loaded=st.kv_offload_blocks_loaded,
+            kv_offload_bytes_stored=st.kv_offload_blocks_stored * s.bytes_per_block,
+            kv_offload_bytes_loaded=st.kv_offload_blocks_loaded * s.bytes_per_block,
+            kv_offload_num_blocks=0 if tier is None else len(tier),
+            kv_offload_capacity_blocks=0 if tier is None else tier.num_slots,
+            kv_offload_disk_blocks_stored=st.kv_offload_disk_blocks_stored,
+            kv_offload_disk_blocks_loaded=st.kv_offload_disk_blocks_loaded,
         )
 
 

@@ -51,4 +51,19 @@ def sum_stats(items: Sequence[tuple[EngineStats, bool]]) -> EngineStats:
         running_lora_adapters=tuple(sorted({a for s in live for a in s.running_lora_adapters})),
         waiting_lora_adapters=tuple(sorted({a for s in live for a in s.waiting_lora_adapters})),
         max_loras=max((s.max_loras for s in every), default=0),
+        kv_offload_num_blocks=total("kv_offload_num_blocks", live),
+        kv_offload_capacity_blocks=total("kv_offload_capacity_blocks", live),
+        **{name: total(name, every) for name in _OFFLOAD_COUNTERS},
     )
+
+
+# the host / disk tiers' counters (totals since start, kept for replicas that died)
+_OFFLOAD_COUNTERS = (
+    "kv_offload_hits",
+    "kv_offload_blocks_stored",
+    "kv_offload_blocks_loaded",
+    "kv_offload_bytes_stored",
+    "kv_offload_bytes_loaded",
+    "kv_offload_disk_blocks_stored",
+    "kv_offload_disk_blocks_loaded",
+)

@@ -251,6 +251,12 @@ class LLMEngine:
         self.layout = kv.layout(num_blocks)
         self.runner = runner_for(self.layout)
         self.runner.drafter = drafter
+        disk_dir = cache_config.kv_offloading_disk_dir
+        if disk_dir is not None:  # the disk tier's files: the target's blocks (not a draft's)
+            if drafter is not None:
+                raise ValueError("kv_offloading_disk_dir is not supported with a draft model")
+            os.makedirs(disk_dir, exist_ok=True)
+            self.runner.disk_dir = disk_dir
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
@@ -302,7 +308,10 @@ class LLMEngine:
         self.warmup_programs = 0
         self.warmup_seconds = 0.0
         if not enforce_eager:
-            swap = scheduler_config.preemption_mode == "swap"
+            # block moves to and from the host: swap preemption or the prefix cache's host tier
+            swap = (
+                scheduler_config.preemption_mode == "swap" or self.scheduler.pool.tier is not None
+            )
             self.warmup_programs, self.warmup_seconds = self.runner.warm_up(
                 swap=swap, show_progress=show_progress
             )

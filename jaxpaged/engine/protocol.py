@@ -89,6 +89,19 @@ class EngineStats:
     # data parallelism (--data-parallel-size): each replica's gauges, by rank (the fields
     # above are the replicas added up); empty for one engine
     replicas: tuple[ReplicaStats, ...] = ()
+    # the prefix cache's host tier (kv_offloading_size): prompt tokens loaded back from it
+    # (part of prefix_cache_hits), blocks and bytes copied device -> tier (stored) and tier
+    # -> device (loaded), blocks it holds now and at most
+    kv_offload_hits: int = 0
+    kv_offload_blocks_stored: int = 0
+    kv_offload_blocks_loaded: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_num_blocks: int = 0
+    kv_offload_capacity_blocks: int = 0
+    # the disk tier behind it: blocks written there, and of the loaded ones those read back
+    kv_offload_disk_blocks_stored: int = 0
+    kv_offload_disk_blocks_loaded: int = 0
 
 
 class Tokenizer(Protocol):

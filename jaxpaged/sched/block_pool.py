@@ -34,6 +34,19 @@ copy / swap lists this module returns.
   copies, then the forward pass (so a block freed by a swap-out can be reused at once).
   Host slots freed by a swap-in return to the free list only at the next
   :meth:`release_host_slots` (start of the next schedule), so no step reads and writes one.
+* **Host tier** (``num_tier_blocks`` > 0, :mod:`.host_tier`). When a free cached block is
+  evicted (taken for other content), its key and content go to the host tier unless it holds
+  the key already: a ``(device_block, tier_slot)`` *offload*. :meth:`find_prefix` runs on past
+  the device's blocks into keys the tier holds (entries of the result that are keys, not block
+  ids); :meth:`allocate_slots` gives each a fresh block, registers it under its key at once
+  and notes a ``(tier_slot, device_block)`` *load*. :meth:`take_tier_moves` hands both lists
+  over once per plan; the runner applies offloads right after swap-outs and loads right after
+  swap-ins, so an offload reads a block before anything of the same plan rewrites it, and a
+  load fills its block before the forward pass reads it.
+* **Disk tier** (``num_disk_blocks`` > 0, behind the host tier): a key the host tier forgets
+  to make room is *spilled* to a disk slot first (``(tier_slot, disk_slot)``, applied before
+  the offload that reuses the tier slot; a key offloaded in the same plan is not spilled), and
+  :meth:`find_prefix` runs on into keys the disk holds (loaded as ``(disk_slot, block)``).
 
 Invariant (tests assert it): every block taken is given back on finish, abort, preemption
 or error, so after the last request ``num_free_blocks == num_blocks`` and no request id is
@@ -46,10 +59,34 @@ import array
 import collections
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
-__all__ = ["BlockPool", "CopyPair", "TokenSlice", "hash_block_tokens"]
+from jaxpaged.sched.host_tier import HostTier
+
+__all__ = [
+    "BlockPool",
+    "CopyPair",
+    "PrefixEntry",
+    "TierMoves",
+    "TokenSlice",
+    "hash_block_tokens",
+]
 
 CopyPair = tuple[int, int]  # (src, dst): device->device, device->host or host->device
+# one block of a cached prefix: a device block id, or the key of a block the host (or disk)
+# tier holds
+PrefixEntry = int | bytes
+
+
+class TierMoves(NamedTuple):
+    """One plan's copies of the prefix cache's host and disk tiers (see BlockPool)."""
+
+    offload: list[CopyPair]  # (device_block, tier_slot)
+    load: list[CopyPair]  # (tier_slot, device_block)
+    spill: list[CopyPair]  # (tier_slot, disk_slot)
+    disk_load: list[CopyPair]  # (disk_slot, device_block)
+
+
 # token_slice(start, stop): a request's token ids [start, stop) (Request.token_ids_slice)
 TokenSlice = Callable[[int, int], Sequence[int]]
 
@@ -78,6 +115,8 @@ class BlockPool:
         *,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        num_tier_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -85,6 +124,14 @@ class BlockPool:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if num_tier_blocks < 0:
+            raise ValueError(f"num_tier_blocks must be >= 0, got {num_tier_blocks}")
+        if num_tier_blocks and not enable_prefix_caching:
+            raise ValueError("a host tier (num_tier_blocks > 0) needs prefix caching on")
+        if num_disk_blocks < 0 or (num_disk_blocks and not num_tier_blocks):
+            raise ValueError(
+                f"num_disk_blocks must be >= 0 and needs a host tier, got {num_disk_blocks}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -109,6 +156,14 @@ class BlockPool:
         self._num_registered: dict[str, int] = {}  # leading blocks offered to the cache
         # first entry of its table changed since take_block_changes (absent: none)
         self._changed_from: dict[str, int] = {}
+        # host tier of evicted prefix blocks (None: off), and the moves of the plan being made
+        self.tier = HostTier(num_tier_blocks) if num_tier_blocks else None
+        self._offloads: list[CopyPair] = []  # (device_block, tier_slot)
+        self._loads: list[CopyPair] = []  # (tier_slot, device_block)
+        self.disk = HostTier(num_disk_blocks) if num_disk_blocks else None
+        self._spills: list[CopyPair] = []  # (tier_slot, disk_slot)
+        self._disk_loads: list[CopyPair] = []  # (disk_slot, device_block)
+        self._offloaded_now: set[bytes] = set()  # keys offloaded in the plan being made
 
     # ------------------------------------------------------------------ queries
     @property
@@ -202,9 +257,33 @@ class BlockPool:
             self._fresh += 1
         else:
             b, _ = self._free_cached.popitem(last=False)
+            self._offload(b)
             self._uncache(b)
         self._ref[b] = 1
         return b
+
+    def _offload(self, b: int) -> None:
+        """Offers evicted cached block ``b`` to the host tier (a copy unless it holds the
+        key already, or has no slot to give)."""
+        h = self._hash[b]
+        if self.tier is None or h is None:
+            return
+        if h in self.tier:
+            self.tier.touch(h)
+            return
+        slot = self.tier.put(h)
+        if slot is None:
+            return
+        victim = self.tier.last_evicted
+        if self.disk is not None and victim is not None and victim not in self._offloaded_now:
+            if victim in self.disk:
+                self.disk.touch(victim)
+            else:
+                disk_slot = self.disk.put(victim)
+                if disk_slot is not None:
+                    self._spills.append((slot, disk_slot))
+        self._offloads.append((b, slot))
+        self._offloaded_now.add(h)
 
     def _incref(self, b: int) -> None:
         if self._ref[b] == 0:
@@ -258,19 +337,27 @@ class BlockPool:
 
     def find_prefix(
         self, request_id: str, num_tokens: int, token_slice: TokenSlice, salt: str | None = None
-    ) -> list[int]:
-        """Registered blocks holding the longest cached prefix of the request's first
-        ``num_tokens - 1`` tokens (keys salted as in :meth:`block_hashes`). Only memoises
-        keys: pass the result to allocate_slots."""
+    ) -> list[PrefixEntry]:
+        """The longest cached prefix of the request's first ``num_tokens - 1`` tokens (keys
+        salted as in :meth:`block_hashes`), one entry per block: the registered device
+        block, or, for a block only the host tier holds, its key (pinned in the tier until
+        the next plan). Only memoises keys and pins: pass the result to allocate_slots."""
         if not self.enable_prefix_caching:
             return []
         limit = (num_tokens - 1) // self.block_size
-        blocks = []
+        blocks: list[PrefixEntry] = []
         for h in self.block_hashes(request_id, limit, token_slice, salt)[:limit]:
             b = self._cached.get(h)
-            if b is None:
+            if b is not None:
+                blocks.append(b)
+            elif self.tier is not None and h in self.tier:
+                self.tier.pin(h)
+                blocks.append(h)
+            elif self.disk is not None and h in self.disk:
+                self.disk.pin(h)
+                blocks.append(h)
+            else:
                 break
-            blocks.append(b)
         return blocks
 
     def register_computed(
@@ -301,13 +388,26 @@ class BlockPool:
         self._num_registered[request_id] = n_full
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix (held blocks keep their content, just unnamed)."""
+        """Forgets every cached prefix (held blocks keep their content, just unnamed), the
+        host tier's too."""
         for b in list(self._free_cached):
             self._uncache(b)
             self._free_uncached.append(b)
         self._free_cached.clear()
         for b in list(self._cached.values()):
             self._uncache(b)
+        if self.tier is not None:
+            self.tier.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def take_tier_moves(self) -> TierMoves:
+        """The host and disk tiers' moves noted since the last call, for the plan being
+        made. Forgets them."""
+        moves = TierMoves(self._offloads, self._loads, self._spills, self._disk_loads)
+        self._offloads, self._loads, self._spills, self._disk_loads = [], [], [], []
+        self._offloaded_now = set()
+        return moves
 
     # ---------------------------------------------------------------- allocate
     def blocks_needed(
@@ -315,16 +415,16 @@ class BlockPool:
         request_id: str,
         num_computed_tokens: int,
         num_new_tokens: int,
-        prefix_blocks: Sequence[int] = (),
+        prefix_blocks: Sequence[PrefixEntry] = (),
     ) -> int:
-        """Free blocks allocate_slots would consume: new blocks, copy-on-write copies and
-        prefix blocks that are currently free."""
+        """Free blocks allocate_slots would consume: new blocks, copy-on-write copies,
+        prefix blocks that are currently free and blocks for the host tier's entries."""
         table = self.req_to_blocks.get(request_id, [])
         start = num_computed_tokens + len(prefix_blocks) * self.block_size
         end_block = _cdiv(start + num_new_tokens, self.block_size)
         held = len(table) + len(prefix_blocks)
         need = max(0, end_block - held)
-        need += sum(1 for b in prefix_blocks if self._ref[b] == 0)
+        need += sum(1 for b in prefix_blocks if isinstance(b, bytes) or self._ref[b] == 0)
         for i in range(start // self.block_size, min(len(table), end_block)):
             if self._ref[table[i]] > 1:
                 need += 1
@@ -335,7 +435,7 @@ class BlockPool:
         request_id: str,
         num_computed_tokens: int,
         num_new_tokens: int,
-        prefix_blocks: Sequence[int] = (),
+        prefix_blocks: Sequence[PrefixEntry] = (),
     ) -> bool:
         """Whether allocate_slots with the same arguments would succeed now."""
         need = self.blocks_needed(request_id, num_computed_tokens, num_new_tokens, prefix_blocks)
@@ -346,22 +446,25 @@ class BlockPool:
         request_id: str,
         num_computed_tokens: int,
         num_new_tokens: int,
-        prefix_blocks: Sequence[int] = (),
+        prefix_blocks: Sequence[PrefixEntry] = (),
     ) -> list[CopyPair] | None:
         """Makes the request's block table cover ``num_new_tokens`` more tokens past its
-        ``num_computed_tokens`` (plus ``prefix_blocks``, appended first and counted as
-        computed). Returns the copy-on-write ``(src, dst)`` pairs, or None (and changes
-        nothing) when the free blocks do not suffice. The caller advances its
-        ``num_computed_tokens`` by ``len(prefix_blocks) * block_size``."""
+        ``num_computed_tokens`` (plus ``prefix_blocks``, find_prefix's entries, appended
+        first and counted as computed: a host tier key becomes a fresh block with a load).
+        Returns the copy-on-write ``(src, dst)`` pairs, or None (and changes nothing) when
+        the free blocks do not suffice. The caller advances its ``num_computed_tokens`` by
+        ``len(prefix_blocks) * block_size``."""
         if prefix_blocks and (self.num_blocks_of(request_id) or num_computed_tokens):
             raise ValueError("prefix_blocks can only start an empty block table")
         if not self.can_allocate(request_id, num_computed_tokens, num_new_tokens, prefix_blocks):
             return None
         table = self.req_to_blocks.setdefault(request_id, [])
         first_changed = len(table)
+        for b in prefix_blocks:  # held first: taking the tier's blocks must not evict them
+            if not isinstance(b, bytes):
+                self._incref(b)
         for b in prefix_blocks:
-            self._incref(b)
-            table.append(b)
+            table.append(b if not isinstance(b, bytes) else self._load(b))
         if prefix_blocks:
             self._num_registered[request_id] = len(prefix_blocks)
         start = num_computed_tokens + len(prefix_blocks) * self.block_size
@@ -384,6 +487,25 @@ class BlockPool:
         if first_changed < len(table):
             self._changed(request_id, first_changed)
         return copies
+
+    def _load(self, key: bytes) -> int:
+        """A fresh block registered under ``key`` (held by the caller), to be filled from
+        the host tier's slot: notes the load. (A key registered on the device since
+        find_prefix shares that block instead.)"""
+        b = self._cached.get(key)
+        if b is not None:
+            self._incref(b)
+            return b
+        assert self.tier is not None
+        b = self._take()
+        self._hash[b] = key
+        self._cached[key] = b
+        if key in self.tier:
+            self._loads.append((self.tier.slot(key), b))
+        else:
+            assert self.disk is not None
+            self._disk_loads.append((self.disk.slot(key), b))
+        return b
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Gives back the request's blocks (device, or host slots while swapped out) past
@@ -484,6 +606,11 @@ class BlockPool:
         self._req_hashes.pop(request_id, None)
 
     def release_host_slots(self) -> None:
-        """Host slots read by the last step's swap-ins become free (call between steps)."""
+        """Host slots read by the last step's swap-ins become free, and the host tier's
+        pins go (call between steps)."""
         self._host_free.extend(reversed(self._host_pending))
         self._host_pending.clear()
+        if self.tier is not None:
+            self.tier.unpin_all()
+        if self.disk is not None:
+            self.disk.unpin_all()

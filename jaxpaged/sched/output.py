@@ -123,9 +123,13 @@ class StateRowInit:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerOutput:
-    """The plan of one step. The runner applies, in this order: ``blocks_to_swap_out``
-    (device block -> host slot), ``blocks_to_swap_in`` (host slot -> device block),
-    ``blocks_to_copy`` (device src -> device dst, copy-on-write), ``state_rows_to_init``;
+    """The plan of one step. The runner applies, in this order: ``blocks_to_spill`` (host
+    tier slot -> disk slot), ``blocks_to_swap_out``
+    (device block -> host slot), ``blocks_to_offload`` (device block -> host tier slot),
+    ``blocks_to_swap_in`` (host slot -> device block), ``blocks_to_load`` (host tier slot ->
+    device block), ``blocks_to_load_from_disk`` (disk slot -> device block),
+    ``blocks_to_copy`` (device src -> device dst, copy-on-write),
+    ``state_rows_to_init``;
     drops ``finished_request_ids`` and ``preempted_request_ids`` from its batch, adds
     ``new_requests``, applies each sequence's block-table change, then runs ``seqs``. Run it
     even when ``seqs`` is empty but a list is not (:attr:`has_work`)."""
@@ -135,6 +139,12 @@ class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...] = ()
     blocks_to_swap_out: tuple[CopyPair, ...] = ()  # (device_block, host_slot)
     blocks_to_swap_in: tuple[CopyPair, ...] = ()  # (host_slot, device_block)
+    # the prefix cache's host tier: evicted blocks kept, and blocks a prefix hit brings back
+    blocks_to_offload: tuple[CopyPair, ...] = ()  # (device_block, tier_slot)
+    blocks_to_load: tuple[CopyPair, ...] = ()  # (tier_slot, device_block)
+    # the disk tier behind it: blocks the host tier forgets, and blocks a prefix hit brings back
+    blocks_to_spill: tuple[CopyPair, ...] = ()  # (tier_slot, disk_slot)
+    blocks_to_load_from_disk: tuple[CopyPair, ...] = ()  # (disk_slot, device_block)
     blocks_to_copy: tuple[CopyPair, ...] = ()  # (src_block, dst_block)
     state_rows_to_init: tuple[StateRowInit, ...] = ()
     # LoRA adapters to write into device slots before the step: (slot, adapter name)
@@ -158,6 +168,10 @@ class SchedulerOutput:
             self.seqs
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
+            or self.blocks_to_offload
+            or self.blocks_to_load
+            or self.blocks_to_spill
+            or self.blocks_to_load_from_disk
             or self.blocks_to_copy
             or self.state_rows_to_init
             or self.finished_request_ids
@@ -211,6 +225,11 @@ class SchedulerStats:
     num_swap_outs: int = 0  # preemptions that swapped (the rest recomputed)
     prefix_cache_queries: int = 0  # tokens needed at admissions
     prefix_cache_hits: int = 0  # of those, tokens found cached (prefix cache or n>1 fork)
+    kv_offload_hits: int = 0  # of those, tokens loaded back from the host tier
+    kv_offload_blocks_stored: int = 0  # blocks copied device -> host tier
+    kv_offload_blocks_loaded: int = 0  # blocks copied host (or disk) tier -> device
+    kv_offload_disk_blocks_stored: int = 0  # blocks written host tier -> disk tier
+    kv_offload_disk_blocks_loaded: int = 0  # of the loaded, those read from the disk tier
     # speculative decoding (vLLM's spec_decode counters): verifications run, draft tokens
     # proposed, drafts the target accepted, and accepted drafts by position in the draft
     spec_num_drafts: int = 0

@@ -69,9 +69,14 @@ Sampler state: a running request with repetition / presence / frequency penaltie
 counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
 from a request (``state_rows_to_init``) and the step keeps them current.
 
+Host tier (``kv_offloading_size``): the pool offloads evicted prefix blocks to host slots and
+finds prefixes there too (:class:`jaxpaged.sched.block_pool.BlockPool`); each plan carries
+the copies as plain pairs (``blocks_to_offload``, ``blocks_to_load``) for the runner.
+
 Metrics (:class:`SchedulerStats`): ``prefix_cache_queries`` / ``prefix_cache_hits`` are in
 tokens: at each admission, the tokens the request needs (prompt, or prompt + output after a
-recompute) and how many of them came from the prefix cache or a fork.
+recompute) and how many of them came from the prefix cache or a fork (``kv_offload_hits``:
+of those, the tokens loaded back from the host tier).
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ class Scheduler:
         num_blocks: int,
         bytes_per_block: int | None = None,
         num_host_blocks: int | None = None,
+        num_tier_blocks: int | None = None,
+        num_disk_blocks: int | None = None,
         clock: Callable[[], float] = time.time,
         max_loras: int = 0,
         step_sizes: Sequence[int] = (),
@@ -135,20 +142,37 @@ class Scheduler:
         (:mod:`.prefill_cap`); ``speculative_config``: draft tokens for decodes (n-gram
         prompt lookup), verified by the runner's step. Host swap slots:
         ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
-        mode (required there), else none."""
+        mode (required there), else none. Host tier slots: ``num_tier_blocks`` if given,
+        else ``kv_offloading_size`` / ``bytes_per_block`` (required when it is set); disk
+        tier slots likewise from ``kv_offloading_disk_size``."""
         self.config = scheduler_config
         self.cache_config = cache_config
+        self.bytes_per_block = bytes_per_block or 0  # for the byte counts of metrics
         if num_host_blocks is None:
             num_host_blocks = 0
             if scheduler_config.preemption_mode == "swap":
                 if bytes_per_block is None:
                     raise ValueError("bytes_per_block is required with preemption_mode='swap'")
                 num_host_blocks = cache_config.num_host_blocks(bytes_per_block)
+        if num_tier_blocks is None:
+            num_tier_blocks = 0
+            if cache_config.kv_offloading_size:
+                if bytes_per_block is None:
+                    raise ValueError("bytes_per_block is required with kv_offloading_size")
+                num_tier_blocks = cache_config.num_tier_blocks(bytes_per_block)
+        if num_disk_blocks is None:
+            num_disk_blocks = 0
+            if cache_config.kv_offloading_disk_dir:
+                if bytes_per_block is None:
+                    raise ValueError("bytes_per_block is required with kv_offloading_disk_dir")
+                num_disk_blocks = cache_config.num_disk_blocks(bytes_per_block)
         self.pool = BlockPool(
             num_blocks,
             cache_config.block_size,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
+            num_tier_blocks=num_tier_blocks,
+            num_disk_blocks=num_disk_blocks,
         )
         self.block_size = cache_config.block_size
         self.clock = clock
@@ -459,12 +483,21 @@ class Scheduler:
             )
         self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
+        moves = self.pool.take_tier_moves()
         self.stats.num_steps += 1
+        self.stats.kv_offload_blocks_stored += len(moves.offload)
+        self.stats.kv_offload_blocks_loaded += len(moves.load) + len(moves.disk_load)
+        self.stats.kv_offload_disk_blocks_stored += len(moves.spill)
+        self.stats.kv_offload_disk_blocks_loaded += len(moves.disk_load)
         return SchedulerOutput(
             seqs=tuple(seqs),
             new_requests=tuple(new_requests),
             blocks_to_swap_out=tuple(swap_out),
+            blocks_to_offload=tuple(moves.offload),
             blocks_to_swap_in=tuple(swap_in),
+            blocks_to_load=tuple(moves.load),
+            blocks_to_spill=tuple(moves.spill),
+            blocks_to_load_from_disk=tuple(moves.disk_load),
             blocks_to_copy=tuple(copies),
             state_rows_to_init=tuple(row_inits),
             lora_loads=tuple(lora_loads),
@@ -550,6 +583,7 @@ class Scheduler:
             req.num_cached_tokens = start
         self.stats.prefix_cache_queries += req.num_tokens
         self.stats.prefix_cache_hits += start
+        self.stats.kv_offload_hits += self.block_size * sum(isinstance(b, bytes) for b in prefix)
         return start, n, new_copies
 
     def _allocate(

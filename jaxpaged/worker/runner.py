@@ -10,12 +10,22 @@ device works. ``collect(pending)`` waits for that step and returns what it sampl
 dispatches step N+1 before it collects step N, so the device never waits for the host: a
 decode whose token the host has not seen yet reads it from the previous step's output on the
 device (``StepBatch.prev_rows``).
+
+Blocks go to host memory (a preempted request's swap-out, or the prefix cache's host tier:
+``blocks_to_offload``) by one path: a gather on the device whose transfer to the host starts at
+once (``copy_to_host_async``) and is fetched into per-slot numpy copies once it is done (seen
+at the next dispatch, or at the collect of its step, which waited for it anyway), or earlier
+if a swap-in or load reads the slot. So the copy overlaps the step dispatched after it
+instead of stalling the host. The disk tier behind the host tier (``disk_dir``) keeps one file
+per disk slot, each pool array's bytes of the block in turn, written and read on the engine
+thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +56,16 @@ from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class HostBlock:
+    """One block's copy in host memory: per pool array [L, *page]. Until fetched
+    (``data`` None) it is row ``index`` of a device gather whose transfer is under way."""
+
+    gather: tuple[jax.Array, ...] | None  # one [L, N, *page] array per pool array
+    index: int
+    data: tuple[np.ndarray, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,8 +196,14 @@ class Runner:
                 slots=image_slots,
             )
         self._create_kv_state()
-        # swapped-out blocks: host slot -> one [L, *page] array per pool array
-        self._host_blocks: dict[int, tuple[np.ndarray, ...]] = {}
+        # swapped-out blocks: host slot -> its copy; the prefix cache's host tier: tier slot ->
+        # its copy (the scheduler bounds both: a slot the tier forgot at a prefix-cache reset
+        # keeps its copy until reused, never more than the tier's size); gathers whose host
+        # copies are not fetched yet
+        self._host_blocks: dict[int, HostBlock] = {}
+        self._tier_blocks: dict[int, HostBlock] = {}
+        self._unfetched: list[list[HostBlock]] = []
+        self.disk_dir: str | None = None  # the disk tier's folder (set by the engine builder)
         self.warmed_up = False
 
     @property
@@ -263,6 +289,8 @@ class Runner:
             freed += self.drafter.runner.release_kv()
         self.pool = self.seq_state = self.sampled = self.eagle_state = None
         self._host_blocks.clear()
+        self._tier_blocks.clear()
+        self._unfetched.clear()
         return freed
 
     def restore_kv(self) -> None:
@@ -369,8 +397,13 @@ class Runner:
         """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
         without waiting for it (None when the plan has no sequences). ``allowed``: sequence
         index -> its structured-output mask."""
+        self._fetch_host_copies(wait=False)
+        self._spill(plan.blocks_to_spill)
         self._swap_out(plan.blocks_to_swap_out)
+        self._offload(plan.blocks_to_offload)
         self._swap_in(plan.blocks_to_swap_in)
+        self._load(plan.blocks_to_load)
+        self._load_from_disk(plan.blocks_to_load_from_disk)
         self._copy(plan.blocks_to_copy)
         for init in plan.state_rows_to_init:
             self._init_state_row(init)
@@ -412,6 +445,9 @@ class Runner:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs)."""
         if pending is None:
             return RunnerOutput(sampled_token_ids=())
+        if self._unfetched:  # gathered before this step: done once it is
+            jax.block_until_ready(pending.out.token_ids)
+            self._fetch_host_copies()
         n = pending.num_seqs
         want = pending.logprobs_wanted
         plain = all(w is None for w in want) and not any(pending.prompt_wanted)
@@ -502,10 +538,53 @@ class Runner:
         self._in_chunks(self._copy_chunk, pairs)
 
     def _swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(self._swap_out_chunk, pairs)
+        self._in_chunks(lambda chunk: self._to_host(chunk, self._host_blocks), pairs)
+
+    def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self._in_chunks(lambda chunk: self._to_host(chunk, self._tier_blocks), pairs)
 
     def _swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(self._swap_in_chunk, pairs)
+        """Host slots read back are given up (the scheduler frees them)."""
+        self._in_chunks(lambda chunk: self._to_device(chunk, self._host_blocks, keep=False), pairs)
+
+    def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Tier slots read back keep their copy (the tier is inclusive)."""
+        self._in_chunks(lambda chunk: self._to_device(chunk, self._tier_blocks, keep=True), pairs)
+
+    def _disk_path(self, slot: int) -> str:
+        if self.disk_dir is None:
+            raise RuntimeError("a plan moves disk-tier blocks but the runner has no disk_dir")
+        return os.path.join(self.disk_dir, f"block-{slot}.kv")
+
+    def _spill(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(tier slot, disk slot) pairs: writes the host tier's copies to disk files."""
+        for slot, disk in pairs:
+            blk = self._tier_blocks[slot]
+            if blk.data is None:
+                self._fetch_host_copies()
+            with open(self._disk_path(disk), "wb") as f:
+                for a in blk.data:
+                    f.write(np.ascontiguousarray(a).tobytes())
+
+    def _load_from_disk(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(disk slot, device block) pairs: reads the files back into the blocks."""
+        shapes = [
+            ((self.layout.num_layers, *shape[1:]), p.dtype)
+            for shape, p in zip(self.layout.shapes, self.pool, strict=True)
+        ]
+        for i in range(0, len(pairs), self._max_move):
+            chunk = pairs[i : i + self._max_move]
+            datas = []
+            for disk, _ in chunk:
+                with open(self._disk_path(disk), "rb") as f:
+                    raw = f.read()
+                arrays, at = [], 0
+                for shape, dtype in shapes:
+                    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                    arrays.append(np.frombuffer(raw[at : at + n], dtype).reshape(shape))
+                    at += n
+                datas.append(tuple(arrays))
+            self._scatter([dev for _, dev in chunk], datas)
 
     def _copy_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
         src, dst = zip(*pairs, strict=True)
@@ -528,29 +607,56 @@ class Runner:
             num_blocks=self.layout.num_blocks,
         )
 
-    def _swap_out_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
-        # waits for the steps already dispatched: the blocks hold what they wrote
-        dev, host = zip(*pairs, strict=True)
-        arrays = jax.device_get(
-            self.programs.gather_blocks(
-                self.pool,
-                self._padded(dev),
-                num_layers=self.layout.num_layers,
-                num_blocks=self.layout.num_blocks,
-            )
+    def _to_host(self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock]) -> None:
+        """(device block, host slot) pairs: gathers the blocks (after the steps already
+        dispatched, which wrote them) and starts their transfer; fetched later."""
+        dev, slots = zip(*pairs, strict=True)
+        gather = self.programs.gather_blocks(
+            self.pool,
+            self._padded(dev),
+            num_layers=self.layout.num_layers,
+            num_blocks=self.layout.num_blocks,
         )
-        for i, slot in enumerate(host):
-            self._host_blocks[slot] = tuple(a[:, i].copy() for a in arrays)
+        for a in gather:
+            a.copy_to_host_async()
+        blocks = [HostBlock(gather, i) for i in range(len(slots))]
+        store.update(zip(slots, blocks, strict=True))
+        self._unfetched.append(blocks)
 
-    def _swap_in_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
-        host, dev = zip(*pairs, strict=True)
+    def _fetch_host_copies(self, *, wait: bool = True) -> None:
+        """Keeps one numpy copy per block of the gathers whose transfers are under way (not
+        a view: a slot outlives the rest of its gather); without ``wait``, of those done."""
+        left = []
+        for blocks in self._unfetched:
+            gather = blocks[0].gather
+            if not wait and not all(a.is_ready() for a in gather):
+                left.append(blocks)
+                continue
+            arrays = jax.device_get(gather)
+            for blk in blocks:
+                blk.data = tuple(a[:, blk.index].copy() for a in arrays)
+                blk.gather = None
+        self._unfetched = left
+
+    def _to_device(
+        self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock], *, keep: bool
+    ) -> None:
+        """(host slot, device block) pairs: writes the slots' copies into the blocks."""
+        slots, dev = zip(*pairs, strict=True)
+        blocks = [store[slot] if keep else store.pop(slot) for slot in slots]
+        if any(blk.data is None for blk in blocks):
+            self._fetch_host_copies()
+        self._scatter(dev, [blk.data for blk in blocks])
+
+    def _scatter(self, dev: Sequence[int], datas: Sequence[tuple[np.ndarray, ...]]) -> None:
+        """Writes one [L, *page] array per pool array into each device block of ``dev``."""
         ids = self._padded(dev)
         arrays = tuple(
             np.zeros((self.layout.num_layers, len(ids), *shape[1:]), p.dtype)
             for shape, p in zip(self.layout.shapes, self.pool, strict=True)
         )
-        for i, slot in enumerate(host):
-            for a, block in zip(arrays, self._host_blocks.pop(slot), strict=True):
+        for i, data in enumerate(datas):
+            for a, block in zip(arrays, data, strict=True):
                 a[:, i] = block
         self.pool = self.programs.scatter_blocks(
             self.pool,
@@ -563,6 +669,11 @@ class Runner:
     @property
     def num_host_blocks_in_use(self) -> int:
         return len(self._host_blocks)
+
+    @property
+    def num_tier_blocks_in_use(self) -> int:
+        """Host tier slots holding a copy (at most the tier's size)."""
+        return len(self._tier_blocks)
 
     # ---------------------------------------------------------------- warm-up
     def _compile_buckets(self, buckets: Sequence[Bucket], bar: tqdm) -> None:

@@ -12,7 +12,8 @@ from jaxpaged.cli import bench as bench_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {
-    "accelerator_check", "embed", "gpu_decode", "kernels", "overlap", "quant", "quant_quality",
+    "accelerator_check", "embed", "gpu_decode", "kernels", "kv_offload", "overlap", "quant",
+    "quant_quality",
     "roofline", "serving", "speculative", "step_breakdown", "structured_json", "throughput",
 }  # fmt: skip
 

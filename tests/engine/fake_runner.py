@@ -1,8 +1,8 @@
 """A hand-computable stand-in for the model runner, for scheduler and block pool tests.
 
 The "KV cache" is a numpy array of token ids, one slot per (block, offset): the fake writes
-each fed token (and its position) into its slot, applies the plan's swap-out, swap-in and
-copy lists in the runner's order first, keeps each request's block table from the plans'
+each fed token (and its position) into its slot, applies the plan's swap-out, offload,
+swap-in, load and copy lists in the runner's order first, keeps each request's block table from the plans'
 changes in the runner's persistent batch (:class:`jaxpaged.worker.input_batch.PersistentBatch`,
 so a wrong or missed block-table change is caught here), and then "attends": it reads positions
 ``0 .. kv_len - 1`` back through that block table, asserts they hold exactly the request's
@@ -46,12 +46,20 @@ def reference_output(prompt: Sequence[int], num_tokens: int) -> list[int]:
 
 
 class FakeRunner(FakeDeviceAdmin):
-    """Device pool [num_blocks, block_size] and host pool [num_host_blocks, block_size] of
-    token ids (-1 = never written), plus the positions written, to catch misplaced writes.
+    """Device pool [num_blocks, block_size], host pool [num_host_blocks, block_size] and
+    host tier [num_tier_blocks, block_size] of token ids (-1 = never written), plus the
+    positions written, to catch misplaced writes.
     A ``DeviceRunner``: releasing the KV pool (sleep) forgets what the device pool held."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, *, scheduler: Scheduler
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        *,
+        scheduler: Scheduler,
+        num_tier_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
         self.scheduler = scheduler  # to read the host's tokens of each request (checks only)
         self.block_size = block_size
@@ -60,6 +68,10 @@ class FakeRunner(FakeDeviceAdmin):
         self.dev_pos = np.full((num_blocks, block_size), -1, np.int64)
         self.host_tok = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
         self.host_pos = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
+        self.tier_tok = np.full((max(num_tier_blocks, 1), block_size), -1, np.int64)
+        self.tier_pos = np.full((max(num_tier_blocks, 1), block_size), -1, np.int64)
+        self.disk_tok = np.full((max(num_disk_blocks, 1), block_size), -1, np.int64)
+        self.disk_pos = np.full((max(num_disk_blocks, 1), block_size), -1, np.int64)
         self.steps: list[SchedulerOutput] = []
         cfg = scheduler.config
         self.batch = PersistentBatch(
@@ -89,12 +101,24 @@ class FakeRunner(FakeDeviceAdmin):
 
     def _step(self, out: SchedulerOutput) -> RunnerOutput | None:
         self.steps.append(out)
+        for slot, disk in out.blocks_to_spill:
+            self.disk_tok[disk] = self.tier_tok[slot]
+            self.disk_pos[disk] = self.tier_pos[slot]
         for dev, host in out.blocks_to_swap_out:
             self.host_tok[host] = self.dev_tok[dev]
             self.host_pos[host] = self.dev_pos[dev]
+        for dev, slot in out.blocks_to_offload:
+            self.tier_tok[slot] = self.dev_tok[dev]
+            self.tier_pos[slot] = self.dev_pos[dev]
         for host, dev in out.blocks_to_swap_in:
             self.dev_tok[dev] = self.host_tok[host]
             self.dev_pos[dev] = self.host_pos[host]
+        for slot, dev in out.blocks_to_load:
+            self.dev_tok[dev] = self.tier_tok[slot]
+            self.dev_pos[dev] = self.tier_pos[slot]
+        for disk, dev in out.blocks_to_load_from_disk:
+            self.dev_tok[dev] = self.disk_tok[disk]
+            self.dev_pos[dev] = self.disk_pos[disk]
         # copies are simultaneous (all sources read, then all written), like copy_blocks
         dsts = [d for _, d in out.blocks_to_copy]
         srcs = [s for s, _ in out.blocks_to_copy]

@@ -40,6 +40,10 @@ CLI_CASES = {
     "kv_cache_dtype": (["--kv-cache-dtype", "int8"], "int8"),
     "num_kv_blocks": (["--num-kv-blocks", "64"], 64),
     "swap_space": (["--swap-space", "16GiB"], 16.0),
+    "kv_offloading_size": (["--kv-offloading-size", "512MiB"], 0.5),
+    "kv_offloading_backend": (["--kv-offloading-backend", "native"], "native"),
+    "kv_offloading_disk_dir": (["--kv-offloading-disk-dir", "/tmp/kv"], "/tmp/kv"),
+    "kv_offloading_disk_size": (["--kv-offloading-disk-size", "2GiB"], 2.0),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),
     "scheduling_policy": (["--scheduling-policy", "priority"], "priority"),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
@@ -258,6 +262,10 @@ def test_unknown_keyword_is_a_value_error_with_close_matches(build):
         ("data_parallel_size", 0),
         ("configure_process", "yes"),
         ("compile_cache_dir", ""),
+        ("kv_offloading_size", -1),
+        ("kv_offloading_size", "lots"),
+        ("kv_offloading_backend", "lmcache"),
+        ("kv_offloading_disk_size", "lots"),
     ],
 )
 def test_bad_value_is_a_value_error_naming_the_field(field, value):

@@ -77,7 +77,7 @@ def _decode_faults_per_step(model_path: str, tuning: str, threads: str) -> dict[
         timeout=300,
         check=True,
     )
-    lines = [line.split() for line in out.stdout.strip().splitlines()[-len(threads.split(",")):]]
+    lines = [line.split() for line in out.stdout.strip().splitlines()[-len(threads.split(",")) :]]
     return {line[0]: [float(x) for x in line[1:]] for line in lines}
 
 

@@ -29,6 +29,8 @@ def make(
     mode="recompute",
     prefix=True,
     num_host_blocks=None,
+    num_tier_blocks=0,
+    num_disk_blocks=0,
 ):
     sched = Scheduler(
         SchedulerConfig(
@@ -42,8 +44,17 @@ def make(
         num_host_blocks=(num_blocks if mode == "swap" else 0)
         if num_host_blocks is None
         else num_host_blocks,
+        num_tier_blocks=num_tier_blocks,
+        num_disk_blocks=num_disk_blocks,
     )
-    runner = FakeRunner(num_blocks, block_size, sched.pool.num_host_blocks, scheduler=sched)
+    runner = FakeRunner(
+        num_blocks,
+        block_size,
+        sched.pool.num_host_blocks,
+        scheduler=sched,
+        num_tier_blocks=num_tier_blocks,
+        num_disk_blocks=num_disk_blocks,
+    )
     return sched, runner
 
 

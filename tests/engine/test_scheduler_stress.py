@@ -1,6 +1,7 @@
 """A random workload through the scheduler and the hand-computable FakeRunner: shared
 prefixes, n > 1 groups, chunked prefill, a tiny pool, preemption and random aborts, with
-steps in turn or overlapped."""
+steps in turn or overlapped, with and without the prefix cache's host tier (and a disk tier
+behind it)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from test_scheduler import assert_all_free, make, make_request
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize(
+    "prefix,tier,disk", [(True, 0, 0), (True, 5, 0), (True, 2, 8), (False, 0, 0)]
+)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_stress(mode, seed, prefix, overlap):
+def test_random_workload_stress(mode, seed, prefix, tier, disk, overlap):
     """Shared prefixes, n > 1 groups, chunked prefill, a tiny pool and random aborts, with
     steps run in turn or overlapped as the engine runs them (update of step k-1 after step k
     is planned and dispatched; aborts land between the two): every step keeps the
@@ -30,6 +33,8 @@ def test_random_workload_stress(mode, seed, prefix, overlap):
         mode=mode,
         prefix=prefix,
         num_host_blocks=6 if mode == "swap" else 0,
+        num_tier_blocks=tier,
+        num_disk_blocks=disk,
     )
     systems = [[rng.randrange(1, 900) for _ in range(rng.choice([4, 6, 9]))] for _ in range(2)]
     expected = {}
@@ -93,4 +98,10 @@ def test_random_workload_stress(mode, seed, prefix, overlap):
         assert num_copies >= sum(1 for r in everyone if r.num_cached_tokens)  # one per fork
     if mode == "swap":
         assert sched.stats.num_swap_outs > 0
+    if tier:
+        assert sched.stats.kv_offload_blocks_stored > 0
+        assert len(sched.pool.tier) <= tier
+    if disk:
+        assert sched.stats.kv_offload_disk_blocks_stored > 0
+        assert len(sched.pool.disk) <= disk
     assert_all_free(sched)
