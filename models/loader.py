@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
@@ -148,16 +147,17 @@ def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -
         sharding = _leaf_sharding(shardings, prefix, node.shape, shard_node)
         if isinstance(node, QuantizedWeight):  # the scales split where the values do
             if sharding is None:
-                return jax.tree.map(jnp.asarray, node)
+                return jax.device_put(node)
             return QuantizedWeight(
                 jax.device_put(node.values, sharding),
                 jax.device_put(node.scales, scales_sharding(sharding, node)),
             )
         if isinstance(node, GroupedWeight):  # K splits only at group boundaries
             if sharding is None:
-                return jax.tree.map(jnp.asarray, node)
+                return jax.device_put(node)
             return jax.device_put(node, grouped_sharding_tree(sharding, node, prefix))
-        return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
+        # device_put copies without compiling (jnp.asarray compiles a program per shape)
+        return jax.device_put(node, sharding)
 
     return put(host, None if callable(shardings) else shardings, "")
 

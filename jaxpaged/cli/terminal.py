@@ -87,9 +87,10 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("jaxpaged").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-def one_sequence_llm(args: argparse.Namespace) -> LLM:
-    """An engine for one request at a time (see the module's docstring), owning its
-    process: configured for it, compiled programs kept in the default compile cache."""
+def one_sequence_llm(args: argparse.Namespace, *, owns_process: bool = True) -> LLM:
+    """An engine for one request at a time (see the module's docstring); with
+    ``owns_process`` (the commands) it configures the process and keeps compiled programs
+    in the default compile cache."""
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -99,7 +100,7 @@ def one_sequence_llm(args: argparse.Namespace) -> LLM:
         enforce_eager=True,
         seed=args.seed or 0,
         show_progress=args.verbose,
-        **process_owner_args(),
+        **(process_owner_args() if owns_process else {}),
     )
 
 
