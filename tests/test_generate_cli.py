@@ -242,6 +242,39 @@ def test_one_sequence_engine_stops_a_reply_and_reuses_the_prefix_cache(tiny):
     assert engine.get_stats().num_free_blocks == engine.layout.num_blocks
 
 
+def test_conversation_drops_the_oldest_turns_to_fit(tiny):
+    """The chat's history through the template, one byte a token: the oldest exchanges go
+    (whole, the system message stays) once the next prompt would not leave room for a
+    reply; a message that cannot fit alone is a ValueError naming the limit."""
+    _, tokenizer, _ = tiny
+
+    class _Llm:  # what Conversation uses of an LLM
+        engine = argparse.Namespace(max_model_len=100)
+
+        def apply_chat_template(self, messages):
+            return encode_prompt_messages(tokenizer, messages)
+
+    chat = Conversation(_Llm(), system="be brief")
+    first = chat.prompt_for("a" * 20, reserve=10)
+    assert len(first) == len(encode_prompt_messages(tokenizer, [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a" * 20}
+    ]))  # fmt: skip
+    chat.add_reply("a" * 20, "b" * 20)
+    second = chat.prompt_for("c" * 20, reserve=10)  # too long with the first exchange
+    assert len(second) <= 90 and chat.messages == []
+    assert tokenizer.decode(second).count("be brief") == 1 and "a" * 20 not in tokenizer.decode(
+        second
+    )
+    with pytest.raises(ValueError, match="max-model-len 100"):
+        chat.prompt_for("d" * 95, reserve=10)
+
+
+def encode_prompt_messages(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+
+
 class _Terminal:
     """A command run on a pseudo-terminal that is its controlling terminal (so Ctrl-C is the
     tty's own SIGINT to it)."""
