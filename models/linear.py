@@ -79,9 +79,15 @@ def map_matmul_weights(
     params only work with the ``linear_fn`` that expects that layout."""
     layers = dict(params["layers"])
     for name, view in matmul_views(layers, linears).items():
-        layers[name] = fn(view).reshape(layers[name].shape)
+        packed = fn(view)
+        # a weight ``fn`` keeps as it is stays the leaf it was (reshaping it back would
+        # copy it, and compile a program, for nothing)
+        layers[name] = layers[name] if packed is view else packed.reshape(layers[name].shape)
     out = {**params, "layers": layers}
-    out["lm_head"] = fn(vocab_projection(params)[None])[0]
+    projection = vocab_projection(params)
+    stacked = projection[None]
+    packed = fn(stacked)
+    out["lm_head"] = projection if packed is stacked else packed[0]
     return out
 
 

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
@@ -148,16 +147,17 @@ def put_on_device(host: Mapping[str, Any], shardings: Shardings | None = None) -
         sharding = _leaf_sharding(shardings, prefix, node.shape, shard_node)
         if isinstance(node, QuantizedWeight):  # the scales split where the values do
             if sharding is None:
-                return jax.tree.map(jnp.asarray, node)
+                return jax.device_put(node)
             return QuantizedWeight(
                 jax.device_put(node.values, sharding),
                 jax.device_put(node.scales, scales_sharding(sharding, node)),
             )
         if isinstance(node, GroupedWeight):  # K splits only at group boundaries
             if sharding is None:
-                return jax.tree.map(jnp.asarray, node)
+                return jax.device_put(node)
             return jax.device_put(node, grouped_sharding_tree(sharding, node, prefix))
-        return jax.device_put(node, sharding) if sharding is not None else jnp.asarray(node)
+        # device_put copies without compiling (jnp.asarray compiles a program per shape)
+        return jax.device_put(node, sharding)
 
     return put(host, None if callable(shardings) else shardings, "")
 
@@ -237,11 +237,45 @@ def _keeps_gguf_quantization(
     return usable and (quantization == "gguf" or dtype is None)
 
 
+# tokenizer_config.json classes that AutoTokenizer maps to the generic fast tokenizer (one
+# tokenizer.json, no per-model Python class)
+_GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """The model's Hugging Face tokenizer (AutoTokenizer from the resolved folder)."""
+    """The model's Hugging Face tokenizer (AutoTokenizer from the resolved folder).
+
+    A folder whose tokenizer_config.json declares the generic fast tokenizer (a converted
+    GGUF's, the bundled model's) loads that class directly: AutoTokenizer first reads the
+    model's config through transformers' configuration module, which imports torch (seconds
+    of a command's start-up on a CPU) for the same tokenizer."""
+    folder = resolve_model_path(path)
+    if _generic_fast_tokenizer(folder):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _generic_fast_tokenizer(folder: str) -> bool:
+    """Whether AutoTokenizer would pick the generic fast tokenizer for ``folder`` on its
+    declared class alone: no remote code, a tokenizer.json, no Mistral tekken.json."""
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(config_path) or not os.path.isfile(
+        os.path.join(folder, "tokenizer.json")
+    ):
+        return False
+    if os.path.exists(os.path.join(folder, "tekken.json")):
+        return False
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    return (
+        isinstance(config, dict)
+        and config.get("tokenizer_class") in _GENERIC_TOKENIZERS
+        and "auto_map" not in config
+    )
 
 
 def load_eos_token_ids(folder: str | os.PathLike, config: ModelConfig) -> tuple[int, ...]:

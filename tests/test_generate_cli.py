@@ -1,12 +1,18 @@
-"""`python -m jaxpaged.generate` and the functional `jaxpaged.generate()` (both on the paged
-engine) against Hugging Face generate, on a tiny random Llama with a byte-level tokenizer and a
-chat template, saved the way users save models."""
+"""`python -m jaxpaged.generate`, `jaxpaged chat` and the functional `jaxpaged.generate()` (all
+on the paged engine) against Hugging Face generate, on a tiny random Llama with a byte-level
+tokenizer and a chat template, saved the way users save models."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import pty
+import re
+import select
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jaxpaged
 from jaxpaged import SamplingParams
+from jaxpaged.cli import terminal
+from jaxpaged.cli.chat import Conversation
 from jaxpaged.cli.generate import main
 from jaxpaged.models import load_model
 
@@ -179,3 +187,189 @@ def test_module_stays_callable_after_import():
     import jaxpaged.generate as module
 
     assert callable(jaxpaged.generate) and callable(module)
+
+
+def _tiny_args(folder: str, max_model_len: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        model=folder, dtype=None, max_model_len=max_model_len, seed=None, verbose=False
+    )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_one_sequence_engine_stops_a_reply_and_reuses_the_prefix_cache(tiny):
+    """The terminal commands' engine (one sequence, a pool of one max_model_len): a reply
+    stopped mid-way frees its blocks; the next turns give HF's greedy tokens, and each one's
+    prefill skips every full block the previous turn computed (the prefix-hit counter)."""
+    hf, tokenizer, folder = tiny
+    llm = terminal.one_sequence_llm(_tiny_args(folder, 256), owns_process=False)
+    engine = llm.engine
+    assert engine.layout.num_blocks == 256 // 16
+    greedy = terminal.sampling_params(argparse.Namespace(temperature=0.0, top_p=1.0, seed=None), 40)
+    stop = threading.Event()
+    pieces: list[str] = []
+
+    def stop_after_two(text: str) -> None:
+        pieces.append(text)
+        if len(pieces) == 2:
+            stop.set()
+
+    chat = Conversation(llm)
+    prompt = chat.prompt_for(PROMPT, reserve=1)
+    stopped = terminal.stream_reply(engine, "r0", prompt, greedy, stop_after_two, stop)
+    assert stopped.finish_reason == "abort" and 2 <= len(stopped.token_ids) < 40
+    assert stopped.text == "".join(pieces)
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().num_free_blocks == engine.layout.num_blocks
+    chat.add_reply(PROMPT, stopped.text)
+
+    fed: list[int] = []  # the tokens whose K/V the previous turn computed
+    for i, text in enumerate(("and then?", "why?")):
+        prompt = chat.prompt_for(text, reserve=1)
+        stop.clear()
+        reply = terminal.stream_reply(engine, f"r{i + 1}", prompt, greedy, lambda _: None, stop)
+        assert list(reply.token_ids) == _hf_greedy(hf, prompt, len(reply.token_ids))
+        assert reply.finish_reason in ("stop", "length") and reply.prompt_tokens == len(prompt)
+        if fed:
+            assert reply.prefix_hit_tokens == _common_prefix(fed, prompt) // 16 * 16 > 16
+        fed = prompt + list(reply.token_ids[:-1])
+        chat.add_reply(text, reply.text)
+    assert engine.get_stats().num_free_blocks == engine.layout.num_blocks
+
+
+def test_conversation_drops_the_oldest_turns_to_fit(tiny):
+    """The chat's history through the template, one byte a token: the oldest exchanges go
+    (whole, the system message stays) once the next prompt would not leave room for a
+    reply; a message that cannot fit alone is a ValueError naming the limit."""
+    _, tokenizer, _ = tiny
+
+    class _Llm:  # what Conversation uses of an LLM
+        engine = argparse.Namespace(max_model_len=100)
+
+        def apply_chat_template(self, messages):
+            return encode_prompt_messages(tokenizer, messages)
+
+    chat = Conversation(_Llm(), system="be brief")
+    first = chat.prompt_for("a" * 20, reserve=10)
+    assert len(first) == len(encode_prompt_messages(tokenizer, [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a" * 20}
+    ]))  # fmt: skip
+    chat.add_reply("a" * 20, "b" * 20)
+    second = chat.prompt_for("c" * 20, reserve=10)  # too long with the first exchange
+    assert len(second) <= 90 and chat.messages == []
+    assert tokenizer.decode(second).count("be brief") == 1 and "a" * 20 not in tokenizer.decode(
+        second
+    )
+    with pytest.raises(ValueError, match="max-model-len 100"):
+        chat.prompt_for("d" * 95, reserve=10)
+
+
+def encode_prompt_messages(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+
+
+class _Terminal:
+    """A command run on a pseudo-terminal that is its controlling terminal (so Ctrl-C is the
+    tty's own SIGINT to it)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.fd, tty = pty.openpty()
+        # a new session whose controlling terminal is the pty, then the command itself
+        # (a preexec_fn would run Python in a forked copy of this multithreaded process)
+        become = (
+            "import fcntl, os, sys, termios; os.setsid(); "
+            "fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", become, *argv], stdin=tty, stdout=tty, stderr=tty, env=env
+        )
+        os.close(tty)
+        self.buffer = b""
+
+    def _read(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        assert ready, f"no output within {timeout:.0f} s; got {self.buffer[-2000:]!r}"
+        self.buffer += os.read(self.fd, 65536)
+
+    def read_until(self, marker: bytes, timeout: float = 240) -> bytes:
+        deadline = time.monotonic() + timeout
+        while marker not in self.buffer:
+            self._read(max(0.0, deadline - time.monotonic()))
+        end = self.buffer.index(marker) + len(marker)
+        out, self.buffer = self.buffer[:end], self.buffer[end:]
+        return out
+
+    def read_some(self, timeout: float = 240) -> bytes:
+        if not self.buffer:
+            self._read(timeout)
+        out, self.buffer = self.buffer, b""
+        return out
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def close(self) -> int:
+        """The exit status (the command is killed if it has not ended within 60 s)."""
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            os.close(self.fd)
+
+
+SUMMARY = re.compile(
+    rb"\[prompt (\d+) tokens, (\d+) from the prefix cache; (\d+) tokens.*; (\w+)\]"
+)
+
+
+def test_chat_in_a_terminal(tiny):
+    """`jaxpaged chat` as a person uses it: a line, the reply streaming, Ctrl-C mid-reply
+    stops it and the chat goes on, the next line is answered with the earlier turn's
+    blocks from the prefix cache, /exit quits."""
+    _, tokenizer, folder = tiny
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-m", "jaxpaged", "chat", "-v", "--model", folder]
+    term = _Terminal([*argv, "--max-model-len", "512", "--max-tokens", "400"], env)
+    try:
+        term.read_until(b">>> ")
+        line = b"Tell me about the quick brown fox and the lazy dog"
+        term.send(line + b"\n")
+        term.read_until(line + b"\r\n")  # the terminal's echo
+        assert term.read_some()  # the reply's first piece, streamed
+        term.send(b"\x03")
+        out = term.read_until(b">>> ")
+        assert b"[stopped]" in out and b"Traceback" not in out
+        first = SUMMARY.search(out)
+        assert first is not None and first.group(4) == b"abort", out
+        prompt_1, generated_1 = int(first.group(1)), int(first.group(3))
+        assert generated_1 < 400
+
+        term.send(b"and then?\n")
+        out = term.read_until(b">>> ")
+        second = SUMMARY.search(out)
+        assert second is not None and second.group(4) in (b"stop", b"length"), out
+        prompt_2, hits_2 = int(second.group(1)), int(second.group(2))
+        # the full blocks the two turns' prompts share (up to where the template renders the
+        # first reply) are not computed again
+        turn_1 = [{"role": "user", "content": line.decode()}]
+        turn_2 = [*turn_1, {"role": "assistant", "content": "..."}, turn_1[0]]
+        ids_1, ids_2 = (
+            tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True)
+            for t in (turn_1, turn_2)
+        )
+        assert len(ids_1["input_ids"]) == prompt_1 < prompt_2
+        shared = _common_prefix(ids_1["input_ids"], ids_2["input_ids"])
+        assert hits_2 >= shared // 16 * 16 >= 32
+        term.send(b"/exit\n")
+    finally:
+        code = term.close()
+    assert code == 0

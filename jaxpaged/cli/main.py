@@ -15,6 +15,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("jaxpaged.cli.serve", "the gRPC + OpenAI-compatible HTTP server"),
     "generate": ("jaxpaged.cli.generate", "generate from one prompt, print the text"),
+    "chat": ("jaxpaged.cli.chat", "chat with a model in the terminal"),
     "convert": ("jaxpaged.cli.convert", "save a model as an Orbax folder (faster loads)"),
     "run-batch": ("jaxpaged.cli.run_batch", "run an OpenAI batch file (JSON lines) offline"),
     "bench": ("jaxpaged.cli.bench", "run a benchmark of bench/ (source checkouts)"),

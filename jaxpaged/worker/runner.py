@@ -246,7 +246,7 @@ class Runner:
         # the last step's sampled tokens (StepOutput.token_ids), read by the next step
         # (with draft-model drafts, R * (K + 1): the drafts after the R sampled tokens)
         rows = self._sampled_rows
-        self.sampled = self._on_mesh(jax.numpy.zeros((rows,), jax.numpy.int32))
+        self.sampled = self._on_mesh(jax.device_put(np.zeros((rows,), np.int32), may_alias=False))
         self.eagle_state = None
         if self.eagle_config is not None:  # each batch row's next draft 1 and hidden state
             dtype = self.eagle_params["norm"].dtype

@@ -116,17 +116,20 @@ class SeqState(NamedTuple):
 def create_seq_state(
     num_rows: int, vocab_size: int, max_banned: int, max_bias: int = 1, history_len: int = 1
 ) -> SeqState:
-    return SeqState(
-        prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),
-        output_counts=jnp.zeros((num_rows, vocab_size), jnp.int32),
-        num_generated=jnp.zeros((num_rows,), jnp.int32),
-        min_tokens=jnp.zeros((num_rows,), jnp.int32),
-        banned_ids=jnp.full((num_rows, max_banned), -1, jnp.int32),
-        tokens=jnp.full((num_rows, history_len), -1, jnp.int32),
-        num_tokens=jnp.zeros((num_rows,), jnp.int32),
-        bias_ids=jnp.full((num_rows, max_bias), -1, jnp.int32),
-        bias_values=jnp.zeros((num_rows, max_bias), jnp.float32),
+    """Empty rows, filled on the host and copied to the default device: ``jnp.zeros`` and
+    ``jnp.full`` would each compile a program of their own at start-up."""
+    host = SeqState(
+        prompt_mask=np.zeros((num_rows, vocab_size), np.bool_),
+        output_counts=np.zeros((num_rows, vocab_size), np.int32),
+        num_generated=np.zeros((num_rows,), np.int32),
+        min_tokens=np.zeros((num_rows,), np.int32),
+        banned_ids=np.full((num_rows, max_banned), -1, np.int32),
+        tokens=np.full((num_rows, history_len), -1, np.int32),
+        num_tokens=np.zeros((num_rows,), np.int32),
+        bias_ids=np.full((num_rows, max_bias), -1, np.int32),
+        bias_values=np.zeros((num_rows, max_bias), np.float32),
     )
+    return SeqState(*(jax.device_put(a, may_alias=False) for a in host))
 
 
 def _drop_padding(ids: jax.Array, size: int) -> jax.Array:

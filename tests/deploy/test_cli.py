@@ -30,9 +30,9 @@ def _parse(*words: str):
 def test_console_script_lists_and_dispatches_commands():
     out = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for name in ("serve", "generate", "convert", "run-batch", "bench", "client"):
+    for name in ("serve", "generate", "chat", "convert", "run-batch", "bench", "client"):
         assert re.search(rf"^  {name}\s", out.stdout, re.M), out.stdout
-    assert set(COMMANDS) == {"serve", "generate", "convert", "run-batch", "bench", "client"}
+    assert set(COMMANDS) == {"serve", "generate", "chat", "convert", "run-batch", "bench", "client"}
     bad = subprocess.run([str(SCRIPT), "srve"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'srve'" in bad.stderr
     helped = subprocess.run(
