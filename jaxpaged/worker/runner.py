@@ -568,6 +568,8 @@ class Runner:
 
     def _load_from_disk(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(disk slot, device block) pairs: reads the files back into the blocks."""
+        if not pairs:  # also while asleep: no pool to read shapes from
+            return
         shapes = [
             ((self.layout.num_layers, *shape[1:]), p.dtype)
             for shape, p in zip(self.layout.shapes, self.pool, strict=True)
