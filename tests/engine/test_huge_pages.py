@@ -100,12 +100,12 @@ def test_engine_streams_its_weights_from_huge_pages(bundled_model_path):
         assert expected > 400 << 20  # SmolLM2's layers and lm_head in float32
         assert runner.huge_page_bytes == expected
         assert sum(_huge_bytes_within(s, e) for s, e in ranges) == expected
-        # the embedding table, of which a step reads a few rows, stays on small pages (where
-        # THP is not on for every mapping anyway)
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[madvise]" in f.read():
-                embed = runner.params["embed"]
-                embed_range = _aligned_interior(embed.unsafe_buffer_pointer(), embed.nbytes)
-                assert _huge_bytes_within(*embed_range) == 0
+        # the embedding table, of which a step reads a few rows, is not advised: its range
+        # lies outside every advised one. (Whether its pages are huge is not the engine's to
+        # say in a long-lived process: memory an earlier engine advised and freed keeps its
+        # advice when the allocator hands it out again, as in the suite's pytest workers.)
+        embed = runner.params["embed"]
+        lo, hi = _aligned_interior(embed.unsafe_buffer_pointer(), embed.nbytes)
+        assert all(hi <= start or end <= lo for start, end in ranges), ((lo, hi), ranges)
     finally:
         llm.engine.close()
