@@ -63,23 +63,51 @@ inline float q_at(const uint8_t* row, int64_t k, int bits) {
 
 // The float path (more than kIntRows rows): a work item dequantizes kTo outputs' weights at
 // a time into a float32 buffer [kTo, K] (their natural row-major order, no transpose) and
-// every register tile of its rows reads it. A tile holds kTo outputs x 16 rows: it
-// broadcasts one weight per output and multiplies it into two 8-row vectors of x, which is
+// every register tile of its rows reads it. A tile holds kTo outputs x kTm rows: it
+// broadcasts one weight per output and multiplies it into two vectors of rows of x, which is
 // stored transposed ([K, rows], xt), so per k it costs 2 loads, 6 broadcasts and 12 FMAs,
 // the float32 panel kernel's mix (cpu_linear.cc). Its sums stay in registers over the whole
 // K and are stored transposed once. The dot-product tile it replaced (per 16 k: 2 loads per
 // output and per row, 8-lane sums reduced at the end) was load-bound: at 32 rows, 1.35-1.5x
 // float32's time per SmolLM2 layer shape (measured, 30 cold layers a call).
 constexpr int64_t kTo = 6;   // outputs per register tile (broadcast weights)
-constexpr int64_t kTv = 2;   // 8-row vectors of x per register tile (tile_t has 1 or 2)
-constexpr int64_t kTm = 8 * kTv;  // rows per register tile
+constexpr int64_t kTv = 2;   // vectors of rows of x per register tile (tile_t has 1 or 2)
+#ifdef JAXPAGED_AVX512
+// AVX-512: a vector holds 16 rows, so a tile covers 32 rows with the same 12 accumulators
+// and each broadcast weight feeds two FMAs of 16 lanes: twice AVX2's work per instruction,
+// as the float32 panel kernel has with AVX-512 (cpu_linear.cc).
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kTm = kLanes * kTv;  // rows per register tile
 constexpr int64_t kTn = 4 * kTo;  // outputs per work item
 
-// out[j][r] = sum over k of wt[j * K + k] * xt[k * ldx + r], for j < NR and r < 8 NV.
+// out[j][r] = sum over k of wt[j * K + k] * xt[k * ldx + r], for j < NR and r < kLanes NV.
 template <int NR, int NV>
 inline void tile_t(const float* xt, int64_t ldx, const float* wt, int64_t K,
                    float (*out)[kTm]) {
-#ifdef JAXPAGED_AVX2
+#if defined(JAXPAGED_AVX512)
+  __m512 lo[NR], hi[NR];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 x0 = _mm512_loadu_ps(xt + k * ldx);
+    const __m512 x1 = NV > 1 ? _mm512_loadu_ps(xt + k * ldx + 16) : x0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      const __m512 wb = _mm512_set1_ps(wt[j * K + k]);
+      lo[j] = _mm512_fmadd_ps(wb, x0, lo[j]);
+      if constexpr (NV > 1) hi[j] = _mm512_fmadd_ps(wb, x1, hi[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    _mm512_storeu_ps(out[j], lo[j]);
+    if constexpr (NV > 1) _mm512_storeu_ps(out[j] + 16, hi[j]);
+  }
+#elif defined(JAXPAGED_AVX2)
   // GCC keeps the sums in registers only if every loop over them is unrolled: otherwise it
   // stored all twelve to the stack at every k
   __m256 lo[NR], hi[NR];
@@ -103,7 +131,7 @@ inline void tile_t(const float* xt, int64_t ldx, const float* wt, int64_t K,
   }
 #else
   for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < 8 * NV; ++r) {
+    for (int r = 0; r < kLanes * NV; ++r) {
       float total = 0.0f;
       for (int64_t k = 0; k < K; ++k) total += wt[j * K + k] * xt[k * ldx + r];
       out[j][r] = total;
@@ -155,7 +183,7 @@ void dequantize_rows(const uint8_t* w, const float* scales, const float* mins, i
 }
 
 // Rows [m0, m0 + rows) of y over outputs [n0, n1); xt: x transposed, [K, ldx], its rows
-// padded with zeros to a multiple of 8.
+// padded with zeros to a multiple of kLanes.
 template <int BITS>
 void block_t(const float* xt, int64_t ldx, const uint8_t* w, const float* scales,
              const float* mins, const float* residual, float* y, int64_t K, int64_t G,
@@ -168,7 +196,7 @@ void block_t(const float* xt, int64_t ldx, const uint8_t* w, const float* scales
     dequantize_rows<BITS>(w, scales, mins, K, G, n, n + cols, buf.data());
     for (int64_t t = 0; t < rows; t += kTm) {
       const int64_t rt = std::min(kTm, rows - t);
-      tile_t_any(cols, (rt + 7) / 8, xt + m0 + t, ldx, buf.data(), K, out);
+      tile_t_any(cols, (rt + kLanes - 1) / kLanes, xt + m0 + t, ldx, buf.data(), K, out);
       for (int64_t r = 0; r < rt; ++r) {
         const int64_t at = (m0 + t + r) * N + n;
         for (int64_t j = 0; j < cols; ++j)
@@ -213,12 +241,78 @@ inline __m256i unpack16_i16(const uint8_t* row, int64_t k) {
   }
 }
 
+#ifdef JAXPAGED_AVX512
+// Inputs [k, k + 32) of one output as int16, in k order (AVX-512BW: 32 lanes).
+template <int BITS>
+inline __m512i unpack32_i16(const uint8_t* row, int64_t k) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i even = _mm_and_si128(b, mask);
+    const __m128i odd = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m256i q =
+        _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
+    return _mm512_cvtepu8_epi16(q);
+  } else {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
+  }
+}
+
+// acc + the pairwise int16 products of w and x summed into int32 lanes (one vpdpwssd with
+// AVX512-VNNI).
+inline __m512i madd_acc(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+#endif
+
 // y[j] for one row (int16 xq, its scale and group sums) and NR outputs.
 template <int NR, int BITS>
 inline void tile_int(const int16_t* xq, float xs, const int32_t* sums, int64_t K, int64_t G,
                      const uint8_t* w, int64_t row_bytes, const float* scales,
                      const float* mins, float* y, const float* base) {
   const int64_t groups = K / G;
+#ifdef JAXPAGED_AVX512
+  // 32 inputs an instruction where AVX2 takes 16: a batch-1 decode step is compute-bound
+  // on this loop (the weights of a step stream at a fraction of the memory's bandwidth)
+  __m512 acc[NR];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i part[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) part[j] = _mm512_setzero_si512();
+    const int64_t end = (g + 1) * G;
+    int64_t k = g * G;
+    for (; k + 32 <= end; k += 32) {
+      const __m512i xv = _mm512_loadu_si512(xq + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j)
+        part[j] = madd_acc(part[j], unpack32_i16<BITS>(w + j * row_bytes, k), xv);
+    }
+    if (k < end) {  // a group of 16 (or 16 more): the upper lanes stay zero
+      const __m512i xv =
+          _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k)));
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j)
+        part[j] = madd_acc(part[j],
+                           _mm512_zextsi256_si512(unpack16_i16<BITS>(w + j * row_bytes, k)), xv);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[j]),
+                               _mm512_set1_ps(scales[j * groups + g]), acc[j]);
+  }
+  for (int j = 0; j < NR; ++j) {
+    float v = _mm512_reduce_add_ps(acc[j]);
+    if (mins != nullptr)
+      for (int64_t g = 0; g < groups; ++g) v += mins[j * groups + g] * static_cast<float>(sums[g]);
+    y[j] = v * xs + (base ? base[j] : 0.0f);
+  }
+#else
   __m256 acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -241,6 +335,7 @@ inline void tile_int(const int16_t* xq, float xs, const int32_t* sums, int64_t K
       for (int64_t g = 0; g < groups; ++g) v += mins[j * groups + g] * static_cast<float>(sums[g]);
     y[j] = v * xs + (base ? base[j] : 0.0f);
   }
+#endif
 }
 
 // Row m of y over outputs [n0, n1), from int16 x.
@@ -337,8 +432,8 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
-  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of 8
-  const int64_t mp = (M + 7) / 8 * 8;
+  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of kLanes
+  const int64_t mp = (M + kLanes - 1) / kLanes * kLanes;
   thread_local std::vector<float> xt;
   if (xt.size() < static_cast<size_t>(K * mp)) xt.resize(K * mp);
   float* xtp = xt.data();
