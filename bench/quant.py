@@ -42,7 +42,7 @@ def _streamed_bytes(llm: Any) -> int:
     import jax
 
     runner = llm.engine.runner
-    return sum(int(a.nbytes) for a in jax.tree.leaves(runner._streamed(runner.params)))
+    return sum(int(a.nbytes) for a in jax.tree.leaves(runner._hooks.streamed(runner.params)))
 
 
 def main() -> int:
