@@ -11,8 +11,8 @@
 // Past kIntRows rows, a work item (row block, kTn outputs) dequantizes kTo outputs' weights
 // at a time into a float32 buffer that every row tile reads (tile_t below), so each weight
 // streams from memory once per row block of kMc rows. Up to kIntRows rows (decode at batch
-// 1-2) take an int16 path instead (row_int below): x rounded to int16 per row, weights
-// widened to int16, vpmaddwd.
+// 1-2; 1-8 with AVX-512, tile_int_rows) take an int16 path instead (row_int below): x
+// rounded to int16 per row, weights widened to int16, vpmaddwd.
 
 #include <algorithm>
 #include <cmath>
@@ -275,44 +275,6 @@ inline void tile_int(const int16_t* xq, float xs, const int32_t* sums, int64_t K
                      const uint8_t* w, int64_t row_bytes, const float* scales,
                      const float* mins, float* y, const float* base) {
   const int64_t groups = K / G;
-#ifdef JAXPAGED_AVX512
-  // 32 inputs an instruction where AVX2 takes 16: a batch-1 decode step is compute-bound
-  // on this loop (the weights of a step stream at a fraction of the memory's bandwidth)
-  __m512 acc[NR];
-#pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i part[NR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) part[j] = _mm512_setzero_si512();
-    const int64_t end = (g + 1) * G;
-    int64_t k = g * G;
-    for (; k + 32 <= end; k += 32) {
-      const __m512i xv = _mm512_loadu_si512(xq + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j)
-        part[j] = madd_acc(part[j], unpack32_i16<BITS>(w + j * row_bytes, k), xv);
-    }
-    if (k < end) {  // a group of 16 (or 16 more): the upper lanes stay zero
-      const __m512i xv =
-          _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k)));
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j)
-        part[j] = madd_acc(part[j],
-                           _mm512_zextsi256_si512(unpack16_i16<BITS>(w + j * row_bytes, k)), xv);
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j)
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[j]),
-                               _mm512_set1_ps(scales[j * groups + g]), acc[j]);
-  }
-  for (int j = 0; j < NR; ++j) {
-    float v = _mm512_reduce_add_ps(acc[j]);
-    if (mins != nullptr)
-      for (int64_t g = 0; g < groups; ++g) v += mins[j * groups + g] * static_cast<float>(sums[g]);
-    y[j] = v * xs + (base ? base[j] : 0.0f);
-  }
-#else
   __m256 acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -335,7 +297,6 @@ inline void tile_int(const int16_t* xq, float xs, const int32_t* sums, int64_t K
       for (int64_t g = 0; g < groups; ++g) v += mins[j * groups + g] * static_cast<float>(sums[g]);
     y[j] = v * xs + (base ? base[j] : 0.0f);
   }
-#endif
 }
 
 // Row m of y over outputs [n0, n1), from int16 x.
@@ -455,10 +416,13 @@ void rows_int(const int16_t* xq, const float* xs, const int32_t* sums, const uin
 #endif
 
 #ifdef JAXPAGED_AVX512
-// Up to this many rows take the int16 path: with AVX-512 in groups of up to kRowGroup rows
-// that share each widened weight (tile_int_rows). Measured (30 layers of 576 -> 1536 -> 576,
-// q4 time / float32 panel time in one process, 2-core Zen 4 under load): 4 rows 0.91 (the
-// float path: 1.70), 6 rows 1.54 (2.09), 8 rows 1.39 (1.81); 16 rows stay on the float path.
+// Up to this many rows take the int16 path: with AVX-512, 2-8 rows in groups of up to
+// kRowGroup rows that share each widened weight (tile_int_rows). Measured (bench/
+// q4_vs_float.py, q4 time / float32 time, 2-core Zen 4, +-20 % between runs): 2 rows
+// 0.68-0.77 (one row at a time: 0.97), 4 rows 0.91-1.24 (the float path: 1.32-1.70), 6 rows
+// 1.41-1.61 (2.08), 8 rows 1.39-1.80 (1.67-1.97). One row keeps the AVX2 tile: a 512-bit one
+// (32 inputs an instruction) measured no faster on this CPU, which runs 512-bit operations
+// as two 256-bit halves.
 constexpr int64_t kIntRows = 8;
 #else
 constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AVX2)

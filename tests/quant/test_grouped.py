@@ -173,8 +173,8 @@ def _int16_rows() -> int:
      # 17 rows (a tile of 32 rows with one real past 16), 64 rows in two full tiles
      (4, 16, 1, 1, 96, 7), (4, 48, 1, 1, 192, 9), (8, 32, 1, 1, 576, 21),
      (4, 32, 17, 17, 128, 13), (4, 64, 64, 64, 256, 30),
-     # 3-8 rows: groups of up to 4 sharing each widened weight (AVX-512), the last partial
-     (4, 32, 3, 3, 128, 11), (4, 32, 8, 6, 192, 9), (8, 32, 5, 5, 96, 7), (4, 48, 4, 4, 96, 5)],
+     # 3-8 real rows: groups of up to 4 sharing each widened weight (AVX-512), the last partial
+     (4, 32, 3, 3, 128, 11), (4, 32, 8, 7, 192, 9), (8, 32, 5, 5, 96, 7), (4, 48, 4, 4, 96, 5)],
 )  # fmt: skip
 def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
