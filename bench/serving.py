@@ -21,6 +21,14 @@ runs the same load against jaxpaged's server and then vLLM's (launched in turn f
 environment, with the same --dtype / --max-model-len / --max-num-seqs), and prints the ratios.
 ``--vllm-client`` also runs vLLM's own client (``vllm bench serve``: random prompts of
 ``--vllm-input-len`` tokens, ``--vllm-output-len`` out, EOS ignored) against both servers.
+
+llama.cpp as a peer (bench/llamacpp_peer.py), on the same GGUF file (the bundled one by
+default) and the same thread count:
+
+    python bench/serving.py --launch --llama-cpp-server BUILD/bin/llama-server --concurrency 16
+
+runs the same load against jaxpaged's server and then ``llama-server`` (one slot per request
+in flight, ``--max-model-len`` tokens of context each), and prints the ratios.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from common import BenchRequest, make_workload, summarize
+from llamacpp_peer import check_llama_server, gguf_file, launched_llama_server
 from vllm_peer import (
     check_vllm_python,
     launched_vllm_server,
@@ -404,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run `vllm bench serve` against each server (needs --vllm-python)")  # fmt: skip
     p.add_argument("--vllm-input-len", type=int, default=256, help="--vllm-client prompt tokens")
     p.add_argument("--vllm-output-len", type=int, default=128, help="--vllm-client output tokens")
+    p.add_argument("--llama-cpp-server", default=None, metavar="BIN",
+                   help="also run the load against llama.cpp's llama-server BIN (same GGUF)")  # fmt: skip
+    p.add_argument("--llama-cpp-threads", type=int, default=os.cpu_count(),
+                   help="llama-server's -t (default: every CPU, as jaxpaged uses)")  # fmt: skip
+    p.add_argument("--llama-cpp-log", default=None, help="llama-server's output goes here")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="--launch: everything after this goes to jaxpaged.serve")  # fmt: skip
     return p
@@ -430,6 +444,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.vllm_client and not args.vllm_python:
         print("--vllm-client needs --vllm-python PATH", file=sys.stderr)
         return 2
+    llama_model = None
+    if args.llama_cpp_server:
+        try:
+            check_llama_server(args.llama_cpp_server)
+            llama_model = gguf_file(args.model)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        if not args.launch or args.backend != "http":
+            print("--llama-cpp-server needs --launch and --backend http", file=sys.stderr)
+            return 2
     if args.vllm_python:
         if args.backend != "http":
             print("--vllm-python compares over HTTP; leave --backend at http", file=sys.stderr)
@@ -490,7 +515,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.vllm_python:
         with _vllm_target(args, folder) as target:
             measure("vllm", target)
-        _print_ratios(rows_by_server)
+        _print_ratios(rows_by_server, "vllm")
+    if llama_model is not None:
+        slots = max(c or len(work) for c, _ in plan)
+        with launched_llama_server(args.llama_cpp_server, model=llama_model, host=args.host,
+                                   parallel=slots, ctx_per_slot=args.max_model_len or 2048,
+                                   threads=args.llama_cpp_threads,
+                                   log_path=args.llama_cpp_log) as port:  # fmt: skip
+            target = copy.copy(args)
+            target.port = port
+            measure("llama.cpp", target)
+        _print_ratios(rows_by_server, "llama.cpp")
     if bench_serve:
         print_vllm_bench_table(bench_serve)
     rows = [r for rs in rows_by_server.values() for r in rs]
@@ -505,13 +540,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(r["failed"] for r in rows) else 0
 
 
-def _print_ratios(rows_by_server: dict[str, list[dict[str, Any]]]) -> None:
-    """jaxpaged over vLLM, load by load: throughput (higher is better) and latencies."""
+def _print_ratios(rows_by_server: dict[str, list[dict[str, Any]]], peer: str) -> None:
+    """jaxpaged over ``peer``, load by load: throughput (higher is better) and latencies."""
     keys = (("output tok/s", "output_tok_s"), ("TTFT p50", "ttft_p50_ms"),
             ("TPOT p50", "tpot_p50_ms"), ("ITL p99", "itl_p99_ms"), ("E2E p50", "e2e_p50_ms"))  # fmt: skip
-    for ours, theirs in zip(rows_by_server["jaxpaged"], rows_by_server["vllm"], strict=True):
+    for ours, theirs in zip(rows_by_server["jaxpaged"], rows_by_server[peer], strict=True):
         parts = [f"{label} {ours[k] / theirs[k]:.2f}x" for label, k in keys if theirs[k]]
-        print(f"jaxpaged / vllm at concurrency {ours['concurrency']}: " + ", ".join(parts))
+        print(f"jaxpaged / {peer} at concurrency {ours['concurrency']}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ Systems, all greedy, EOS ignored, the same token ids:
              each batch runs to its longest request, only the requested tokens count as useful
   hf-cb      transformers' own continuous batching (init_continuous_batching, paged attention)
              with per-request max_new_tokens
+  llama.cpp  llama.cpp's llama-server (--llama-cpp-server BIN, bench/llamacpp_peer.py; added
+             to the systems when given) on the same GGUF file (the bundled one by default),
+             one slot per sequence jaxpaged may run (up to --max-num-seqs), the same threads;
+             then llama-bench's batch-1 generation (tg) beside jaxpaged's pure-decode steps
+             at batch 1, in one run. With it jaxpaged keeps the GGUF's own quantized weights
+             (as --keep-gguf), as llama.cpp does
 
 Each system must produce exactly the requested number of tokens per request (else the run
 fails). Useful output tokens/s excludes model loading and jaxpaged's warm-up (compilation),
@@ -43,11 +49,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from common import BenchRequest, load_jsonl_workload, make_workload
+from llamacpp_peer import (
+    check_llama_server,
+    gguf_file,
+    launched_llama_server,
+    llama_bench,
+    run_llama_offline,
+)
 from roofline import MachinePeaks, decode_step_cost, measure_peaks, param_count, prefill_flops
 from vllm_peer import check_vllm_python, compare_greedy, describe_agreement, run_offline
 
-SYSTEMS = ("jaxpaged", "hf-static", "hf-cb", "vllm")
-PEERS = ("hf-static", "hf-cb", "vllm")
+SYSTEMS = ("jaxpaged", "hf-static", "hf-cb", "vllm", "llama.cpp")
+PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -93,7 +106,7 @@ def build_jaxpaged(args: argparse.Namespace) -> tuple[Any, float]:
     t0 = time.perf_counter()
     llm = LLM(
         args.model,
-        dtype=args.dtype,
+        dtype=None if args.keep_gguf else args.dtype,  # None: a GGUF's weights kept quantized
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -284,6 +297,56 @@ def run_vllm(args: argparse.Namespace, work: list[BenchRequest], folder: str) ->
     )
 
 
+# ---------------------------------------------------------------------------- llama.cpp
+def run_llama_cpp(args: argparse.Namespace, work: list[BenchRequest]) -> SystemResult:
+    model = gguf_file(args.model)
+    parallel = min(len(work), args.max_num_seqs)
+    t0 = time.perf_counter()
+    with launched_llama_server(args.llama_cpp_server, model=model, host="127.0.0.1",
+                               parallel=parallel, ctx_per_slot=args.max_model_len or 2048,
+                               threads=args.llama_cpp_threads,
+                               log_path=args.llama_cpp_log) as port:  # fmt: skip
+        load_s = time.perf_counter() - t0
+        run = run_llama_offline(port, "127.0.0.1", work, parallel=parallel)
+    _check_counts("llama.cpp", run.token_counts, work)
+    return SystemResult(
+        system="llama.cpp",
+        num_requests=len(work),
+        useful_tokens=sum(run.token_counts),
+        generated_tokens=sum(run.token_counts),
+        seconds=run.seconds,
+        load_seconds=load_s,
+        extra={"parallel": parallel, "threads": args.llama_cpp_threads},
+    )
+
+
+def _batch1_report(llm: Any, work: Sequence[BenchRequest], args: argparse.Namespace) -> dict:
+    """Batch-1 decode: llama-bench's tg figure and jaxpaged's pure-decode steps at batch 1,
+    in alternating rounds (--decode-rounds), medians compared."""
+    from step_breakdown import time_decode_steps
+
+    model = gguf_file(args.model)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(args.decode_rounds):
+        (timing,) = time_decode_steps(llm, [work[0].prompt_token_ids], batch=1,
+                                      steps=args.llama_bench_gen // 4)  # fmt: skip
+        ours.append(1.0 / timing.median)
+        theirs.append(llama_bench(args.llama_cpp_server, model=model,
+                                  threads=args.llama_cpp_threads, prompt=0,
+                                  gen=args.llama_bench_gen, repeats=1)["tg"])  # fmt: skip
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"batch-1 decode ({args.decode_rounds} alternating rounds, medians): jaxpaged "
+          f"{a:.1f} tok/s ({', '.join(f'{x:.1f}' for x in ours)}), llama.cpp llama-bench "
+          f"tg{args.llama_bench_gen} {b:.1f} tok/s ({', '.join(f'{x:.1f}' for x in theirs)}): "
+          f"{a / b:.2f}x", flush=True)  # fmt: skip
+    pp = llama_bench(args.llama_cpp_server, model=model, threads=args.llama_cpp_threads,
+                     prompt=256, gen=0, repeats=3)["pp"]  # fmt: skip
+    print(f"llama.cpp llama-bench pp256: {pp:.1f} tok/s (jaxpaged's: --prefill-lengths 256)")
+    return {"jaxpaged_tok_s": ours, "llama_bench_tg_tok_s": theirs, "ratio": a / b,
+            "llama_bench_pp256_tok_s": pp}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------- main
 def _decode_step_report(
     llm: Any, work: Sequence[BenchRequest], args: argparse.Namespace
@@ -309,6 +372,7 @@ def _decode_step_report(
     print(f"decode step at batch {batch} ({len(timings)} rounds of {args.decode_steps} "
           "engine.step(), the machine's peaks measured after each):")  # fmt: skip
     for i, (timing, pk) in enumerate(zip(timings, peaks, strict=True), 1):
+        # (with --keep-gguf the weights stream fewer bytes than this float dtype's)
         cost = decode_step_cost(cfg, timing.context_lens, dtype_bytes=_DTYPE_BYTES[args.dtype])
         r = {
             "median_s": timing.median,
@@ -450,6 +514,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="the Python of a vLLM environment: adds vLLM to the systems")  # fmt: skip
     p.add_argument("--vllm-log", default=None, help="vLLM's output goes here")
+    p.add_argument("--keep-gguf", action="store_true",
+                   help="jaxpaged keeps a GGUF model's quantized weights (the peers read "
+                        "--dtype's float expansion)")  # fmt: skip
+    p.add_argument(
+        "--llama-cpp-server",
+        default=None,
+        metavar="BIN",
+        help="add llama.cpp (llama-server BIN, llama-bench beside it) as a system",
+    )
+    p.add_argument("--llama-cpp-threads", type=int, default=os.cpu_count(),
+                   help="llama.cpp's -t (default: every CPU, as jaxpaged uses)")  # fmt: skip
+    p.add_argument("--llama-cpp-log", default=None, help="llama-server's output goes here")
+    p.add_argument(
+        "--llama-bench-gen",
+        type=int,
+        default=128,
+        help="tokens of llama-bench's tg run (jaxpaged times a quarter as many steps)",
+    )
     return p
 
 
@@ -458,6 +540,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.vllm_python and "vllm" not in systems:
         systems.append("vllm")
+    if args.llama_cpp_server and "llama.cpp" not in systems:
+        systems.append("llama.cpp")
+    if "llama.cpp" in systems:
+        if not args.llama_cpp_server:
+            print("--systems llama.cpp needs --llama-cpp-server BIN", file=sys.stderr)
+            return 2
+        try:
+            check_llama_server(args.llama_cpp_server)
+            gguf_file(args.model)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        args.keep_gguf = True  # the same weights as llama.cpp's
     if "vllm" in systems and not args.vllm_python:
         print("--systems vllm needs --vllm-python PATH (a vLLM environment's Python)",
               file=sys.stderr)  # fmt: skip
@@ -509,7 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"workload: {len(work)} requests, prompt tokens {min(plens)}..{max(plens)} "
           f"(total {sum(plens)}), output tokens {min(r.max_tokens for r in work)}.."
           f"{max(r.max_tokens for r in work)} (total {sum(r.max_tokens for r in work)}), "
-          f"dtype {args.dtype}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+          f"dtype {args.dtype}{' (jaxpaged: the GGUF kept)' if args.keep_gguf else ''}, "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
 
     if args.torch_threads and any(s.startswith("hf") for s in systems):
         import torch
@@ -532,6 +628,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results[s] = run_vllm(args, work, folder)
                 except RuntimeError as e:  # a peer's failure must not lose the others' figures
                     print(f"  vllm: {e}", flush=True)
+                    continue
+            elif s == "llama.cpp":
+                try:
+                    results[s] = run_llama_cpp(args, work)
+                except RuntimeError as e:  # a peer's failure must not lose the others' figures
+                    print(f"  llama.cpp: {e}", flush=True)
                     continue
             elif s == "hf-static":
                 results[s] = run_hf_static(args, work, folder, tokenizer)
@@ -580,6 +682,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["results"] = {k: v.to_json() for k, v in results.items()}
     report["rounds"] = [{k: v.to_json() for k, v in r.items()} for r in rounds]
 
+    if llm is not None and args.llama_cpp_server:
+        report["batch1_vs_llama_cpp"] = _batch1_report(llm, work, args)
     if llm is not None and args.decode_batch > 0:
         report["decode_step"] = _decode_step_report(llm, work, args)
     if llm is not None and args.prefill_lengths:

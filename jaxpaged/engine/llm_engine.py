@@ -321,19 +321,19 @@ class LLMEngine:
         self.core.mark_compiled()
         # measured after warm-up, on its shapes (a compilation here would count as serving's);
         # None where the cap was given
-        self.step_costs: StepCosts | None = None
+        self.step_costs: tuple[StepCosts, ...] | None = None
         if (
             scheduler_config.max_prefill_tokens_with_decodes is None
             and scheduler_config.prefill_stall_ratio is not None
         ):
-            cap, self.step_costs = choose_prefill_cap(
+            caps, self.step_costs = choose_prefill_cap(
                 self.runner.execute,
                 scheduler_config,
                 num_blocks=num_blocks,
                 block_size=cache_config.block_size,
                 measure=not enforce_eager,
             )
-            self.scheduler.set_prefill_cap(cap)
+            self.scheduler.set_prefill_caps(caps)
 
     # ------------------------------------------------------------ construction
     @classmethod

@@ -194,6 +194,7 @@ class Scheduler:
         self._in_batch: set[str] = set()
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
         self.step_sizes = tuple(step_sizes) if scheduler_config.fit_prefill_to_buckets else ()
+        self._caps: tuple[int, ...] = ()  # cap by decodes in the step (set_prefill_caps)
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | DeviceDraftSlots | None = None
         if speculative_config is not None:
@@ -207,8 +208,20 @@ class Scheduler:
 
     def set_prefill_cap(self, cap: int) -> None:
         """Sets ``max_prefill_tokens_with_decodes`` (the engine's measured cap, before any
-        request arrives)."""
+        request arrives), the same for any number of decodes."""
         self.config = dataclasses.replace(self.config, max_prefill_tokens_with_decodes=cap)
+        self._caps = ()
+
+    def set_prefill_caps(self, caps: Sequence[int]) -> None:
+        """Sets the cap of a step by its decodes: ``caps[d]`` prompt tokens beside ``d``
+        decodes, ``caps[-1]`` beside more (the engine's measured caps, which keep a step
+        within the same multiple of a decode step's time at any load). The config's
+        ``max_prefill_tokens_with_decodes`` becomes the largest of them."""
+        caps = tuple(caps)
+        if len(caps) < 2 or any(not isinstance(c, int) or c < 1 for c in caps):
+            raise ValueError(f"prefill caps must be ints >= 1 for 0, 1, ... decodes, got {caps}")
+        self.set_prefill_cap(max(caps[1:]))
+        self._caps = caps
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -349,7 +362,8 @@ class Scheduler:
         def room() -> int:  # tokens the next chunk may take
             if not decodes:
                 return budget
-            return min(budget, prefill_cap(cap, decodes, self.step_sizes) - prefilled)
+            limit = self._caps[min(decodes, len(self._caps) - 1)] if self._caps else cap
+            return min(budget, prefill_cap(limit, decodes, self.step_sizes) - prefilled)
 
         def emit(req: Request, start: int, n: int, drafts: Sequence[int] = ()) -> None:
             nonlocal budget, prefilled, decodes

@@ -214,6 +214,60 @@ def test_throughput_keeps_the_figures_when_vllm_fails(tmp_path, tiny_model):
     assert set(json.loads(out.read_text())["results"]) == {"jaxpaged"}
 
 
+_FAKE_LLAMA_SERVER = """#!{python}
+# a stand-in llama-server: /health, and /completion predicting n_predict tokens
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send({{"status": "ok"}})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["temperature"] == 0.0 and body["ignore_eos"] and body["prompt"]
+        self._send({{"tokens_predicted": body["n_predict"]}})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+_FAKE_LLAMA_BENCH = """#!/bin/sh
+echo '[{{"n_prompt": 256, "n_gen": 0, "avg_ts": 236.5}}, {{"n_prompt": 0, "n_gen": 128, "avg_ts": 89.25}}]'
+"""
+
+
+def test_llamacpp_peer_offline_run_and_llama_bench(tmp_path):
+    """The llama.cpp peer against stand-in binaries: the server launched, every request's
+    token count back, llama-bench's pp / tg figures parsed; bad paths refused by name."""
+    peer = _load("llamacpp_peer")
+    common = _load("common")
+    server = tmp_path / "llama-server"
+    server.write_text(_FAKE_LLAMA_SERVER.format(python=sys.executable))
+    bench = tmp_path / "llama-bench"
+    bench.write_text(_FAKE_LLAMA_BENCH.format())
+    for f in (server, bench):
+        f.chmod(0o755)
+    work = [common.BenchRequest(messages=(), prompt_token_ids=(1, 2, 3 + i), max_tokens=4 + i)
+            for i in range(5)]  # fmt: skip
+    with peer.launched_llama_server(str(server), model="m.gguf", host="127.0.0.1", parallel=2,
+                                    ctx_per_slot=64, threads=2, timeout=60) as port:  # fmt: skip
+        run = peer.run_llama_offline(port, "127.0.0.1", work, parallel=2)
+    assert run.token_counts == [4, 5, 6, 7, 8] and run.seconds > 0
+    got = peer.llama_bench(str(server), model="m.gguf", threads=2, prompt=256, gen=128)
+    assert got == {"pp": 236.5, "tg": 89.25}
+    with pytest.raises(ValueError, match="not an executable"):
+        peer.check_llama_server(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=".gguf"):
+        peer.gguf_file(str(tmp_path))
+
+
 def test_throughput_rejects_unknown_system():
     proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip

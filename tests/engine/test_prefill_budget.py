@@ -1,7 +1,8 @@
-"""The prefill cap measured at warm-up (jaxpaged.engine.prefill_budget): the line through a
-decode step's time and a mixed step's, against hand-computed caps; the plans it times, on a
-fake clock whose step cost is a + b x rows; and a real engine, which sets the cap it measured
-and compiles nothing for it."""
+"""The prefill caps measured at warm-up (jaxpaged.engine.prefill_budget): the line through a
+decode step's time and a mixed step's, against hand-computed caps; the caps by decode count,
+interpolated between measured counts; the plans it times, on a fake clock whose step cost is
+a + b x rows, where every count's cap keeps its step within the stall ratio; and a real
+engine, which sets the caps it measured and compiles nothing for them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jaxpaged.engine.prefill_budget import (
     UNMEASURED_PREFILL_CAP,
     StepCosts,
     calibration_plans,
+    caps_by_decodes,
     choose_prefill_cap,
     measure_step_costs,
 )
@@ -69,21 +71,50 @@ class FakeDevice:
         return RunnerOutput(sampled_token_ids=[0] * len(plan.seqs))
 
 
+def test_caps_by_decodes_interpolate_between_the_measured_counts():
+    rungs = (
+        StepCosts(decodes=1, context=256, chunk=64, decode_s=0.020, mixed_s=0.148),  # 2 ms/token
+        StepCosts(decodes=5, context=256, chunk=64, decode_s=0.060, mixed_s=0.316),  # 4 ms/token
+    )
+    caps = caps_by_decodes(rungs, 3.0, 512, 8)
+    assert len(caps) == 9 and caps[0] == 512  # no decode: nothing stalls
+    assert caps[1] == 20  # 2 x 20 ms / 2 ms
+    # 3 decodes: halfway, 40 ms and 3 ms a token: 2 x 40 / 3 = 26.7
+    assert caps[3] == 26
+    assert caps[5] == caps[6] == caps[8] == 30  # 2 x 60 / 4, held past the last count
+    one = caps_by_decodes(rungs[:1], 3.0, 512, 3)
+    assert one == (512, 20, 20, 20)
+    with pytest.raises(ValueError, match="at least one"):
+        caps_by_decodes((), 3.0, 512, 3)
+
+
 def test_measured_costs_and_plans_on_a_fake_clock():
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
     device = FakeDevice()
     got = measure_step_costs(
         device.execute, config, num_blocks=400, block_size=16, clock=device.clock
     )
-    assert (got.decodes, got.context, got.chunk) == (15, CONTEXT_TOKENS, 64)
-    assert got.decode_s == pytest.approx(0.020 + 0.004 * 15)
-    assert got.mixed_s == pytest.approx(0.020 + 0.004 * 79)
-    assert got.chunk_token_s == pytest.approx(0.004)
+    assert [r.decodes for r in got] == [1, 3, 15]  # 1, 15 // 4 and the most
+    for r in got:
+        assert (r.context, r.chunk) == (CONTEXT_TOKENS, 64)
+        assert r.decode_s == pytest.approx(0.020 + 0.004 * r.decodes)
+        assert r.mixed_s == pytest.approx(0.020 + 0.004 * (r.decodes + 64))
+        assert r.chunk_token_s == pytest.approx(0.004)
     # 3x a 80 ms decode step allows 160 ms more: 40 tokens
-    assert got.prefill_cap(3.0, 512) == 40
-    decode, mixed = device.plans[0], device.plans[1]
-    assert len(device.plans) == 9 and all(p in (decode, mixed) for p in device.plans[:8])
-    # the last plan drops every calibration request from the runner's batch
+    assert got[-1].prefill_cap(3.0, 512) == 40
+    # at every decode count above the floor the cap's step is within 3 decode steps, and
+    # one token more is not
+    caps = caps_by_decodes(got, 3.0, 512, 16)
+    assert caps[1] == caps[2] == MIN_PREFILL_CAP  # 2 x 24 ms / 4 ms: 12 tokens, floored
+    assert caps[3] == 16 and caps[15] == caps[16] == 40  # held past 15 decodes
+    for d in range(3, 16):
+        alone = FakeDevice.A + FakeDevice.B * d
+        assert FakeDevice.A + FakeDevice.B * (d + caps[d]) <= 3.0 * alone + 1e-9
+        assert FakeDevice.A + FakeDevice.B * (d + caps[d] + 1) > 3.0 * alone
+    # each count: one untimed and three timed pairs, then the plan dropping its requests
+    assert len(device.plans) == 3 * 9
+    decode, mixed = device.plans[-9], device.plans[-8]
+    assert all(p in (decode, mixed) for p in device.plans[-9:-1])
     cleanup = device.plans[-1]
     assert not cleanup.seqs and set(cleanup.finished_request_ids) == {
         s.request_id for s in mixed.seqs
@@ -102,17 +133,21 @@ def test_measured_costs_and_plans_on_a_fake_clock():
 def test_sizes_follow_the_config_and_the_pool():
     device = FakeDevice()
     small = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
-    got = measure_step_costs(device.execute, small, num_blocks=64, block_size=4, clock=device.clock)
+    (*_, got) = measure_step_costs(
+        device.execute, small, num_blocks=64, block_size=4, clock=device.clock
+    )
     assert (got.decodes, got.context, got.chunk) == (3, 63, 13)
     # 20 blocks: 4 for the chunk (13 tokens), 16 left for 3 decodes: 5 blocks each
     got = measure_step_costs(device.execute, small, num_blocks=20, block_size=4, clock=device.clock)
-    assert got.context == 20
+    assert [r.context for r in got] == [20, 20]  # 1 and 3 decodes
     _, mixed = calibration_plans(decodes=3, context=20, chunk=13, block_size=4)
     assert max(b for s in mixed.seqs for b in s.new_block_ids) == 18  # 15 + 4 blocks
     # a chunk is never longer than a sequence may be (the runner's block tables are that wide)
     short = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=8)
-    got = measure_step_costs(device.execute, short, num_blocks=64, block_size=4, clock=device.clock)
-    assert (got.chunk, got.context) == (8, 7)
+    (got,) = measure_step_costs(
+        device.execute, short, num_blocks=64, block_size=4, clock=device.clock
+    )
+    assert (got.decodes, got.chunk, got.context) == (1, 8, 7)
     # no step carries decodes and a chunk: one sequence at a time, or no room in the pool
     one = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
     assert measure_step_costs(device.execute, one, num_blocks=64, block_size=4) is None
@@ -122,10 +157,11 @@ def test_sizes_follow_the_config_and_the_pool():
 def test_unmeasured_cap():
     config = SchedulerConfig(max_num_batched_tokens=512, prefill_stall_ratio=3.0)
     never = lambda plan: pytest.fail("nothing may run")  # noqa: E731
-    cap, got = choose_prefill_cap(never, config, num_blocks=64, block_size=16, measure=False)
-    assert (cap, got) == (UNMEASURED_PREFILL_CAP, None)
-    small = SchedulerConfig(max_num_batched_tokens=32, prefill_stall_ratio=3.0)
-    assert choose_prefill_cap(never, small, num_blocks=64, block_size=16, measure=False)[0] == 32
+    caps, got = choose_prefill_cap(never, config, num_blocks=64, block_size=16, measure=False)
+    assert (caps, got) == ((UNMEASURED_PREFILL_CAP,) * (config.max_num_seqs + 1), None)
+    small = SchedulerConfig(max_num_batched_tokens=32, prefill_stall_ratio=3.0, max_num_seqs=2)
+    caps = choose_prefill_cap(never, small, num_blocks=64, block_size=16, measure=False)[0]
+    assert caps == (32, 32, 32)
 
 
 @pytest.mark.parametrize("bad", [1, 0.5, True, "3", float("nan")])
@@ -162,15 +198,16 @@ def engine(tiny, **kwargs):
     )  # fmt: skip
 
 
-def test_engine_sets_the_cap_it_measured_and_compiles_nothing_for_it(tiny):
+def test_engine_sets_the_caps_it_measured_and_compiles_nothing_for_them(tiny):
     eng = engine(tiny, prefill_stall_ratio=2.0)
     costs = eng.step_costs
     # 96 blocks of 8: 8 for the 64-token chunk, 88 left: 12 blocks (96 tokens) per decode
-    assert (costs.decodes, costs.chunk, costs.context) == (7, 64, 96)
-    assert 0 < costs.decode_s and 0 < costs.mixed_s
-    cap = eng.scheduler.config.max_prefill_tokens_with_decodes
-    assert cap == costs.prefill_cap(2.0, 128) and MIN_PREFILL_CAP <= cap <= 128
-    assert eng.scheduler_config.max_prefill_tokens_with_decodes == cap
+    assert [(c.decodes, c.chunk, c.context) for c in costs] == [(1, 64, 96), (7, 64, 96)]
+    assert all(0 < c.decode_s and 0 < c.mixed_s for c in costs)
+    caps = caps_by_decodes(costs, 2.0, 128, 8)
+    assert eng.scheduler._caps == caps and all(MIN_PREFILL_CAP <= c <= 128 for c in caps)
+    assert caps[1] == costs[0].prefill_cap(2.0, 128) and caps[7] == costs[1].prefill_cap(2.0, 128)
+    assert eng.scheduler_config.max_prefill_tokens_with_decodes == max(caps[1:])
     # the timed steps ran warm-up's shapes
     assert eng.get_stats().num_compilations_after_warmup == 0
     assert eng.scheduler.pool.num_free_blocks == 96  # and took no block from the scheduler

@@ -96,6 +96,25 @@ def test_the_cap_ends_the_step_on_a_compiled_size(cap, decodes, expected):
     assert prefill_cap(cap, decodes, ()) == cap
 
 
+def test_caps_by_decodes_follow_the_steps_decodes():
+    sched, runner = make(cap=None, budget=64)
+    sched.set_prefill_caps((64, 5, 9))  # 5 tokens beside one decode, 9 beside two or more
+    assert sched.config.max_prefill_tokens_with_decodes == 9
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
+    sched.add_request(make_request("c", [4, 5], max_tokens=2))
+    assert step(sched, runner) == {"a": 3, "c": 2}  # no decode: the budget
+    prompt = list(range(1, 31))
+    sched.add_request(make_request("b", prompt, max_tokens=10))
+    assert step(sched, runner) == {"a": 1, "c": 1, "b": 9}  # two decodes: 9
+    assert step(sched, runner) == {"a": 1, "b": 5}  # c finished: one decode, 5
+    sched.set_prefill_cap(4)  # a plain cap replaces the caps by decodes
+    assert step(sched, runner) == {"a": 1, "b": 4}
+    assert run(sched, runner)["b"] == reference_output(prompt, 10)
+    for bad in ((64,), (64, 0), (64, 2.5)):
+        with pytest.raises(ValueError, match="prefill caps"):
+            sched.set_prefill_caps(bad)
+
+
 def test_off_by_default_the_step_sizes_are_ignored():
     sched, runner = make(cap=16, step_sizes=(16, 32, 64))
     sched.add_request(make_request("a", [1, 2, 3], max_tokens=10))
