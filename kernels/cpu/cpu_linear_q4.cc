@@ -11,8 +11,8 @@
 // Past kIntRows rows, a work item (row block, kTn outputs) dequantizes kTo outputs' weights
 // at a time into a float32 buffer that every row tile reads (tile_t below), so each weight
 // streams from memory once per row block of kMc rows. Up to kIntRows rows (decode at batch
-// 1-2; 1-8 with AVX-512, tile_int_rows) take an int16 path instead (row_int below): x
-// rounded to int16 per row, weights widened to int16, vpmaddwd.
+// 1-2) take an int16 path instead (row_int below): x rounded to int16 per row, weights
+// widened to int16, vpmaddwd.
 
 #include <algorithm>
 #include <cmath>
@@ -63,51 +63,23 @@ inline float q_at(const uint8_t* row, int64_t k, int bits) {
 
 // The float path (more than kIntRows rows): a work item dequantizes kTo outputs' weights at
 // a time into a float32 buffer [kTo, K] (their natural row-major order, no transpose) and
-// every register tile of its rows reads it. A tile holds kTo outputs x kTm rows: it
-// broadcasts one weight per output and multiplies it into two vectors of rows of x, which is
+// every register tile of its rows reads it. A tile holds kTo outputs x 16 rows: it
+// broadcasts one weight per output and multiplies it into two 8-row vectors of x, which is
 // stored transposed ([K, rows], xt), so per k it costs 2 loads, 6 broadcasts and 12 FMAs,
 // the float32 panel kernel's mix (cpu_linear.cc). Its sums stay in registers over the whole
 // K and are stored transposed once. The dot-product tile it replaced (per 16 k: 2 loads per
 // output and per row, 8-lane sums reduced at the end) was load-bound: at 32 rows, 1.35-1.5x
 // float32's time per SmolLM2 layer shape (measured, 30 cold layers a call).
 constexpr int64_t kTo = 6;   // outputs per register tile (broadcast weights)
-constexpr int64_t kTv = 2;   // vectors of rows of x per register tile (tile_t has 1 or 2)
-#ifdef JAXPAGED_AVX512
-// AVX-512: a vector holds 16 rows, so a tile covers 32 rows with the same 12 accumulators
-// and each broadcast weight feeds two FMAs of 16 lanes: twice AVX2's work per instruction,
-// as the float32 panel kernel has with AVX-512 (cpu_linear.cc).
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
-constexpr int64_t kTm = kLanes * kTv;  // rows per register tile
+constexpr int64_t kTv = 2;   // 8-row vectors of x per register tile (tile_t has 1 or 2)
+constexpr int64_t kTm = 8 * kTv;  // rows per register tile
 constexpr int64_t kTn = 4 * kTo;  // outputs per work item
 
-// out[j][r] = sum over k of wt[j * K + k] * xt[k * ldx + r], for j < NR and r < kLanes NV.
+// out[j][r] = sum over k of wt[j * K + k] * xt[k * ldx + r], for j < NR and r < 8 NV.
 template <int NR, int NV>
 inline void tile_t(const float* xt, int64_t ldx, const float* wt, int64_t K,
                    float (*out)[kTm]) {
-#if defined(JAXPAGED_AVX512)
-  __m512 lo[NR], hi[NR];
-#pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 x0 = _mm512_loadu_ps(xt + k * ldx);
-    const __m512 x1 = NV > 1 ? _mm512_loadu_ps(xt + k * ldx + 16) : x0;
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      const __m512 wb = _mm512_set1_ps(wt[j * K + k]);
-      lo[j] = _mm512_fmadd_ps(wb, x0, lo[j]);
-      if constexpr (NV > 1) hi[j] = _mm512_fmadd_ps(wb, x1, hi[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j) {
-    _mm512_storeu_ps(out[j], lo[j]);
-    if constexpr (NV > 1) _mm512_storeu_ps(out[j] + 16, hi[j]);
-  }
-#elif defined(JAXPAGED_AVX2)
+#ifdef JAXPAGED_AVX2
   // GCC keeps the sums in registers only if every loop over them is unrolled: otherwise it
   // stored all twelve to the stack at every k
   __m256 lo[NR], hi[NR];
@@ -131,7 +103,7 @@ inline void tile_t(const float* xt, int64_t ldx, const float* wt, int64_t K,
   }
 #else
   for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < kLanes * NV; ++r) {
+    for (int r = 0; r < 8 * NV; ++r) {
       float total = 0.0f;
       for (int64_t k = 0; k < K; ++k) total += wt[j * K + k] * xt[k * ldx + r];
       out[j][r] = total;
@@ -183,7 +155,7 @@ void dequantize_rows(const uint8_t* w, const float* scales, const float* mins, i
 }
 
 // Rows [m0, m0 + rows) of y over outputs [n0, n1); xt: x transposed, [K, ldx], its rows
-// padded with zeros to a multiple of kLanes.
+// padded with zeros to a multiple of 8.
 template <int BITS>
 void block_t(const float* xt, int64_t ldx, const uint8_t* w, const float* scales,
              const float* mins, const float* residual, float* y, int64_t K, int64_t G,
@@ -196,7 +168,7 @@ void block_t(const float* xt, int64_t ldx, const uint8_t* w, const float* scales
     dequantize_rows<BITS>(w, scales, mins, K, G, n, n + cols, buf.data());
     for (int64_t t = 0; t < rows; t += kTm) {
       const int64_t rt = std::min(kTm, rows - t);
-      tile_t_any(cols, (rt + kLanes - 1) / kLanes, xt + m0 + t, ldx, buf.data(), K, out);
+      tile_t_any(cols, (rt + 7) / 8, xt + m0 + t, ldx, buf.data(), K, out);
       for (int64_t r = 0; r < rt; ++r) {
         const int64_t at = (m0 + t + r) * N + n;
         for (int64_t j = 0; j < cols; ++j)
@@ -240,34 +212,6 @@ inline __m256i unpack16_i16(const uint8_t* row, int64_t k) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
   }
 }
-
-#ifdef JAXPAGED_AVX512
-// Inputs [k, k + 32) of one output as int16, in k order (AVX-512BW: 32 lanes).
-template <int BITS>
-inline __m512i unpack32_i16(const uint8_t* row, int64_t k) {
-  if constexpr (BITS == 4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i even = _mm_and_si128(b, mask);
-    const __m128i odd = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    const __m256i q =
-        _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
-    return _mm512_cvtepu8_epi16(q);
-  } else {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
-  }
-}
-
-// acc + the pairwise int16 products of w and x summed into int32 lanes (one vpdpwssd with
-// AVX512-VNNI).
-inline __m512i madd_acc(__m512i acc, __m512i w, __m512i x) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(acc, w, x);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
-#endif
-}
-#endif
 
 // y[j] for one row (int16 xq, its scale and group sums) and NR outputs.
 template <int NR, int BITS>
@@ -322,111 +266,7 @@ void row_int(const int16_t* xq, float xs, const int32_t* sums, const uint8_t* w,
 }
 #endif
 
-#ifdef JAXPAGED_AVX512
-constexpr int64_t kRowGroup = 4;  // rows of one multi-row int16 tile
-
-// y[r][j] for R rows (int16 xq [R][K], their scales and group sums [R][groups]) and NR
-// outputs: each 32 weights are widened once and multiplied into every row's x, so the
-// unpacking (the int16 path's main cost at one row) is shared by R rows.
-template <int NR, int R, int BITS>
-inline void tile_int_rows(const int16_t* xq, const float* xs, const int32_t* sums, int64_t K,
-                          int64_t G, const uint8_t* w, int64_t row_bytes, const float* scales,
-                          const float* mins, float* y, int64_t N, const float* base) {
-  const int64_t groups = K / G;
-  __m512 acc[R][NR];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i part[R][NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) part[r][j] = _mm512_setzero_si512();
-    const int64_t end = (g + 1) * G;
-    int64_t k = g * G;
-    for (; k + 32 <= end; k += 32) {
-      __m512i xv[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(xq + r * K + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) {
-        const __m512i wv = unpack32_i16<BITS>(w + j * row_bytes, k);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) part[r][j] = madd_acc(part[r][j], wv, xv[r]);
-      }
-    }
-    if (k < end) {  // 16 inputs left: the upper lanes stay zero
-      __m512i xv[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        xv[r] = _mm512_zextsi256_si512(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + k)));
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) {
-        const __m512i wv = _mm512_zextsi256_si512(unpack16_i16<BITS>(w + j * row_bytes, k));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) part[r][j] = madd_acc(part[r][j], wv, xv[r]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      const __m512 sv = _mm512_set1_ps(scales[j * groups + g]);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][j]), sv, acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) {
-      float v = _mm512_reduce_add_ps(acc[r][j]);
-      if (mins != nullptr)
-        for (int64_t g = 0; g < groups; ++g)
-          v += mins[j * groups + g] * static_cast<float>(sums[r * groups + g]);
-      y[r * N + j] = v * xs[r] + (base ? base[r * N + j] : 0.0f);
-    }
-}
-
-// Rows [m, m + R) of y over outputs [n0, n1), from int16 x.
-template <int R, int BITS>
-void rows_int(const int16_t* xq, const float* xs, const int32_t* sums, const uint8_t* w,
-              const float* scales, const float* mins, const float* residual, float* y,
-              int64_t K, int64_t G, int64_t N, int64_t m, int64_t n0, int64_t n1) {
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-  const int64_t groups = K / G;
-  const int16_t* xr = xq + m * K;
-  const int32_t* sr = sums + m * groups;
-  for (int64_t n = n0; n < n1;) {
-    const float* base = residual != nullptr ? residual + m * N + n : nullptr;
-    const uint8_t* wr = w + n * row_bytes;
-    const float* sc = scales + n * groups;
-    const float* mn = mins != nullptr ? mins + n * groups : nullptr;
-    if (R < 4 && n + 2 <= n1) {  // (4 rows x 2 outputs ran slower than 4 x 1: registers)
-      tile_int_rows<2, R, BITS>(xr, xs + m, sr, K, G, wr, row_bytes, sc, mn, y + m * N + n, N,
-                                base);
-      n += 2;
-    } else {
-      tile_int_rows<1, R, BITS>(xr, xs + m, sr, K, G, wr, row_bytes, sc, mn, y + m * N + n, N,
-                                base);
-      n += 1;
-    }
-  }
-}
-#endif
-
-#ifdef JAXPAGED_AVX512
-// Up to this many rows take the int16 path: with AVX-512, 2-8 rows in groups of up to
-// kRowGroup rows that share each widened weight (tile_int_rows). Measured (bench/
-// q4_vs_float.py, q4 time / float32 time, 2-core Zen 4, +-20 % between runs): 2 rows
-// 0.68-0.77 (one row at a time: 0.97), 4 rows 0.91-1.24 (the float path: 1.32-1.70), 6 rows
-// 1.41-1.61 (2.08), 8 rows 1.39-1.80 (1.67-1.97). One row keeps the AVX2 tile: a 512-bit one
-// (32 inputs an instruction) measured no faster on this CPU, which runs 512-bit operations
-// as two 256-bit halves.
-constexpr int64_t kIntRows = 8;
-#else
 constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AVX2)
-#endif
 
 ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
@@ -484,27 +324,6 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
       quantize_row16(xfp + r * K, K, G, xq.data() + r * K, xs + r, sums.data() + r * groups);
     const int16_t* xqp = xq.data();
     const int32_t* sp = sums.data();
-#ifdef JAXPAGED_AVX512
-    if (M > 1) {  // groups of up to kRowGroup rows, each sharing its widened weights
-      const int64_t row_groups = (M + kRowGroup - 1) / kRowGroup;
-      jaxpaged::parallel_for_runs(pool, row_groups * out_blocks, [&](int64_t i) {
-        const int64_t m = (i / out_blocks) * kRowGroup, n0 = (i % out_blocks) * kNb;
-        const int64_t n1 = std::min(N, n0 + kNb), rows = std::min(kRowGroup, M - m);
-        const float* res = fused.residual;
-#define JP_ROWS(R)                                                                      \
-  return nibbles ? rows_int<R, 4>(xqp, xs, sp, wl, sl, ml, res, yp, K, G, N, m, n0, n1) \
-                 : rows_int<R, 8>(xqp, xs, sp, wl, sl, nullptr, res, yp, K, G, N, m, n0, n1)
-        switch (rows) {
-          case 1: JP_ROWS(1);
-          case 2: JP_ROWS(2);
-          case 3: JP_ROWS(3);
-          default: JP_ROWS(4);
-        }
-#undef JP_ROWS
-      });
-      return ffi::Error::Success();
-    }
-#endif
     jaxpaged::parallel_for_runs(pool, M * out_blocks, [&](int64_t i) {
       const int64_t m = i / out_blocks, n0 = (i % out_blocks) * kNb;
       const int64_t n1 = std::min(N, n0 + kNb);
@@ -518,8 +337,8 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
-  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of kLanes
-  const int64_t mp = (M + kLanes - 1) / kLanes * kLanes;
+  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of 8
+  const int64_t mp = (M + 7) / 8 * 8;
   thread_local std::vector<float> xt;
   if (xt.size() < static_cast<size_t>(K * mp)) xt.resize(K * mp);
   float* xtp = xt.data();
