@@ -93,8 +93,13 @@ def test_tensor_parallel(results, check: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("JAXPAGED_TEST_FULL") != "1",
+    reason="the bundled model at TP=3 (~35 s): set JAXPAGED_TEST_FULL=1",
+)
 def test_bundled_smollm2_tp3(tmp_path) -> None:
-    """The bundled SmolLM2 (9 q / 3 KV heads) at TP=3 vs TP=1: ~2 minutes on 2 busy cores."""
+    """The bundled SmolLM2 (9 q / 3 KV heads) at TP=3 vs TP=1, with real chat prompts: a split
+    that is not a power of two (the default suite's families split 2 and 4 ways)."""
     _assert_ok(_run_checks(tmp_path, ["smollm2_tp3"]), "smollm2_tp3")
 
 
