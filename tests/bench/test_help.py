@@ -13,7 +13,7 @@ from jaxpaged.cli import bench as bench_cli
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {
     "accelerator_check", "embed", "gpu_decode", "kernels", "kv_offload", "overlap", "quant",
-    "quant_quality",
+    "q4_vs_float", "quant_quality",
     "roofline", "serving", "speculative", "step_breakdown", "structured_json", "throughput",
 }  # fmt: skip
 

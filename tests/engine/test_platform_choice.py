@@ -70,7 +70,9 @@ def test_the_step_refuses_an_unresolved_backend():
 
 
 def test_the_platform_is_reported_in_one_log_line(caplog):
-    with caplog.at_level(logging.INFO):
+    # the "jaxpaged" logger's level too: a command run in-process earlier (cli/terminal.py)
+    # sets it for its own process
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
         engine = _engine()
     engine.close()
     lines = [r.getMessage() for r in caplog.records if "platform:" in r.getMessage()]
