@@ -148,24 +148,29 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.bytes_per_block = bytes_per_block or 0  # for the byte counts of metrics
-        if num_host_blocks is None:
-            num_host_blocks = 0
-            if scheduler_config.preemption_mode == "swap":
-                if bytes_per_block is None:
-                    raise ValueError("bytes_per_block is required with preemption_mode='swap'")
-                num_host_blocks = cache_config.num_host_blocks(bytes_per_block)
-        if num_tier_blocks is None:
-            num_tier_blocks = 0
-            if cache_config.kv_offloading_size:
-                if bytes_per_block is None:
-                    raise ValueError("bytes_per_block is required with kv_offloading_size")
-                num_tier_blocks = cache_config.num_tier_blocks(bytes_per_block)
-        if num_disk_blocks is None:
-            num_disk_blocks = 0
-            if cache_config.kv_offloading_disk_dir:
-                if bytes_per_block is None:
-                    raise ValueError("bytes_per_block is required with kv_offloading_disk_dir")
-                num_disk_blocks = cache_config.num_disk_blocks(bytes_per_block)
+
+        def sized(
+            given: int | None, setting: str, wanted: bool, count: Callable[[int], int]
+        ) -> int:
+            """A host-side block count: as given, else from its setting's bytes."""
+            if given is not None or not wanted:
+                return given or 0
+            if bytes_per_block is None:
+                raise ValueError(f"bytes_per_block is required with {setting}")
+            return count(bytes_per_block)
+
+        num_host_blocks = sized(
+            num_host_blocks, "preemption_mode='swap'",
+            scheduler_config.preemption_mode == "swap", cache_config.num_host_blocks,
+        )  # fmt: skip
+        num_tier_blocks = sized(
+            num_tier_blocks, "kv_offloading_size",
+            bool(cache_config.kv_offloading_size), cache_config.num_tier_blocks,
+        )  # fmt: skip
+        num_disk_blocks = sized(
+            num_disk_blocks, "kv_offloading_disk_dir",
+            bool(cache_config.kv_offloading_disk_dir), cache_config.num_disk_blocks,
+        )  # fmt: skip
         self.pool = BlockPool(
             num_blocks,
             cache_config.block_size,
