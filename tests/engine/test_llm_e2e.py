@@ -2,7 +2,7 @@
 
 16 concurrent greedy requests of different prompt and output lengths must produce, token for
 token, what transformers produces for each prompt alone - also when the pool is so small that
-requests are preempted (both modes), with prefix caching off, and with chunked prefill forced
+requests are preempted (both modes), and with prefix caching off and chunked prefill forced
 by a tiny token budget. Engines here share shapes (max_num_seqs, max_model_len, pool size) so
 the compiled programs are reused across tests.
 """
@@ -121,28 +121,20 @@ def test_concurrent_greedy_matches_transformers(llm, workload, hf_greedy):
     assert m["num_preemptions"] == 0
 
 
-def test_prefix_caching_off(bundled_model_path, workload, hf_greedy):
+def test_prefix_caching_off_and_chunked_prefill(bundled_model_path, workload, hf_greedy):
+    """Prefix caching off and every prompt split by a 16-token budget, in one engine (the
+    default engine above has caching on and whole prompts)."""
     llm = LLM(
         bundled_model_path,
         num_kv_blocks=256,
         enable_prefix_caching=False,
-        enforce_eager=True,
-        **BASE,
-    )
-    _run_and_compare(llm, workload, hf_greedy)
-    assert llm.get_metrics()["prefix_cache_hits"] == 0
-
-
-def test_chunked_prefill_by_small_token_budget(bundled_model_path, workload, hf_greedy):
-    llm = LLM(
-        bundled_model_path,
-        num_kv_blocks=256,
         max_num_batched_tokens=16,
         enforce_eager=True,
         **BASE,
     )
     assert max(len(ids) for ids, _ in workload) > 16  # so prompts really are split
     _run_and_compare(llm, workload, hf_greedy)
+    assert llm.get_metrics()["prefix_cache_hits"] == 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
