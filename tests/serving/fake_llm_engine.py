@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from fakes import EOS, VOCAB, FakeTokenizer, _model_config, wait_until
+from fakes import EOS, VOCAB, FakeTokenizer, model_config, wait_until
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.engine.core import EngineCore
@@ -67,7 +67,7 @@ class FakeLLMEngine:
     def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 32, num_kv_blocks: int = 256,
                  block_size: int = 4, busy: float = 0.0) -> None:  # fmt: skip
         self.tokenizer = FakeTokenizer()
-        self.model_config = _model_config()
+        self.model_config = model_config()
         self.max_model_len = max_model_len
         self.engine_config = {
             "block_size": block_size,
