@@ -20,12 +20,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxpaged.arg_values import (
+    fraction,
+    image_limit,
+    is_int,
+    non_negative_float,
+    normalise_size,
+    optional_text,
+    parse_gib,
+    parse_size,
+    positive_int,
+    speculative_json,
+    stall_ratio,
+)
 from jaxpaged.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
@@ -65,108 +76,6 @@ CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors", "awq", "gptq"
 RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
-
-# ------------------------------------------------------------------ argparse value types
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "t": 1e12, "tb": 1e12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
-
-
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
-GiB = 1 << 30
-
-
-class SizeError(argparse.ArgumentTypeError, ValueError):
-    """A malformed or out-of-range size: argparse reports it as a bad flag value, Python
-    callers catch a ValueError."""
-
-
-def _size_parts(text: str) -> tuple[float, str]:
-    """(number, lower-case unit) of a size; ArgumentTypeError (a ValueError too) if it is none."""
-    m = _SIZE.fullmatch(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise SizeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    return float(m.group(1)), m.group(2).lower()
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4294967296', '4GiB', '512MiB', '1.5G' (argparse type)."""
-    number, unit = _size_parts(text)
-    value = int(number * _UNITS[unit])
-    if value <= 0:
-        raise SizeError(f"size must be > 0, got {text!r}")
-    return value
-
-
-def parse_gib(text: str) -> float:
-    """GiB from '4' or '0.5' (a bare number is GiB, vLLM's unit for swap_space) or from a size
-    with its unit: '16GiB', '512MiB', '2G' (argparse type). Zero is allowed (no swap)."""
-    number, unit = _size_parts(text)
-    return number if unit == "" else number * _UNITS[unit] / GiB
-
-
-def _normalise_size(name: str, value: Any, parse: Callable[[str], Any]) -> Any:
-    """A size given as text (``LLM(swap_space="16GiB")``) in the field's own unit; other
-    values pass through unchanged for the configs to check."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return parse(value)
-    except SizeError as e:
-        raise ValueError(f"{name}: {e}") from None
-
-
-def positive_int(text: str) -> int:
-    """An int >= 1 (argparse type)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _number(text: str, ok: Callable[[float], bool], requirement: str) -> float:
-    """``text`` as a float that passes ``ok``, else an argparse error naming ``requirement``
-    (NaN passes no comparison, so it is refused too)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not ok(v):
-        raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
-    return v
-
-
-def non_negative_float(text: str) -> float:
-    """A float >= 0 (argparse type)."""
-    return _number(text, lambda v: v >= 0, "must be >= 0")
-
-
-def stall_ratio(text: str) -> float:
-    """A float > 1 (argparse type)."""
-    return _number(text, lambda v: v > 1, "must be > 1")
-
-
-def optional_text(text: str) -> str | None:
-    """The text, or None for an empty one (argparse type: '' turns the setting off)."""
-    return text or None
-
-
-def speculative_json(text: str) -> SpeculativeConfig | None:
-    """A speculative_config from its JSON text, vLLM's keys (argparse type); '' = off."""
-    if not text:
-        return None
-    try:
-        return SpeculativeConfig.from_value(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def fraction(text: str) -> float:
-    """A float in (0, 1] (argparse type)."""
-    return _number(text, lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 
 # ------------------------------------------------------------------ the fields
@@ -485,22 +394,22 @@ class EngineArgs:
         )
         # sizes may be given as text, as on the command line: LLM(swap_space="16GiB")
         object.__setattr__(
-            self, "swap_space", _normalise_size("swap_space", self.swap_space, parse_gib)
+            self, "swap_space", normalise_size("swap_space", self.swap_space, parse_gib)
         )
         object.__setattr__(
             self,
             "kv_offloading_size",
-            _normalise_size("kv_offloading_size", self.kv_offloading_size, parse_gib),
+            normalise_size("kv_offloading_size", self.kv_offloading_size, parse_gib),
         )
         object.__setattr__(
             self,
             "kv_offloading_disk_size",
-            _normalise_size("kv_offloading_disk_size", self.kv_offloading_disk_size, parse_gib),
+            normalise_size("kv_offloading_disk_size", self.kv_offloading_disk_size, parse_gib),
         )
         object.__setattr__(
             self,
             "kv_cache_memory",
-            _normalise_size("kv_cache_memory", self.kv_cache_memory, parse_size),
+            normalise_size("kv_cache_memory", self.kv_cache_memory, parse_size),
         )
 
     # ------------------------------------------------------------ keywords
@@ -585,7 +494,7 @@ class EngineArgs:
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
         max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None and _is_int(self.max_num_seqs):
+        if max_num_batched_tokens is None and is_int(self.max_num_seqs):
             max_num_batched_tokens = max(512, min(2048, self.max_num_seqs))
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -626,28 +535,6 @@ class EngineArgs:
         )
 
 
-def image_limit(value: int | Mapping[str, int] | str) -> int:
-    """The images-per-prompt limit of ``limit_mm_per_prompt``: an int, ``{"image": N}``,
-    or either as text (the command line)."""
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            raise ValueError(
-                f'limit_mm_per_prompt: {value!r} is neither N nor JSON {{"image": N}}'
-            ) from None
-    if isinstance(value, Mapping):
-        if set(value) - {"image"}:
-            raise ValueError(f"limit_mm_per_prompt: only 'image' is supported, got {sorted(value)}")
-        value = value.get("image", 4)
-    if not _is_int(value) or value < 1:
-        raise ValueError(
-            f"limit_mm_per_prompt: images per prompt must be an int >= 1, got {value!r}"
-        )
-    return int(value)
-
-
 class _GivenOnce(argparse.Action):
     """Stores a value that has two spellings (a positional and an option): an absent
     positional keeps what the option gave, and two different values are an error."""
@@ -660,10 +547,6 @@ class _GivenOnce(argparse.Action):
         elif old is not None and old != self.default and old != values:
             parser.error(f"{self.metavar or self.dest} given twice: {old!r} and {values!r}")
         setattr(namespace, self.dest, values)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _argparse_kwargs(f: dataclasses.Field[Any], default: Any) -> dict[str, Any]:
