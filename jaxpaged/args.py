@@ -144,6 +144,11 @@ def non_negative_float(text: str) -> float:
     return _number(text, lambda v: v >= 0, "must be >= 0")
 
 
+def positive_float(text: str) -> float:
+    """A float > 0 (argparse type)."""
+    return _number(text, lambda v: v > 0, "must be > 0")
+
+
 def stall_ratio(text: str) -> float:
     """A float > 1 (argparse type)."""
     return _number(text, lambda v: v > 1, "must be > 1")
@@ -263,6 +268,14 @@ class EngineArgs:
         "-dp",
         "--data-parallel-size",
         parse=positive_int,
+    )
+    data_parallel_health_check_period: float = _setting(
+        10.0,
+        "seconds within which a data-parallel replica that stopped answering the server's "
+        "health probes (hung) stops receiving requests, fails its open ones and is killed "
+        "and restarted (a replica that exits is seen at once and restarted too)",
+        "--data-parallel-health-check-period",
+        parse=positive_float,
     )
     max_model_len: int | None = _setting(
         None,
@@ -616,6 +629,7 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
+            data_parallel_health_check_period=self.data_parallel_health_check_period,
         )
 
     def process_config(self) -> ProcessConfig:

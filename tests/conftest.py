@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
+
+# helpers shared by the test folders (tiny_llama, simulated_devices)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config: pytest.Config) -> None:
