@@ -495,7 +495,7 @@ class DataParallelClient:
 
     def _terminate(self, grace: float = 30) -> None:
         """Waits ``grace`` seconds for every replica process, then kills what is left."""
-        starting = [r for r in self._restarting.values() if r is not None]
+        starting = [r for r in list(self._restarting.values()) if r is not None]
         for r in self.replicas + starting:
             if not wait_exit(r.process, grace):
                 r.process.kill()

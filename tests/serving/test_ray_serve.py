@@ -8,7 +8,8 @@ Then one local Ray cluster for the module runs 2 replicas of a tiny random Llama
 real `openai` client sends 16 concurrent requests through Ray's proxy; a session stays on
 one replica; the actor of the replica serving a stream is killed: the stream fails (never
 hangs), requests sent afterwards are all answered and Ray brings the replica back. About
-55 s of CPU (Ray's processes and three replica starts, the replacement included). With
+44 s of CPU with a warm compilation cache (Ray's processes ~12 s, three replica starts, the
+replacement included, ~10 s each; docs/scaling.md). With
 JAXPAGED_TEST_FULL=1 also: every replica killed while a stream runs: the stream fails and a
 request sent meanwhile is answered by the restarted replicas.
 """
