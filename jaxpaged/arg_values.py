@@ -89,6 +89,11 @@ def non_negative_float(text: str) -> float:
     return _number(text, lambda v: v >= 0, "must be >= 0")
 
 
+def positive_float(text: str) -> float:
+    """A float > 0 (argparse type)."""
+    return _number(text, lambda v: v > 0, "must be > 0")
+
+
 def stall_ratio(text: str) -> float:
     """A float > 1 (argparse type)."""
     return _number(text, lambda v: v > 1, "must be > 1")

@@ -33,6 +33,7 @@ from jaxpaged.arg_values import (
     optional_text,
     parse_gib,
     parse_size,
+    positive_float,
     positive_int,
     speculative_json,
     stall_ratio,
@@ -172,6 +173,14 @@ class EngineArgs:
         "-dp",
         "--data-parallel-size",
         parse=positive_int,
+    )
+    data_parallel_health_check_period: float = _setting(
+        10.0,
+        "seconds within which a data-parallel replica that stopped answering the server's "
+        "health probes (hung) stops receiving requests, fails its open ones and is killed "
+        "and restarted (a replica that exits is seen at once and restarted too)",
+        "--data-parallel-health-check-period",
+        parse=positive_float,
     )
     max_model_len: int | None = _setting(
         None,
@@ -525,6 +534,7 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
+            data_parallel_health_check_period=self.data_parallel_health_check_period,
         )
 
     def process_config(self) -> ProcessConfig:

@@ -240,12 +240,18 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_health_check_period: float = 10.0  # seconds (jaxpaged.engine.dp_health)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        period = self.data_parallel_health_check_period
+        if not _is_real(period) or period <= 0:
+            raise ValueError(
+                f"data_parallel_health_check_period must be seconds > 0, got {period!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

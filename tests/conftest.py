@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
+
+# helpers shared by the test folders (tiny_llama, simulated_devices); appended, so that the
+# folders here (engine, models, serving, ...) shadow no package of the same name
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config: pytest.Config) -> None:

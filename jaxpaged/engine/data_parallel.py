@@ -14,9 +14,14 @@ Each request goes to one replica (jaxpaged.engine.dp_router: the least-loaded, o
 that served the prompt's prefix unless it is overloaded). A replica that dies (its process
 exits, or its engine fails) ends its open requests with :class:`ReplicaFailedError` naming
 it (a request's failure: the server goes on); the others keep serving, and the router sends
-nothing more to it. When the last one dies, its requests get :class:`EngineDeadError` and
-``errored`` turns true (the server then reports NOT_SERVING). Admin calls (LoRA adapters, sleep mode, weights by path) go to
-every live replica.
+nothing more to it. A replica that hangs (answers no health probe for
+``data_parallel_health_check_period`` seconds, jaxpaged.engine.dp_health) is killed and
+treated the same. A dead replica is restarted on its devices and rejoins once it is ready
+(with the sleep level, the adapters and the weights path the others were given since they
+started); requests meanwhile go to the others, or wait for it when none is left. Only
+when a restart fails and no replica is left do requests get :class:`EngineDeadError` and
+``errored`` turn true (the server then reports NOT_SERVING). Admin calls (LoRA adapters,
+sleep mode, weights by path) go to every live replica.
 """
 
 from __future__ import annotations
@@ -27,20 +32,19 @@ import itertools
 import logging
 import os
 import pickle
-import socket
-import subprocess
-import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 from jaxpaged.args import EngineArgs
 from jaxpaged.engine.async_engine import RequestStream
 from jaxpaged.engine.core import asleep_message
 from jaxpaged.engine.dp_devices import replica_environments
+from jaxpaged.engine.dp_health import watch
+from jaxpaged.engine.dp_process import ReplicaInfo, start_replica, wait_exit, wait_ready
 from jaxpaged.engine.dp_replica import replica_args
-from jaxpaged.engine.dp_router import ReplicaLoad, Router, RouterConfig, prefix_keys
+from jaxpaged.engine.dp_router import Router, RouterConfig, prefix_keys
 from jaxpaged.engine.dp_stats import sum_stats
 from jaxpaged.engine.input_processor import check_request_id
 from jaxpaged.engine.protocol import (
@@ -48,7 +52,6 @@ from jaxpaged.engine.protocol import (
     EngineDeadError,
     EngineStats,
     Prompt,
-    ReplicaStats,
     Tokenizer,
 )
 from jaxpaged.lora_request import LoRARequest
@@ -65,53 +68,16 @@ class ReplicaFailedError(RuntimeError):
     """The data-parallel replica serving a request died (others still serve)."""
 
 
-class ReplicaInfo:
-    """One replica as the client tracks it (its process, pipe, open requests, stats)."""
-
-    def __init__(self, rank: int, process: subprocess.Popen, conn: Connection) -> None:
-        self.rank = rank
-        self.process = process
-        self.conn = conn
-        self.alive = True
-        self.error: RuntimeError | None = None
-        self.streams: dict[str, RequestStream] = {}
-        self.calls: dict[int, asyncio.Future] = {}
-        self.stats: EngineStats | None = None
-        self.sent_total = 0  # requests routed here
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    def summary(self) -> ReplicaStats:
-        """Its gauges for the metrics (zeros once dead, or before its first stats)."""
-        stats = self.stats if self.alive else None
-        return ReplicaStats(
-            alive=self.alive,
-            num_running=0 if stats is None else stats.num_running,
-            num_waiting=0 if stats is None else stats.num_waiting + stats.num_swapped,
-            kv_cache_usage=0.0 if stats is None else stats.kv_cache_usage,
-            requests_total=self.sent_total,
-        )
-
-    def load(self) -> ReplicaLoad:
-        return ReplicaLoad(
-            alive=self.alive,
-            open_requests=len(self.streams),
-            kv_cache_usage=0.0 if self.stats is None else self.stats.kv_cache_usage,
-            sent_total=self.sent_total,
-        )
-
-
 class DataParallelClient:
     """``data_parallel_size`` replica processes behind one EngineClient (module docstring).
     Construction starts the replicas and waits until every one has loaded and warmed up
-    (they do so at the same time); ``start()`` inside the serving loop."""
+    (they do so at the same time); ``start()`` inside the serving loop starts the health
+    check."""
 
     def __init__(
         self, args: EngineArgs, *, router: RouterConfig | None = None, start_timeout: float = 3600
     ) -> None:
-        args.parallel_config()  # ValueError naming a bad size
+        self._period = args.parallel_config().data_parallel_health_check_period  # ValueError
         args.cache_config()
         from jaxpaged.engine.runner_choice import choose_runner
 
@@ -136,6 +102,14 @@ class DataParallelClient:
         self._call_ids = itertools.count()
         self._sleep_level = 0
         self._stopping = False
+        self._envs = envs
+        self._start_timeout = start_timeout
+        self._restarting: dict[int, ReplicaInfo | None] = {}  # rank -> its new process
+        self._retired: list[EngineStats] = []  # replaced replicas' last stats (counters)
+        self._added_loras: dict[str, LoRARequest] = {}  # since start: a restart re-adds them
+        self._weights_path: str | None = None  # likewise
+        self._changed: asyncio.Event | None = None  # set when a restart ends
+        self._tasks: set[asyncio.Task] = set()
         try:  # before any process starts: every setting must reach the replicas
             child_args = pickle.dumps(replica_args(args))
         except Exception as exc:  # noqa: BLE001 - e.g. a lambda among logits_processors
@@ -143,23 +117,10 @@ class DataParallelClient:
                 f"data_parallel_size: the engine arguments must be picklable to reach the "
                 f"replica processes (logits_processors: importable functions), got {exc}"
             ) from exc
-        self.replicas: list[ReplicaInfo] = []
-        for rank, env in enumerate(envs):
-            # a fresh interpreter per replica (not multiprocessing's spawn, which would run
-            # the caller's __main__ again), with its devices in its environment from the start
-            ours, theirs = socket.socketpair()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "jaxpaged.engine.dp_replica", str(theirs.fileno()),
-                 str(rank)],
-                env={**os.environ, **env},
-                pass_fds=(theirs.fileno(),),
-            )  # fmt: skip
-            theirs.close()  # the replica's end: its exit then reads as EOF here
-            conn = Connection(ours.detach())
-            self.replicas.append(ReplicaInfo(rank, process, conn))
-            conn.send_bytes(child_args)  # the replica's conn.recv() unpickles it
+        self._child_args = child_args
+        self.replicas = [start_replica(rank, env, child_args) for rank, env in enumerate(envs)]
         try:
-            infos = [_wait_ready(r, start_timeout) for r in self.replicas]
+            infos = [wait_ready(r, start_timeout) for r in self.replicas]
         except BaseException:
             self._terminate(grace=0)
             raise
@@ -191,7 +152,7 @@ class DataParallelClient:
 
     @property
     def dead_error(self) -> BaseException | None:
-        if any(r.alive for r in self.replicas):
+        if any(r.alive for r in self.replicas) or self._restarting:
             return None
         return next((r.error for r in self.replicas if r.error is not None), None)
 
@@ -206,7 +167,9 @@ class DataParallelClient:
     def get_stats(self) -> EngineStats:
         """The replicas' latest stats added up: counters over every replica (a dead one's
         last), gauges over the live ones, KV usage as the share of all their blocks."""
-        total = sum_stats([(r.stats, r.alive) for r in self.replicas if r.stats is not None])
+        items = [(s, False) for s in self._retired]
+        items += [(r.stats, r.alive) for r in self.replicas if r.stats is not None]
+        total = sum_stats(items)
         return dataclasses.replace(total, replicas=tuple(r.summary() for r in self.replicas))
 
     # -------------------------------------------------------------- lifecycle
@@ -214,10 +177,18 @@ class DataParallelClient:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
         for r in self.replicas:
-            threading.Thread(
-                target=self._read, args=(r,), name=f"jaxpaged-dp-{r.rank}", daemon=True
-            ).start()
+            r.last_heard = time.monotonic()
+            self._start_reader(r)
+        self._spawn(
+            watch(
+                lambda: () if self._stopping else self.replicas,
+                self._period,
+                lambda r: self._send(r, ("probe",)),
+                self._hung,
+            )
+        )
 
     async def shutdown(self) -> None:
         """Aborts what is left, asks every replica to stop and waits for its process."""
@@ -229,6 +200,8 @@ class DataParallelClient:
         for r in self.replicas:
             if r.alive:
                 self._send(r, ("shutdown",))
+        for task in list(self._tasks):
+            task.cancel()
         await asyncio.to_thread(self._terminate)
         for r in self.replicas:  # outputs that did not arrive before the replica stopped
             for rid, stream in r.streams.items():
@@ -267,9 +240,13 @@ class DataParallelClient:
         check_request_id(request_id, self._owner)
         keys = prefix_keys(prompt, self._router.config) if _is_prompt(prompt) else []
         while True:
-            error = self.dead_error
-            if error is not None:
-                raise EngineDeadError(f"the engine has failed: {error}")
+            if not any(x.alive for x in self.replicas):
+                error = self.dead_error
+                if error is not None:
+                    raise EngineDeadError(f"the engine has failed: {error}")
+                assert self._changed is not None
+                await self._changed.wait()  # every replica is restarting
+                continue
             r = self.replicas[self._router.choose(keys, [x.load() for x in self.replicas])]
             stream = RequestStream(request_id)
             r.streams[request_id] = stream
@@ -299,6 +276,7 @@ class DataParallelClient:
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         added = await self._broadcast("add_lora", lora_request)
+        self._added_loras[lora_request.lora_name] = lora_request
         known = self._loras.get(lora_request.lora_name)
         self._loras[lora_request.lora_name] = lora_request.lora_path or known or ""
         return any(added)
@@ -306,6 +284,7 @@ class DataParallelClient:
     async def remove_lora(self, name: str) -> None:
         await self._broadcast("remove_lora", name)
         self._loras.pop(name, None)
+        self._added_loras.pop(name, None)
 
     @property
     def is_sleeping(self) -> bool:
@@ -322,7 +301,9 @@ class DataParallelClient:
 
     async def update_weights_from(self, path: str) -> float:
         """Every replica loads ``path`` and swaps it in; returns the slowest load's seconds."""
-        return max(await self._broadcast("update_weights_from", path))
+        seconds = max(await self._broadcast("update_weights_from", path))
+        self._weights_path = path
+        return seconds
 
     # ---------------------------------------------------------------- private
     def _forget_request(self, r: ReplicaInfo, request_id: str) -> bool:
@@ -369,9 +350,10 @@ class DataParallelClient:
         while True:
             try:
                 batch = r.conn.recv()
+                r.last_heard = time.monotonic()  # the health check's clock
             except (EOFError, OSError):
                 batch = None
-                _wait(r.process, 2)  # so that its exit code is known
+                wait_exit(r.process, 2)  # so that its exit code is known
             try:
                 loop.call_soon_threadsafe(self._on_batch, r, batch)
             except RuntimeError:  # the loop is closed
@@ -405,6 +387,7 @@ class DataParallelClient:
                     stream.put(ReplicaFailedError(f"data-parallel replica {r.rank}: {msg[2]}"))
             elif kind == "dead":
                 self._died(r, f"its engine failed: {msg[1]}")
+            # "alive" (a probe's answer): the reader stamped last_heard
 
     def _deliver(self, r: ReplicaInfo, out: RequestOutput) -> None:
         stream = r.streams.get(out.request_id)
@@ -422,12 +405,17 @@ class DataParallelClient:
             return
         r.alive = False
         left = sum(x.alive for x in self.replicas)
-        # the last one takes the engine with it; before that, only its requests fail
-        error_type = ReplicaFailedError if left else EngineDeadError
+        # one being added back (a restart's catch-up) that dies is not restarted again
+        restart = not self._stopping and self._loop is not None and self.replicas[r.rank] is r
+        # with none left and none coming back, the engine is dead; else only its requests fail
+        error_type = ReplicaFailedError if left or restart or self._restarting else EngineDeadError
         r.error = error_type(f"data-parallel replica {r.rank} (pid {r.pid}) failed: {reason}")
         if self._stopping:
             return
-        log.error("%s; %d open requests fail; %d replicas left", r.error, len(r.streams), left)
+        log.error(
+            "%s; %d open requests fail; %d replicas left%s", r.error, len(r.streams), left,
+            "; restarting it" if restart else "",
+        )  # fmt: skip
         self._router.forget(r.rank)
         for rid, stream in r.streams.items():
             self._owner.pop(rid, None)
@@ -437,50 +425,83 @@ class DataParallelClient:
             if not future.done():
                 future.set_exception(r.error)
         r.calls.clear()
+        if restart:
+            self._restarting[r.rank] = None
+            self._spawn(self._restart(r))
+
+    def _hung(self, r: ReplicaInfo, silent: float) -> None:
+        """The health check's verdict: ``r`` answered nothing for ``silent`` seconds."""
+        r.process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        self._died(
+            r,
+            f"it answered no health check for {silent:.1f} s (hung; "
+            f"data_parallel_health_check_period {self._period:g} s), so it was killed",
+        )
+
+    async def _restart(self, old: ReplicaInfo) -> None:
+        """Starts a new process for ``old``'s rank once ``old``'s has exited (its devices are
+        free then), brings it up to date (sleep level, adapters and weights path given since
+        the start) and lets the router use it. A failed restart leaves the rank dead."""
+        rank, new = old.rank, None
+        try:
+            if not await asyncio.to_thread(wait_exit, old.process, 10):
+                old.process.kill()
+                await asyncio.to_thread(wait_exit, old.process, 5)
+            if self._stopping:
+                return
+            new = start_replica(rank, self._envs[rank], self._child_args)
+            self._restarting[rank] = new
+            info = await asyncio.to_thread(wait_ready, new, self._start_timeout)
+            if self._stopping:
+                return
+            new.stats, new.sent_total = info["stats"], old.sent_total
+            self._start_reader(new)
+            if self._sleep_level:
+                await self._request(new, "call", "sleep", (self._sleep_level,))
+            for lora_request in self._added_loras.values():
+                await self._request(new, "call", "add_lora", (lora_request,))
+            if self._weights_path is not None:
+                await self._request(new, "call", "update_weights_from", (self._weights_path,))
+            if not new.alive:
+                raise RuntimeError(str(new.error))
+        except Exception as exc:  # noqa: BLE001 - logged; the rank stays dead
+            log.error("data-parallel replica %d could not be restarted: %s", rank, exc)
+            if new is not None:
+                new.process.kill()
+        else:  # not after a return (stopping)
+            if old.stats is not None:
+                self._retired.append(old.stats)
+            new.last_heard = time.monotonic()
+            self.replicas[rank] = new
+            log.warning("data-parallel replica %d restarted (pid %s)", rank, new.pid)
+        finally:
+            self._restarting.pop(rank, None)
+            if self._stopping and new is not None and new.process.poll() is None:
+                new.process.kill()
+            assert self._changed is not None
+            self._changed.set()  # add_request's waiters look again
+            self._changed = asyncio.Event()
+
+    def _spawn(self, coro: Any) -> None:  # noqa: ANN401 - a coroutine
+        assert self._loop is not None
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start_reader(self, r: ReplicaInfo) -> None:
+        threading.Thread(
+            target=self._read, args=(r,), name=f"jaxpaged-dp-{r.rank}", daemon=True
+        ).start()
 
     def _terminate(self, grace: float = 30) -> None:
         """Waits ``grace`` seconds for every replica process, then kills what is left."""
-        for r in self.replicas:
-            if not _wait(r.process, grace):
+        starting = [r for r in list(self._restarting.values()) if r is not None]
+        for r in self.replicas + starting:
+            if not wait_exit(r.process, grace):
                 r.process.kill()
-                _wait(r.process, 5)
+                wait_exit(r.process, 5)
             r.alive = False
             r.conn.close()
-
-
-def _wait_ready(r: ReplicaInfo, timeout: float) -> dict[str, Any]:
-    """The replica's ready info, once it has loaded and warmed up; its start-up error (or
-    its exit) raised."""
-    waited = 0.0
-    while waited < timeout:
-        batch: list[tuple] = []
-        if r.conn.poll(0.5):
-            try:
-                batch = r.conn.recv()
-            except (EOFError, OSError):
-                _wait(r.process, 5)
-            for msg in batch:
-                if msg[0] == "ready":
-                    return msg[1]
-                if msg[0] == "failed":
-                    log.error("data-parallel replica %d could not start: %s", r.rank, msg[1])
-                    raise msg[1]
-        if not batch and r.process.poll() is not None:
-            raise RuntimeError(
-                f"data-parallel replica {r.rank} exited while starting (exit code "
-                f"{r.process.returncode}); its log is above"
-            )
-        waited += 0.5
-    raise TimeoutError(f"data-parallel replica {r.rank} did not start within {timeout} s")
-
-
-def _wait(process: subprocess.Popen, timeout: float) -> bool:
-    """Whether ``process`` exited within ``timeout`` seconds."""
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
 
 
 def _is_prompt(prompt: object) -> bool:

@@ -3,13 +3,14 @@ DataParallelClient` starts per replica. It sees only its own devices (the enviro
 started with), builds one LLMEngine, serves it through an AsyncEngine, and talks to the
 client over a pipe of pickled messages.
 
-From the client (after the EngineArgs): ``("add", call_id, request_id, prompt, params, output_kind, lora_name)``,
-``("abort", request_id)``, ``("call", call_id, method, args)`` (an AsyncEngine admin method),
-``("shutdown",)``. To the client, in lists (one ``send`` per loop pass): ``("ready", info)``
-once, ``("failed", error)`` if the engine could not be built, ``("reply", call_id, ok,
-value)``, ``("out", RequestOutput)``, ``("fail", request_id, message)`` (the engine died under
-that request), ``("stats", EngineStats)``, and ``("dead", message)`` before it exits after an
-engine failure.
+From the client (after the EngineArgs): ``("add", call_id, request_id, prompt, params,
+output_kind, lora_name)``, ``("abort", request_id)``, ``("call", call_id, method, args)`` (an
+AsyncEngine admin method), ``("probe",)`` (the health check), ``("shutdown",)``. To the
+client, in lists (one ``send`` per loop pass): ``("ready", info)`` once, ``("failed",
+error)`` if the engine could not be built, ``("reply", call_id, ok, value)``, ``("out",
+RequestOutput)``, ``("fail", request_id, message)`` (the engine died under that request),
+``("stats", EngineStats)``, ``("alive",)`` (a probe's answer), and ``("dead", message)``
+before it exits after an engine failure.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ async def _serve(engine: Any, conn: Connection) -> None:  # noqa: ANN401 - an LL
         msg = await inbox.get()
         if msg is None or msg[0] == "shutdown":
             break
+        if msg[0] == "probe":  # the client's health check (jaxpaged.engine.dp_health)
+            sender.send(("alive",))
+            continue
         if msg[0] == "abort":
             if msg[1] in adding:
                 adding[msg[1]] = True  # aborted as soon as it is in

@@ -17,38 +17,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tiny_llama import write_tiny_llama  # noqa: E402
+
+PERIOD = 5.0  # the replicas' health-check period (s)
 ENGINE = {
     "max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 8, "enforce_eager": True,
     "show_progress": False, "tensor_parallel_size": 2,
+    "data_parallel_health_check_period": PERIOD,
 }  # fmt: skip
 PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps " * (1 + i % 3) for i in range(8)]
 MAX_TOKENS = 8
 SHARED = "You are a helpful assistant who answers in one word. " * 3  # 3+ text chunks
-
-
-def write_model(folder: str) -> None:
-    import transformers
-
-    from jaxpaged.models import default_model_path
-
-    os.makedirs(folder, exist_ok=True)
-    bundled = default_model_path()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(bundled, name), os.path.join(folder, name))
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
 def reference(model: str) -> tuple[list[str], list[int], int]:
@@ -211,23 +198,16 @@ def check_affinity(ctx: dict) -> None:
     assert sent(client) == expected, (sent(client), expected)
 
 
-def check_replica_death(ctx: dict) -> None:
-    """The replica that holds SHARED's prefix is frozen (SIGSTOP) while 4 streams run, a
-    SHARED request is routed to it, then its process is killed: exactly its open streams
-    fail, fast and naming it; the others finish; the SHARED request, which it had not taken,
-    is served by the other replica; later requests all go there; health stays up."""
-    import httpx
-
-    client, server = ctx["client"], ctx["server"]
-    victim = client.replicas[ctx["affinity_rank"]]
-    other = client.replicas[1 - victim.rank]
-    first = [threading.Event() for _ in range(4)]
-    results: list[object] = [None] * 5
+def _long_streams(url: str, n: int) -> tuple[list[threading.Thread], list[object]]:
+    """``n`` streams of 400 tokens, each on a thread that records its text or its exception;
+    returns once every one has streamed its first chunk."""
+    first = [threading.Event() for _ in range(n)]
+    results: list[object] = [None] * n
 
     def run(i: int) -> None:
         import openai
 
-        api = openai.OpenAI(base_url=server.http + "/v1", api_key="x", max_retries=0, timeout=120)
+        api = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
         text = ""
         try:
             for chunk in api.completions.create(
@@ -241,40 +221,45 @@ def check_replica_death(ctx: dict) -> None:
             results[i] = exc
         first[i].set()
 
-    def shared() -> None:
-        try:
-            results[4] = complete(server.http, SHARED + "Question 9?", stream=False)
-        except Exception as exc:  # noqa: BLE001
-            results[4] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for e in first:
         assert e.wait(60), "a stream never started"
-    on_victim = len(victim.streams)
-    assert on_victim >= 1, f"no stream on replica {victim.rank}"
-    os.kill(victim.pid, signal.SIGSTOP)
-    sent_before = sent(client)
-    threads.append(threading.Thread(target=shared))
-    threads[-1].start()
-    deadline = time.time() + 30
-    while victim.sent_total == sent_before[victim.rank] and time.time() < deadline:
+    return threads, results
+
+
+def _failed(results: list[object], count: int, within: float) -> list[Exception]:
+    """The streams' exceptions, once ``count`` have failed (or ``within`` seconds passed)."""
+    deadline = time.time() + within
+    while sum(isinstance(r, Exception) for r in results) < count and time.time() < deadline:
         time.sleep(0.02)
-    assert victim.sent_total == sent_before[victim.rank] + 1, "SHARED not routed to its holder"
-    killed = time.time()
-    os.kill(victim.pid, signal.SIGKILL)
+    return [r for r in results if isinstance(r, Exception)]
+
+
+def _join(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.join(60)
-        assert not t.is_alive(), "a request hung after its replica was killed"
-    failed = [r for r in results if isinstance(r, Exception)]
-    assert len(failed) == on_victim, f"{on_victim} streams on the victim, results: {results}"
-    name = f"data-parallel replica {victim.rank}"
-    assert all(name in str(r) for r in failed), failed
-    assert time.time() - killed < 30
-    assert isinstance(results[4], str) and results[4], results[4]  # served by the other
-    assert other.sent_total == sent_before[other.rank] + 1
-    assert not victim.alive and not client.errored
+        assert not t.is_alive(), "a request hung after its replica failed"
+
+
+def _restarted(client, old, timeout: float = 300):
+    """The replica that took ``old``'s place, once it is serving."""
+    deadline = time.time() + timeout
+    while client.replicas[old.rank] is old or not client.replicas[old.rank].alive:
+        assert time.time() < deadline, f"replica {old.rank} was not restarted in {timeout} s"
+        time.sleep(0.05)
+    new = client.replicas[old.rank]
+    assert new.pid != old.pid
+    return new
+
+
+def _served_during_restart(ctx: dict, victim, other) -> None:
+    """While ``victim`` restarts: requests are all served by ``other`` (one engine's texts),
+    /health is 200 and jaxpaged:replica_alive reads 0 and 1."""
+    import httpx
+
+    client, server = ctx["client"], ctx["server"]
     before = sent(client)
     with ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda i: complete(server.http, PROMPTS[i], stream=False), range(4)))
@@ -285,6 +270,105 @@ def check_replica_death(ctx: dict) -> None:
     values = scrape(server.http)
     alive = [values[f"jaxpaged:replica_alive{{engine={r}}}"] for r in "01"]
     assert alive[victim.rank] == 0 and alive[other.rank] == 1, values
+    # the checks above ran while it was down (a restart takes seconds: a process and JAX)
+    assert client.replicas[victim.rank] is victim, "restarted before the checks ended"
+    assert not client.errored
+
+
+def check_replica_death(ctx: dict) -> None:
+    """The replica that holds SHARED's prefix is frozen (SIGSTOP) while 4 streams run, a
+    SHARED request is routed to it, then its process is killed: exactly its open streams
+    fail, fast and naming it; the SHARED request, which it had not taken, is served by the
+    other replica; while it restarts, every request goes to the other."""
+    client, server = ctx["client"], ctx["server"]
+    ctx["victim"] = victim = client.replicas[ctx["affinity_rank"]]
+    other = client.replicas[1 - victim.rank]
+    threads, results = _long_streams(server.http, 4)
+    on_victim = len(victim.streams)
+    assert on_victim >= 1, f"no stream on replica {victim.rank}"
+    os.kill(victim.pid, signal.SIGSTOP)
+    sent_before = sent(client)
+    shared: list[object] = []
+
+    def ask_shared() -> None:
+        try:
+            shared.append(complete(server.http, SHARED + "Question 9?", stream=False))
+        except Exception as exc:  # noqa: BLE001
+            shared.append(exc)
+
+    threads.append(threading.Thread(target=ask_shared))
+    threads[-1].start()
+    deadline = time.time() + 30
+    while victim.sent_total == sent_before[victim.rank] and time.time() < deadline:
+        time.sleep(0.02)
+    assert victim.sent_total == sent_before[victim.rank] + 1, "SHARED not routed to its holder"
+    killed = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+    failed = _failed(results, on_victim, 30)
+    threads[-1].join(60)
+    assert time.time() - killed < 30
+    assert len(failed) == on_victim, f"{on_victim} streams on the victim, results: {results}"
+    name = f"data-parallel replica {victim.rank}"
+    assert all(name in str(r) for r in failed), failed
+    assert shared and isinstance(shared[0], str) and shared[0], shared  # served by the other
+    assert other.sent_total == sent_before[other.rank] + 1
+    assert not victim.alive
+    _served_during_restart(ctx, victim, other)
+    _join(threads)
+    assert len(_failed(results, on_victim, 0)) == on_victim, results  # the others finished
+
+
+def check_replica_restart(ctx: dict) -> None:
+    """The killed replica is restarted on its devices (a new process) and rejoins: 8
+    concurrent requests give one engine's texts and reach it again, both read alive, and
+    the counters went on from where they were (the dead process's counts are kept)."""
+    client, server, victim = ctx["client"], ctx["server"], ctx["victim"]
+    tokens = scrape(server.http)["jaxpaged:prompt_tokens_total"]
+    _restarted(client, victim)
+    assert victim.process.returncode == -signal.SIGKILL
+    before = sent(client)
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda i: complete(server.http, PROMPTS[i], stream=False), range(8)))
+    assert texts == ctx["ref"], texts
+    delta = [a - b for a, b in zip(sent(client), before, strict=True)]
+    assert sum(delta) == 8 and delta[victim.rank] > 0, f"requests per replica: {delta}"
+    values = scrape(server.http)
+    assert [values[f"jaxpaged:replica_alive{{engine={r}}}"] for r in "01"] == [1, 1], values
+    expected = tokens + sum(ctx["ref_prompt_tokens"])
+    assert values["jaxpaged:prompt_tokens_total"] == expected, (expected, values)
+
+
+def check_replica_hang(ctx: dict) -> None:
+    """The other replica is frozen (SIGSTOP: hung, not dead) while 4 streams run: within
+    the health-check period the client stops routing to it and its open streams fail,
+    naming it and the health check (none hangs); it is killed, requests meanwhile go to the
+    first, and it is restarted and serves again."""
+    client, server = ctx["client"], ctx["server"]
+    victim = client.replicas[1 - ctx["affinity_rank"]]
+    other = client.replicas[ctx["affinity_rank"]]
+    threads, results = _long_streams(server.http, 4)
+    on_victim = len(victim.streams)
+    assert on_victim >= 1, f"no stream on replica {victim.rank}"
+    stopped = time.time()
+    os.kill(victim.pid, signal.SIGSTOP)
+    while victim.alive and time.time() < stopped + PERIOD + 30:
+        time.sleep(0.02)
+    detected = time.time() - stopped
+    assert not victim.alive, "a frozen replica was not detected"
+    assert detected < PERIOD + 1.5, f"detected after {detected:.1f} s (period {PERIOD} s)"
+    failed = _failed(results, on_victim, 10)
+    assert len(failed) == on_victim, f"{on_victim} streams on the victim, results: {results}"
+    name = f"data-parallel replica {victim.rank}"
+    assert all(name in str(r) and "health check" in str(r) for r in failed), failed
+    assert victim.process.wait(10) == -signal.SIGKILL  # a stopped process ends too
+    _served_during_restart(ctx, victim, other)
+    _join(threads)
+    new = _restarted(client, victim)
+    before = sent(client)
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda i: complete(server.http, PROMPTS[i], stream=False), range(8)))
+    assert texts == ctx["ref"], texts
+    assert new.sent_total > before[victim.rank], (sent(client), before)
 
 
 CHECKS = {
@@ -293,6 +377,8 @@ CHECKS = {
     "metrics": check_metrics,
     "affinity": check_affinity,
     "replica_death": check_replica_death,
+    "replica_restart": check_replica_restart,
+    "replica_hang": check_replica_hang,
 }
 
 
@@ -304,7 +390,7 @@ def main() -> None:
     ctx: dict = {"model": os.path.join(args.workdir, "tiny")}
     results: dict[str, str] = {}
     try:
-        write_model(ctx["model"])
+        write_tiny_llama(ctx["model"])
         ctx["ref"], ctx["ref_prompt_tokens"], ctx["ref_sleep_bytes"] = reference(ctx["model"])
     except Exception:  # noqa: BLE001
         results = {name: "setup failed:\n" + traceback.format_exc() for name in CHECKS}

@@ -1,24 +1,24 @@
 """Data parallelism (``--data-parallel-size``, ``LLM(data_parallel_size=N)``).
 
 In this process: the router's choices against hand-computed loads, each replica's devices,
-the replicas' stats added up, and the refusals. In ONE subprocess with 4 simulated CPU
+the replicas' stats added up, the health check's verdicts on a hand-driven clock, and the
+refusals. In ONE subprocess with 4 simulated CPU
 devices (dp_checks.py): 2 replica processes x 2 devices, first as the offline
 LLM(data_parallel_size=2), then behind the real server, asked with the `openai` client:
 greedy texts equal one engine's, requests spread, /metrics adds the replicas up (and shows
 each), a shared prompt prefix stays on one replica, killing a replica fails exactly its open
 streams (never a hang), a request it had not taken yet goes to the other, which serves the
-rest.
+rest until the killed one is restarted and rejoins; then the other replica is frozen
+(SIGSTOP, hung): the health check finds it within its period, its streams fail naming it,
+it is killed and restarted.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from simulated_devices import assert_ok, run_checks
 
 from jaxpaged.engine.data_parallel import DataParallelClient
 from jaxpaged.engine.dp_devices import replica_environments
@@ -131,6 +131,12 @@ def test_refusals(capsys):
     assert EngineArgs.from_cli_args(args).parallel_config().data_parallel_size == 2
     with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
         EngineArgs(data_parallel_size=0).parallel_config()
+    period = ["-dp", "2", "--data-parallel-health-check-period", "2.5"]
+    parsed = EngineArgs.from_cli_args(build_parser().parse_args(period))
+    assert parsed.parallel_config().data_parallel_health_check_period == 2.5
+    for bad in (0, -1.0, float("nan"), "5"):
+        with pytest.raises(ValueError, match="data_parallel_health_check_period must be"):
+            EngineArgs(data_parallel_health_check_period=bad).parallel_config()
     with pytest.raises(ValueError, match="an LLMEngine is one replica"):  # before any load
         LLMEngine.from_engine_args(EngineArgs(model="/nonexistent", data_parallel_size=2))
     for argv, message in [
@@ -147,22 +153,70 @@ def test_refusals(capsys):
 
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory) -> tuple[dict[str, str], str]:
-    work = tmp_path_factory.mktemp("dp")
-    out = work / "results.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "dp_checks.py"), "--workdir", str(work), "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    found = json.loads(out.read_text()) if out.exists() else {}
-    return found, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return run_checks(HERE / "dp_checks.py", tmp_path_factory.mktemp("dp"), timeout=900)
 
 
-@pytest.mark.parametrize("check", ["offline", "server", "metrics", "affinity", "replica_death"])
+CHECKS = ["offline", "server", "metrics", "affinity", "replica_death", "replica_restart",
+          "replica_hang"]  # fmt: skip
+
+
+@pytest.mark.parametrize("check", CHECKS)
 def test_data_parallel(dp_results, check):
-    found, log = dp_results
-    assert found.get(check) == "ok", f"{check}: {found.get(check)}\n{log}"
+    assert_ok(dp_results, check)
+
+
+def _watch(replicas, steps, probe) -> list[tuple[int, float, float]]:
+    """dp_health.watch (period 5 s: probes every 1 s, hung after 4 s silent) on a clock
+    that starts at 0 and advances by ``steps`` at each of its sleeps; (rank, time, seconds
+    silent) of each verdict. A verdict marks the replica dead, as the client does."""
+    import asyncio
+
+    from jaxpaged.engine.dp_health import watch
+
+    now, steps, verdicts = [0.0], iter(steps), []
+
+    def hung(r, silent: float) -> None:
+        verdicts.append((r.rank, now[0], silent))
+        r.alive = False
+
+    async def sleep(_: float) -> None:
+        try:
+            now[0] += next(steps)
+        except StopIteration:
+            raise asyncio.CancelledError from None
+
+    async def go() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await watch(lambda: replicas, 5.0, lambda r: probe(r, now[0]), hung,
+                        clock=lambda: now[0], sleep=sleep)  # fmt: skip
+
+    asyncio.run(go())
+    return verdicts
+
+
+def test_health_check_finds_a_silent_replica_within_its_period():
+    """The client's health check on a hand-driven clock: a replica that answers its probes
+    is never judged; one that stops answering at 2 s is declared hung once, within the
+    period (5 s) of it; a dead one is not probed; a tick that came late (this process was
+    not scheduled) judges nobody."""
+    from types import SimpleNamespace
+
+    answers = SimpleNamespace(rank=0, alive=True, last_heard=0.0)
+    freezes = SimpleNamespace(rank=1, alive=True, last_heard=0.0)
+    dead = SimpleNamespace(rank=2, alive=False, last_heard=0.0)
+    probes = []
+
+    def probe(r, now: float) -> None:
+        probes.append((r.rank, now))
+        if r is answers or now < 2.0:
+            r.last_heard = now
+
+    verdicts = _watch([answers, freezes, dead], [1.0] * 12, probe)
+    assert verdicts == [(1, 6.0, 5.0)]  # last answer at 1 s; judged 4 s after it stopped
+    assert [t for r, t in probes if r == 0] == [float(t) for t in range(13)]
+    assert [t for r, t in probes if r == 1] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(r != 2 for r, _ in probes)
+
+    silent = SimpleNamespace(rank=0, alive=True, last_heard=0.0)
+    # the tick at 4.5 s comes 4.5 s after the one before: no verdict; the next one judges
+    assert _watch([silent], [4.5, 1.0, 1.0], lambda r, now: None) == [(0, 5.5, 5.5)]

@@ -7,13 +7,11 @@ the suite keep a single device; each test below reports one check's result.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from simulated_devices import assert_ok, run_checks
 
 HERE = Path(__file__).parent
 CHECKS = [
@@ -57,29 +55,7 @@ SLOW_CHECKS = [
 
 
 def _run_checks(work: Path, checks: list[str]) -> tuple[dict[str, str], str]:
-    out = work / "results.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "tp_checks.py"), "--workdir", str(work), "--out", str(out)]
-        + checks,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    found = json.loads(out.read_text()) if out.exists() else {}
-    log = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return found, log
-
-
-def _assert_ok(results: tuple[dict[str, str], str], check: str) -> None:
-    found, log = results
-    assert check in found, f"check {check!r} did not run:\n{log}"
-    assert found[check] == "ok", found[check]
+    return run_checks(HERE / "tp_checks.py", work, checks)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +65,7 @@ def results(tmp_path_factory) -> tuple[dict[str, str], str]:
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_tensor_parallel(results, check: str) -> None:
-    _assert_ok(results, check)
+    assert_ok(results, check)
 
 
 @pytest.mark.slow
@@ -100,7 +76,7 @@ def test_tensor_parallel(results, check: str) -> None:
 def test_bundled_smollm2_tp3(tmp_path) -> None:
     """The bundled SmolLM2 (9 q / 3 KV heads) at TP=3 vs TP=1, with real chat prompts: a split
     that is not a power of two (the default suite's families split 2 and 4 ways)."""
-    _assert_ok(_run_checks(tmp_path, ["smollm2_tp3"]), "smollm2_tp3")
+    assert_ok(_run_checks(tmp_path, ["smollm2_tp3"]), "smollm2_tp3")
 
 
 @pytest.mark.slow

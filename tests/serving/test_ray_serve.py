@@ -1,21 +1,22 @@
 """jaxpaged under Ray Serve (jaxpaged.serving.ray_serve:build_app).
 
-Default suite: build_app's mapping (serve's flags and Ray's options, as ``serve run key=value``
-hands them over) becomes the deployment Ray would start, checked by serve's own parser, and a
-bad key is refused before Ray starts anything.
+build_app's mapping (serve's flags and Ray's options, as ``serve run key=value`` hands them
+over) becomes the deployment Ray would start, checked by serve's own parser, and a bad key is
+refused before Ray starts anything.
 
-With JAXPAGED_TEST_FULL=1: a local Ray cluster runs 2 replicas of a tiny random Llama (the
-bundled tokenizer) and the real `openai` client sends 16 concurrent requests through Ray's
-proxy; then one replica's actor is killed: requests sent afterwards are all answered and Ray
-brings the replica back; then every replica is killed while a stream runs: the stream fails
-(never hangs) and a request sent meanwhile is answered by the restarted replicas. Opt-in because it starts a Ray cluster and two engine processes
-(70-80 s of both cores here), over the default suite's budget.
+Then one local Ray cluster for the module runs 2 replicas of a tiny random Llama and the
+real `openai` client sends 16 concurrent requests through Ray's proxy; a session stays on
+one replica; the actor of the replica serving a stream is killed: the stream fails (never
+hangs), requests sent afterwards are all answered and Ray brings the replica back. About
+44 s of CPU with a warm compilation cache (Ray's processes ~12 s, three replica starts, the
+replacement included, ~10 s each; docs/scaling.md). With
+JAXPAGED_TEST_FULL=1 also: every replica killed while a stream runs: the stream fails and a
+request sent meanwhile is answered by the restarted replicas.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,7 +80,7 @@ def test_serve_argv_is_what_jaxpaged_serve_parses():
     assert build_parser().parse_args(argv).tensor_parallel_size == 2
 
 
-# ---- a local Ray cluster (JAXPAGED_TEST_FULL=1) -------------------------------------------
+# ---- a local Ray cluster (one per module) ----------------------------------------------
 
 
 def _free_port() -> int:
@@ -90,37 +91,35 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_app(tmp_path_factory):
-    if not FULL:
-        pytest.skip("a Ray cluster and two engine processes: JAXPAGED_TEST_FULL=1")
+    """2 replicas of a tiny random Llama (a word-level tokenizer of 512 words: it loads in
+    milliseconds, the bundled one in seconds) behind Ray's proxy, on a local cluster started with
+    the least it needs: no dashboard; 4 CPUs, so Ray prestarts the 4 workers that Serve's
+    controller, its proxy and the 2 replicas then run in; engines without warm-up (the few
+    shapes the tests use compile on first use) sharing one persistent compilation cache; a
+    health check every second. The proxy may take 60 s to start (Ray's 5 s default kills
+    it on a busy machine, and serve.start then fails)."""
     import ray
-    import transformers
+    from tiny_llama import write_tiny_llama
 
-    from jaxpaged.models import default_model_path
-
-    folder = tmp_path_factory.mktemp("tiny")
-    bundled = default_model_path()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(bundled, name), folder / name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
-
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), words=512)
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("xla"))
     port = _free_port()
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")  # read by the controller
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({
-        "model": str(folder), "served_model_name": "tiny", "num_replicas": 2, "num_cpus": 0,
-        "max_model_len": 128, "num_kv_blocks": 64, "max_num_seqs": 8, "enforce_eager": True,
-        "health_check_period_s": 1, "health_check_timeout_s": 30, "session_affinity": True,
-    })  # fmt: skip
-    serve.run(app, name="jaxpaged", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    monkeypatch.undo()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app({
+            "model": folder, "served_model_name": "tiny", "num_replicas": 2, "num_cpus": 0,
+            "max_model_len": 512, "num_kv_blocks": 64, "max_num_seqs": 8,
+            "enforce_eager": True, "compile_cache_dir": cache, "health_check_period_s": 1,
+            "health_check_timeout_s": 30, "session_affinity": True,
+        })  # fmt: skip
+        serve.run(app, name="jaxpaged", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        ray.shutdown()  # Serve's actors and the replicas' engines go with the cluster
 
 
 def _replicas() -> list[str]:
@@ -131,13 +130,31 @@ def _replicas() -> list[str]:
     ]  # fmt: skip
 
 
+def _wait_for_two_running(seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while _replicas() != ["RUNNING", "RUNNING"]:
+        assert time.monotonic() < deadline, _replicas()
+        time.sleep(0.2)
+
+
+def _replica_actors() -> dict[str, object]:
+    """Replica actor handles by actor name (which ends with the replica's tag)."""
+    import ray
+
+    return {
+        a["name"]: ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::jaxpaged#")
+    }  # fmt: skip
+
+
 def _ask(url: str, i: int) -> tuple[str, int]:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     if i % 2:
         stream = client.completions.create(
-            model="tiny", prompt=f"Count {i % 4}:", max_tokens=6, temperature=0, stream=True,
+            model="tiny", prompt=f"w{10 + i % 4} w20 w30", max_tokens=6, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         )  # fmt: skip
         text, used = "", 0
@@ -146,7 +163,7 @@ def _ask(url: str, i: int) -> tuple[str, int]:
             used = chunk.usage.completion_tokens if chunk.usage else used
         return text, used
     out = client.completions.create(
-        model="tiny", prompt=f"Count {i % 4}:", max_tokens=6, temperature=0,
+        model="tiny", prompt=f"w{10 + i % 4} w20 w30", max_tokens=6, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     return out.choices[0].text, out.usage.completion_tokens
@@ -171,7 +188,7 @@ def test_a_session_stays_on_one_replica(ray_app):
         r = httpx.post(
             ray_app + "/v1/completions",
             headers={"x-session-id": session},
-            json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0},
+            json={"model": "tiny", "prompt": "w9", "max_tokens": 2, "temperature": 0},
             timeout=120,
         )
         assert r.status_code == 200, r.text
@@ -182,53 +199,53 @@ def test_a_session_stays_on_one_replica(ray_app):
     assert len({replica(f"s{i}") for i in range(16)}) == 2
 
 
-def test_killed_replica_is_replaced_and_requests_go_on(ray_app):
+def test_killed_replica_fails_its_stream_only_and_is_replaced(ray_app):
+    """The actor of the replica serving a stream is killed: that stream, which had started,
+    ends with an error within seconds (never hangs); the requests sent after the kill are
+    all answered (by the other replica); Ray starts a replacement, and both run again."""
+    import openai
     import ray
 
-    actors = [
-        a for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::jaxpaged#")
-    ]  # fmt: skip
-    assert len(actors) == 2
-    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    client = openai.OpenAI(base_url=ray_app + "/v1", api_key="x", max_retries=0, timeout=120)
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="w7 w8", max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    tag = raw.headers["x-jaxpaged-replica"]
+    chunks = iter(raw.parse())
+    next(chunks)  # streaming has started
+    actors = _replica_actors()
+    (victim,) = [name for name in actors if name.endswith(tag)]
+    start = time.monotonic()
+    ray.kill(actors[victim], no_restart=True)
+    with pytest.raises(openai.APIError):
+        n = sum(1 for _ in chunks)
+        pytest.fail(f"the stream ended normally after {n} more chunks")  # not an APIError
+    assert time.monotonic() - start < 30
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda i: _ask(ray_app, i), range(8)))
     assert all(used == 6 for _, used in got)
-    deadline = time.monotonic() + 240
-    while _replicas() != ["RUNNING", "RUNNING"]:
-        assert time.monotonic() < deadline, _replicas()
-        time.sleep(1)
+    _wait_for_two_running()
+    assert victim not in _replica_actors()  # a new replica, not the killed one
 
 
-def _replica_actors() -> list:
-    import ray
-
-    return [
-        ray.get_actor(a["name"], namespace=a["namespace"])
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::jaxpaged#")
-    ]  # fmt: skip
-
-
+@pytest.mark.skipif(not FULL, reason="two more replica starts (~20 s): JAXPAGED_TEST_FULL=1")
 def test_stream_cut_by_dead_replicas_fails_and_new_requests_wait_for_new_ones(ray_app):
     """Every replica killed while a stream runs: the stream ends with an error (no hang), and
     a request sent meanwhile is answered once Ray has started replicas again."""
     import openai
     import ray
 
-    deadline = time.monotonic() + 240
-    while _replicas() != ["RUNNING", "RUNNING"]:  # after the previous test's replacement
-        assert time.monotonic() < deadline, _replicas()
-        time.sleep(1)
+    _wait_for_two_running()
     client = openai.OpenAI(base_url=ray_app + "/v1", api_key="x", max_retries=0, timeout=120)
     stream = client.completions.create(
-        model="tiny", prompt="Go:", max_tokens=120, temperature=0, stream=True,
+        model="tiny", prompt="w7 w8", max_tokens=400, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     chunks = iter(stream)
     next(chunks)  # streaming has started
     start = time.monotonic()
-    for actor in _replica_actors():
+    for actor in _replica_actors().values():
         ray.kill(actor, no_restart=True)
     with pytest.raises(openai.APIError):
         n = sum(1 for _ in chunks)
