@@ -208,7 +208,7 @@ def _refused(config: ModelConfig) -> Mapping[str, str]:
 
 
 FAMILY = ModelFamily(
-    name="qwen2_5_vl",
+    name="qwen2_vl",
     architectures=("Qwen2_5_VLForConditionalGeneration",),
     model_types=(MODEL_TYPE,),
     parse_config=parse_config,

@@ -98,3 +98,34 @@ def test_chat_and_refusals(tiny_qwen_vl, llm):
     with pytest.raises(ValueError, match="more than the limit of 2"):
         llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [image] * 3}})
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+
+
+def test_openai_image_url_equals_offline_chat(llm):
+    """The real ``openai`` client sends a PNG data URL to a server over the same engine
+    and gets the text offline ``LLM.chat`` gives (last: the server takes the engine over)."""
+    import base64
+    import io
+
+    import openai
+    from harness import ServerThread
+
+    from jaxpaged.engine.async_engine import AsyncEngine
+
+    buf = io.BytesIO()
+    _image(5, (40, 24)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    chat = [{"role": "user", "content": [{"type": "text", "text": "w1"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]  # fmt: skip
+    ref = llm.chat(chat, GREEDY, use_tqdm=False)[0]
+    server = ServerThread(AsyncEngine(llm.engine), served_model_name="tiny-qwen-vl")
+    try:
+        client = openai.OpenAI(base_url=server.http + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny-qwen-vl", messages=chat, max_tokens=8, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert reply.choices[0].message.content == ref.outputs[0].text
+    assert reply.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert ref.prompt_token_ids.count(IMAGE) == 15  # 40 x 24: 5 x 3 merged

@@ -55,7 +55,7 @@ def test_processor_matches_transformers(tiny_qwen_vl, loaded):
 
 def test_features_and_logits_match_transformers(tiny_qwen_vl, loaded):
     config, module = loaded
-    assert isinstance(config, Qwen2VLConfig) and family_of(config).name == "qwen2_5_vl"
+    assert isinstance(config, Qwen2VLConfig) and family_of(config).name == "qwen2_vl"
     a, b = _image(5, (45, 30)), _image(6, (20, 44))
     text = "<|im_start|>user w1 <|vision_start|><|image_pad|><|vision_end|> w2 w3 " \
            "<|vision_start|><|image_pad|><|vision_end|> w4 w5"  # fmt: skip
