@@ -130,12 +130,14 @@ class PatchImageEncoder(ImageEncoder):
         at = 0
         for seq in seqs:
             pos = np.arange(seq.start_pos, seq.start_pos + seq.num_tokens)
-            grids = [
-                (im.offset, im.length, im.grid[1] // m, im.grid[2] // m)
-                for im in self._images.get(seq.request_id, ())
-            ]
-            out[:, at : at + seq.num_tokens] = mrope_positions(pos, grids)
+            images = self._images.get(seq.request_id, ())
+            rows = slice(at, at + seq.num_tokens)
             at += seq.num_tokens
+            grids = [(im.offset, im.length, im.grid[1] // m, im.grid[2] // m) for im in images]
+            if not images or seq.start_pos >= images[-1].end:  # text after every image
+                out[:, rows] = pos + sum(max(r, c) - n for _, n, r, c in grids)
+            else:
+                out[:, rows] = mrope_positions(pos, grids)
         return out
 
 
