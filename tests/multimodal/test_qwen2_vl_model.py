@@ -5,6 +5,8 @@ features in place of the image placeholders."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -28,7 +30,8 @@ def _image(seed: int, size: tuple[int, int], mode: str = "RGB") -> Image.Image:
 @pytest.fixture(scope="module")
 def loaded(tiny_qwen_vl):
     config, params = load_model(tiny_qwen_vl.folder, dtype="float32", progress=False)
-    config = type(config)(**{**vars(config), "image": image_spec_for_folder(config.image, tiny_qwen_vl.folder)})  # fmt: skip  # noqa: E501
+    # the processor's pixel bounds, mean and std, as the engine reads them
+    config = dataclasses.replace(config, image=image_spec_for_folder(config.image, tiny_qwen_vl.folder))  # fmt: skip  # noqa: E501
     return config, Qwen2VLForConditionalGeneration.from_params(config, params)
 
 
@@ -102,3 +105,52 @@ def test_features_and_logits_match_transformers(tiny_qwen_vl, loaded):
     with torch.no_grad():
         ref = tiny_qwen_vl.hf(**inputs).logits[0].numpy()
     assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-4
+
+
+# Qwen2.5-VL-3B-Instruct's config.json as Qwen published it (flat text fields, "mrope")
+PUBLISHED = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "bos_token_id": 151643, "eos_token_id": 151645, "image_token_id": 151655,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 11008,
+    "max_position_embeddings": 128000, "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "vocab_size": 151936,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {
+        "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+        "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+        "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+}  # fmt: skip
+
+
+def test_published_config_and_processor_settings(tmp_path):
+    import json
+
+    from jaxpaged.models.qwen2_vl import parse_config
+
+    c = parse_config(PUBLISHED)
+    assert (c.head_dim, c.num_kv_heads, c.qkv_bias, c.sliding_window) == (128, 2, True, None)
+    assert c.mrope_section == (16, 24, 24) and c.rope_theta == 1e6 and c.tie_word_embeddings
+    assert c.vision.merger_window == 4 and c.vision.fullatt_block_indexes == (7, 15, 23, 31)
+    assert (c.image.image_token_id, c.image.tokens_per_image) == (151655, 1280)
+    with pytest.raises(ValueError, match="mrope_section \\[16, 24\\] must be three sizes"):
+        parse_config({**PUBLISHED, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24]}})
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        parse_config({**PUBLISHED, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+
+    # Qwen's preprocessor_config.json: min/max pixels; a setting not reproduced is refused
+    settings = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2,
+                "temporal_patch_size": 2, "resample": 3}  # fmt: skip
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(settings))
+    spec = image_spec_for_folder(c.image, tmp_path)
+    assert (spec.min_pixels, spec.tokens_per_image, spec.min_tokens_per_image) == (3136, 16384, 4)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, "resample": 2}))
+    with pytest.raises(ValueError, match="only bicubic"):
+        image_spec_for_folder(c.image, tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, "patch_size": 16}))
+    with pytest.raises(ValueError, match="patch_size 16 differs"):
+        image_spec_for_folder(c.image, tmp_path)
