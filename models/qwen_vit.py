@@ -4,7 +4,9 @@ over a params tree, pure jnp so it traces inside one jitted encoder program of f
 The encoder takes images packed into one flat run of P patches (several images, padded at
 the end; :func:`pack_images` builds it on the host), as transformers concatenates them and
 splits attention by ``cu_seqlens``; here the split is a mask from per-patch segment ids, so
-any mix of image sizes that fits P runs through the same compiled program.
+any mix of image sizes that fits P runs through the same compiled program. Attention scores
+go a block of queries at a time against all P keys (exact; memory [H, block, P], compute
+P x P per layer even where windows would need less).
 
 - patch embedding: the Conv3d over (channel, frame, row, column) with stride = kernel is a
   matmul over each patch's flattened ``C * T * p * p`` values (the processor's order);
@@ -30,6 +32,7 @@ any mix of image sizes that fits P runs through the same compiled program.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -41,6 +44,7 @@ from .layers import rms_norm
 from .types import TensorReader
 
 _EPS = 1e-6  # transformers' Qwen2_5_VLRMSNorm in the vision tower
+_QUERY_BLOCK = 512  # the most queries one attention block scores at once
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -270,6 +274,28 @@ def _rope_2d(
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _segment_attention(
+    q: jax.Array,  # [P, H, hd]
+    k: jax.Array,  # [P, H, hd]
+    v: jax.Array,  # [P, H, hd]
+    segments: jax.Array,  # int32 [P]: a row attends to the rows of its segment
+) -> jax.Array:  # [P, H, hd]
+    """Non-causal attention within segments, a block of at most _QUERY_BLOCK queries at a
+    time (scores [H, block, P]: never [H, P, P])."""
+    p, h, hd = q.shape
+    block = math.gcd(p, _QUERY_BLOCK)
+
+    def one(args):
+        qb, sb = args  # [block, H, hd], [block]
+        s = jnp.einsum("qhe,khe->hqk", qb, k, preferred_element_type=jnp.float32) * hd**-0.5
+        s = jnp.where((sb[:, None] == segments[None, :])[None], s, -jnp.inf)
+        probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("hqk,khe->qhe", probs, v)
+
+    blocks = (q.reshape(p // block, block, h, hd), segments.reshape(p // block, block))
+    return jax.lax.map(one, blocks).reshape(p, h, hd)
+
+
 def vit_encode(
     params: Mapping[str, Any],
     patches: jax.Array,  # float32 [P, C * T * p * p] (PackedPatches.patches)
@@ -284,8 +310,6 @@ def vit_encode(
     x = jnp.einsum("pk,dk->pd", patches.astype(dtype), params["patch_w"])
     p, d = x.shape
     h, hd = c.num_heads, c.head_dim
-    same_image = full_ids[:, None] == full_ids[None, :]  # [P, P]
-    same_window = window_ids[:, None] == window_ids[None, :]
     full = np.zeros(c.depth, bool)
     full[[i for i in c.fullatt_block_indexes if 0 <= i < c.depth]] = True
 
@@ -294,11 +318,8 @@ def vit_encode(
         y = rms_norm(x, w["norm1"], _EPS)
         qkv = (jnp.einsum("pd,ed->pe", y, w["wqkv"]) + w["bqkv"]).reshape(p, 3, h, hd)
         q, k, v = _rope_2d(qkv[:, 0], positions, c), _rope_2d(qkv[:, 1], positions, c), qkv[:, 2]
-        s = jnp.einsum("qhe,khe->hqk", q, k, preferred_element_type=jnp.float32) * hd**-0.5
-        mask = jnp.where(is_full, same_image, same_window)
-        s = jnp.where(mask[None], s, -jnp.inf)
-        probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        attn = jnp.einsum("hqk,khe->qhe", probs, v).reshape(p, d)
+        attn = _segment_attention(q, k, v, jnp.where(is_full, full_ids, window_ids))
+        attn = attn.reshape(p, d)
         x = x + jnp.einsum("pe,de->pd", attn, w["wo"]) + w["bo"]
         y = rms_norm(x, w["norm2"], _EPS)
         gate = jnp.einsum("pd,fd->pf", y, w["w_gate"]) + w["b_gate"]
