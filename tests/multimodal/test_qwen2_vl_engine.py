@@ -6,6 +6,8 @@ chat messages through the template; nothing compiles after warm-up."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -98,6 +100,32 @@ def test_chat_and_refusals(tiny_qwen_vl, llm):
     with pytest.raises(ValueError, match="more than the limit of 2"):
         llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [image] * 3}})
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("JAXPAGED_TEST_FULL") != "1",
+    reason="preemption with M-RoPE (~20 s; the shared machinery's is tested on Gemma 3): "
+    "JAXPAGED_TEST_FULL=1 runs it",
+)
+def test_preempted_requests_recompute_mrope_exactly(tiny_qwen_vl):
+    """Four two-image prompts running to 64 tokens need 124 blocks of a 64-block pool:
+    some are preempted and recomputed, their prompt and output tokens refed at their
+    M-RoPE positions."""
+    llm = LLM(
+        model=tiny_qwen_vl.folder, max_model_len=128, block_size=4, num_kv_blocks=64,
+        max_num_seqs=4, max_num_batched_tokens=16, limit_mm_per_prompt={"image": 2},
+    )  # fmt: skip
+    try:
+        cases = [(TEXT_2, [_image(20 + i, (20, 44)), _image(30 + i, (64, 64))]) for i in range(4)]
+        prompts = [{"prompt": t, "multi_modal_data": {"image": im}} for t, im in cases]
+        long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, long, use_tqdm=False)
+        assert llm.get_metrics()["num_preemptions"] > 0
+        assert llm.get_metrics()["num_compilations_after_warmup"] == 0
+    finally:
+        llm.engine.close()
+    for (text, images), out in zip(cases, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(tiny_qwen_vl, text, images, 64)[1]
 
 
 def test_openai_image_url_equals_offline_chat(llm):
