@@ -5,8 +5,10 @@ The encoder takes images packed into one flat run of P patches (several images, 
 the end; :func:`pack_images` builds it on the host), as transformers concatenates them and
 splits attention by ``cu_seqlens``; here the split is a mask from per-patch segment ids, so
 any mix of image sizes that fits P runs through the same compiled program. Attention scores
-go a block of queries at a time against all P keys (exact; memory [H, block, P], compute
-P x P per layer even where windows would need less).
+go a block of queries at a time: in full-attention blocks against all P keys, in windowed
+blocks against the keys a window can reach (a window's patches are consecutive rows after
+the reordering, at most ``merger_window**2 * 4`` of them), so windowed blocks cost
+O(P x window), not O(P x P).
 
 - patch embedding: the Conv3d over (channel, frame, row, column) with stride = kernel is a
   matmul over each patch's flattened ``C * T * p * p`` values (the processor's order);
@@ -274,25 +276,45 @@ def _rope_2d(
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _blocks(p: int, reach: int | None) -> tuple[int, int]:
+    """(queries per block, keys each block reads) of P rows whose segments span at most
+    ``reach`` consecutive rows (None: any): the widest power-of-two block up to
+    _QUERY_BLOCK dividing P whose keys, ``reach`` rows either side, fit in P; else all P
+    keys."""
+    block = math.gcd(p, _QUERY_BLOCK)
+    if reach is None:
+        return block, p
+    while block > 1 and block + 2 * reach > p:
+        block //= 2
+    return (block, block + 2 * reach) if block + 2 * reach <= p else (math.gcd(p, _QUERY_BLOCK), p)
+
+
 def _segment_attention(
     q: jax.Array,  # [P, H, hd]
     k: jax.Array,  # [P, H, hd]
     v: jax.Array,  # [P, H, hd]
     segments: jax.Array,  # int32 [P]: a row attends to the rows of its segment
+    reach: int | None,  # a segment's rows lie within this many consecutive rows (None: any)
 ) -> jax.Array:  # [P, H, hd]
-    """Non-causal attention within segments, a block of at most _QUERY_BLOCK queries at a
-    time (scores [H, block, P]: never [H, P, P])."""
+    """Non-causal attention within segments, a block of queries at a time against the keys
+    their segments can reach (a window's: ``reach`` rows either side of the block; scores
+    [H, block, keys], never [H, P, P])."""
     p, h, hd = q.shape
-    block = math.gcd(p, _QUERY_BLOCK)
+    block, span = _blocks(p, reach)
 
     def one(args):
-        qb, sb = args  # [block, H, hd], [block]
-        s = jnp.einsum("qhe,khe->hqk", qb, k, preferred_element_type=jnp.float32) * hd**-0.5
-        s = jnp.where((sb[:, None] == segments[None, :])[None], s, -jnp.inf)
-        probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        return jnp.einsum("hqk,khe->qhe", probs, v)
+        b, qb, sb = args  # [], [block, H, hd], [block]
+        kb, vb, kseg = k, v, segments
+        if span < p:  # the keys [b * block - reach, (b + 1) * block + reach), kept inside P
+            start = jnp.clip(b * block - reach, 0, p - span)
+            kb, vb, kseg = (jax.lax.dynamic_slice_in_dim(a, start, span) for a in (k, v, segments))
+        s = jnp.einsum("qhe,khe->hqk", qb, kb, preferred_element_type=jnp.float32) * hd**-0.5
+        s = jnp.where((sb[:, None] == kseg[None, :])[None], s, -jnp.inf)
+        probs = jax.nn.softmax(s, axis=-1).astype(vb.dtype)
+        return jnp.einsum("hqk,khe->qhe", probs, vb)
 
-    blocks = (q.reshape(p // block, block, h, hd), segments.reshape(p // block, block))
+    n = p // block
+    blocks = (jnp.arange(n), q.reshape(n, block, h, hd), segments.reshape(n, block))
     return jax.lax.map(one, blocks).reshape(p, h, hd)
 
 
@@ -310,6 +332,7 @@ def vit_encode(
     x = jnp.einsum("pk,dk->pd", patches.astype(dtype), params["patch_w"])
     p, d = x.shape
     h, hd = c.num_heads, c.head_dim
+    reach = c.merger_window**2 * c.merge_unit  # the most patches of one window
     full = np.zeros(c.depth, bool)
     full[[i for i in c.fullatt_block_indexes if 0 <= i < c.depth]] = True
 
@@ -318,8 +341,11 @@ def vit_encode(
         y = rms_norm(x, w["norm1"], _EPS)
         qkv = (jnp.einsum("pd,ed->pe", y, w["wqkv"]) + w["bqkv"]).reshape(p, 3, h, hd)
         q, k, v = _rope_2d(qkv[:, 0], positions, c), _rope_2d(qkv[:, 1], positions, c), qkv[:, 2]
-        attn = _segment_attention(q, k, v, jnp.where(is_full, full_ids, window_ids))
-        attn = attn.reshape(p, d)
+        attn = jax.lax.cond(
+            is_full,
+            lambda: _segment_attention(q, k, v, full_ids, None),
+            lambda: _segment_attention(q, k, v, window_ids, reach),
+        ).reshape(p, d)
         x = x + jnp.einsum("pe,de->pd", attn, w["wo"]) + w["bo"]
         y = rms_norm(x, w["norm2"], _EPS)
         gate = jnp.einsum("pd,fd->pf", y, w["w_gate"]) + w["b_gate"]

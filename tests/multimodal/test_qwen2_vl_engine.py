@@ -104,7 +104,8 @@ def test_chat_and_refusals(tiny_qwen_vl, llm):
 
 @pytest.mark.skipif(
     os.environ.get("JAXPAGED_TEST_FULL") != "1",
-    reason="preemption with M-RoPE (~20 s; the shared machinery's is tested on Gemma 3): "
+    reason="preemption with M-RoPE (its own engine, about a minute; Gemma 3 tests the shared "
+    "machinery by default): "
     "JAXPAGED_TEST_FULL=1 runs it",
 )
 def test_preempted_requests_recompute_mrope_exactly(tiny_qwen_vl):
