@@ -6,6 +6,7 @@ family to serve them."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,7 @@ class ImageSpec:
         return self.tokens_per_image
 
 
+MAX_ASPECT = 200  # transformers' smart_resize refuses images more elongated than this
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -44,7 +46,7 @@ class PatchImageSpec(ImageSpec):
     ``patch_size * merge_size`` within [min_pixels, max_pixels] (bicubic), cut into
     ``C * temporal_patch_size * patch_size**2``-value patches, one placeholder token per
     ``merge_size``-squared group of patches. ``tokens_per_image`` is the most an image
-    gets (at ``max_pixels``): the size of an encoder-cache slot."""
+    gets: the size of an encoder-cache slot."""
 
     size: int = 0  # unused: every image has its own
     mean: tuple[float, float, float] = CLIP_MEAN
@@ -87,5 +89,8 @@ class PatchImageSpec(ImageSpec):
                 f"image processor: min_pixels {min_pixels} and max_pixels {max_pixels} must "
                 "satisfy 0 < min_pixels <= max_pixels"
             )
-        most = max(spec.max_pixels // spec.factor**2, 1)
+        f = spec.factor
+        # smart_resize keeps a side of at least one factor, so an elongated image may pass
+        # max_pixels: its long side reaches sqrt(max_pixels * aspect) at most
+        most = max(spec.max_pixels // f**2, math.ceil(math.sqrt(MAX_ASPECT * spec.max_pixels) / f))
         return dataclasses.replace(spec, tokens_per_image=most)

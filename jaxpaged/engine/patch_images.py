@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxpaged.engine.images import ImagePrompts, image_spec_from_folder
-from jaxpaged.models.image_spec import ImageSpec, PatchImageSpec
+from jaxpaged.models.image_spec import MAX_ASPECT, ImageSpec, PatchImageSpec
 from jaxpaged.sched.images import ImageItem, content_hash
 
 __all__ = [
@@ -37,17 +37,15 @@ __all__ = [
     "smart_resize",
 ]
 
-_MAX_ASPECT = 200  # transformers refuses images more elongated than this
-
 
 def smart_resize(
     height: int, width: int, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
     """(height, width) rounded to multiples of ``factor``, scaled to hold between
     ``min_pixels`` and ``max_pixels`` pixels, as transformers' ``smart_resize``."""
-    if max(height, width) / min(height, width) > _MAX_ASPECT:
+    if max(height, width) / min(height, width) > MAX_ASPECT:
         raise ValueError(
-            f"image: {width} x {height} pixels; the aspect ratio must be at most {_MAX_ASPECT}"
+            f"image: {width} x {height} pixels; the aspect ratio must be at most {MAX_ASPECT}"
         )
     h = round(height / factor) * factor
     w = round(width / factor) * factor
@@ -116,7 +114,8 @@ def _num_tokens(image: Any, spec: PatchImageSpec) -> int:
     if n > spec.tokens_per_image:
         raise ValueError(
             f"image: {w} x {h} pixels resize to {rw} x {rh}, {n} tokens, more than the "
-            f"{spec.tokens_per_image} of the largest image (max_pixels {spec.max_pixels})"
+            f"{spec.tokens_per_image} an image may take (min_pixels {spec.min_pixels}, "
+            f"max_pixels {spec.max_pixels})"
         )
     return n
 
