@@ -45,7 +45,7 @@ def layer_norm(
 
 def apply_rope(
     x: jax.Array,  # [T, H, hd]
-    positions: jax.Array,  # int32 [T]
+    positions: jax.Array,  # int32 [T], or [T, hd // 2]: each rotary pair's own (M-RoPE)
     inv_freq: np.ndarray | jax.Array,  # [hd // 2], or [T, hd // 2]: each position's own
     attention_factor: float = 1.0,
 ) -> jax.Array:
@@ -53,7 +53,8 @@ def apply_rope(
     layout); cos and sin are scaled by ``attention_factor`` (YaRN's), as transformers does."""
     inv_freq = jnp.asarray(inv_freq)
     per_row = inv_freq if inv_freq.ndim == 2 else inv_freq[None, :]
-    angles = positions.astype(jnp.float32)[:, None] * per_row  # [T, hd/2]
+    pos = positions.astype(jnp.float32)
+    angles = (pos if pos.ndim == 2 else pos[:, None]) * per_row  # [T, hd/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
     sin = jnp.sin(angles)[:, None, :]
     if attention_factor != 1.0:

@@ -242,6 +242,7 @@ class LlamaForCausalLM(nnx.Module):
         lora: LoraInputs | None = None,
         rope_lengths: jax.Array | None = None,  # int32 [T]
         aux_layers: tuple[int, ...] = (),
+        image_embeds: tuple[jax.Array, jax.Array] | None = None,  # ([T, D], bool [T])
     ) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, jax.Array]:
         """Final-normed hidden states [T, D] and the cache as threaded through every layer's
         ``attention_fn``; ``linear_fn`` does every matmul (None: `linear_xla`).
@@ -251,13 +252,17 @@ class LlamaForCausalLM(nnx.Module):
         e.g. float32 where a ``linear_fn`` computes bfloat16 weights in float32; ``lora``
         adds each token's adapter term after the matmuls it targets. ``rope_lengths``: each
         token's sequence length once this forward has run, which dynamic RoPE scales by
-        (None: one sequence, ``max(positions) + 1``)."""
+        (None: one sequence, ``max(positions) + 1``). ``image_embeds``: rows that replace
+        the masked tokens' embeddings (image placeholders, models/qwen2_vl.py); positions
+        may be per rotary pair, [T, head_dim / 2] (M-RoPE)."""
         config = self.config
         linear_fn = linear_fn or linear_xla
         # a quantized table's rows come out float32: back to the params' dtype
         x = embedding_rows(self.embed.get_value(), tokens).astype(self.final_norm[...].dtype)
         if config.embedding_multiplier != 1.0:  # Granite
             x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
+        if image_embeds is not None:
+            x = jnp.where(image_embeds[1][:, None], image_embeds[0].astype(x.dtype), x)
         if activation_dtype is not None:
             x = x.astype(activation_dtype)
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)

@@ -31,6 +31,7 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "Gemma2ForCausalLM": "gemma",
         "Gemma3ForCausalLM": "gemma",
         "Gemma3ForConditionalGeneration": "gemma3_vl",
+        "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
         "BloomForCausalLM": "bloom",
         "GraniteForCausalLM": "granite",
         "BertModel": "bert",

@@ -215,9 +215,10 @@ class ImagePrompts:
     spec: ImageSpec
     limit: int
 
-    def expand(self, text: str) -> str:
+    def expand(self, text: str, images: Sequence[Any] = ()) -> str:
         """The prompt text with each image marker (``spec.boi_token``) expanded to the
-        model's placeholders, as its processor does."""
+        model's placeholders, as its processor does (``images``: the prompt's, for models
+        whose placeholder count depends on the image, engine/patch_images.py)."""
         full = self.spec.expansion.format(image=self.spec.image_token * self.spec.tokens_per_image)
         return text.replace(self.spec.boi_token, full)
 

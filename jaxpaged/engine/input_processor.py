@@ -145,7 +145,7 @@ class InputProcessor:
         if isinstance(body, str):
             if not body:
                 raise ValueError("prompt must not be empty")
-            _, ids = self.tokenize(self.images.expand(body), add_special_tokens=special)
+            _, ids = self.tokenize(self.images.expand(body, images), add_special_tokens=special)
             text = body
         else:
             text, ids = self.tokenize(body)

@@ -29,10 +29,11 @@ from jaxpaged.config import (
     SchedulerConfig,
 )
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
-from jaxpaged.engine.images import ImagePrompts, image_spec_from_folder
+from jaxpaged.engine.images import ImagePrompts
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
+from jaxpaged.engine.patch_images import image_prompts, image_spec_for_folder
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
@@ -463,7 +464,7 @@ class LLMEngine:
         image = getattr(model_config, "image", None)
         if isinstance(image, ImageSpec):  # the processor's size, mean and std
             model_config = dataclasses.replace(
-                model_config, image=image_spec_from_folder(image, folder)
+                model_config, image=image_spec_for_folder(image, folder)
             )
         return model_config, params, load_tokenizer(folder), eos
 
@@ -763,10 +764,10 @@ def _image_setup(
     slots = min_image_slots(
         max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        tokens_per_image=spec.tokens_per_image,
+        tokens_per_image=spec.min_tokens_per_image,
         limit=mm.limit_images_per_prompt,
     )
-    return ImagePrompts(spec, mm.limit_images_per_prompt), slots + mm.encoder_cache_images
+    return image_prompts(spec, mm.limit_images_per_prompt), slots + mm.encoder_cache_images
 
 
 def _params_dtype(params: Params) -> Any:

@@ -27,6 +27,9 @@ class ImageItem:
     offset: int  # the prompt position of its first placeholder token
     length: int  # how many placeholder tokens stand for it
     pixels: Any = dataclasses.field(repr=False)  # float32 [C, H, W], normalized (numpy)
+    # an image at its own size (Qwen2.5-VL): pixels are its patches [N, K] and this their
+    # grid (frames, rows, columns), as transformers' image_grid_thw
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:

@@ -45,12 +45,12 @@ from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROB
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler, spec_eagle
 from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
-from jaxpaged.worker.images import ImageEncoder
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_cache import KVLayout
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.lora import LoraAdapters
 from jaxpaged.worker.model_hooks import ModelHooks
+from jaxpaged.worker.patch_images import PatchImageEncoder, image_encoder
 from jaxpaged.worker.programs import EnginePrograms
 from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
@@ -188,10 +188,9 @@ class Runner:
         )
         self.images = None
         if image_slots:
-            self.images = ImageEncoder(
+            self.images = image_encoder(
+                model_config,
                 graphdef=self.graphdef,
-                feature_shape=model_config.image_feature_shape,
-                pixel_shape=model_config.image.pixel_shape,
                 dtype=jax.tree.leaves(self.params["embed"])[0].dtype,
                 slots=image_slots,
             )
@@ -360,6 +359,9 @@ class Runner:
         if self.images is not None:
             rows = self.images.rows(self.params, seqs, bucket.num_tokens)
             batch = batch._replace(image_rows=rows)
+            if isinstance(self.images, PatchImageEncoder):  # M-RoPE: [3, T] positions
+                mrope = self.images.mrope_positions(seqs, bucket.num_tokens)
+                batch = batch._replace(mrope_positions=mrope)
         return batch, failed
 
     def _array_kwargs(self) -> dict[str, object]:

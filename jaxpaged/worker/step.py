@@ -69,6 +69,8 @@ class StepBatch(NamedTuple):
     # a vision-language model: each row's image features in the encoder cache (flat index
     # slot * I + j, jaxpaged.worker.images), -1 = a text token
     image_rows: jax.Array | None = None  # int32 [T]
+    # M-RoPE (models/qwen2_vl.py): each row's (temporal, height, width) positions
+    mrope_positions: jax.Array | None = None  # int32 [3, T]
 
 
 class StepOutput(NamedTuple):
@@ -273,6 +275,8 @@ def step(
         flat = image_cache.reshape(-1, image_cache.shape[-1])  # [C * I, D]
         rows = batch.image_rows
         model_kw["image_embeds"] = (flat[jnp.maximum(rows, 0)], rows >= 0)
+    if batch.mrope_positions is not None:
+        model_kw["mrope_positions"] = batch.mrope_positions
     prev = prev_sampled[jnp.maximum(batch.prev_rows, 0)]  # [T]
     tokens = jnp.where(batch.prev_rows >= 0, prev, batch.tokens)
     speculative = batch.verify_rows is not None

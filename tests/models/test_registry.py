@@ -86,6 +86,10 @@ def test_architectures_decide_and_model_type_is_the_fallback():
                       "model_type": "gemma2"})  # fmt: skip
     vl = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
     assert family_for_hf_config(vl).name == "gemma3_vl"
+    qwen = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl"}
+    assert family_for_hf_config(qwen).name == "qwen2_vl"
+    with pytest.raises(ValueError, match="qwen2_5_vl config.json needs vision_config"):
+        parse_config(qwen)
     with pytest.raises(ValueError, match="needs text_config and vision_config.*gemma3_text"):
         parse_config(vl)
     with pytest.raises(ValueError, match="comes with its own module"):

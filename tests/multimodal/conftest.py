@@ -12,6 +12,7 @@ import pytest
 
 # the serving tests' harness (a server on loopback ports in a thread)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "serving"))
+sys.path.insert(0, os.path.dirname(__file__))  # tiny_qwen
 
 VOCAB = 128
 BOI, EOI, IMAGE = 125, 126, 127  # <start_of_image>, <end_of_image>, <image_soft_token>
@@ -98,3 +99,10 @@ def build_tiny_vl(folder: str) -> TinyVL:
 @pytest.fixture(scope="session")
 def tiny_vl(tmp_path_factory) -> TinyVL:
     return build_tiny_vl(str(tmp_path_factory.mktemp("tiny-gemma3-vl")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl(tmp_path_factory):
+    from tiny_qwen import build_tiny_qwen_vl
+
+    return build_tiny_qwen_vl(str(tmp_path_factory.mktemp("tiny-qwen2-5-vl")))
