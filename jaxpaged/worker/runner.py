@@ -11,21 +11,14 @@ dispatches step N+1 before it collects step N, so the device never waits for the
 decode whose token the host has not seen yet reads it from the previous step's output on the
 device (``StepBatch.prev_rows``).
 
-Blocks go to host memory (a preempted request's swap-out, or the prefix cache's host tier:
-``blocks_to_offload``) by one path: a gather on the device whose transfer to the host starts at
-once (``copy_to_host_async``) and is fetched into per-slot numpy copies once it is done (seen
-at the next dispatch, or at the collect of its step, which waited for it anyway), or earlier
-if a swap-in or load reads the slot. So the copy overlaps the step dispatched after it
-instead of stalling the host. The disk tier behind the host tier (``disk_dir``) keeps one file
-per disk slot, each pool array's bytes of the block in turn, written and read on the engine
-thread.
+Block moves (copy-on-write copies, swap, the prefix cache's host and disk tiers) are
+:mod:`jaxpaged.worker.block_moves`'s: the runner hands each plan's pool to its BlockMover.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -44,7 +37,8 @@ from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler, spec_eagle
-from jaxpaged.worker.buckets import Bucket, BucketSet, pow2_ladder
+from jaxpaged.worker.block_moves import BlockMover
+from jaxpaged.worker.buckets import Bucket, BucketSet
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_cache import KVLayout
 from jaxpaged.worker.logits_processors import LogitsProcessor
@@ -56,16 +50,6 @@ from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)
-class HostBlock:
-    """One block's copy in host memory: per pool array [L, *page]. Until fetched
-    (``data`` None) it is row ``index`` of a device gather whose transfer is under way."""
-
-    gather: tuple[jax.Array, ...] | None  # one [L, N, *page] array per pool array
-    index: int
-    data: tuple[np.ndarray, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -195,14 +179,9 @@ class Runner:
                 slots=image_slots,
             )
         self._create_kv_state()
-        # swapped-out blocks: host slot -> its copy; the prefix cache's host tier: tier slot ->
-        # its copy (the scheduler bounds both: a slot the tier forgot at a prefix-cache reset
-        # keeps its copy until reused, never more than the tier's size); gathers whose host
-        # copies are not fetched yet
-        self._host_blocks: dict[int, HostBlock] = {}
-        self._tier_blocks: dict[int, HostBlock] = {}
-        self._unfetched: list[list[HostBlock]] = []
-        self.disk_dir: str | None = None  # the disk tier's folder (set by the engine builder)
+        # one sequence's blocks per move call: a handful of compiled sizes covers every plan
+        max_move = 1 << (self.buckets.full_blocks - 1).bit_length()
+        self.moves = BlockMover(self.programs, self.layout, max_move)
         self.warmed_up = False
 
     @property
@@ -287,9 +266,7 @@ class Runner:
         if self.drafter is not None:
             freed += self.drafter.runner.release_kv()
         self.pool = self.seq_state = self.sampled = self.eagle_state = None
-        self._host_blocks.clear()
-        self._tier_blocks.clear()
-        self._unfetched.clear()
+        self.moves.clear()
         return freed
 
     def restore_kv(self) -> None:
@@ -399,14 +376,8 @@ class Runner:
         """Applies the plan's swaps, copies and sampler-state row fills, then launches its step
         without waiting for it (None when the plan has no sequences). ``allowed``: sequence
         index -> its structured-output mask."""
-        self._fetch_host_copies(wait=False)
-        self._spill(plan.blocks_to_spill)
-        self._swap_out(plan.blocks_to_swap_out)
-        self._offload(plan.blocks_to_offload)
-        self._swap_in(plan.blocks_to_swap_in)
-        self._load(plan.blocks_to_load)
-        self._load_from_disk(plan.blocks_to_load_from_disk)
-        self._copy(plan.blocks_to_copy)
+        announce = None if self.leader is None else self.leader.announce_copy
+        self.pool = self.moves.apply(self.pool, plan, announce)
         for init in plan.state_rows_to_init:
             self._init_state_row(init)
         for slot, name in plan.lora_loads:
@@ -447,9 +418,9 @@ class Runner:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs)."""
         if pending is None:
             return RunnerOutput(sampled_token_ids=())
-        if self._unfetched:  # gathered before this step: done once it is
+        if self.moves.unfetched:  # gathered before this step: done once it is
             jax.block_until_ready(pending.out.token_ids)
-            self._fetch_host_copies()
+            self.moves.fetch()
         n = pending.num_seqs
         want = pending.logprobs_wanted
         plain = all(w is None for w in want) and not any(pending.prompt_wanted)
@@ -519,83 +490,14 @@ class Runner:
         self.seq_state = self.programs.init_state_row(self.seq_state, *arrays)
 
     # ------------------------------------------------------------ block moves
-    def _padded(self, ids: Sequence[int]) -> np.ndarray:
-        n = 1 << max(0, (len(ids) - 1).bit_length())
-        out = np.full(n, -1, np.int32)
-        out[: len(ids)] = ids
-        return out
-
     @property
-    def _max_move(self) -> int:
-        """Blocks moved per call: one sequence's worth, so a handful of sizes covers all."""
-        return 1 << (self.buckets.full_blocks - 1).bit_length()
+    def disk_dir(self) -> str | None:
+        """The disk tier's folder (set by the engine builder)."""
+        return self.moves.disk_dir
 
-    def _in_chunks(self, move, pairs: Sequence[tuple[int, int]]) -> None:
-        """Applies a block move ``_max_move`` pairs at a time (a few compiled sizes)."""
-        m = self._max_move
-        for i in range(0, len(pairs), m):
-            move(pairs[i : i + m])
-
-    def _copy(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(self._copy_chunk, pairs)
-
-    def _swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(lambda chunk: self._to_host(chunk, self._host_blocks), pairs)
-
-    def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self._in_chunks(lambda chunk: self._to_host(chunk, self._tier_blocks), pairs)
-
-    def _swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Host slots read back are given up (the scheduler frees them)."""
-        self._in_chunks(lambda chunk: self._to_device(chunk, self._host_blocks, keep=False), pairs)
-
-    def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Tier slots read back keep their copy (the tier is inclusive)."""
-        self._in_chunks(lambda chunk: self._to_device(chunk, self._tier_blocks, keep=True), pairs)
-
-    def _disk_path(self, slot: int) -> str:
-        if self.disk_dir is None:
-            raise RuntimeError("a plan moves disk-tier blocks but the runner has no disk_dir")
-        return os.path.join(self.disk_dir, f"block-{slot}.kv")
-
-    def _spill(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """(tier slot, disk slot) pairs: writes the host tier's copies to disk files."""
-        for slot, disk in pairs:
-            blk = self._tier_blocks[slot]
-            if blk.data is None:
-                self._fetch_host_copies()
-            with open(self._disk_path(disk), "wb") as f:
-                for a in blk.data:
-                    f.write(np.ascontiguousarray(a).tobytes())
-
-    def _load_from_disk(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """(disk slot, device block) pairs: reads the files back into the blocks."""
-        if not pairs:  # also while asleep: no pool to read shapes from
-            return
-        shapes = [
-            ((self.layout.num_layers, *shape[1:]), p.dtype)
-            for shape, p in zip(self.layout.shapes, self.pool, strict=True)
-        ]
-        for i in range(0, len(pairs), self._max_move):
-            chunk = pairs[i : i + self._max_move]
-            datas = []
-            for disk, _ in chunk:
-                with open(self._disk_path(disk), "rb") as f:
-                    raw = f.read()
-                arrays, at = [], 0
-                for shape, dtype in shapes:
-                    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-                    arrays.append(np.frombuffer(raw[at : at + n], dtype).reshape(shape))
-                    at += n
-                datas.append(tuple(arrays))
-            self._scatter([dev for _, dev in chunk], datas)
-
-    def _copy_chunk(self, pairs: Sequence[tuple[int, int]]) -> None:
-        src, dst = zip(*pairs, strict=True)
-        src, dst = self._padded(src), self._padded(dst)
-        if self.leader is not None:
-            self.leader.announce_copy(src, dst)
-        self.apply_copy(src, dst)
+    @disk_dir.setter
+    def disk_dir(self, folder: str | None) -> None:
+        self.moves.disk_dir = folder
 
     def apply_copy(
         self,
@@ -603,81 +505,16 @@ class Runner:
         dst: np.ndarray,  # int32 [N] destination block ids
     ) -> None:
         """The device call of a block copy (followers of a multi-host run too)."""
-        self.pool = self.programs.copy_blocks(
-            self.pool,
-            src,
-            dst,
-            num_layers=self.layout.num_layers,
-            num_blocks=self.layout.num_blocks,
-        )
-
-    def _to_host(self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock]) -> None:
-        """(device block, host slot) pairs: gathers the blocks (after the steps already
-        dispatched, which wrote them) and starts their transfer; fetched later."""
-        dev, slots = zip(*pairs, strict=True)
-        gather = self.programs.gather_blocks(
-            self.pool,
-            self._padded(dev),
-            num_layers=self.layout.num_layers,
-            num_blocks=self.layout.num_blocks,
-        )
-        for a in gather:
-            a.copy_to_host_async()
-        blocks = [HostBlock(gather, i) for i in range(len(slots))]
-        store.update(zip(slots, blocks, strict=True))
-        self._unfetched.append(blocks)
-
-    def _fetch_host_copies(self, *, wait: bool = True) -> None:
-        """Keeps one numpy copy per block of the gathers whose transfers are under way (not
-        a view: a slot outlives the rest of its gather); without ``wait``, of those done."""
-        left = []
-        for blocks in self._unfetched:
-            gather = blocks[0].gather
-            if not wait and not all(a.is_ready() for a in gather):
-                left.append(blocks)
-                continue
-            arrays = jax.device_get(gather)
-            for blk in blocks:
-                blk.data = tuple(a[:, blk.index].copy() for a in arrays)
-                blk.gather = None
-        self._unfetched = left
-
-    def _to_device(
-        self, pairs: Sequence[tuple[int, int]], store: dict[int, HostBlock], *, keep: bool
-    ) -> None:
-        """(host slot, device block) pairs: writes the slots' copies into the blocks."""
-        slots, dev = zip(*pairs, strict=True)
-        blocks = [store[slot] if keep else store.pop(slot) for slot in slots]
-        if any(blk.data is None for blk in blocks):
-            self._fetch_host_copies()
-        self._scatter(dev, [blk.data for blk in blocks])
-
-    def _scatter(self, dev: Sequence[int], datas: Sequence[tuple[np.ndarray, ...]]) -> None:
-        """Writes one [L, *page] array per pool array into each device block of ``dev``."""
-        ids = self._padded(dev)
-        arrays = tuple(
-            np.zeros((self.layout.num_layers, len(ids), *shape[1:]), p.dtype)
-            for shape, p in zip(self.layout.shapes, self.pool, strict=True)
-        )
-        for i, data in enumerate(datas):
-            for a, block in zip(arrays, data, strict=True):
-                a[:, i] = block
-        self.pool = self.programs.scatter_blocks(
-            self.pool,
-            ids,
-            arrays,
-            num_layers=self.layout.num_layers,
-            num_blocks=self.layout.num_blocks,
-        )
+        self.pool = self.moves.copy(self.pool, src, dst)
 
     @property
     def num_host_blocks_in_use(self) -> int:
-        return len(self._host_blocks)
+        return len(self.moves.host_blocks)
 
     @property
     def num_tier_blocks_in_use(self) -> int:
         """Host tier slots holding a copy (at most the tier's size)."""
-        return len(self._tier_blocks)
+        return len(self.moves.tier_blocks)
 
     # ---------------------------------------------------------------- warm-up
     def _compile_buckets(self, buckets: Sequence[Bucket], bar: tqdm) -> None:
@@ -691,8 +528,7 @@ class Runner:
         serving never compiles. Returns (programs, seconds)."""
         start = time.perf_counter()
         buckets = self.buckets.all()
-        moves = pow2_ladder(1, self._max_move)
-        total = len(buckets) + 1 + len(moves) * (3 if swap else 1)
+        total = len(buckets) + 1 + self.moves.num_programs(swap=swap)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
         # the platform's attention compiled once already (its probe, for Pallas): a failure
         # here stops the start-up
@@ -704,16 +540,7 @@ class Runner:
         # row 0 is free while nothing runs: filling it with nothing leaves it as it was
         self._init_state_row(StateRowInit(row=0, prompt_token_ids=(), output_token_ids=()))
         bar.update()
-        for n in moves:
-            none = np.full(n, -1, np.int32)
-            dims = dict(num_layers=self.layout.num_layers, num_blocks=self.layout.num_blocks)
-            self.pool = self.programs.copy_blocks(self.pool, none, none, **dims)
-            bar.update()
-            if swap:
-                arrays = jax.device_get(self.programs.gather_blocks(self.pool, none, **dims))
-                bar.update()
-                self.pool = self.programs.scatter_blocks(self.pool, none, tuple(arrays), **dims)
-                bar.update()
+        self.pool = self.moves.warm_up(self.pool, swap=swap, done=bar.update)
         jax.block_until_ready((self.pool, self.seq_state))
         bar.close()
         if self.drafter is not None:

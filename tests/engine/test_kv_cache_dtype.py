@@ -89,9 +89,9 @@ def test_swap_out_and_in_moves_values_and_scales(kind, dtypes):
         for p in runner.pool
     )
     before = [np.asarray(p) for p in runner.pool]
-    runner._swap_out([(3, 0), (5, 1)])
+    runner.moves.swap_out(runner.pool, [(3, 0), (5, 1)])
     runner.pool = tuple(jnp.zeros_like(p) for p in runner.pool)
-    runner._swap_in([(0, 6), (1, 2)])
+    runner.pool = runner.moves.swap_in(runner.pool, [(0, 6), (1, 2)])
     rows = engine.layout.num_blocks
     for old, new in zip(before, (np.asarray(p) for p in runner.pool), strict=True):
         for layer in range(engine.layout.num_layers):

@@ -96,7 +96,7 @@ def _nothing_held(request):
         if pool.tier is not None:
             slots = {pool.tier.slot(k) for k in pool.tier.keys()}
             assert len(slots) == len(pool.tier) <= pool.tier.num_slots
-            assert set(runner._tier_blocks) == slots
+            assert set(runner.moves.tier_blocks) == slots
         if pool.disk is not None:
             assert len(pool.disk) <= pool.disk.num_slots
             files = {f"block-{pool.disk.slot(k)}.kv" for k in pool.disk.keys()}
@@ -194,15 +194,17 @@ def test_tier_copies_are_bit_exact(tiered):
     rng = np.random.default_rng(0)
     runner.pool = tuple(jnp.asarray(rng.standard_normal(p.shape), p.dtype) for p in runner.pool)
     before = [np.asarray(p) for p in runner.pool]
-    runner._offload([(3, 0), (5, 1)])
-    runner._load([(1, 6), (0, 2)])  # read before the gathers are fetched: fetched on demand
+    runner.moves.offload(runner.pool, [(3, 0), (5, 1)])
+    runner.pool = runner.moves.load(
+        runner.pool, [(1, 6), (0, 2)]
+    )  # read before the gathers are fetched: fetched on demand
     rows = tiered.layout.num_blocks
     for old, new in zip(before, (np.asarray(p) for p in runner.pool), strict=True):
         for layer in range(CFG.num_layers):
             np.testing.assert_array_equal(new[layer * rows + 2], old[layer * rows + 3])
             np.testing.assert_array_equal(new[layer * rows + 6], old[layer * rows + 5])
     tiered.reset_prefix_cache()  # the pool's contents are garbage now: forget every key
-    runner._tier_blocks.clear()
+    runner.moves.tier_blocks.clear()
 
 
 def test_abort_mid_load_leaks_nothing(tiered):

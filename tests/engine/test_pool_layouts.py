@@ -25,9 +25,9 @@ def test_swap_out_and_in_is_bit_exact_in_every_layer(backend, arrays):
     rng = np.random.default_rng(0)
     runner.pool = tuple(jnp.asarray(rng.standard_normal(p.shape), p.dtype) for p in runner.pool)
     before = [np.asarray(p) for p in runner.pool]
-    runner._swap_out([(3, 0), (5, 1)])  # device block -> host slot
+    runner.moves.swap_out(runner.pool, [(3, 0), (5, 1)])  # device block -> host slot
     runner.pool = tuple(jnp.zeros_like(p) for p in runner.pool)
-    runner._swap_in([(0, 6), (1, 2)])  # host slot -> device block
+    runner.pool = runner.moves.swap_in(runner.pool, [(0, 6), (1, 2)])  # host slot -> device block
     layers, blocks = engine.layout.num_layers, engine.layout.num_blocks
     for old, new in zip(before, (np.asarray(p) for p in runner.pool), strict=True):
         for layer in range(layers):
