@@ -84,7 +84,10 @@ def parse_config(d: Mapping[str, Any]) -> Gemma3VLConfig:
         **fields,
         vision=vision,
         image=ImageSpec(
-            size=vision.image_size, tokens_per_image=tokens, image_token_id=image_token
+            size=vision.image_size,
+            tokens_per_image=tokens,
+            image_token_id=image_token,
+            bidirectional=True,
         ),
     )
 

@@ -13,6 +13,12 @@ of its features (j: its placeholder's index in its image), or -1 for a text toke
 gathers the features by it (``StepBatch.image_rows``). Chunked prefill may split an image's
 placeholders across steps: each row is looked up on its own.
 
+When the model attends over an image's tokens both ways (``ImageItem.whole``; the scheduler
+then feeds each image in one chunk), :meth:`ImageEncoder.causal_limits` gives each row the
+last key position it sees (``StepBatch.causal_limits``): its image's last for a placeholder,
+its own position for any other row. Such a model's steps always carry them, text-only ones
+too, so every step runs the same compiled programs.
+
 Slots: a step reads at most ``min(S * limit, T // I + S)`` images (S sequences with at most
 ``limit`` images each, T tokens), so at least that many slots are kept; more keep more
 images cached.
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged.kernels import LIMITLESS_BACKENDS
 from jaxpaged.sched.images import ImageItem
 from jaxpaged.sched.output import ScheduledSeq, SchedulerOutput
 from jaxpaged.worker.buckets import pow2_ladder
@@ -74,7 +81,15 @@ class ImageEncoder:
         dtype: Any,
         slots: int,
         max_batch: int = 8,
+        bidirectional: bool = False,  # ImageSpec.bidirectional: steps carry causal limits
+        attention_backend: str = "xla",  # the step's: one that takes causal limits if so
     ) -> None:
+        if bidirectional and attention_backend in LIMITLESS_BACKENDS:
+            raise ValueError(
+                f"images: the {attention_backend!r} attention backend cannot attend over an "
+                "image's tokens both ways, as this model does; use the 'cpu' or 'xla' backend"
+            )
+        self.bidirectional = bidirectional
         self.graphdef = graphdef
         self.tokens_per_image, width = feature_shape
         self.pixel_shape = tuple(pixel_shape)
@@ -132,6 +147,23 @@ class ImageEncoder:
             a, b = max(im.offset, lo), min(im.end, hi)  # the positions this step feeds
             base = self._slot_of[im.content_hash] * per - im.offset
             out[first + a - lo : first + b - lo] = np.arange(a, b, dtype=np.int32) + base
+        return out
+
+    def causal_limits(self, seqs: Sequence[ScheduledSeq], num_rows: int) -> np.ndarray:
+        """Each token row's last visible key position (int32 [num_rows]; padding rows 0):
+        the last placeholder of its ``whole`` image for an image's row, else its own
+        position."""
+        out = np.zeros(num_rows, np.int32)
+        at = 0
+        for seq in seqs:
+            lo, hi = seq.start_pos, seq.start_pos + seq.num_tokens
+            mine = out[at : at + seq.num_tokens]
+            mine[:] = np.arange(lo, hi, dtype=np.int32)
+            for im in self._images.get(seq.request_id, ()):
+                a, b = max(im.offset, lo), min(im.end, hi)
+                if im.whole and a < b:
+                    mine[a - lo : b - lo] = im.end - 1
+            at += seq.num_tokens
         return out
 
     def _ensure(self, params: Any, images: Sequence[ImageItem]) -> None:

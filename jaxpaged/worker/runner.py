@@ -194,6 +194,8 @@ class Runner:
                 pixel_shape=model_config.image.pixel_shape,
                 dtype=jax.tree.leaves(self.params["embed"])[0].dtype,
                 slots=image_slots,
+                bidirectional=model_config.image.bidirectional,
+                attention_backend=platform.attention_backend,
             )
         self._create_kv_state()
         # swapped-out blocks: host slot -> its copy; the prefix cache's host tier: tier slot ->
@@ -359,7 +361,10 @@ class Runner:
         batch, failed = self.input_batch.prepare(seqs, bucket, allowed)
         if self.images is not None:
             rows = self.images.rows(self.params, seqs, bucket.num_tokens)
-            batch = batch._replace(image_rows=rows)
+            limits = self.images.causal_limits(seqs, bucket.num_tokens)
+            batch = batch._replace(
+                image_rows=rows, causal_limits=limits if self.images.bidirectional else None
+            )
         return batch, failed
 
     def _array_kwargs(self) -> dict[str, object]:

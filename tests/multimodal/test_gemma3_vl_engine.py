@@ -2,7 +2,10 @@
 random checkpoint, with the processor's outputs as transformers' inputs: greedy tokens of
 image prompts batched with a text-only one, prefilled in chunks that split an image's
 placeholders, with prefix caching on; a repeated image encoded once; two prompts that differ
-only in the image share no block holding it; nothing compiles after warm-up."""
+only in the image share no block holding it; nothing compiles after warm-up.
+
+transformers gets the processor's ``token_type_ids``: an image's tokens attend to each other
+both ways, as in Gemma 3's own mask; the engine feeds each image in one prefill chunk."""
 
 from __future__ import annotations
 
@@ -25,11 +28,13 @@ def _hf_greedy(
     tiny_vl, text: str, images: list, max_new_tokens: int = 8
 ) -> tuple[list[int], list[int], np.ndarray]:
     """(prompt ids, greedy ids, log-probabilities [steps, V]) of transformers on the
-    processor's outputs (no token types: causal attention over the image tokens, as
-    jaxpaged's paged attention computes it; see docs/multimodal.md)."""
+    processor's outputs, token types included (an image's tokens see each other)."""
     p = tiny_vl.processor
     inputs = p(text=text, images=images or None, return_tensors="pt")
-    kw = {"pixel_values": inputs["pixel_values"]} if images else {}
+    kw = {}
+    if images:
+        kw = {"pixel_values": inputs["pixel_values"], "token_type_ids": inputs["token_type_ids"]}
+        assert int(inputs["token_type_ids"].sum()) == 4 * len(images)
     with torch.no_grad():
         out = tiny_vl.hf.generate(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **kw,
@@ -62,7 +67,8 @@ def test_greedy_matches_transformers_batched_chunked_cached(tiny_vl, llm):
     cases = [(TEXT_1, [a]), (TEXT_2, [b, c]), (TEXT_ONLY, []), (TEXT_1, [b])]
     prompts = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in cases]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    # the first prompt's first step (8 tokens) ends inside its image: positions 7 | 8..10
+    # an 8-token first step would end inside the first prompt's image (positions 7..10):
+    # the scheduler stops that chunk before the image and feeds the image whole in the next
     assert outs[0].prompt_token_ids.index(127) == 7
     for (text, images), out in zip(cases, outs, strict=True):
         ids, want, logprobs = _hf_greedy(tiny_vl, text, images)

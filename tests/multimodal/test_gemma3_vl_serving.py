@@ -148,7 +148,8 @@ def test_offline_chat_matches_transformers(tiny_vl, served):
     with torch.no_grad():
         out = tiny_vl.hf.generate(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-            pixel_values=inputs["pixel_values"], max_new_tokens=6, do_sample=False,
+            pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"],
+            max_new_tokens=6, do_sample=False,
             pad_token_id=0, eos_token_id=None,
         )  # fmt: skip
     ref = served.ref[2]  # the WebP chat
