@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,8 +101,11 @@ class ImageEncoder:
         self._slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU
         self._free = list(range(slots - 1, -1, -1))
         self._images: dict[str, tuple[ImageItem, ...]] = {}  # request id -> its images
+        # counters (EngineStats' mm_*): a step's distinct images are its queries
         self.num_encoded = 0  # images run through the encoder (cache misses)
         self.num_hits = 0  # (step, image) pairs whose image was already encoded
+        self.num_evictions = 0  # slots taken back from an encoded image for another
+        self.encoder_seconds = 0.0  # wall time of the encoder programs, waited for
 
     def clear(self) -> None:
         """Forgets every encoded image (new weights encode differently)."""
@@ -190,6 +194,7 @@ class ImageEncoder:
             return self._free.pop()
         for h in self._slot_of:  # least recently used first
             if h not in keep:
+                self.num_evictions += 1
                 return self._slot_of.pop(h)
         raise RuntimeError("the encoder cache has no slot to reuse")  # rows() bounds this
 
@@ -204,7 +209,20 @@ class ImageEncoder:
                     f"{self.pixel_shape}"
                 )
             pixels[i], slots[i] = im.pixels, slot
+        start = time.perf_counter()  # a miss waits for its encoder (one sync, for the metric)
         self.cache = self.program(params, self.cache, pixels, slots, graphdef=self.graphdef)
+        jax.block_until_ready(self.cache)
+        self.encoder_seconds += time.perf_counter() - start
+
+    def stats(self) -> dict[str, float | int]:
+        """The encoder cache's counters under EngineStats' names (vLLM's mm_cache_*: one
+        query per distinct image a step reads)."""
+        return {
+            "mm_cache_queries": self.num_hits + self.num_encoded,
+            "mm_cache_hits": self.num_hits,
+            "mm_cache_evictions": self.num_evictions,
+            "mm_encoder_seconds": self.encoder_seconds,
+        }
 
     def warm_up(self, params: Any) -> int:
         """Compiles the encoder for every batch size; returns how many programs."""

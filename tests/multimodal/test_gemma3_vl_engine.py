@@ -144,3 +144,41 @@ def test_new_weights_reencode_cached_images(tiny_vl, llm):
         with torch.no_grad():
             weight.neg_()
     assert list(llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == want
+
+
+def test_encoder_cache_metrics(llm):
+    """vLLM's mm_cache_queries / hits count each distinct image a step reads (each image
+    here in one step: its chunk holds it whole), misses are encoded; an image evicts the
+    least recently used only once the free slots (8: 6 a step may read + 2) are gone."""
+    images = llm.engine.runner.images
+    assert images.num_slots == 8
+
+    def metrics():
+        m = llm.get_metrics()
+        return {k: m[k] for k in ("mm_cache_queries", "mm_cache_hits", "mm_cache_evictions")}
+
+    llm.engine.runner.images.clear()  # a known start: every slot free
+    before, seconds = metrics(), llm.get_metrics()["mm_encoder_seconds"]
+    x, y = _image(50), _image(51)
+    llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [x, y]}}, GREEDY,
+                 use_tqdm=False)  # fmt: skip
+    first = metrics()
+    assert first["mm_cache_queries"] - before["mm_cache_queries"] == 2
+    assert first["mm_cache_hits"] == before["mm_cache_hits"]  # both encoded
+    assert llm.get_metrics()["mm_encoder_seconds"] > seconds
+    # the same images in the other order: no prefix shared past the first image, both hit
+    llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [y, x]}}, GREEDY,
+                 use_tqdm=False)  # fmt: skip
+    second = metrics()
+    assert second["mm_cache_queries"] - first["mm_cache_queries"] == 2
+    assert second["mm_cache_hits"] - first["mm_cache_hits"] == 2
+    assert second["mm_cache_evictions"] == before["mm_cache_evictions"]
+    # 8 new images, 6 free slots: the 2 least recently used (x, y) are evicted
+    prompts = [{"prompt": TEXT_2, "multi_modal_data": {"image": [_image(60 + 2 * i),
+                _image(61 + 2 * i)]}} for i in range(4)]  # fmt: skip
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    third = metrics()
+    assert third["mm_cache_queries"] - second["mm_cache_queries"] == 8
+    assert third["mm_cache_hits"] == second["mm_cache_hits"]
+    assert third["mm_cache_evictions"] - second["mm_cache_evictions"] == 2
+    assert llm.get_metrics()["num_compilations_after_warmup"] == 0
