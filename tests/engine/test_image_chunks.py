@@ -62,3 +62,15 @@ def test_engine_refuses_a_budget_below_one_image():
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes=8 is below"):
         check_chunk_room(spec, 64, 8)
     check_chunk_room(ImageSpec(size=32, tokens_per_image=16), 8, 8)  # causal: chunks split
+
+
+def test_backends_without_causal_limits_refuse_bidirectional_images():
+    import pytest
+
+    from jaxpaged.worker.images import ImageEncoder
+
+    for backend in ("pallas", "tpu"):
+        with pytest.raises(ValueError, match=f"the '{backend}' attention backend cannot attend"):
+            ImageEncoder(graphdef=None, feature_shape=(4, 8), pixel_shape=(3, 8, 8),
+                         dtype=np.float32, slots=2, bidirectional=True,
+                         attention_backend=backend)  # fmt: skip
