@@ -24,7 +24,7 @@ from .xla import ragged_paged_attention_xla
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "xla", "pallas", "cpu", "tpu")
-LIMITLESS_BACKENDS = ("pallas", "tpu")  # no per-row causal limits (an image's bidirectional span)
+LIMITLESS_BACKENDS = ("tpu",)  # no per-row causal limits (an image's bidirectional span)
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -45,8 +45,8 @@ def refuse_causal_limits(backend: str) -> None:
     """The ValueError of a backend without per-row causal limits."""
     raise ValueError(
         f"attention backend {backend!r} does not take causal_limits (the bidirectional "
-        "attention over an image's tokens that Gemma 3 needs): use 'cpu', 'xla' or "
-        "'reference'"
+        "attention over an image's tokens that Gemma 3 needs): use 'pallas', 'cpu', 'xla' "
+        "or 'reference'"
     )
 
 
@@ -237,7 +237,8 @@ def ragged_paged_attention(
     least its position and at most its sequence's last (`reference.clamp_limits`); the
     sliding window's lower bound stays relative to the position (transformers' Gemma 3 mask
     with ``token_type_ids``). Whether it is given is part of the compiled program. "cpu",
-    "xla" and "reference" take it; "pallas" and "tpu" refuse it (`refuse_causal_limits`).
+    "xla", "pallas" and "reference" take it; "tpu" (JAX's own kernel) refuses it
+    (`refuse_causal_limits`).
     """
     validate_inputs(
         q,

@@ -2,7 +2,8 @@
 every CPU backend: the jnp reference against a float64 numpy loop, then "cpu" and "xla"
 against the reference on fresh random cases (decode rows, prefill from scratch, chunked
 prefill on a cached prefix, padding rows of NaN queries with garbage limits, garbage outside
-the sequences), with and without a sliding window; the Pallas and TPU kernels refuse them."""
+the sequences), with and without a sliding window; the Pallas GPU kernels in interpret mode;
+JAX's TPU kernel refuses them."""
 
 from __future__ import annotations
 
@@ -67,12 +68,21 @@ def test_backend_matches_reference(rng, backend, d, bs, hq, hkv, dtype, window, 
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["pallas", "tpu"])
-def test_pallas_and_tpu_refuse_limits(rng, backend):
+def test_pallas_interpret_matches_reference(rng):
+    """The Pallas GPU kernels in interpret mode: groups of 3 heads padded to 4 matmul rows,
+    whose limits must line up; a window narrower than some spans; prefill tiles of 16 rows."""
+    seqs = mixed_seqs(rng, 8, n=4) + [(30, 30), (19, 40)]
+    run_and_compare(
+        rng, seqs, hq=6, hkv=2, d=16, bs=8, dtype="float32", backend="pallas", interpret=True,
+        max_seqs=7, sliding_window=7, causal_limits=True,
+    )  # fmt: skip
+
+
+def test_tpu_refuses_limits(rng):
     case = make_case(rng, [(3, 3)], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
-    with pytest.raises(ValueError, match=f"backend '{backend}' does not take causal_limits"):
+    with pytest.raises(ValueError, match="backend 'tpu' does not take causal_limits"):
         ragged_paged_attention(
-            *map(jnp.asarray, case.args()), sm_scale=1.0, backend=backend, interpret=True,
+            *map(jnp.asarray, case.args()), sm_scale=1.0, backend="tpu", interpret=True,
             causal_limits=jnp.zeros((3,), jnp.int32),
         )  # fmt: skip
 
