@@ -334,7 +334,8 @@ class LLM:
     def get_metrics(self) -> dict[str, float | int]:
         """Engine counters: preemptions, prefix cache (and its host tier's ``kv_offload_*``:
         tokens hit there, blocks and bytes stored and loaded, blocks held and at most), KV
-        usage and waste, compilations, and
+        usage and waste, compilations, a vision model's encoder cache (``mm_cache_queries``
+        / ``mm_cache_hits`` as vLLM's, ``mm_cache_evictions``, ``mm_encoder_seconds``), and
         speculative decoding's (vLLM's spec_decode names; the acceptance rate is accepted /
         drafted tokens, the mean acceptance length 1 + accepted / verifications, and
         ``spec_decode_num_accepted_tokens_per_pos_j`` counts drafts accepted at position j)."""
@@ -365,6 +366,10 @@ class LLM:
             "kv_offload_capacity_blocks": s.kv_offload_capacity_blocks,
             "kv_offload_disk_blocks_stored": s.kv_offload_disk_blocks_stored,
             "kv_offload_disk_blocks_loaded": s.kv_offload_disk_blocks_loaded,
+            "mm_cache_queries": s.mm_cache_queries,
+            "mm_cache_hits": s.mm_cache_hits,
+            "mm_cache_evictions": s.mm_cache_evictions,
+            "mm_encoder_seconds": s.mm_encoder_seconds,
             "kv_cache_usage": s.kv_cache_usage,
             "kv_cache_waste": s.kv_cache_waste,
             "num_compilations": s.num_compilations,

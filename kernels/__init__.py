@@ -2,7 +2,7 @@
 
 `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
 *, sm_scale, sliding_window=None, soft_cap=None, backend=None, interpret=None,
-max_q_len=None, max_kv_len=None, alibi_slopes=None)` and
+max_q_len=None, max_kv_len=None, alibi_slopes=None, causal_limits=None)` and
 `write_kv(k_pages, v_pages, k, v, slot_mapping)`.
 
 Backends (`backend=`; None picks by platform):
@@ -18,12 +18,19 @@ Static hints `max_q_len` (1 = decode-only step) and `max_kv_len` (bound on kv_le
 a caller that knows its bucket skip work; results are identical when they hold.
 """
 
-from .attention import BACKENDS, default_backend, ragged_paged_attention, validate_inputs
+from .attention import (
+    BACKENDS,
+    LIMITLESS_BACKENDS,
+    default_backend,
+    ragged_paged_attention,
+    validate_inputs,
+)
 from .reference import ragged_paged_attention_reference
 from .write_kv import write_kv
 
 __all__ = [
     "BACKENDS",
+    "LIMITLESS_BACKENDS",
     "default_backend",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",

@@ -24,6 +24,7 @@ from .xla import ragged_paged_attention_xla
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "xla", "pallas", "cpu", "tpu")
+LIMITLESS_BACKENDS = ("tpu",)  # no per-row causal limits (an image's bidirectional span)
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -38,6 +39,15 @@ def default_backend(platform: str | None = None) -> str:
     if platform == "cpu" and cpu.available():
         return "cpu"
     return "xla"
+
+
+def refuse_causal_limits(backend: str) -> None:
+    """The ValueError of a backend without per-row causal limits."""
+    raise ValueError(
+        f"attention backend {backend!r} does not take causal_limits (the bidirectional "
+        "attention over an image's tokens that Gemma 3 needs): use 'pallas', 'cpu', 'xla' "
+        "or 'reference'"
+    )
 
 
 def fallback_reason(
@@ -88,6 +98,7 @@ def validate_inputs(
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
     alibi_slopes: jax.Array | None = None,  # float32 [Hq]
+    causal_limits: jax.Array | None = None,  # int32 [T]
 ) -> None:
     """Raise ValueError naming the argument whose shape, dtype or value is inconsistent."""
     if q.ndim != 3:
@@ -151,6 +162,13 @@ def validate_inputs(
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
+    if causal_limits is not None and (
+        causal_limits.shape != (q.shape[0],) or causal_limits.dtype != jnp.int32
+    ):
+        raise ValueError(
+            f"causal_limits must be int32 [num_tokens={q.shape[0]}], "
+            f"got {causal_limits.dtype} {causal_limits.shape}"
+        )
     if alibi_slopes is not None and (
         alibi_slopes.shape != (num_q_heads,) or alibi_slopes.dtype != jnp.float32
     ):
@@ -191,6 +209,7 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
     alibi_slopes: jax.Array | None = None,  # float32 [num_q_heads]
+    causal_limits: jax.Array | None = None,  # int32 [num_tokens]
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     """Causal GQA attention of ragged query rows over a paged KV pool.
 
@@ -212,6 +231,14 @@ def ragged_paged_attention(
     logits after the scale and soft cap. Whether it is given is part of the compiled program
     (None traces exactly the program without it). JAX's TPU kernel takes no bias: "tpu"
     refuses it.
+
+    ``causal_limits`` (a vision model's image tokens, which attend to their whole image):
+    row t sees keys up to ``causal_limits[t]`` instead of up to its position, clamped to at
+    least its position and at most its sequence's last (`reference.clamp_limits`); the
+    sliding window's lower bound stays relative to the position (transformers' Gemma 3 mask
+    with ``token_type_ids``). Whether it is given is part of the compiled program. "cpu",
+    "xla", "pallas" and "reference" take it; "tpu" (JAX's own kernel) refuses it
+    (`refuse_causal_limits`).
     """
     validate_inputs(
         q,
@@ -227,6 +254,7 @@ def ragged_paged_attention(
         k_scales=k_scales,
         v_scales=v_scales,
         alibi_slopes=alibi_slopes,
+        causal_limits=causal_limits,
     )
     quantized = k_scales is not None
     if backend is None:  # a direct caller's default; an engine passes its Platform's choice
@@ -256,6 +284,10 @@ def ragged_paged_attention(
 
             refuse_alibi()
         extra["alibi_slopes"] = alibi_slopes  # passed on only when given
+    if causal_limits is not None:
+        if backend in LIMITLESS_BACKENDS:
+            refuse_causal_limits(backend)
+        extra["causal_limits"] = causal_limits
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **opts, **extra)
     if backend == "xla":

@@ -85,6 +85,7 @@ def _stream_kv(
     soft_cap: float | None,
     scale_refs=None,  # (k, v) f32 refs [NB, B] for this KV head: an 8-bit pool's scales
     slopes=None,  # f32 [M, 1]: each row's ALiBi slope (its query head's)
+    last=None,  # int32 [M, 1]: the last key position each row sees (default: pos)
 ):
     """Online-softmax attention of q over blocks [first_page, end_page) of one sequence.
     An 8-bit pool's tiles are dequantized to q's dtype right after they are loaded; with
@@ -121,7 +122,8 @@ def _stream_kv(
         kv_pos = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [1, BK]
         if slopes is not None:
             s = s + alibi_bias(slopes, kv_pos, pos)
-        ok = (kv_pos <= pos) & (kv_pos < end_page * block_size) & row_ok
+        ok = (kv_pos <= (pos if last is None else last)) & (kv_pos < end_page * block_size)
+        ok &= row_ok
         if sliding_window is not None:
             ok &= kv_pos > pos - sliding_window
         s = jnp.where(ok, s, MASK_VALUE)
@@ -158,6 +160,22 @@ def _split_refs(refs, quantized: bool, alibi: bool):
     scale_refs, refs = (refs[:2], refs[2:]) if quantized else (None, refs)
     slopes_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     return scale_refs, slopes_ref, refs
+
+
+def _tile_limits(
+    causal_limits: jax.Array,  # int32 [T] each row's last visible key (unclamped)
+    src: jax.Array,  # int32 [NT, TQ] each tile row's query row
+    pos: jax.Array,  # int32 [NT, TQ] its position
+    kv_len: jax.Array,  # int32 [NT, 1] its sequence's length
+    row_ok: jax.Array,  # bool [NT, TQ]
+    group_pad: int,
+) -> tuple[jax.Array, jax.Array]:  # int32 [NT, TQ * Gp], int32 [NT]
+    """The prefill kernel's inputs for ``causal_limits``: each matmul row's last visible key
+    (clamped as reference.clamp_limits; row m of a tile is query token m // Gp) and each
+    tile's furthest one (where its blocks end)."""
+    last = jnp.maximum(jnp.minimum(causal_limits[src], kv_len - 1), pos)
+    furthest = jnp.max(jnp.where(row_ok, last, 0), axis=1)
+    return jnp.repeat(last, group_pad, axis=1).astype(jnp.int32), furthest.astype(jnp.int32)
 
 
 def _decode_kernel(
@@ -237,7 +255,7 @@ def _prefill_kernel(
     k_ref,  # [NB, B, D]
     v_ref,  # [NB, B, D]
     *refs,  # [k_scales, v_scales (f32 [NB, B]) if quantized], [slopes f32 [TQ * Gp] if
-    # alibi], o [TQ * Gp, D]
+    # alibi], [limits int32 [TQ * Gp], furthest int32 [NT] if limits], o [TQ * Gp, D]
     tokens: int,
     group_pad: int,
     pages_per_step: int,
@@ -246,8 +264,10 @@ def _prefill_kernel(
     soft_cap: float | None,
     quantized: bool = False,
     alibi: bool = False,
+    limits: bool = False,
 ):
-    scale_refs, slopes_ref, (o_ref,) = _split_refs(refs, quantized, alibi)
+    scale_refs, slopes_ref, refs = _split_refs(refs, quantized, alibi)
+    (limits_ref, furthest_ref), (o_ref,) = (refs[:2], refs[2:]) if limits else ((None, None), refs)
     tile = pl.program_id(0)
     block_size = k_ref.shape[1]
     seq = tile_seq_ref[tile]
@@ -263,7 +283,8 @@ def _prefill_kernel(
     pos = pos0 + token
     row_ok = token < n_rows
     first = _first_page(pos0, sliding_window, block_size)
-    end = jnp.where(n_rows > 0, (pos0 + n_rows - 1) // block_size + 1, first)
+    furthest = pos0 + n_rows - 1 if furthest_ref is None else furthest_ref[tile]
+    end = jnp.where(n_rows > 0, furthest // block_size + 1, first)
     acc, _, l = _stream_kv(  # noqa: E741
         q_ref[...],
         pos,
@@ -280,6 +301,7 @@ def _prefill_kernel(
         soft_cap=soft_cap,
         scale_refs=scale_refs,
         slopes=None if slopes_ref is None else slopes_ref[...][:, None],
+        last=None if limits_ref is None else limits_ref[...][:, None],
     )
     l = jnp.where(l > 0, l, 1.0)  # noqa: E741
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -325,10 +347,14 @@ def ragged_paged_attention_pallas(
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
     alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi
+    causal_limits: jax.Array | None = None,  # int32 [T]: the last key position per row
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention` (inputs are validated there); `config`
     defaults to `choose_config` for the shape. ALiBi slopes reach each kernel as one more
-    input: per KV head, the slope of every matmul row (its query head's; padding rows 0)."""
+    input: per KV head, the slope of every matmul row (its query head's; padding rows 0).
+    ``causal_limits`` reach the prefill kernel only (a sequence's last row, the decode
+    kernel's, sees its whole sequence anyway): each matmul row's last visible key and each
+    tile's furthest, where its blocks end."""
     _ignore_triton_deprecation()
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
@@ -490,8 +516,24 @@ def ragged_paged_attention_pallas(
             if slopes is not None:  # row m of a tile is group row m % Gp
                 prefill_in = (jnp.tile(slopes, (1, tokens)),)  # [Hkv, TQ * Gp]
                 prefill_specs = [pl.BlockSpec((_SQUEEZED, m_rows), lambda t, h: (h, 0))]
+            if causal_limits is not None:
+                t_kv = kv_lens[t_seq][:, None]
+                prefill_in += _tile_limits(
+                    causal_limits, src, t_kv - q_lens[t_seq][:, None] + offs, t_kv, row_ok,
+                    group_pad,
+                )  # fmt: skip
+                prefill_specs += [
+                    pl.BlockSpec((_SQUEEZED, m_rows), lambda t, h: (t, 0)),
+                    _full_spec((num_tiles,)),
+                ]
             res = pl.pallas_call(
-                functools.partial(_prefill_kernel, tokens=tokens, group_pad=group_pad, **common),
+                functools.partial(
+                    _prefill_kernel,
+                    tokens=tokens,
+                    group_pad=group_pad,
+                    limits=causal_limits is not None,
+                    **common,
+                ),  # fmt: skip
                 grid=(num_tiles, num_kv_heads),
                 in_specs=[
                     _full_spec((num_tiles,)),

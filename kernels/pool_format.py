@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .attention import BACKENDS, ragged_paged_attention
+from .attention import BACKENDS, ragged_paged_attention, refuse_causal_limits
 from .write_kv import write_kv, write_kv_quantized
 
 # (k_pages, v_pages), (kv_pages,) when combined, (k_pages, v_pages, k_scales, v_scales) quantized
@@ -87,12 +87,15 @@ class PoolFormat:
         max_q_len: int | None = None,
         max_kv_len: int | None = None,
         alibi_slopes: jax.Array | None = None,  # float32 [Hq]
+        causal_limits: jax.Array | None = None,  # int32 [T]
     ) -> jax.Array:  # [T, Hq, D]
         if self.combined:
             from .tpu import ragged_paged_attention_tpu, refuse_alibi
 
             if alibi_slopes is not None:
                 refuse_alibi()
+            if causal_limits is not None:
+                refuse_causal_limits("tpu")
 
             return ragged_paged_attention_tpu(
                 q, pool[0], kv_lens, block_tables, cu_q_lens, num_seqs,
@@ -102,6 +105,8 @@ class PoolFormat:
         scales = dict(k_scales=pool[2], v_scales=pool[3]) if self.quantized else {}
         if alibi_slopes is not None:
             scales["alibi_slopes"] = alibi_slopes
+        if causal_limits is not None:
+            scales["causal_limits"] = causal_limits
         return ragged_paged_attention(
             q, *pool[:2], kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,

@@ -43,6 +43,17 @@ def token_metadata(
     return seq, pos, valid
 
 
+def clamp_limits(
+    limits: jax.Array,  # int32 [T] the last key position each row may see
+    pos: jax.Array,  # int32 [T] each row's position
+    kv_len: jax.Array,  # int32 [T] its sequence's length
+) -> jax.Array:  # int32 [T]
+    """The last key position each row sees given ``causal_limits``: at least its own
+    position (a limit never hides what causal attention shows), at most its sequence's
+    last cached position (a row never reads past what is written)."""
+    return jnp.maximum(jnp.minimum(limits, kv_len - 1), pos)
+
+
 def alibi_bias(
     slopes: jax.Array,  # float32, broadcastable against the other two: one per query head
     kv_pos: jax.Array,  # int32 key positions
@@ -69,11 +80,14 @@ def ragged_paged_attention_reference(
     k_scales: jax.Array | None = None,  # float32 [N, B, Hkv]: with an 8-bit pool (kv_quant.py)
     v_scales: jax.Array | None = None,  # float32 [N, B, Hkv]
     alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi (BLOOM)
+    causal_limits: jax.Array | None = None,  # int32 [T]: the last key position each row sees
 ) -> jax.Array:  # [T, Hq, D]
     """Causal GQA attention of each query row over its sequence's paged KV (an 8-bit
     pool's rows are dequantized with their scales first). With ``alibi_slopes``, head h's
     logit of key position j for a query at position i gains ``slopes[h] * (j - i)`` after
-    scaling and soft cap (``alibi_bias``)."""
+    scaling and soft cap (``alibi_bias``). With ``causal_limits`` a row sees keys up to
+    ``clamp_limits`` of it instead of up to its own position (the sliding window's lower
+    bound stays relative to the row's position)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -99,7 +113,8 @@ def ragged_paged_attention_reference(
     if alibi_slopes is not None:
         slopes = alibi_slopes.reshape(num_kv_heads, group)[None, :, :, None]
         logits = logits + alibi_bias(slopes, kv_pos[None, None, None, :], pos[:, None, None, None])
-    allowed = kv_pos[None, :] <= pos[:, None]  # [T, K]
+    last = pos if causal_limits is None else clamp_limits(causal_limits, pos, kv_lens[seq])
+    allowed = kv_pos[None, :] <= last[:, None]  # [T, K]
     if sliding_window is not None:
         allowed &= kv_pos[None, :] > pos[:, None] - sliding_window
     allowed &= valid[:, None]

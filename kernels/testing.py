@@ -124,9 +124,12 @@ def numpy_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     alibi_slopes: np.ndarray | None = None,  # [Hq]
+    spans: dict[int, tuple[int, int]] | None = None,  # row -> [lo, hi) positions it sees whole
 ) -> np.ndarray:  # [T, Hq, D] float64
     """Independent float64 loop-per-sequence attention, to check the jnp reference (ALiBi as
-    transformers' BLOOM writes it: slope * key position, which softmax makes relative)."""
+    transformers' BLOOM writes it: slope * key position, which softmax makes relative).
+    ``spans``: a row inside a bidirectional span also sees the span's later keys (the
+    sliding window still bounds it below, as transformers' Gemma 3 mask does)."""
     q = case.q.astype(np.float64)
     k_pages = case.k_pages.astype(np.float64)
     v_pages = case.v_pages.astype(np.float64)
@@ -141,15 +144,16 @@ def numpy_attention(
             row = case.cu_q_lens[i] + j
             pos = kv_len - q_len + j
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            last = max(pos, spans[row][1] - 1) if spans and row in spans else pos
             for h in range(q.shape[1]):
-                kh = k[lo : pos + 1, h // group]
+                kh = k[lo : last + 1, h // group]
                 s = kh @ q[row, h] * case.sm_scale
                 if soft_cap is not None:
                     s = soft_cap * np.tanh(s / soft_cap)
                 if alibi_slopes is not None:
-                    s = s + float(alibi_slopes[h]) * np.arange(lo, pos + 1)
+                    s = s + float(alibi_slopes[h]) * np.arange(lo, last + 1)
                 p = np.exp(s - s.max())
-                out[row, h] = (p / p.sum()) @ v[lo : pos + 1, h // group]
+                out[row, h] = (p / p.sum()) @ v[lo : last + 1, h // group]
     return out
 
 
@@ -182,6 +186,35 @@ def mixed_seqs(rng, block_size, n=6):
     return [tuple(s) for s in seqs]
 
 
+def random_spans(
+    rng: np.random.Generator, case: Case, num_rows: int
+) -> tuple[np.ndarray, dict[int, tuple[int, int]]]:  # int32 [T], row -> [lo, hi)
+    """Bidirectional spans (an image's tokens) inside each multi-row query chunk, and the
+    ``causal_limits`` they give: a span's rows see up to its last position, other rows their
+    own (some written as anything below it, which must not hide a key); padding rows get
+    garbage, which the clamp must make harmless. Returns (limits, row -> span positions)."""
+    limits = rng.integers(-(2**30), 2**30, size=num_rows).astype(np.int32)
+    spans: dict[int, tuple[int, int]] = {}
+    for i, (q_len, kv_len) in enumerate(case.seqs):
+        first = int(case.cu_q_lens[i])
+        pos0 = kv_len - q_len
+        for j in range(q_len):
+            pos = pos0 + j
+            limits[first + j] = pos if rng.random() < 0.7 else int(rng.integers(-5, pos + 1))
+        j = 0
+        while q_len > 1 and j < q_len - 1:
+            j += int(rng.integers(0, 4))
+            width = int(rng.integers(2, 12))
+            lo, hi = j, min(q_len, j + width)
+            if hi - lo < 2:
+                break
+            for r in range(lo, hi):
+                limits[first + r] = pos0 + hi - 1
+                spans[first + r] = (pos0 + lo, pos0 + hi)
+            j = hi
+    return limits, spans
+
+
 def run_and_compare(
     rng, seqs, *, hq, hkv, d, bs, dtype, backend, max_seqs=None, pad=3, **kw
 ) -> Case:
@@ -210,6 +243,9 @@ def run_and_compare(
     )
     if kw.get("alibi_slopes") is not None:  # the same slopes for the reference
         opts["alibi_slopes"] = jnp.asarray(kw.pop("alibi_slopes"), jnp.float32)
+    if kw.pop("causal_limits", False):  # random bidirectional spans, the same for both
+        limits, _ = random_spans(rng, case, case.q.shape[0])
+        opts["causal_limits"] = jnp.asarray(limits)
     ref = ragged_paged_attention(*args, **opts, backend="reference")
     fn = kw.pop("fn", None)
     if fn is None:

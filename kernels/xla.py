@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kv_quant import dequantize
-from .reference import MASK_VALUE, alibi_bias
+from .reference import MASK_VALUE, alibi_bias, clamp_limits
 
 DEFAULT_Q_TILE = 64
 DEFAULT_KV_CHUNK = 128
@@ -35,6 +35,7 @@ def _cdiv(a, b):
 def _attend(
     q: jax.Array,  # [N, R, Hkv, G, D]   N groups of R rows; each group reads one sequence
     pos: jax.Array,  # int32 [N, R]  absolute position of each row
+    last: jax.Array,  # int32 [N, R]  the last key position each row sees (>= pos)
     row_valid: jax.Array,  # bool [N, R]
     tables: jax.Array,  # int32 [N, P]  block table of each group's sequence
     first_block: jax.Array,  # int32 [N]  first block any row of the group may see
@@ -84,7 +85,7 @@ def _attend(
                 pos[:, None, None, :, None],
             )  # [N, Hkv, G, R, L]
             s = s + bias.reshape(n, hkv, g * r, chunk)
-        ok = kv_pos[:, None, :] <= pos[:, :, None]  # [N, R, L]
+        ok = kv_pos[:, None, :] <= last[:, :, None]  # [N, R, L]
         if sliding_window is not None:
             ok &= kv_pos[:, None, :] > pos[:, :, None] - sliding_window
         ok &= row_valid[:, :, None] & (blk < max_blocks).repeat(block_size, axis=1)[:, None, :]
@@ -132,6 +133,7 @@ def ragged_paged_attention_xla(
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool (kv_quant.py)
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
     alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi (reference.alibi_bias)
+    causal_limits: jax.Array | None = None,  # int32 [T]: the last key position each row sees
 ) -> jax.Array:  # [T, Hq, D]
     """See `jaxpaged.kernels.ragged_paged_attention`; extra static hints:
 
@@ -177,17 +179,24 @@ def ragged_paged_attention_xla(
     first = first_block_of(last_pos)
     n_chunks = static_chunks or chunks_for(first, last_pos, has_q)
 
-    def attend(q_rows, pos, valid, tables, first, n_chunks):  # _attend on this pool
+    def attend(q_rows, pos, last, valid, tables, first, n_chunks):  # _attend on this pool
         return _attend(
-            q_rows, pos, valid, tables, first, n_chunks, k_pages, v_pages,
+            q_rows, pos, last, valid, tables, first, n_chunks, k_pages, v_pages,
             None if k_scales is None else (k_scales, v_scales),
             blocks_per_chunk=blocks_per_chunk, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
             slopes=None if alibi_slopes is None else alibi_slopes.reshape(num_kv_heads, group),
         )  # fmt: skip
 
+    # a sequence's last row sits at its last cached position: no limit lets it see further
     out_last = attend(
-        qg[last_row][:, None], last_pos[:, None], has_q[:, None], block_tables, first, n_chunks
+        qg[last_row][:, None],
+        last_pos[:, None],
+        last_pos[:, None],
+        has_q[:, None],
+        block_tables,
+        first,
+        n_chunks,
     )[:, 0]  # [S, Hkv, G, D]
     dest = jnp.where(has_q, last_row, num_tokens)
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
@@ -211,9 +220,14 @@ def ragged_paged_attention_xla(
             ok = offs < body_len[s]
             rows = jnp.clip(q_start[s] + offs, 0, num_tokens - 1)
             pos = kv_lens[s] - q_len[s] + offs
+            last = pos
+            if causal_limits is not None:
+                last = clamp_limits(causal_limits[rows], pos, kv_lens[s])
             f = first_block_of(pos[0])
-            nc = static_chunks or chunks_for(f[None], jnp.max(jnp.where(ok, pos, 0))[None], ok[:1])
-            res = attend(qg[rows][None], pos[None], ok[None], block_tables[s][None], f[None], nc)[0]
+            nc = static_chunks or chunks_for(f[None], jnp.max(jnp.where(ok, last, 0))[None], ok[:1])
+            res = attend(
+                qg[rows][None], pos[None], last[None], ok[None], block_tables[s][None], f[None], nc
+            )[0]
             dest = jnp.where(ok, rows, num_tokens)
             return out.at[dest].set(res, mode="drop", unique_indices=True)
 

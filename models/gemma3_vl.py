@@ -30,10 +30,11 @@ from .gemma import GemmaForCausalLM, gemma_config_fields, gemma_rms_norm
 from .gemma import load_host_params as load_text_params
 from .gemma import param_shapes as text_shapes
 from .image_spec import ImageSpec
+from .layers import dense_causal_attention, grouped_attention
 from .llama import LINEARS
 from .safetensors_index import TensorError
 from .siglip import SiglipConfig, load_siglip, parse_siglip_config, siglip_encode, siglip_shapes
-from .types import Params, TensorReader
+from .types import AttentionFn, Params, TensorReader
 
 MODEL_TYPE = "gemma3"
 
@@ -84,7 +85,10 @@ def parse_config(d: Mapping[str, Any]) -> Gemma3VLConfig:
         **fields,
         vision=vision,
         image=ImageSpec(
-            size=vision.image_size, tokens_per_image=tokens, image_token_id=image_token
+            size=vision.image_size,
+            tokens_per_image=tokens,
+            image_token_id=image_token,
+            bidirectional=True,
         ),
     )
 
@@ -145,11 +149,54 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
         self.vision = ParamTree(shapes["vision"], dtype)
         self.projector = ParamTree(shapes["projector"], dtype)
 
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [T]
+        positions: jax.Array,  # int32 [T]
+        attention_fn: AttentionFn = dense_causal_attention,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> tuple[jax.Array, Any]:
+        """The decoder (GemmaForCausalLM's call). A dense forward (the default
+        ``attention_fn``) with ``image_embeds`` lets each image's placeholders attend to each
+        other both ways, as the paged engine does (its steps' causal limits) and transformers
+        with ``token_type_ids``."""
+        image_embeds = kwargs.get("image_embeds")
+        if image_embeds is not None and attention_fn is dense_causal_attention:
+            attention_fn = dense_image_attention(image_span_limits(image_embeds[1]))
+        return super().__call__(tokens, positions, attention_fn, cache, **kwargs)
+
     def encode_images(self, pixels: jax.Array) -> jax.Array:  # [N, C, H, W] -> [N, I, D]
         """The projected features of a batch of normalized images."""
         c = self.config
         hidden = siglip_encode(self.vision.tree(), pixels, c.vision)
         return project(self.projector.tree(), hidden, c)
+
+
+def image_span_limits(mask: jax.Array) -> jax.Array:  # bool [T] -> int32 [T]
+    """Each position's last visible key in a dense forward: the last of its run of image
+    placeholders (transformers' groups: consecutive image tokens), else itself."""
+    t = mask.shape[0]
+    idx = jnp.arange(t, dtype=jnp.int32)
+    first_text_after = jax.lax.cummin(jnp.where(mask, t, idx), reverse=True)
+    return jnp.where(mask, first_text_after - 1, idx)
+
+
+def dense_image_attention(limits: jax.Array) -> AttentionFn:  # limits: int32 [T]
+    """A dense forward's AttentionFn where row t sees keys up to ``limits[t]`` (the window,
+    if any, bounds it below relative to t), as the paged kernels' ``causal_limits``."""
+
+    def attention(q, k, v, layer, cache, *, sm_scale=None, sliding_window=None,
+                  soft_cap=None, alibi_slopes=None):  # fmt: skip
+        if alibi_slopes is not None:
+            raise ValueError("Gemma 3 takes no ALiBi slopes")
+        pos = jnp.arange(q.shape[0])
+        mask = pos[None, :] <= limits[:, None]
+        if sliding_window is not None:
+            mask &= pos[None, :] > pos[:, None] - sliding_window
+        return grouped_attention(q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap), cache
+
+    return attention
 
 
 def _first_prefix(read: TensorReader, candidates: tuple[str, ...], probe: str, shape) -> str:

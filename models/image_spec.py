@@ -24,6 +24,9 @@ class ImageSpec:
     # what the processor expands ``boi_token`` to; {image} stands for the placeholders
     expansion: str = "\n\n<start_of_image>{image}<end_of_image>\n\n"
     image_token: str = "<image_soft_token>"
+    # an image's placeholders attend to each other both ways (Gemma 3: transformers' mask
+    # with token_type_ids); the scheduler then keeps each image whole in one prefill chunk
+    bidirectional: bool = False
 
     @property
     def pixel_shape(self) -> tuple[int, int, int]:

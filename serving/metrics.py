@@ -160,8 +160,21 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)  # exposed as <name>_total
             c.add_metric([], get(attr))
             yield c
-        # speculative decoding, under vLLM's names (exposed as <name>_total, as vLLM's)
+        # speculative decoding and the encoder cache, under vLLM's names (exposed as
+        # <name>_total, as vLLM's); the encoder cache's evictions and time under ours
         spec = [
+            ("vllm:mm_cache_queries", "Images looked up in the encoder cache.", "mm_cache_queries"),
+            ("vllm:mm_cache_hits", "Images found in the encoder cache.", "mm_cache_hits"),
+            (
+                "jaxpaged:mm_cache_evictions",
+                "Encoded images evicted from the encoder cache.",
+                "mm_cache_evictions",
+            ),
+            (
+                "jaxpaged:mm_encoder_seconds",
+                "Wall time of the image encoder.",
+                "mm_encoder_seconds",
+            ),
             ("vllm:spec_decode_num_drafts", "Draft verifications run.", "spec_decode_num_drafts"),
             (
                 "vllm:spec_decode_num_draft_tokens",

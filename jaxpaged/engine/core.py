@@ -485,7 +485,14 @@ class EngineCore:
             kv_offload_capacity_blocks=0 if tier is None else tier.num_slots,
             kv_offload_disk_blocks_stored=st.kv_offload_disk_blocks_stored,
             kv_offload_disk_blocks_loaded=st.kv_offload_disk_blocks_loaded,
+            **_image_stats(self.runner),
         )
+
+
+def _image_stats(runner: object) -> dict[str, float | int]:
+    """A vision model's encoder-cache counters (jaxpaged.worker.images), else none."""
+    images = getattr(runner, "images", None)
+    return {} if images is None else images.stats()
 
 
 def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:

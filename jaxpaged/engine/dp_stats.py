@@ -66,4 +66,8 @@ _OFFLOAD_COUNTERS = (
     "kv_offload_bytes_loaded",
     "kv_offload_disk_blocks_stored",
     "kv_offload_disk_blocks_loaded",
+    "mm_cache_queries",
+    "mm_cache_hits",
+    "mm_cache_evictions",
+    "mm_encoder_seconds",
 )

@@ -208,6 +208,23 @@ def image_spec_from_folder(spec: ImageSpec, folder: str | os.PathLike | None) ->
     return spec
 
 
+def check_chunk_room(spec: ImageSpec, max_num_batched_tokens: int, cap: int | None) -> None:
+    """ValueError when a model that keeps each image in one prefill chunk
+    (``spec.bidirectional``) could never fit one: the step budget, and the prefill cap of a
+    step with decodes (``max_prefill_tokens_with_decodes``), must hold an image's tokens."""
+    if not spec.bidirectional:
+        return
+    for name, value in (
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_prefill_tokens_with_decodes", cap),
+    ):
+        if value is not None and value < spec.tokens_per_image:
+            raise ValueError(
+                f"{name}={value} is below an image's {spec.tokens_per_image} tokens, which "
+                "this model feeds in one prefill chunk (they attend to each other both ways)"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class ImagePrompts:
     """A model's image prompts: ``limit`` images per prompt at most."""
@@ -249,6 +266,7 @@ class ImagePrompts:
                     offset=int(run[0]),
                     length=per,
                     pixels=pixels,
+                    whole=self.spec.bidirectional,
                 )
             )
         return tuple(items)

@@ -29,7 +29,7 @@ from jaxpaged.config import (
     SchedulerConfig,
 )
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
-from jaxpaged.engine.images import ImagePrompts
+from jaxpaged.engine.images import ImagePrompts, check_chunk_room
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
@@ -761,6 +761,9 @@ def _image_setup(
     ):
         if on:
             raise ValueError(f"{what} is not supported with a vision-language model yet")
+    check_chunk_room(
+        spec, scheduler.max_num_batched_tokens, scheduler.max_prefill_tokens_with_decodes
+    )
     slots = min_image_slots(
         max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,

@@ -102,6 +102,13 @@ class EngineStats:
     # the disk tier behind it: blocks written there, and of the loaded ones those read back
     kv_offload_disk_blocks_stored: int = 0
     kv_offload_disk_blocks_loaded: int = 0
+    # a vision model's encoder cache (vLLM's vllm:mm_cache_*: one query per distinct image a
+    # step reads; the misses were encoded), slots taken back from an encoded image for
+    # another, and the encoder's wall time in seconds
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
+    mm_cache_evictions: int = 0
+    mm_encoder_seconds: float = 0.0
 
 
 class Tokenizer(Protocol):

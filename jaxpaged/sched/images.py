@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ImageItem", "content_hash", "image_key_slice"]
+__all__ = ["ImageItem", "content_hash", "fit_chunk", "image_key_slice"]
 
 
 def content_hash(pixels: Any) -> str:  # pixels: a numpy array
@@ -30,6 +30,9 @@ class ImageItem:
     # an image at its own size (Qwen2.5-VL): pixels are its patches [N, K] and this their
     # grid (frames, rows, columns), as transformers' image_grid_thw
     grid: tuple[int, int, int] | None = None
+    # its placeholders attend to each other both ways (ImageSpec.bidirectional): a prefill
+    # chunk that feeds any of them feeds up to its last (``fit_chunk``)
+    whole: bool = False
 
     @property
     def end(self) -> int:
@@ -41,6 +44,19 @@ class ImageItem:
         placeholders in the prefix-cache keys: two prompts that differ only in the image
         get different keys for the blocks holding it."""
         return -1 - int(self.content_hash[:15], 16)
+
+
+def fit_chunk(start: int, n: int, images: Sequence[ImageItem]) -> int:
+    """The most tokens (<= ``n``) a prefill chunk from position ``start`` may feed without
+    ending inside a ``whole`` image: an image's tokens see the K/V of all of its tokens, so
+    the chunk that feeds one also feeds its last (the earlier ones may be in cached blocks,
+    whose K/V the whole image computed). 0: the chunk starts in or at an image it cannot
+    hold, so the request waits for a step with room."""
+    stop = start + n
+    for im in images:
+        if im.whole and im.offset < stop < im.end:
+            stop = im.offset if im.offset > start else start
+    return stop - start
 
 
 def image_key_slice(

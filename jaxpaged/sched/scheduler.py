@@ -91,6 +91,7 @@ from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
+from jaxpaged.sched.images import fit_chunk
 from jaxpaged.sched.lora_slots import LoraSlots
 from jaxpaged.sched.output import (
     NewRequestData,
@@ -431,6 +432,9 @@ class Scheduler:
                     continue  # drafting reads its tokens: the one in flight first
                 drafts = self._drafts(req, room() - 1)
             n = min(req.num_total_tokens - req.num_computed_tokens, room())
+            n = fit_chunk(req.num_computed_tokens, n, req.images)  # a whole image, or none
+            if n == 0:
+                continue
             if drafts and not self.pool.can_allocate(
                 req.request_id, req.num_computed_tokens, n + len(drafts)
             ):
@@ -453,8 +457,11 @@ class Scheduler:
             while self.swapped and room() > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
                 n = min(req.num_tokens - req.num_computed_tokens, room())
-                if req.num_inflight or not self.pool.can_swap_in(
-                    req.request_id, req.num_computed_tokens, n
+                n = fit_chunk(req.num_computed_tokens, n, req.images)
+                if (
+                    n == 0
+                    or req.num_inflight
+                    or not self.pool.can_swap_in(req.request_id, req.num_computed_tokens, n)
                 ):
                     break
                 self.swapped.pop(0)
@@ -593,7 +600,9 @@ class Scheduler:
             )
         )
         start = len(prefix) * self.block_size
-        n = min(req.num_tokens - start, budget)
+        n = fit_chunk(start, min(req.num_tokens - start, budget), req.images)
+        if n == 0:  # the next image does not fit this step (sched/images.py: fit_chunk)
+            return None
         new_copies = self._allocate(req, n, prefix)
         if new_copies is None:
             return None

@@ -13,6 +13,12 @@ of its features (j: its placeholder's index in its image), or -1 for a text toke
 gathers the features by it (``StepBatch.image_rows``). Chunked prefill may split an image's
 placeholders across steps: each row is looked up on its own.
 
+When the model attends over an image's tokens both ways (``ImageItem.whole``; the scheduler
+then feeds each image in one chunk), :meth:`ImageEncoder.causal_limits` gives each row the
+last key position it sees (``StepBatch.causal_limits``): its image's last for a placeholder,
+its own position for any other row. Such a model's steps always carry them, text-only ones
+too, so every step runs the same compiled programs.
+
 Slots: a step reads at most ``min(S * limit, T // I + S)`` images (S sequences with at most
 ``limit`` images each, T tokens), so at least that many slots are kept; more keep more
 images cached.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged.kernels import LIMITLESS_BACKENDS
 from jaxpaged.sched.images import ImageItem
 from jaxpaged.sched.output import ScheduledSeq, SchedulerOutput
 from jaxpaged.worker.buckets import pow2_ladder
@@ -74,7 +82,15 @@ class ImageEncoder:
         dtype: Any,
         slots: int,
         max_batch: int = 8,
+        bidirectional: bool = False,  # ImageSpec.bidirectional: steps carry causal limits
+        attention_backend: str = "xla",  # the step's: one that takes causal limits if so
     ) -> None:
+        if bidirectional and attention_backend in LIMITLESS_BACKENDS:
+            raise ValueError(
+                f"images: the {attention_backend!r} attention backend cannot attend over an "
+                "image's tokens both ways, as this model does; use the 'cpu' or 'xla' backend"
+            )
+        self.bidirectional = bidirectional
         self.graphdef = graphdef
         self.tokens_per_image, width = feature_shape
         self.pixel_shape = tuple(pixel_shape)
@@ -85,8 +101,11 @@ class ImageEncoder:
         self._slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU
         self._free = list(range(slots - 1, -1, -1))
         self._images: dict[str, tuple[ImageItem, ...]] = {}  # request id -> its images
+        # counters (EngineStats' mm_*): a step's distinct images are its queries
         self.num_encoded = 0  # images run through the encoder (cache misses)
         self.num_hits = 0  # (step, image) pairs whose image was already encoded
+        self.num_evictions = 0  # slots taken back from an encoded image for another
+        self.encoder_seconds = 0.0  # wall time of the encoder programs, waited for
 
     def clear(self) -> None:
         """Forgets every encoded image (new weights encode differently)."""
@@ -134,6 +153,23 @@ class ImageEncoder:
             out[first + a - lo : first + b - lo] = np.arange(a, b, dtype=np.int32) + base
         return out
 
+    def causal_limits(self, seqs: Sequence[ScheduledSeq], num_rows: int) -> np.ndarray:
+        """Each token row's last visible key position (int32 [num_rows]; padding rows 0):
+        the last placeholder of its ``whole`` image for an image's row, else its own
+        position."""
+        out = np.zeros(num_rows, np.int32)
+        at = 0
+        for seq in seqs:
+            lo, hi = seq.start_pos, seq.start_pos + seq.num_tokens
+            mine = out[at : at + seq.num_tokens]
+            mine[:] = np.arange(lo, hi, dtype=np.int32)
+            for im in self._images.get(seq.request_id, ()):
+                a, b = max(im.offset, lo), min(im.end, hi)
+                if im.whole and a < b:
+                    mine[a - lo : b - lo] = im.end - 1
+            at += seq.num_tokens
+        return out
+
     def _ensure(self, params: Any, images: Sequence[ImageItem]) -> None:
         """Every image in the cache; the missing ones encoded, the hits marked recent."""
         keep = {im.content_hash for im in images}
@@ -158,6 +194,7 @@ class ImageEncoder:
             return self._free.pop()
         for h in self._slot_of:  # least recently used first
             if h not in keep:
+                self.num_evictions += 1
                 return self._slot_of.pop(h)
         raise RuntimeError("the encoder cache has no slot to reuse")  # rows() bounds this
 
@@ -172,7 +209,20 @@ class ImageEncoder:
                     f"{self.pixel_shape}"
                 )
             pixels[i], slots[i] = im.pixels, slot
+        start = time.perf_counter()  # a miss waits for its encoder (one sync, for the metric)
         self.cache = self.program(params, self.cache, pixels, slots, graphdef=self.graphdef)
+        jax.block_until_ready(self.cache)
+        self.encoder_seconds += time.perf_counter() - start
+
+    def stats(self) -> dict[str, float | int]:
+        """The encoder cache's counters under EngineStats' names (vLLM's mm_cache_*: one
+        query per distinct image a step reads)."""
+        return {
+            "mm_cache_queries": self.num_hits + self.num_encoded,
+            "mm_cache_hits": self.num_hits,
+            "mm_cache_evictions": self.num_evictions,
+            "mm_encoder_seconds": self.encoder_seconds,
+        }
 
     def warm_up(self, params: Any) -> int:
         """Compiles the encoder for every batch size; returns how many programs."""

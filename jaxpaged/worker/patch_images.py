@@ -141,8 +141,17 @@ class PatchImageEncoder(ImageEncoder):
         return out
 
 
-def image_encoder(model_config: Any, *, graphdef: Any, dtype: Any, slots: int) -> ImageEncoder:
-    """The encoder cache of a vision-language model's config (one with ``image``)."""
+def image_encoder(
+    model_config: Any,
+    *,
+    graphdef: Any,
+    dtype: Any,
+    slots: int,
+    bidirectional: bool = False,
+    attention_backend: str = "xla",
+) -> ImageEncoder:
+    """The encoder cache of a vision-language model's config (one with ``image``);
+    ``bidirectional`` / ``attention_backend``: ImageEncoder's (Qwen2.5-VL is causal)."""
     vision = getattr(model_config, "vision", None)
     if isinstance(vision, QwenVitConfig):
         return PatchImageEncoder(
@@ -158,4 +167,6 @@ def image_encoder(model_config: Any, *, graphdef: Any, dtype: Any, slots: int) -
         pixel_shape=model_config.image.pixel_shape,
         dtype=dtype,
         slots=slots,
+        bidirectional=bidirectional,
+        attention_backend=attention_backend,
     )

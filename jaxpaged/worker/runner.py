@@ -177,6 +177,8 @@ class Runner:
                 graphdef=self.graphdef,
                 dtype=jax.tree.leaves(self.params["embed"])[0].dtype,
                 slots=image_slots,
+                bidirectional=model_config.image.bidirectional,
+                attention_backend=platform.attention_backend,
             )
         self._create_kv_state()
         # one sequence's blocks per move call: a handful of compiled sizes covers every plan
@@ -335,7 +337,10 @@ class Runner:
         batch, failed = self.input_batch.prepare(seqs, bucket, allowed)
         if self.images is not None:
             rows = self.images.rows(self.params, seqs, bucket.num_tokens)
-            batch = batch._replace(image_rows=rows)
+            limits = None
+            if self.images.bidirectional:  # an image's tokens see each other (Gemma 3)
+                limits = self.images.causal_limits(seqs, bucket.num_tokens)
+            batch = batch._replace(image_rows=rows, causal_limits=limits)
             if isinstance(self.images, PatchImageEncoder):  # M-RoPE: [3, T] positions
                 mrope = self.images.mrope_positions(seqs, bucket.num_tokens)
                 batch = batch._replace(mrope_positions=mrope)

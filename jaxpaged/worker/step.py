@@ -71,6 +71,9 @@ class StepBatch(NamedTuple):
     image_rows: jax.Array | None = None  # int32 [T]
     # M-RoPE (models/qwen2_vl.py): each row's (temporal, height, width) positions
     mrope_positions: jax.Array | None = None  # int32 [3, T]
+    # the last key position each row sees (an image's tokens: their image's last; else the
+    # row's own position), when the model attends over an image both ways (worker/images.py)
+    causal_limits: jax.Array | None = None  # int32 [T]
 
 
 class StepOutput(NamedTuple):
@@ -215,7 +218,7 @@ def step(
     layer_slots = num_blocks * block_size
 
     def paged(q, k, v, layer, pool, slot_mapping, kv_lens, tables, cu_q_lens, n, *slopes,
-              sm_scale, sliding_window, soft_cap, q_len_bound):  # fmt: skip
+              sm_scale, sliding_window, soft_cap, q_len_bound, causal_limits=None):  # fmt: skip
         # slopes: () or (float32 [Hq] ALiBi slopes,), head-sliced like q under shard_map
         slots = jnp.where(slot_mapping >= 0, slot_mapping + layer * layer_slots, -1)
         pool = pool_format.write(pool, k, v, slots)
@@ -235,10 +238,11 @@ def step(
             max_q_len=q_len_bound,
             max_kv_len=max_kv_len,
             **({"alibi_slopes": slopes[0]} if slopes else {}),
+            **({} if causal_limits is None else {"causal_limits": causal_limits}),
         )
         return out, pool
 
-    def attention_for(slot_mapping, kv_lens, cu_q_lens, q_len_bound):
+    def attention_for(slot_mapping, kv_lens, cu_q_lens, q_len_bound, causal_limits=None):
         """The AttentionFn of rows with this metadata over the step's block tables."""
 
         def attention_fn(q, k, v, layer, pool, *, sm_scale=None, sliding_window=None,
@@ -249,16 +253,21 @@ def step(
                 sliding_window=sliding_window,
                 soft_cap=soft_cap,
                 q_len_bound=q_len_bound,
+                causal_limits=causal_limits,
             )
             slopes = () if alibi_slopes is None else (jnp.asarray(alibi_slopes, jnp.float32),)
             if mesh is not None:
+                if causal_limits is not None:
+                    raise ValueError("causal_limits are not supported with tensor parallelism")
                 attend = shard_attention(attend, mesh, alibi=bool(slopes))
             meta = (slot_mapping, kv_lens, batch.block_tables, cu_q_lens, batch.num_seqs)
             return attend(q, k, v, layer, tuple(pool), *meta, *slopes)
 
         return attention_fn
 
-    attention_fn = attention_for(batch.slot_mapping, batch.kv_lens, batch.cu_q_lens, max_q_len)
+    attention_fn = attention_for(
+        batch.slot_mapping, batch.kv_lens, batch.cu_q_lens, max_q_len, batch.causal_limits
+    )
 
     # The platform's matmul (a model the backend packed weights for takes it); none on
     # platforms that leave the matmuls to XLA's dots

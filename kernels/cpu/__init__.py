@@ -160,11 +160,13 @@ def ragged_paged_attention_native(
     k_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]: with an 8-bit pool
     v_scales: jax.Array | None = None,  # float32 [NB, B, Hkv]
     alibi_slopes: jax.Array | None = None,  # float32 [Hq]: ALiBi, one more operand
+    causal_limits: jax.Array | None = None,  # int32 [T]: the last key position per row
 ) -> jax.Array:  # [T, Hq, D]
     """The "cpu" backend: every row in the C++ kernel (decode rows and prefill tiles alike;
     bench/kernels.py has it against the XLA path). An 8-bit pool's rows are dequantized with
     their scales as the kernel reads them. ALiBi slopes travel as a trailing operand, so a
-    call without them is the same custom call as before. Inputs are validated by
+    call without them is the same custom call as before; so do ``causal_limits`` (each row
+    sees keys up to its limit, clamped as `reference.clamp_limits`). Inputs are validated by
     `ragged_paged_attention`."""
     _require("attention")
     if not supports(q.dtype, k_pages.dtype):
@@ -185,6 +187,7 @@ def ragged_paged_attention_native(
         cu_q_lens,
         jnp.reshape(num_seqs, (1,)),
         *(() if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)),
+        *(() if causal_limits is None else (causal_limits.astype(jnp.int32),)),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0),

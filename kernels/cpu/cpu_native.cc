@@ -15,6 +15,9 @@
 // positions 0..position (the last `sliding_window` only, if > 0); logits sm_scale * q.k,
 // then soft_cap * tanh(logits / soft_cap) if soft_cap > 0, then (ALiBi, with a slopes
 // buffer [Hq] as an extra operand) + slopes[h] * (key_pos - pos). Padding rows come out zero.
+// With a causal-limits buffer (int32 [T], another extra operand) row t sees keys up to
+// clamp(limits[t], pos, kv_len - 1) instead of up to pos (an image's tokens see the whole
+// image); the window's lower bound stays relative to pos.
 
 #include <algorithm>
 #include <cmath>
@@ -440,6 +443,7 @@ struct Shapes {
   const float* k_scales = nullptr;  // [NB, B, Hkv]: 8-bit pools only (load_row)
   const float* v_scales = nullptr;
   const float* alibi = nullptr;  // [Hq] ALiBi slopes, or null: no bias
+  const int32_t* limits = nullptr;  // [T] last key position per row, or null: causal
 };
 
 struct WorkItem {
@@ -456,10 +460,18 @@ inline int64_t first_visible(const Shapes& sh, int64_t pos) {
   return sh.sliding_window > 0 ? std::max<int64_t>(0, pos - sh.sliding_window + 1) : 0;
 }
 
+// The last key position row `row` (at `pos`, of a sequence of kv_len tokens) sees.
+inline int64_t last_visible(const Shapes& sh, int64_t row, int64_t pos, int64_t kv_len) {
+  if (sh.limits == nullptr) return pos;
+  return std::max<int64_t>(pos, std::min<int64_t>(sh.limits[row], kv_len - 1));
+}
+
 ItemSpan item_span(const Shapes& sh, const WorkItem& w, const int32_t* kv_lens,
                    const int32_t* cu_q_lens) {
   const int64_t pos0 = kv_lens[w.seq] - (cu_q_lens[w.seq + 1] - w.row_begin);
-  const int64_t last_pos = pos0 + (w.row_end - w.row_begin) - 1;
+  int64_t last_pos = pos0 + (w.row_end - w.row_begin) - 1;
+  for (int64_t r = w.row_begin; sh.limits != nullptr && r < w.row_end; ++r)
+    last_pos = std::max(last_pos, last_visible(sh, r, pos0 + r - w.row_begin, kv_lens[w.seq]));
   return {pos0, last_pos, first_visible(sh, pos0) / sh.block_size,
           std::min<int64_t>(last_pos / sh.block_size, sh.max_blocks - 1)};
 }
@@ -529,8 +541,9 @@ void attend(const Shapes& sh, const WorkItem& w, const float* q, const KV* k_pag
   // Keys of block `kpos0` query mi may see: [lo, hi) of the block's first n_keys.
   auto visible = [&](int64_t mi, int64_t kpos0, int64_t n_keys, int64_t& lo, int64_t& hi) {
     const int64_t pos = pos0 + mi / G;
+    const int64_t last = last_visible(sh, w.row_begin + mi / G, pos, kv_lens[w.seq]);
     lo = std::max<int64_t>(0, first_visible(sh, pos) - kpos0);
-    hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
+    hi = std::min<int64_t>(n_keys, last - kpos0 + 1);
     return hi > lo;
   };
   // Rows of heads [head_begin, head_end) of token j of pool block `phys`.
@@ -733,8 +746,9 @@ void attend_rows(const Shapes& sh, const RowKernelsOf<R>& fns, const WorkItem& w
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = pos0 + r;
+        const int64_t last = last_visible(sh, w.row_begin + r, pos, kv_lens[w.seq]);
         const int64_t lo = std::max<int64_t>(0, first_visible(sh, pos) - kpos0);
-        const int64_t hi = std::min<int64_t>(n_keys, pos - kpos0 + 1);
+        const int64_t hi = std::min<int64_t>(n_keys, last - kpos0 + 1);
         if (hi <= lo) continue;
         const int64_t n = hi - lo, i = (r * H + h) * G;
         fns.scores(&qs[i * D], krows + lo, n, D, s, &pf);
@@ -867,12 +881,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   sh.sliding_window = sliding_window;
   sh.k_scales = k_scales;
   sh.v_scales = v_scales;
-  if (extra.size() > 1) return ffi::Error::InvalidArgument("at most one extra operand (slopes)");
-  if (extra.size() == 1) {  // ALiBi slopes [Hq] float32
-    auto slopes = extra.get<ffi::Buffer<ffi::F32>>(0);
+  if (extra.size() > 2)
+    return ffi::Error::InvalidArgument("at most two extra operands (slopes, limits)");
+  for (size_t i = 0; i < extra.size(); ++i) {  // told apart by dtype
+    auto limits = extra.get<ffi::Buffer<ffi::S32>>(i);
+    if (limits.has_value()) {  // causal limits [T] int32
+      if (limits->element_count() != sh.num_tokens || sh.limits != nullptr)
+        return ffi::Error::InvalidArgument("causal limits must be one int32 [num_tokens]");
+      sh.limits = limits->typed_data();
+      continue;
+    }
+    auto slopes = extra.get<ffi::Buffer<ffi::F32>>(i);  // ALiBi slopes [Hq] float32
     if (!slopes.has_value()) return slopes.error();
-    if (slopes->element_count() != sh.num_q_heads)
-      return ffi::Error::InvalidArgument("alibi slopes must be float32 [num_q_heads]");
+    if (slopes->element_count() != sh.num_q_heads || sh.alibi != nullptr)
+      return ffi::Error::InvalidArgument("alibi slopes must be one float32 [num_q_heads]");
     sh.alibi = slopes->typed_data();
   }
   if (sh.head_dim > kMaxHeadDim || sh.block_size > kMaxBlockSize)
@@ -1039,7 +1061,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
-                                  .RemainingArgs()                // [alibi slopes f32 [Hq]]
+                                  .RemainingArgs()  // [slopes f32 [Hq]] [limits s32 [T]]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
@@ -1057,7 +1079,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionQuant, PagedAttentionQuantIm
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
-                                  .RemainingArgs()                // [alibi slopes f32 [Hq]]
+                                  .RemainingArgs()  // [slopes f32 [Hq]] [limits s32 [T]]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

@@ -15,6 +15,7 @@ TOOLS = {
     "accelerator_check", "embed", "gpu_decode", "kernels", "kv_offload", "overlap", "quant",
     "q4_vs_float", "quant_quality",
     "roofline", "serving", "speculative", "step_breakdown", "structured_json", "throughput",
+    "vision",
 }  # fmt: skip
 
 

@@ -2,7 +2,10 @@
 random checkpoint, with the processor's outputs as transformers' inputs: greedy tokens of
 image prompts batched with a text-only one, prefilled in chunks that split an image's
 placeholders, with prefix caching on; a repeated image encoded once; two prompts that differ
-only in the image share no block holding it; nothing compiles after warm-up."""
+only in the image share no block holding it; nothing compiles after warm-up.
+
+transformers gets the processor's ``token_type_ids``: an image's tokens attend to each other
+both ways, as in Gemma 3's own mask; the engine feeds each image in one prefill chunk."""
 
 from __future__ import annotations
 
@@ -25,11 +28,13 @@ def _hf_greedy(
     tiny_vl, text: str, images: list, max_new_tokens: int = 8
 ) -> tuple[list[int], list[int], np.ndarray]:
     """(prompt ids, greedy ids, log-probabilities [steps, V]) of transformers on the
-    processor's outputs (no token types: causal attention over the image tokens, as
-    jaxpaged's paged attention computes it; see docs/multimodal.md)."""
+    processor's outputs, token types included (an image's tokens see each other)."""
     p = tiny_vl.processor
     inputs = p(text=text, images=images or None, return_tensors="pt")
-    kw = {"pixel_values": inputs["pixel_values"]} if images else {}
+    kw = {}
+    if images:
+        kw = {"pixel_values": inputs["pixel_values"], "token_type_ids": inputs["token_type_ids"]}
+        assert int(inputs["token_type_ids"].sum()) == 4 * len(images)
     with torch.no_grad():
         out = tiny_vl.hf.generate(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **kw,
@@ -62,7 +67,8 @@ def test_greedy_matches_transformers_batched_chunked_cached(tiny_vl, llm):
     cases = [(TEXT_1, [a]), (TEXT_2, [b, c]), (TEXT_ONLY, []), (TEXT_1, [b])]
     prompts = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in cases]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    # the first prompt's first step (8 tokens) ends inside its image: positions 7 | 8..10
+    # an 8-token first step would end inside the first prompt's image (positions 7..10):
+    # the scheduler stops that chunk before the image and feeds the image whole in the next
     assert outs[0].prompt_token_ids.index(127) == 7
     for (text, images), out in zip(cases, outs, strict=True):
         ids, want, logprobs = _hf_greedy(tiny_vl, text, images)
@@ -138,3 +144,43 @@ def test_new_weights_reencode_cached_images(tiny_vl, llm):
         with torch.no_grad():
             weight.neg_()
     assert list(llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == want
+
+
+def test_encoder_cache_metrics(llm):
+    """vLLM's mm_cache_queries / hits count each distinct image a step reads (each image
+    here in one step: its chunk holds it whole), misses are encoded; an image evicts the
+    least recently used only once the free slots (8: 6 a step may read + 2) are gone."""
+    images = llm.engine.runner.images
+    assert images.num_slots == 8
+
+    def metrics():
+        m = llm.get_metrics()
+        return {k: m[k] for k in ("mm_cache_queries", "mm_cache_hits", "mm_cache_evictions")}
+
+    llm.engine.runner.images.clear()  # a known start: every slot free
+    # from here on: the count since (the last test's own -params compiled jit(negative))
+    compiles = llm.get_metrics()["num_compilations_after_warmup"]
+    before, seconds = metrics(), llm.get_metrics()["mm_encoder_seconds"]
+    x, y = _image(50), _image(51)
+    llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [x, y]}}, GREEDY,
+                 use_tqdm=False)  # fmt: skip
+    first = metrics()
+    assert first["mm_cache_queries"] - before["mm_cache_queries"] == 2
+    assert first["mm_cache_hits"] == before["mm_cache_hits"]  # both encoded
+    assert llm.get_metrics()["mm_encoder_seconds"] > seconds
+    # the same images in the other order: no prefix shared past the first image, both hit
+    llm.generate({"prompt": TEXT_2, "multi_modal_data": {"image": [y, x]}}, GREEDY,
+                 use_tqdm=False)  # fmt: skip
+    second = metrics()
+    assert second["mm_cache_queries"] - first["mm_cache_queries"] == 2
+    assert second["mm_cache_hits"] - first["mm_cache_hits"] == 2
+    assert second["mm_cache_evictions"] == before["mm_cache_evictions"]
+    # 8 new images, 6 free slots: the 2 least recently used (x, y) are evicted
+    prompts = [{"prompt": TEXT_2, "multi_modal_data": {"image": [_image(60 + 2 * i),
+                _image(61 + 2 * i)]}} for i in range(4)]  # fmt: skip
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    third = metrics()
+    assert third["mm_cache_queries"] - second["mm_cache_queries"] == 8
+    assert third["mm_cache_hits"] == second["mm_cache_hits"]
+    assert third["mm_cache_evictions"] - second["mm_cache_evictions"] == 2
+    assert llm.get_metrics()["num_compilations_after_warmup"] == compiles

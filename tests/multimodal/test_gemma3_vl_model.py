@@ -29,7 +29,8 @@ def test_features_and_logits_match_transformers(tiny_vl):
     assert got.shape == want.shape == (2, 4, 64)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
-    # the decoder with the features at the placeholders (causal attention: no token types)
+    # the decoder with the features at the placeholders: the image's tokens see each other
+    # (transformers with token_type_ids), then the same without that (plain causal)
     ids = np.array([2, 4, 7, 6, 125, 127, 127, 127, 127, 126, 6, 11, 12, 5, 4, 8])
     mask = ids == config.image.image_token_id
     feats = np.zeros((len(ids), 64), np.float32)
@@ -41,8 +42,16 @@ def test_features_and_logits_match_transformers(tiny_vl):
     logits = np.asarray(module.compute_logits(hidden))
     with torch.no_grad():
         ref = (
-            tiny_vl.hf(input_ids=torch.tensor(ids[None]), pixel_values=torch.tensor(pixels[:1]))
+            tiny_vl.hf(
+                input_ids=torch.tensor(ids[None]),
+                pixel_values=torch.tensor(pixels[:1]),
+                token_type_ids=torch.tensor(mask[None].astype(np.int64)),
+            )
             .logits[0]
             .numpy()
         )
     assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-4
+    with torch.no_grad():  # causal over the image: other logits (the spans matter here)
+        causal = tiny_vl.hf(input_ids=torch.tensor(ids[None]),
+                            pixel_values=torch.tensor(pixels[:1])).logits[0].numpy()  # fmt: skip
+    assert np.abs(causal - ref).max() / np.abs(ref).max() > 1e-2

@@ -93,7 +93,7 @@ def served(tiny_vl):
         allowed_media_domains=("127.0.0.1",), media_fetch_timeout=1.0,
     )  # fmt: skip
     server.urls, server.decoded, server.ref, server.chats = urls, decoded, ref, chats
-    server.media = media
+    server.media, server.engine = media, engine
     yield server
     server.stop()
     media.shutdown()
@@ -148,7 +148,8 @@ def test_offline_chat_matches_transformers(tiny_vl, served):
     with torch.no_grad():
         out = tiny_vl.hf.generate(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-            pixel_values=inputs["pixel_values"], max_new_tokens=6, do_sample=False,
+            pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"],
+            max_new_tokens=6, do_sample=False,
             pad_token_id=0, eos_token_id=None,
         )  # fmt: skip
     ref = served.ref[2]  # the WebP chat
@@ -288,3 +289,20 @@ def test_grpc_chat_image_bytes_equal_chat(served):
             list(stub.Generate(request([b"not an image"]), timeout=120))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid" in e.value.details()
+
+
+def test_metrics_expose_the_encoder_cache(served):
+    text = httpx.get(served.http + "/metrics", timeout=10).text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:mm_cache", "jaxpaged:mm_"))
+    }
+    stats = served.engine.get_stats()  # no request runs meanwhile: the same counts
+    assert values["vllm:mm_cache_queries_total"] == stats.mm_cache_queries
+    # the offline chats' three distinct images (the fourth chat resends two) were encoded
+    assert stats.mm_cache_queries - stats.mm_cache_hits == 3
+    assert values["vllm:mm_cache_hits_total"] == stats.mm_cache_hits
+    assert values["jaxpaged:mm_cache_evictions_total"] == stats.mm_cache_evictions
+    assert values["jaxpaged:mm_encoder_seconds_total"] == pytest.approx(stats.mm_encoder_seconds)
+    assert stats.mm_encoder_seconds > 0
