@@ -250,13 +250,14 @@ class PoolingEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
     ) -> PoolingJob:
         if self.info.classifier:
             raise ValueError(
                 f"model {self.model_name!r} is a cross-encoder (sequence classification): "
                 "it scores text pairs (score, /score, /rerank) and has no embeddings"
             )
-        prompts = prompt_list(prompts)
+        prompts = self.with_prompt(prompt_list(prompts), prompt_name)
         self.check_dimensions(dimensions)
         ids = self.inputs.tokenize(prompts, truncate_prompt_tokens)
         rids = self._ids("embd", len(ids))
@@ -278,13 +279,41 @@ class PoolingEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input, pooled and normalised as the model's
-        sentence-transformers files say; ``dimensions`` truncates a Matryoshka model's."""
+        sentence-transformers files say; ``dimensions`` truncates a Matryoshka model's;
+        ``prompt_name``: one of the model's named prompts put before each text input."""
         job = self.embed_job(
-            prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+            prompts,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            dimensions=dimensions,
+            prompt_name=prompt_name,
         )
         return self.run_jobs([job])[0]
+
+    def with_prompt(self, prompts: list[Prompt], prompt_name: str | None) -> list[Prompt]:
+        """The inputs with the named prompt's text (or the model's default prompt) before
+        each text, as sentence-transformers' ``encode(prompt_name=...)``; ValueError for a
+        name the model does not have, or a named prompt with token-id inputs."""
+        named = dict(self.pooling.prompts)
+        if prompt_name is not None and prompt_name not in named:
+            have = ", ".join(map(repr, named)) or "none"
+            raise ValueError(
+                f"prompt_name {prompt_name!r} is not one of model {self.model_name!r}'s "
+                f"prompts ({have}; config_sentence_transformers.json)"
+            )
+        text = named.get(prompt_name or self.pooling.default_prompt_name or "", "")
+        if not text:
+            return prompts
+        if prompt_name is not None and any(not isinstance(p, str) for p in prompts):
+            raise ValueError("prompt_name applies to text inputs, not token ids")
+        if not self.pooling.include_prompt and self.pooling.mode in ("mean", "max"):
+            raise ValueError(
+                f"model {self.model_name!r} pools without its prompt's tokens "
+                "(include_prompt false), which jaxpaged does not compute"
+            )
+        return [text + p if isinstance(p, str) else p for p in prompts]
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError unless ``dimensions`` is None or a size this model may truncate to."""

@@ -426,7 +426,7 @@ class Runner:
         # start the device->host copies now: they run as soon as the step is done
         verified = tuple(s.num_draft_tokens > 0 for s in plan.seqs)
         some = any(w is not None for w in wanted) or any(prompt_wanted)
-        needed = list(out) if some else [out.token_ids]
+        needed = list(out._replace(pooled=None)) if some else [out.token_ids]
         pooled = pooled_seqs(plan.seqs, self.input_batch.requests)
         if pooled:
             needed.append(out.pooled)
@@ -465,7 +465,7 @@ class Runner:
                 failed=pending.failed,
                 pooled_hidden=hidden,
             )
-        out = jax.device_get(pending.out)
+        out = jax.device_get(pending.out._replace(pooled=None))
         k1 = pending.rows_per_seq
         spec_ids = spec_lps = None
         if pending.verified:

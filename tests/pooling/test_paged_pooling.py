@@ -7,6 +7,7 @@ greedy tokens of generation requests sharing those steps unchanged, no block hel
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -31,6 +32,8 @@ FULL = os.environ.get("JAXPAGED_TEST_FULL") == "1"
 def paged(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = save_causal(folder, request.param)
+    with open(folder / "config_sentence_transformers.json", "w") as f:  # Qwen3-Embedding's form
+        json.dump({"prompts": {"query": "w60 w61 ", "document": ""}}, f)
     with LLM(str(folder), runner="pooling", **ENGINE) as llm:
         assert isinstance(llm.engine.worker, PagedPoolingWorker)
         yield llm, hf
@@ -109,3 +112,17 @@ def test_pooling_shares_steps_with_generation(paged):
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
     with pytest.raises(ValueError, match="prompt must not be empty"):
         engine.add_pooling_request("bad", [])
+
+
+def test_named_prompt_goes_before_the_text(paged):
+    """sentence-transformers' prompts (config_sentence_transformers.json): prompt_name puts
+    the named text before each text input, as its encode(prompt_name=...) does."""
+    llm, _ = paged
+    with_prompt = llm.embed(["w7 w8", "w9"], prompt_name="query")
+    by_hand = llm.embed(["w60 w61 w7 w8", "w60 w61 w9"])
+    for a, b in zip(with_prompt, by_hand, strict=True):
+        assert a.prompt_token_ids == b.prompt_token_ids == [60, 61, *a.prompt_token_ids[2:]]
+        np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-6)
+    assert llm.embed(["w9"], prompt_name="document")[0].prompt_token_ids == [9]
+    with pytest.raises(ValueError, match="prompt_name 'passage' is not one of .*'query'"):
+        llm.embed(["w9"], prompt_name="passage")
