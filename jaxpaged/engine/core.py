@@ -415,7 +415,8 @@ class EngineCore:
         return []
 
     def _apply(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        self.pooled_hidden.update(result.pooled_hidden)
+        live = self.scheduler.requests  # an aborted request's late hidden state is dropped
+        self.pooled_hidden.update((k, v) for k, v in result.pooled_hidden.items() if k in live)
         updates = self.scheduler.update(plan, result)
         if self.grammars:
             updates = self._advance_grammars(updates)

@@ -112,6 +112,12 @@ def test_pooling_shares_steps_with_generation(paged):
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
     with pytest.raises(ValueError, match="prompt must not be empty"):
         engine.add_pooling_request("bad", [])
+    engine.add_pooling_request("gone", list(range(6, 36)))  # aborted mid-prefill
+    engine.step()
+    engine.abort("gone")
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    assert engine.take_pooled("gone") is None and _held(engine) == 0
 
 
 def test_named_prompt_goes_before_the_text(paged):
