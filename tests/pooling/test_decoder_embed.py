@@ -6,6 +6,8 @@ a paged engine; a sentence-transformers mean pooling runs on the dense pooling r
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,19 @@ def test_decoder_mean_pooling_runs_on_the_dense_runner(causal, tmp_path):
     for ids, got in zip(prompts, ours, strict=True):
         want = hidden_states(hf, ids).mean(axis=0)
         np.testing.assert_allclose(got, want / np.linalg.norm(want), atol=2e-5)
+
+
+def test_hf_overrides_are_checked_by_name():
+    arch = {"architectures": ["Qwen3ForSequenceClassification"]}
+    assert EngineArgs(hf_overrides=json.dumps(ORIGINAL_RERANKER)).hf_overrides == ORIGINAL_RERANKER
+    for bad, words in (
+        ({"architectures": ["Qwen3ForCausalLM"]}, "one \\*ForSequenceClassification"),
+        ({"classifier_from_token": ["no", "yes"]}, "need architectures"),
+        ({**arch, "classifier_from_token": ["a", "b", "c"], "method": "from_2_way_softmax"},
+         "needs two tokens"),
+        ({**arch, "classifier_from_token": ["no", "yes"], "method": "mean"}, "method 'mean'"),
+        ("[1, 2]", "must be a JSON object"),
+        ("{", "not valid JSON"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            EngineArgs(hf_overrides=bad)
