@@ -49,6 +49,7 @@ from jaxpaged.config import (
     ProcessConfig,
     SchedulerConfig,
 )
+from jaxpaged.hf_overrides import parse_hf_overrides
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.spec.config import SpeculativeConfig
 
@@ -157,6 +158,15 @@ class EngineArgs:
         "the checkpoint's architecture declares",
         "--runner",
         choices=RUNNERS,
+    )
+    hf_overrides: dict[str, Any] | str | None = _setting(
+        None,
+        "config.json keys replaced at load time, vLLM's JSON (jaxpaged.hf_overrides): the "
+        'original Qwen3-Reranker as {"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}',
+        "--hf-overrides",
+        parse=str,
+        metavar="JSON",
     )
     tensor_parallel_size: int = _setting(
         1,
@@ -393,6 +403,7 @@ class EngineArgs:
         object.__setattr__(self, "limit_mm_per_prompt", image_limit(self.limit_mm_per_prompt))
         if self.runner not in RUNNERS:
             raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         backend = self.attention_backend
         if backend is not None and backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -254,17 +254,23 @@ class LLM:
         *,
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
         use_tqdm: bool = False,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), pooled and normalised as the
         model's sentence-transformers files say (``LLM(model, runner="pooling")``).
         ``truncate_prompt_tokens``: -1 or k truncates inputs to the model's limit or to k
         tokens (None: a longer input is a ValueError); ``dimensions``: a Matryoshka model's
-        embedding size."""
+        embedding size; ``prompt_name``: one of the model's sentence-transformers prompts
+        (config_sentence_transformers.json, e.g. Qwen3-Embedding's "query") put before each
+        text (None: its default prompt, if it names one)."""
         del use_tqdm
         self._need_runner("pooling", "embed")
         return self.engine.embed(
-            prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+            prompts,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            dimensions=dimensions,
+            prompt_name=prompt_name,
         )
 
     def score(

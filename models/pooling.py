@@ -39,6 +39,11 @@ class PoolingConfig:
     mode: str = "cls"
     normalize: bool = True
     max_seq_length: int | None = None
+    # sentence-transformers' named instruction prompts (config_sentence_transformers.json):
+    # (name, text put before an input), and the one used when a call names none
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    include_prompt: bool = True  # the Pooling module's: whether a prompt's tokens are pooled
 
     def __post_init__(self) -> None:
         if self.mode not in POOLING_MODES:
@@ -83,9 +88,11 @@ def load_pooling_config(folder: str | os.PathLike, *, default_mode: str = "cls")
     st_config = os.path.join(folder, "sentence_bert_config.json")
     if os.path.isfile(st_config):
         max_len = _read_json(st_config).get("max_seq_length")
+    prompts, default_prompt = _prompts(folder)
     if not os.path.isfile(modules_path):
-        return PoolingConfig(mode=default_mode, normalize=True, max_seq_length=max_len)
-    mode, normalize = None, False
+        return PoolingConfig(mode=default_mode, normalize=True, max_seq_length=max_len,
+                             prompts=prompts, default_prompt_name=default_prompt)  # fmt: skip
+    mode, normalize, include_prompt = None, False, True
     for module in _read_json(modules_path):
         kind = str(module.get("type", ""))
         name = kind.removeprefix(_ST_MODULES)
@@ -94,6 +101,7 @@ def load_pooling_config(folder: str | os.PathLike, *, default_mode: str = "cls")
         if name == "Pooling":
             path = os.path.join(folder, module.get("path", ""), "config.json")
             mode = _pooling_mode(_read_json(path), path)
+            include_prompt = bool(_read_json(path).get("include_prompt", True))
         elif name == "Normalize":
             normalize = True
         else:
@@ -103,7 +111,27 @@ def load_pooling_config(folder: str | os.PathLike, *, default_mode: str = "cls")
             )
     if mode is None:
         raise ValueError(f"{modules_path} has no Pooling module")
-    return PoolingConfig(mode=mode, normalize=normalize, max_seq_length=max_len)
+    return PoolingConfig(mode=mode, normalize=normalize, max_seq_length=max_len,
+                         prompts=prompts, default_prompt_name=default_prompt,
+                         include_prompt=include_prompt)  # fmt: skip
+
+
+def _prompts(folder: str) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """The named prompts and the default one of config_sentence_transformers.json (none
+    without it); ValueError for a malformed entry or a default that is not a name."""
+    path = os.path.join(folder, "config_sentence_transformers.json")
+    if not os.path.isfile(path):
+        return (), None
+    d = _read_json(path)
+    prompts = d.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise ValueError(f"{path}: prompts must map names to texts, got {prompts!r}")
+    default = d.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ValueError(f"{path}: default_prompt_name {default!r} is not one of its prompts")
+    return tuple(prompts.items()), default
 
 
 def pool(

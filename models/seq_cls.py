@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -66,3 +66,25 @@ def load_decoder_classifier(
         raise TensorError(f"checkpoint {folder!r} needs a score.weight of shape {want}")
     head = jnp.asarray(np.asarray(st.get("score.weight"), dtype=np_dtype))
     return config, put_on_device(host), head, n
+
+
+def vocab_rows_head(
+    folder: str,
+    token_ids: Sequence[int],
+    *,
+    two_way: bool,
+) -> np.ndarray:  # float32 [C, D]
+    """A classifier head made of the language-model head's rows of ``token_ids`` (the
+    embeddings' when the checkpoint ties them), as vLLM's ``classifier_from_token``:
+    ``two_way`` (from_2_way_softmax) gives one row, the second token's less the first's,
+    whose sigmoid is the second token's softmax probability against the first."""
+    st = SafetensorsIndex(safetensors_files(folder))
+    name = "lm_head.weight" if "lm_head.weight" in st else "model.embed_tokens.weight"
+    if name not in st:
+        raise TensorError(f"checkpoint {folder!r} has neither lm_head.weight nor embeddings")
+    weight = st.get(name)  # [V, D]
+    for t in token_ids:
+        if not 0 <= t < weight.shape[0]:
+            raise ValueError(f"classifier token id {t} is outside the vocabulary")
+    rows = np.asarray(weight[list(token_ids)], dtype=np.float32)  # [len, D]
+    return rows[1:2] - rows[0:1] if two_way else rows

@@ -60,6 +60,8 @@ class _InputBody(_Body):
 
 class EmbeddingRequest(_InputBody):
     dimensions: int | None = Field(default=None, strict=True)
+    # one of the model's sentence-transformers prompts, put before each text input
+    prompt_name: str | None = Field(default=None, strict=True)
 
 
 class PoolingRequest(_InputBody):

@@ -119,6 +119,7 @@ def add_pooling_routes(app: FastAPI, frontend: Frontend) -> None:
                 body.inputs(),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 dimensions=body.dimensions,
+                prompt_name=body.prompt_name,
             )
         )
         return {

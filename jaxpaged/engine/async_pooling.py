@@ -103,10 +103,14 @@ class AsyncPoolingEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         return await self.run(
             lambda: self.engine.embed_job(
-                prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+                prompts,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                dimensions=dimensions,
+                prompt_name=prompt_name,
             )
         )
 

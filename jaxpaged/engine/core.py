@@ -57,6 +57,7 @@ class EngineRequest:
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     lora_name: str | None = None  # the registered LoRA adapter it runs with
     images: tuple[ImageItem, ...] = ()  # its prompt's images, preprocessed (engine/images.py)
+    pooling: bool = False  # a pooling request (engine/paged_pooling.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +140,8 @@ class EngineCore:
         self._admin_outputs: list[RequestOutput] = []  # produced by admin calls
         self._wake = threading.Event()
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        # pooling requests' hidden states, request id -> float32 [D], until the engine takes them
+        self.pooled_hidden: dict[str, np.ndarray] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._waste_sum = 0.0
@@ -393,6 +396,7 @@ class EngineCore:
                         arrival_time=item.arrival_time,
                         lora_name=lora,
                         images=item.images,
+                        pooling=item.pooling,
                     )
                 )
             spec = item.params.structured_output
@@ -411,6 +415,8 @@ class EngineCore:
         return []
 
     def _apply(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        live = self.scheduler.requests  # an aborted request's late hidden state is dropped
+        self.pooled_hidden.update((k, v) for k, v in result.pooled_hidden.items() if k in live)
         updates = self.scheduler.update(plan, result)
         if self.grammars:
             updates = self._advance_grammars(updates)

@@ -35,6 +35,7 @@ from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
 from jaxpaged.engine.patch_images import image_prompts, image_spec_for_folder
 from jaxpaged.engine.platform_choice import engine_platform
+from jaxpaged.engine.pooled_requests import PooledOutput, PooledResults, pooling_request
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, configure_process
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
@@ -300,6 +301,7 @@ class LLMEngine:
         )
         self._live: set[str] = set()  # user request ids added and not yet finished
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.pooled = PooledResults()  # pooling requests (engine/paged_pooling.py)
         self.dead_error: BaseException | None = None
         # how wake_up gets the weights back after sleep(level=2) when none are given: set
         # by from_engine_args for an engine that loaded them itself
@@ -555,6 +557,23 @@ class LLMEngine:
         self._live.add(request_id)
         self.core.add_request(request)
 
+    def add_pooling_request(self, request_id: str, prompt: Prompt) -> None:
+        """Queues a pooling request: a prefill, batched with the generation requests, whose
+        final hidden state at the last prompt token :meth:`take_pooled` returns once a
+        :meth:`step` finished it (its blocks freed then); it has no step output."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        if self.core.sleep_level:
+            raise EngineAsleepError(asleep_message(self.core.sleep_level))
+        request = pooling_request(self.inputs, request_id, prompt, self._live)
+        self._live.add(request_id)
+        self.pooled.add(request_id)
+        self.core.add_request(request)
+
+    def take_pooled(self, request_id: str) -> PooledOutput | None:
+        """A finished pooling request's hidden state (or error), once; None until then."""
+        return self.pooled.take(request_id)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request in any state, freeing its blocks; returns its final output
         (finish_reason "abort"), or None if the id is unknown or already finished."""
@@ -568,6 +587,7 @@ class LLMEngine:
             else:
                 self._ready.append(out)
         self._live.discard(request_id)
+        self.pooled.forget(request_id, self.core.pooled_hidden)
         return mine
 
     # ----------------------------------------------------------------- LoRA
@@ -676,7 +696,7 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
-        return outputs
+        return self.pooled.split(outputs, self.core.pooled_hidden)
 
     # ----------------------------------------------------------------- metrics
     def get_stats(self) -> EngineStats:

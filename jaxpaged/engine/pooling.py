@@ -18,9 +18,11 @@ import jax
 import numpy as np
 
 from jaxpaged.args import EngineArgs
+from jaxpaged.engine.paged_pooling import paged_pooling_worker
 from jaxpaged.engine.pooling_inputs import PoolingInputs, pairs, prompt_list
 from jaxpaged.engine.protocol import EngineStats, Prompt
 from jaxpaged.engine.runner_choice import choose_runner, read_hf_config
+from jaxpaged.hf_overrides import apply_hf_overrides, token_classifier
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.pooling import PoolingConfig
 from jaxpaged.pooling_outputs import (
@@ -63,6 +65,7 @@ class PoolingEngine:
         model_name: str = "",
         graphdef: Any = None,  # noqa: ANN401 - a decoder's NNX graph (None: an encoder)
         score_head: Any = None,  # noqa: ANN401 - [C, D] a decoder classifier's (seq_cls.py)
+        worker: Any = None,  # noqa: ANN401 - a PagedPoolingWorker (None: the dense runner)
     ) -> None:
         limit = model_config.max_position_embeddings
         default = min(pooling.max_seq_length or limit, limit)
@@ -73,23 +76,27 @@ class PoolingEngine:
         self.model_config, self.tokenizer, self.pooling = model_config, tokenizer, pooling
         self.model_name = model_name
         self.max_model_len = max_model_len or default
-        buckets = PoolingBuckets.for_limits(
-            self.max_model_len, max_num_seqs, max_num_batched_tokens or DEFAULT_POOLING_TOKENS
-        )
         info = None
         if score_head is not None:  # a decoder *ForSequenceClassification
             info = PoolingModelInfo(classifier=True, num_labels=int(score_head.shape[0]))
-        self.worker = PoolingRunner(
-            model_config,
-            params,
-            pooling,
-            buckets,
-            hidden_states_fn(model_config, graphdef),
-            score_head=score_head,
-            info=info,
-        )
+        if worker is not None:  # the paged engine's steps (warmed up with the engine)
+            self.worker = worker
+            self.warmup_programs = worker.warmup_compilations
+        else:
+            buckets = PoolingBuckets.for_limits(
+                self.max_model_len, max_num_seqs, max_num_batched_tokens or DEFAULT_POOLING_TOKENS
+            )
+            self.worker = PoolingRunner(
+                model_config,
+                params,
+                pooling,
+                buckets,
+                hidden_states_fn(model_config, graphdef),
+                score_head=score_head,
+                info=info,
+            )
+            self.warmup_programs = 0 if enforce_eager else self.worker.warm_up()
         self.info = self.worker.info
-        self.warmup_programs = 0 if enforce_eager else self.worker.warm_up()
         self._requests = 0
         self.inputs = PoolingInputs(tokenizer, model_config.vocab_size, self.max_model_len)
 
@@ -98,7 +105,7 @@ class PoolingEngine:
         """Loads ``args.model`` (a folder or hub id of an encoder family) and warms up."""
         from jaxpaged.models.loader import load_model, load_tokenizer
         from jaxpaged.models.pooling import load_pooling_config
-        from jaxpaged.models.registry import family_of
+        from jaxpaged.models.registry import family_for_hf_config, family_of
         from jaxpaged.models.resolve import resolve_model_folder
         from jaxpaged.models.seq_cls import is_decoder_classifier, load_decoder_classifier
 
@@ -120,7 +127,23 @@ class PoolingEngine:
                 f"the pooling runner loads Hugging Face folders (config.json); {folder!r} has none"
             )
         head = None
-        if is_decoder_classifier(read_hf_config(folder)):
+        hf = apply_hf_overrides(read_hf_config(folder), args.hf_overrides)
+        classifier = is_decoder_classifier(hf)
+        if args.hf_overrides and not classifier:
+            raise ValueError(
+                f"hf_overrides: {hf.get('architectures')} is not a decoder family's "
+                "*ForSequenceClassification (the overrides turn decoders into classifiers)"
+            )
+        decoder = classifier or family_for_hf_config(hf).runner != "pooling"
+        pooling = load_pooling_config(folder, default_mode="last" if decoder else "cls")
+        if decoder and pooling.mode == "last":  # pooling requests in the paged engine's steps
+            return cls._on_paged_engine(args, folder, pooling, classifier)
+        if token_classifier(args.hf_overrides) is not None:
+            raise ValueError(
+                "hf_overrides: a classifier from vocabulary rows scores the last token, but "
+                f"the model's sentence-transformers pooling is {pooling.mode!r}"
+            )
+        if classifier:
             config, params, head, _ = load_decoder_classifier(
                 folder, dtype=args.load_dtype, progress=args.show_progress
             )
@@ -128,13 +151,13 @@ class PoolingEngine:
             config, params = load_model(folder, dtype=args.load_dtype, progress=args.show_progress)
         family = family_of(config)
         graphdef = None
-        if family.runner != "pooling":  # a decoder: its own module, run densely per row
+        if family.runner != "pooling":  # a decoder pooling other than its last token
             graphdef = family.module.graphdef_for(config, params)
         return cls(
             model_config=config,
             params=params,
             tokenizer=load_tokenizer(folder),
-            pooling=load_pooling_config(folder, default_mode="cls" if graphdef is None else "last"),
+            pooling=pooling,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -142,6 +165,42 @@ class PoolingEngine:
             model_name=os.fspath(args.model if args.model is not None else folder),
             graphdef=graphdef,
             score_head=head,
+        )
+
+    @classmethod
+    def _on_paged_engine(
+        cls, args: EngineArgs, folder: str, pooling: PoolingConfig, classifier: bool
+    ) -> PoolingEngine:
+        """A decoder pooling its last token: its inputs run as pooling requests in a paged
+        engine's steps (engine/paged_pooling.py), a classifier's head on the host."""
+        from jaxpaged.models.loader import load_tokenizer
+        from jaxpaged.models.seq_cls import load_decoder_classifier, vocab_rows_head
+
+        tokens = token_classifier(args.hf_overrides)
+        if tokens is not None:  # a *ForCausalLM checkpoint scoring with vocabulary rows
+            tokenizer = load_tokenizer(folder)
+            ids = [_token_id(tokenizer, t) for t in tokens.tokens]
+            head = vocab_rows_head(folder, ids, two_way=tokens.method == "from_2_way_softmax")
+            worker = paged_pooling_worker(args, head=head)
+        elif classifier:
+            config, params, head, _ = load_decoder_classifier(
+                folder, dtype=args.load_dtype, progress=args.show_progress
+            )
+            worker = paged_pooling_worker(
+                args, model_config=config, params=params, tokenizer=load_tokenizer(folder),
+                head=head,
+            )  # fmt: skip
+        else:
+            worker = paged_pooling_worker(args)
+        engine = worker.engine
+        return cls(
+            model_config=engine.model_config,
+            params=None,
+            tokenizer=engine.tokenizer,
+            pooling=pooling,
+            max_model_len=engine.max_model_len - 1,  # one position for the dropped token
+            model_name=os.fspath(args.model),
+            worker=worker,
         )
 
     # ------------------------------------------------------------ calls
@@ -191,13 +250,14 @@ class PoolingEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
     ) -> PoolingJob:
         if self.info.classifier:
             raise ValueError(
                 f"model {self.model_name!r} is a cross-encoder (sequence classification): "
                 "it scores text pairs (score, /score, /rerank) and has no embeddings"
             )
-        prompts = prompt_list(prompts)
+        prompts = self.with_prompt(prompt_list(prompts), prompt_name)
         self.check_dimensions(dimensions)
         ids = self.inputs.tokenize(prompts, truncate_prompt_tokens)
         rids = self._ids("embd", len(ids))
@@ -219,13 +279,41 @@ class PoolingEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         dimensions: int | None = None,
+        prompt_name: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input, pooled and normalised as the model's
-        sentence-transformers files say; ``dimensions`` truncates a Matryoshka model's."""
+        sentence-transformers files say; ``dimensions`` truncates a Matryoshka model's;
+        ``prompt_name``: one of the model's named prompts put before each text input."""
         job = self.embed_job(
-            prompts, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions
+            prompts,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            dimensions=dimensions,
+            prompt_name=prompt_name,
         )
         return self.run_jobs([job])[0]
+
+    def with_prompt(self, prompts: list[Prompt], prompt_name: str | None) -> list[Prompt]:
+        """The inputs with the named prompt's text (or the model's default prompt) before
+        each text, as sentence-transformers' ``encode(prompt_name=...)``; ValueError for a
+        name the model does not have, or a named prompt with token-id inputs."""
+        named = dict(self.pooling.prompts)
+        if prompt_name is not None and prompt_name not in named:
+            have = ", ".join(map(repr, named)) or "none"
+            raise ValueError(
+                f"prompt_name {prompt_name!r} is not one of model {self.model_name!r}'s "
+                f"prompts ({have}; config_sentence_transformers.json)"
+            )
+        text = named.get(prompt_name or self.pooling.default_prompt_name or "", "")
+        if not text:
+            return prompts
+        if prompt_name is not None and any(not isinstance(p, str) for p in prompts):
+            raise ValueError("prompt_name applies to text inputs, not token ids")
+        if not self.pooling.include_prompt and self.pooling.mode in ("mean", "max"):
+            raise ValueError(
+                f"model {self.model_name!r} pools without its prompt's tokens "
+                "(include_prompt false), which jaxpaged does not compute"
+            )
+        return [text + p if isinstance(p, str) else p for p in prompts]
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError unless ``dimensions`` is None or a size this model may truncate to."""
@@ -351,7 +439,7 @@ class PoolingEngine:
             num_kv_blocks=0, num_free_blocks=0, num_preemptions=0, prefix_cache_queries=0,
             prefix_cache_hits=0, prompt_tokens_total=self.inputs.prompt_tokens,
             generation_tokens_total=0, num_steps=0,
-            num_compilations=w.counter.count,
+            num_compilations=w.num_compilations,
             num_compilations_after_warmup=w.compilations_after_warmup,
         )  # fmt: skip
 
@@ -367,6 +455,14 @@ class PoolingJob:
     token_ids: list[list[int]]
     token_types: list[list[int]] | None
     finish: Callable[[np.ndarray], Any]
+
+
+def _token_id(tokenizer: Any, token: str) -> int:  # noqa: ANN401 - a transformers tokenizer
+    """The id of one vocabulary token (hf_overrides' classifier_from_token), by name."""
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or (tid == tokenizer.unk_token_id and token != tokenizer.unk_token):
+        raise ValueError(f"hf_overrides: classifier_from_token {token!r} is not in the vocabulary")
+    return int(tid)
 
 
 def _activate(logits: np.ndarray, activation: str) -> np.ndarray:

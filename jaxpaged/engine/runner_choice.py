@@ -1,7 +1,7 @@
 """Which runner a model runs (vLLM's ``--runner``): "generate" (the paged engine) or
 "pooling" (engine/pooling.py). "auto" reads the checkpoint's config.json: its family's
 declaration (``ModelFamily.runner``: encoders pool, decoders generate), and a decoder's
-``*ForSequenceClassification`` (a converted reranker) pools. Imports no JAX at import
+``*ForSequenceClassification`` (a converted reranker, or one ``hf_overrides`` names) pools. Imports no JAX at import
 time (the checkpoint checks import models/ when called)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from jaxpaged.args import RUNNERS, EngineArgs
+from jaxpaged.hf_overrides import apply_hf_overrides
 
 __all__ = ["choose_runner", "read_hf_config"]
 
@@ -46,7 +47,7 @@ def _declared_runner(args: EngineArgs) -> str:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):  # an Orbax folder (jaxpaged.convert): decoders only
         return "generate"
-    d = read_hf_config(folder)
+    d = apply_hf_overrides(read_hf_config(folder), args.hf_overrides)
     if is_decoder_classifier(d):  # a converted reranker: its score head pools
         return "pooling"
     return family_for_hf_config(d).runner

@@ -45,6 +45,9 @@ class NewRequestData:
     state_row: int = -1  # row of the request's on-device sampler state; -1 = none
     lora_slot: int = 0  # the device slot of its LoRA adapter (0 = none)
     images: tuple[ImageItem, ...] = ()  # its prompt's images (the runner encodes them)
+    # a pooling request: the runner reads back its final hidden state at the last prompt
+    # token (RunnerOutput.pooled_hidden) when its final prefill chunk runs
+    pooling: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,6 +198,9 @@ class RunnerOutput:
     # one token is in sampled_token_ids); and the target's logprobs of those tokens
     spec_token_ids: Sequence[Sequence[int] | None] | None = None
     spec_logprobs: Sequence[Sequence[Logprob] | None] | None = None
+    # pooling requests whose final prefill chunk ran: request id -> float32 [D] (numpy) final
+    # hidden state at its last prompt token
+    pooled_hidden: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

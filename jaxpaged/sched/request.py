@@ -75,6 +75,7 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.time)
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     images: tuple[ImageItem, ...] = ()  # images whose placeholders are in the prompt
+    pooling: bool = False  # returns its last prompt token's hidden state (max_tokens=1)
 
     # --- scheduler-owned state ---
     status: RequestStatus = RequestStatus.WAITING
@@ -239,6 +240,7 @@ class Request:
             state_row=self.state_row,
             lora_slot=self.lora_slot,
             images=self.images,
+            pooling=self.pooling,
         )
 
     def scheduled_seq(

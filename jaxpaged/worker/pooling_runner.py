@@ -203,6 +203,10 @@ class PoolingRunner:
         return self.warmup_compilations
 
     @property
+    def num_compilations(self) -> int:
+        return self.counter.count
+
+    @property
     def compilations_after_warmup(self) -> int:
         if self.warmup_compilations is None:
             return 0

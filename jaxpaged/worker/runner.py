@@ -45,6 +45,7 @@ from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.lora import LoraAdapters
 from jaxpaged.worker.model_hooks import ModelHooks
 from jaxpaged.worker.patch_images import PatchImageEncoder, image_encoder
+from jaxpaged.worker.pooled_rows import pooled_hidden, pooled_seqs
 from jaxpaged.worker.programs import EnginePrograms
 from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
@@ -66,6 +67,7 @@ class PendingStep:
     # verified drafts (their emitted tokens are read back)
     rows_per_seq: int = 1
     verified: tuple[bool, ...] = ()
+    pooled: tuple[tuple[int, str], ...] = ()  # (sequence index, request id) of pooling requests
 
 
 class Runner:
@@ -402,7 +404,10 @@ class Runner:
         # start the device->host copies now: they run as soon as the step is done
         verified = tuple(s.num_draft_tokens > 0 for s in plan.seqs)
         some = any(w is not None for w in wanted) or any(prompt_wanted)
-        needed = list(out) if some else [out.token_ids]
+        needed = list(out._replace(pooled=None)) if some else [out.token_ids]
+        pooled = pooled_seqs(plan.seqs, self.input_batch.requests)
+        if pooled:
+            needed.append(out.pooled)
         if any(verified):
             needed += [out.spec_token_ids, out.num_emitted]
         for x in needed:
@@ -417,6 +422,7 @@ class Runner:
             failed=failed,
             rows_per_seq=1 if batch.verify_rows is None else batch.verify_rows.shape[1],
             verified=verified if any(verified) else (),
+            pooled=pooled,
         )
 
     def collect(self, pending: PendingStep | None) -> RunnerOutput:
@@ -429,10 +435,15 @@ class Runner:
         n = pending.num_seqs
         want = pending.logprobs_wanted
         plain = all(w is None for w in want) and not any(pending.prompt_wanted)
+        hidden = pooled_hidden(pending.out.pooled, pending.pooled)
         if plain and not pending.verified:  # the usual case
             token_ids = np.asarray(pending.out.token_ids)
-            return RunnerOutput(sampled_token_ids=token_ids[:n].tolist(), failed=pending.failed)
-        out = jax.device_get(pending.out)
+            return RunnerOutput(
+                sampled_token_ids=token_ids[:n].tolist(),
+                failed=pending.failed,
+                pooled_hidden=hidden,
+            )
+        out = jax.device_get(pending.out._replace(pooled=None))
         k1 = pending.rows_per_seq
         spec_ids = spec_lps = None
         if pending.verified:
@@ -458,6 +469,7 @@ class Runner:
             failed=pending.failed,
             spec_token_ids=spec_ids,
             spec_logprobs=spec_lps,
+            pooled_hidden=hidden,
         )
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

@@ -91,6 +91,9 @@ class StepOutput(NamedTuple):
     spec_token_ids: jax.Array | None = None  # int32 [S, D + 1] the target's samples
     num_emitted: jax.Array | None = None  # int32 [S] of those, the tokens each emits
     spec_draft_ids: jax.Array | None = None  # int32 [S, D] the drafts verified (fed)
+    # float32 [S, D]: each sequence's final hidden state at its last fed row (a pooling
+    # request's embedding at its final prefill chunk); read back only when one is pooled
+    pooled: jax.Array | None = None
 
 
 _PROMPT_CHUNK = 64  # rows of [rows, V] logits at a time when prompt logprobs are wanted
@@ -316,6 +319,7 @@ def step(
         logits_fn = kernels.logits_fn(batch.num_seqs[0] * k1)
         logits_kw = {} if logits_fn is None else {"linear_fn": logits_fn}
     rows = hidden[sample_rows]  # [S, D]
+    pooled = hidden[batch.sample_rows].astype(jnp.float32)  # [S, D]
     # XLA's own logits dot keeps float32 accumulation for bf16 params (preferred_element_type)
     logits = model.compute_logits(rows, **logits_kw).astype(jnp.float32)  # [S, V]
     logits = replicate_on(logits, mesh)
@@ -357,4 +361,5 @@ def step(
         kernels=kernels,
     )
     out = StepOutput(token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs, *prompt, *spec)
+    out = out._replace(pooled=pooled)
     return replicate_on(out, mesh), pool, replicate_on(seq_state, mesh), eagle_state

@@ -26,6 +26,10 @@ CLI_CASES = {
     "download_dir": (["--download-dir", "/data/hub"], "/data/hub"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "quantization": (["-q", "int8"], "int8"),
+    "hf_overrides": (
+        ["--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}'],
+        {"architectures": ["Qwen3ForSequenceClassification"]},
+    ),
     "tensor_parallel_size": (["-tp", "2"], 2),
     "data_parallel_size": (["-dp", "2"], 2),
     "data_parallel_health_check_period": (["--data-parallel-health-check-period", "2.5"], 2.5),

@@ -83,6 +83,7 @@ def test_hostile_inputs_get_400s_and_the_server_keeps_serving(embed_server):
         ({"input": " ".join(["w1"] * 40)}, "maximum input length of 16"),
         ({"input": "w1", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "w1", "model": "other"}, "does not exist"),
+        ({"input": "w1", "prompt_name": "query"}, "prompt_name 'query' is not one of"),
     ):
         r = httpx.post(url, json=body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
