@@ -39,6 +39,7 @@ FORMAT = b"jaxpaged-program-1\n"
 # an XLA option that only formats dumps, and is part of the persistent cache's key
 FRESH_COMPILE_OPTIONS = {"xla_dump_enable_mlir_pretty_form": True}
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+MAX_PROGRAMS = 64  # files a folder keeps (a step program of the bundled model: ~0.5 MB)
 
 
 def default_program_cache_dir() -> str | None:
@@ -140,6 +141,19 @@ class ProgramStore:
             logger.info("program store: not storing %s (%s)", key[:16], exc)
             return
         self.stored += 1
+        self.prune()
+
+    def prune(self, keep: int = MAX_PROGRAMS) -> None:
+        """Deletes all but the ``keep`` most recently written programs (each edit of
+        jaxpaged's code or change of settings keys new ones; the old ones are never loaded
+        again)."""
+        try:
+            files = [e for e in os.scandir(self.folder) if e.name.endswith(".jpprog")]
+            files.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+            for entry in files[keep:]:
+                os.unlink(entry.path)
+        except OSError as exc:  # another process pruning too
+            logger.info("program store: pruning %s: %s", self.folder, exc)
 
 
 class StoredProgram:
