@@ -26,8 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import config as jax_config  # the cache's thread-local settings
 from jax.experimental import serialize_executable
+
+try:  # the persistent cache's thread-local settings (JAX's own module)
+    from jax._src import config as jax_config
+except ImportError:  # a JAX that moved it: the store then keeps only fresh compiles
+    jax_config = None
 
 from jaxpaged.worker.program_key import Unkeyable, environment_text, program_key, source_digest
 
@@ -60,7 +64,8 @@ def compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, boo
     (on the CPU it lacks its kernels' code: "Function wrapped_broadcast not found" when the
     copy runs), so the store takes only fresh ones. A dump-only XLA option gives the program
     a cache key of its own, and the cache's minimum compile time (this thread's, for this
-    call) keeps it from being written there, so that key never hits."""
+    call) keeps it from being written there, so that key never hits. (A program this process
+    compiled already comes from JAX's in-memory cache, without a compile: not stored again.)"""
     compiles: list[str] = []
 
     def on_event(event: str, duration_secs: float, **_: object) -> None:
