@@ -339,6 +339,14 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
+    program_cache_dir: str | os.PathLike[str] | None = _setting(
+        None,
+        "folder where the engine keeps its compiled step programs whole, so a restart loads "
+        "them without tracing (unset: off)",
+        "--program-cache-dir",
+        parse=optional_text,
+        metavar="DIR",
+    )
     enable_lora: bool = _setting(
         False,
         "serve LoRA adapters over the base model (Llama family): requests choose one by name",
@@ -549,10 +557,13 @@ class EngineArgs:
         )
 
     def process_config(self) -> ProcessConfig:
-        cache = self.compile_cache_dir
+        def folder(path: str | os.PathLike[str] | None) -> str | None:
+            return os.fspath(path) if isinstance(path, os.PathLike) else path
+
         return ProcessConfig(
             configure_process=self.configure_process,
-            compile_cache_dir=os.fspath(cache) if isinstance(cache, os.PathLike) else cache,
+            compile_cache_dir=folder(self.compile_cache_dir),
+            program_cache_dir=folder(self.program_cache_dir),
         )
 
 

@@ -264,11 +264,14 @@ class ProcessConfig:
     limit of ``gpu_memory_utilization`` (``XLA_PYTHON_CLIENT_*``), and on a CPU-only JAX the
     malloc tuning that lets XLA reuse each step's scratch (kernels/cpu/host_malloc.py).
     ``compile_cache_dir``: the folder of JAX's persistent compilation cache, set in
-    ``jax.config``; None leaves ``jax.config`` alone.
+    ``jax.config``; None leaves ``jax.config`` alone. ``program_cache_dir``: a folder where
+    the engine keeps its compiled step programs whole, so the next process loads them
+    without tracing (jaxpaged.worker.program_store); None: off.
     """
 
     configure_process: bool = False
     compile_cache_dir: str | None = None
+    program_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.configure_process, bool):
@@ -279,6 +282,13 @@ class ProcessConfig:
             raise ValueError(
                 "compile_cache_dir must be a folder (a non-empty str) or None, got "
                 f"{self.compile_cache_dir!r}"
+            )
+        if self.program_cache_dir is not None and (
+            not isinstance(self.program_cache_dir, str) or not self.program_cache_dir
+        ):
+            raise ValueError(
+                "program_cache_dir must be a folder (a non-empty str) or None, got "
+                f"{self.program_cache_dir!r}"
             )
 
 

@@ -4,8 +4,9 @@ person waits on, its tokens streamed as they come, and Ctrl-C ending the reply, 
 The engine of such a command serves one request at a time, so it is built for exactly that:
 one sequence (``max_num_seqs=1``: no prefill-cap calibration, nothing runs beside it), a KV
 pool of one ``max_model_len`` sequence instead of the server's 1 GiB, and only the step shapes
-the request reaches, compiled when first needed (``enforce_eager``) or loaded from the
-persistent compile cache. The pool's size depends on ``max_model_len`` alone, not on the
+the request reaches, compiled when first needed (``enforce_eager``), or loaded whole from
+the program cache (jaxpaged.worker.program_store: no tracing, no lowering) when an earlier
+run compiled them. The pool's size depends on ``max_model_len`` alone, not on the
 prompt: its shape is part of every compiled program, so a fixed size lets the next run load
 them all from the cache.
 """
@@ -28,6 +29,7 @@ from jaxpaged.engine import LLMEngine, Prompt, process_owner_args
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.program_store import default_program_cache_dir
 
 __all__ = [
     "Reply",
@@ -101,6 +103,7 @@ def one_sequence_llm(args: argparse.Namespace, *, owns_process: bool = True) -> 
         seed=args.seed or 0,
         show_progress=args.verbose,
         **(process_owner_args() if owns_process else {}),
+        **({"program_cache_dir": default_program_cache_dir()} if owns_process else {}),
     )
 
 

@@ -37,7 +37,7 @@ from jaxpaged.engine.patch_images import image_prompts, image_spec_for_folder
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.pooled_requests import PooledOutput, PooledResults, pooling_request
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
-from jaxpaged.engine.process import apply_process_config, configure_process
+from jaxpaged.engine.process import apply_process_config, configure_process, program_store
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.engine.spec_builder import (
     DraftModel,
@@ -123,9 +123,9 @@ class LLMEngine:
             )
         # only what was asked for; again for engines built on params in hand (JAX started:
         # the malloc thresholds still take)
+        process_config = process_config or ProcessConfig()
         self.compile_cache_dir = apply_process_config(
-            process_config or ProcessConfig(),
-            gpu_memory_utilization=cache_config.gpu_memory_utilization,
+            process_config, gpu_memory_utilization=cache_config.gpu_memory_utilization
         )
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
@@ -216,6 +216,7 @@ class LLMEngine:
                 draft_slots=draft is not None,
                 eagle=eagle,
                 image_slots=image_slots,
+                program_store=program_store(process_config.program_cache_dir, self.mesh),
             )
 
         eos = _eos_ids(model_config, tokenizer, eos_token_ids)

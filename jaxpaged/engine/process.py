@@ -15,8 +15,9 @@ from jaxpaged.config import ProcessConfig
 from jaxpaged.kernels import platform
 from jaxpaged.worker.compile_counter import default_compile_cache_dir, enable_persistent_cache
 from jaxpaged.worker.kv_cache import configure_device_memory
+from jaxpaged.worker.program_store import ProgramStore
 
-__all__ = ["apply_process_config", "configure_process", "process_owner_args"]
+__all__ = ["apply_process_config", "configure_process", "process_owner_args", "program_store"]
 
 
 def configure_process(gpu_memory_utilization: float) -> None:
@@ -42,3 +43,9 @@ def process_owner_args() -> dict[str, Any]:
     """The EngineArgs settings of a program that owns its process (serve, generate, the
     benchmarks): configure it, and keep compiled programs in the default compile cache."""
     return {"configure_process": True, "compile_cache_dir": default_compile_cache_dir()}
+
+
+def program_store(folder: str | None, mesh: jax.sharding.Mesh | None) -> ProgramStore | None:
+    """The store of an engine's compiled programs in ``folder`` (None: none). Only for an
+    engine on one device: a program over a mesh is traced as before."""
+    return None if folder is None or mesh is not None else ProgramStore(folder)

@@ -21,7 +21,8 @@ __all__ = ["engine_jit"]
 
 def engine_jit(fn: Callable[..., Any] | None = None, **jit_options: Any) -> Any:
     """``jax.jit(fn, **jit_options)`` (a shared program for tests and one-off callers) with a
-    ``fresh()`` method that makes a new jit of ``fn`` whose cache is its own. Usable as
+    ``fresh()`` method that makes a new jit of ``fn`` whose cache is its own, and its
+    ``static_argnames``. Usable as
     ``@engine_jit`` or ``@engine_jit(static_argnames=...)``."""
     if fn is None:
         return functools.partial(engine_jit, **jit_options)
@@ -37,4 +38,6 @@ def engine_jit(fn: Callable[..., Any] | None = None, **jit_options: Any) -> Any:
         return jax.jit(program, **jit_options)
 
     shared.fresh = fresh
+    # the names a caller passes static arguments by (jaxpaged.worker.program_store)
+    shared.static_argnames = tuple(jit_options.get("static_argnames", ()))
     return shared

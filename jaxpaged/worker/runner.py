@@ -46,6 +46,7 @@ from jaxpaged.worker.lora import LoraAdapters
 from jaxpaged.worker.model_hooks import ModelHooks
 from jaxpaged.worker.patch_images import PatchImageEncoder, image_encoder
 from jaxpaged.worker.pooled_rows import pooled_hidden, pooled_seqs
+from jaxpaged.worker.program_store import ProgramStore
 from jaxpaged.worker.programs import EnginePrograms
 from jaxpaged.worker.step import StaticGraph, StepBatch, StepOutput
 from jaxpaged.worker.weights import ParamsSpec
@@ -93,6 +94,7 @@ class Runner:
         sampled_rows: int | None = None,
         eagle: tuple[Eagle3Config, dict[str, np.ndarray]] | None = None,
         image_slots: int = 0,
+        program_store: ProgramStore | None = None,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
@@ -104,7 +106,8 @@ class Runner:
         tail of the previous-token array, R * (K + 1) entries, which draft rows read);
         ``eagle``: an EAGLE-3 head's (config, params), drafting inside the step
         (:mod:`jaxpaged.worker.spec_eagle`; ``layout`` has one layer more than the model,
-        the head's);
+        the head's); ``program_store``: where its compiled programs are kept whole (None:
+        jit's tracing at every start);
         ``image_slots``: a vision-language model's encoder cache, in images (0: the model
         takes no images; jaxpaged.worker.images)."""
         self.num_speculative_tokens = num_speculative_tokens
@@ -138,7 +141,7 @@ class Runner:
         # weights on 2 MiB pages; elsewhere XLA's
         self.platform = platform
         # jitted for this runner alone: its compiled programs go when it closes or is dropped
-        self.programs = EnginePrograms()
+        self.programs = EnginePrograms(program_store)
         # the model class's hooks: which weights a native matmul may repack, which a step
         # streams
         self._hooks = ModelHooks.of(model_config, params, graphdef)

@@ -40,6 +40,11 @@ class StaticGraph:
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, StaticGraph) and self.graphdef == other.graphdef)
 
+    def program_key(self) -> str:
+        """The graph definition's text (its node types, their static attributes, the model's
+        config): what keys the step's programs on disk (jaxpaged.worker.program_key)."""
+        return repr(self.graphdef)
+
 
 class StepBatch(NamedTuple):
     """One step's inputs, padded to a bucket: T tokens, S sequences, B block-table columns."""

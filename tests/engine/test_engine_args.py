@@ -58,6 +58,7 @@ CLI_CASES = {
     "show_progress": (["--no-show-progress"], False),
     "configure_process": (["--configure-process"], True),
     "compile_cache_dir": (["--compile-cache-dir", "/tmp/xla-cache"], "/tmp/xla-cache"),
+    "program_cache_dir": (["--program-cache-dir", "/tmp/programs"], "/tmp/programs"),
     "enable_lora": (["--enable-lora"], True),
     "max_loras": (["--max-loras", "3"], 3),
     "limit_mm_per_prompt": (["--limit-mm-per-prompt", '{"image": 2}'], 2),
@@ -188,6 +189,8 @@ def test_cli_defaults_must_name_fields():
 def test_compile_cache_dir_may_be_a_path():
     args = EngineArgs(compile_cache_dir=pathlib.Path("/tmp/xla-cache"))
     assert args.process_config().compile_cache_dir == "/tmp/xla-cache"
+    programs = EngineArgs(program_cache_dir=pathlib.Path("/tmp/programs"))
+    assert programs.process_config().program_cache_dir == "/tmp/programs"
 
 
 @pytest.fixture
