@@ -29,15 +29,24 @@ from jaxpaged.config import (
     SchedulerConfig,
 )
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
-from jaxpaged.engine.images import ImagePrompts, check_chunk_room
+from jaxpaged.engine.engine_setup import (
+    check_in_memory,
+    check_one_replica,
+    check_processors,
+    dtype_of,
+    eos_ids,
+    image_setup,
+    load_model,
+    load_speculative_models,
+    spec_defaults,
+)
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
-from jaxpaged.engine.patch_images import image_prompts, image_spec_for_folder
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.pooled_requests import PooledOutput, PooledResults, pooling_request
 from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
-from jaxpaged.engine.process import apply_process_config, configure_process, program_store
+from jaxpaged.engine.process import apply_process_config, program_store
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.engine.spec_builder import (
     DraftModel,
@@ -47,9 +56,7 @@ from jaxpaged.engine.spec_builder import (
     shared_num_blocks,
 )
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.eagle3 import Eagle3Config, load_eagle3
-from jaxpaged.models.hub import resolve_model_path
-from jaxpaged.models.image_spec import ImageSpec
+from jaxpaged.models.eagle3 import Eagle3Config
 from jaxpaged.models.llama import Params
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
@@ -57,7 +64,6 @@ from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.spec import SpeculativeConfig
 from jaxpaged.worker.compile_counter import CompileCounter
 from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
-from jaxpaged.worker.images import min_image_slots
 from jaxpaged.worker.kv_cache import KVLayout, kv_storage_dtype
 from jaxpaged.worker.logits_processors import LogitsProcessor
 from jaxpaged.worker.runner import Runner
@@ -104,7 +110,7 @@ class LLMEngine:
         ``mm_config``: a vision-language model's image limits (its config has an ``image``
         ImageSpec, models/gemma3_vl.py)."""
         cache_config = cache_config or CacheConfig()
-        logits_processors = _check_processors(logits_processors)
+        logits_processors = check_processors(logits_processors)
         if speculative_config is not None and jax.process_count() > 1:
             raise ValueError(
                 "speculative_config: speculative decoding across hosts is not supported"
@@ -129,7 +135,7 @@ class LLMEngine:
         )
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
-        _check_one_replica(parallel_config)
+        check_one_replica(parallel_config)
         self.mesh = None
         # what update_weights takes: the params as given, before sharding / KV replication
         self._given_config = model_config
@@ -155,13 +161,13 @@ class LLMEngine:
         self.lora = build_adapters(
             lora_config or LoraConfig(),
             model_config,
-            _params_dtype(params),
+            dtype_of(params),
             own_model=graphdef is not None,
             tensor_parallel_size=parallel_config.tensor_parallel_size,
             num_hosts=jax.process_count(),
         )
 
-        params_dtype = dtype or str(_params_dtype(params))
+        params_dtype = dtype or str(dtype_of(params))
         kv_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, params_dtype)
         # chosen once, here; the KV plan, the runner and the step only read it
         self.platform = engine_platform(
@@ -174,7 +180,7 @@ class LLMEngine:
             attention_backend=attention_backend,
             mesh=self.mesh,
         )
-        speculative_config = _spec_defaults(speculative_config, self.platform.device)
+        speculative_config = spec_defaults(speculative_config, self.platform.device)
         pool_config = model_config  # what the KV pool holds: an EAGLE-3 head adds a layer
         if eagle is not None:
             pool_config = check_eagle(
@@ -192,7 +198,7 @@ class LLMEngine:
         )
 
         mm_config = mm_config or MultiModalConfig()
-        image_prompts, image_slots = _image_setup(
+        image_prompts, image_slots = image_setup(
             model_config, mm_config, scheduler_config, speculative_config, parallel_config
         )
 
@@ -219,7 +225,7 @@ class LLMEngine:
                 program_store=program_store(process_config.program_cache_dir, self.mesh),
             )
 
-        eos = _eos_ids(model_config, tokenizer, eos_token_ids)
+        eos = eos_ids(model_config, tokenizer, eos_token_ids)
         num_blocks = kv.num_blocks(
             cache_config,
             scheduler_config,
@@ -241,7 +247,7 @@ class LLMEngine:
                 *draft,
                 cache_config=cache_config,
                 attention_backend=attention_backend,
-                params_dtype=str(_params_dtype(draft[1])),
+                params_dtype=str(dtype_of(draft[1])),
             )
             draft_bytes = draft_model.kv.layout(1).bytes_per_block
             num_blocks = shared_num_blocks(
@@ -356,7 +362,7 @@ class LLMEngine:
         over ``args.model`` loaded. The settings the model does not decide are checked before
         any weight is read."""
         cache_config, parallel_config = args.cache_config(), args.parallel_config()
-        _check_one_replica(parallel_config)  # before any weight is read
+        check_one_replica(parallel_config)  # before any weight is read
         lora_config = args.lora_config()
         process_config = args.process_config()
         if params is None:
@@ -378,33 +384,16 @@ class LLMEngine:
                     "model_config, tokenizer and eos_token_ids come with params "
                     "(without params, args.model is loaded with its own)"
                 )
-            model_config, params, tokenizer, eos_token_ids = cls._load(args, parallel_config)
+            model_config, params, tokenizer, eos_token_ids = load_model(args, parallel_config)
             loaded = True
         else:
-            cls._check_in_memory(args, model_config, params)
+            check_in_memory(args, model_config, params)
             if args.quantization is not None:  # quantized on the host, then placed as loaded
                 from jaxpaged.models.quant import quantize_params
 
                 params = quantize_params(jax.device_get(params), model_config, args.quantization)
             loaded = False
-        draft = None
-        spec = args.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            draft_args = dataclasses.replace(
-                args,
-                model=spec.model,
-                quantization=spec.quantization,
-                revision=spec.revision,
-                speculative_config=None,
-                configure_process=False,
-            )
-            draft = cls._load(draft_args, ParallelConfig())[:2]
-        eagle = None
-        if spec is not None and spec.method == "eagle3":
-            folder = resolve_model_path(
-                spec.model, revision=spec.revision, download_dir=args.download_dir
-            )
-            eagle = load_eagle3(folder)
+        draft, eagle = load_speculative_models(args)
         engine = cls(
             model_config=model_config,
             params=params,
@@ -429,63 +418,12 @@ class LLMEngine:
         # weights from a checkpoint later (the admin call, sleep level 2): loaded as the
         # engine's were, without touching the process again
         load_args = dataclasses.replace(args, configure_process=False, show_progress=False)
-        engine.weights_from = lambda path: cls._load(
+        engine.weights_from = lambda path: load_model(
             dataclasses.replace(load_args, model=path), parallel_config
         )[1]
         if loaded:
             engine._reload = lambda: engine.weights_from(args.model)
         return engine
-
-    @staticmethod
-    def _load(
-        args: EngineArgs, parallel_config: ParallelConfig
-    ) -> tuple[ModelConfig, Params, Any, tuple[int, ...]]:
-        """(config, params, tokenizer, EOS ids) of ``args.model`` (None = the bundled SmolLM2;
-        a folder, hub id or .gguf file), the weights sent straight to their shards."""
-        from jaxpaged.distributed.loading import load_params
-        from jaxpaged.distributed.parallel import make_mesh
-        from jaxpaged.models import load_tokenizer
-        from jaxpaged.models.loader import load_eos_token_ids
-        from jaxpaged.models.resolve import resolve_model_folder
-
-        if args.configure_process:
-            configure_process(args.gpu_memory_utilization)  # before the load starts JAX
-        n = parallel_config.tensor_parallel_size
-        mesh = make_mesh(n) if n > 1 else None
-        folder = resolve_model_folder(
-            args.model, revision=args.revision, download_dir=args.download_dir
-        )
-        # Orbax folders (jaxpaged.convert) are detected
-        model_config, params = load_params(
-            folder,
-            mesh=mesh,
-            dtype=args.load_dtype,
-            progress=args.show_progress,
-            quantization=args.quantization,
-        )
-        eos = load_eos_token_ids(folder, model_config)
-        image = getattr(model_config, "image", None)
-        if isinstance(image, ImageSpec):  # the processor's size, mean and std
-            model_config = dataclasses.replace(
-                model_config, image=image_spec_for_folder(image, folder)
-            )
-        return model_config, params, load_tokenizer(folder), eos
-
-    @staticmethod
-    def _check_in_memory(
-        args: EngineArgs, model_config: ModelConfig | None, params: Params
-    ) -> None:
-        """ValueError for settings that contradict params already in memory."""
-        if model_config is None:
-            raise ValueError("params need their model_config")
-        if args.model is not None:
-            raise ValueError(f"give either model ({args.model!r}) or params, not both")
-        have = str(_params_dtype(params))
-        if args.load_dtype is not None and args.load_dtype != have:
-            raise ValueError(
-                f"dtype={args.dtype!r}, but the params given are {have}: dtype applies when "
-                "loading a model (cast the params, or leave dtype unset)"
-            )
 
     @classmethod
     def from_args(cls, model: str | os.PathLike | None = None, **kwargs: Any) -> LLMEngine:
@@ -737,89 +675,3 @@ class LLMEngine:
 # than it saves: bench/speculative.py on the 2-core VM measured n-gram at 1.40x at batch 1 on
 # copy-heavy work, 0.71x at 8 (0.67x on chat). Unless told otherwise, a CPU engine drafts only
 # while this many requests run at most.
-CPU_SPEC_MAX_BATCH = 1
-
-
-def _spec_defaults(config: SpeculativeConfig | None, device: str) -> SpeculativeConfig | None:
-    """``disable_by_batch_size`` left unset on a CPU: :data:`CPU_SPEC_MAX_BATCH`."""
-    if config is None or config.disable_by_batch_size is not None or device != "cpu":
-        return config
-    logger.info(
-        "speculative decoding: drafting while at most %d request(s) run (CPU default; set "
-        "disable_by_batch_size to change it)",
-        CPU_SPEC_MAX_BATCH,
-    )
-    return dataclasses.replace(config, disable_by_batch_size=CPU_SPEC_MAX_BATCH)
-
-
-def _check_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessor, ...]:
-    processors = tuple(processors)
-    for p in processors:
-        if not isinstance(p, LogitsProcessor):
-            raise ValueError(f"logits_processors must hold LogitsProcessor objects, got {p!r}")
-    names = [p.name for p in processors]
-    if len(set(names)) != len(names):
-        raise ValueError(f"logits_processors: names must be unique, got {names}")
-    return processors
-
-
-def _image_setup(
-    model_config: ModelConfig,
-    mm: MultiModalConfig,
-    scheduler: SchedulerConfig,
-    speculative: SpeculativeConfig | None,
-    parallel: ParallelConfig,
-) -> tuple[ImagePrompts | None, int]:
-    """A vision-language model's image prompts and encoder-cache slots ((None, 0): the
-    model takes no images); ValueError for the features images do not run with yet."""
-    spec = getattr(model_config, "image", None)
-    if not isinstance(spec, ImageSpec):
-        return None, 0
-    for on, what in (
-        (speculative is not None, "speculative decoding"),
-        (parallel.tensor_parallel_size > 1, "tensor parallelism"),
-        (jax.process_count() > 1, "several hosts"),
-    ):
-        if on:
-            raise ValueError(f"{what} is not supported with a vision-language model yet")
-    check_chunk_room(
-        spec, scheduler.max_num_batched_tokens, scheduler.max_prefill_tokens_with_decodes
-    )
-    slots = min_image_slots(
-        max_num_seqs=scheduler.max_num_seqs,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        tokens_per_image=spec.min_tokens_per_image,
-        limit=mm.limit_images_per_prompt,
-    )
-    return image_prompts(spec, mm.limit_images_per_prompt), slots + mm.encoder_cache_images
-
-
-def _params_dtype(params: Params) -> Any:
-    """The dtype of the model's floating-point state (its embedding for jaxpaged's own)."""
-    embed = params.get("embed") if isinstance(params, dict) else None
-    if hasattr(embed, "scales"):  # a quantized embedding (a GGUF model's): the norms' dtype
-        embed = params.get("final_norm")
-    if hasattr(embed, "dtype"):
-        return embed.dtype
-    leaves = jax.tree.leaves(params)
-    floats = [x.dtype for x in leaves if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
-    if not floats:
-        raise ValueError("the model's state holds no floating-point arrays")
-    return floats[0]
-
-
-def _check_one_replica(parallel_config: ParallelConfig) -> None:
-    if parallel_config.data_parallel_size != 1:
-        raise ValueError(
-            f"data_parallel_size {parallel_config.data_parallel_size}: an LLMEngine is one "
-            "replica; several run behind jaxpaged.engine.data_parallel.DataParallelClient "
-            "(`jaxpaged serve --data-parallel-size N`, LLM(data_parallel_size=N))"
-        )
-
-
-def _eos_ids(config: ModelConfig, tokenizer: Any, extra: Sequence[int] | None) -> tuple[int, ...]:
-    ids = list(dict.fromkeys([*config.eos_token_ids, *(extra or ())]))
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if tok_eos is not None and tok_eos not in ids:
-        ids.append(tok_eos)
-    return tuple(ids)

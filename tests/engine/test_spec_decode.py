@@ -141,10 +141,10 @@ def test_greedy_identical_under_swap_preemption(plain, prompts):
 def test_cpu_default_drafts_for_one_request_only(spec):
     """A CPU engine given no disable_by_batch_size drafts only while one request runs (where
     bench/speculative.py measured a gain); a value given is kept."""
-    from jaxpaged.engine.llm_engine import CPU_SPEC_MAX_BATCH, _spec_defaults
+    from jaxpaged.engine.engine_setup import CPU_SPEC_MAX_BATCH, spec_defaults
     from jaxpaged.spec import SpeculativeConfig
 
     assert spec.engine.scheduler.speculative_config.disable_by_batch_size == 64
     unset = SpeculativeConfig(num_speculative_tokens=2)
-    assert _spec_defaults(unset, "cpu").disable_by_batch_size == CPU_SPEC_MAX_BATCH
-    assert _spec_defaults(unset, "gpu").disable_by_batch_size is None
+    assert spec_defaults(unset, "cpu").disable_by_batch_size == CPU_SPEC_MAX_BATCH
+    assert spec_defaults(unset, "gpu").disable_by_batch_size is None
