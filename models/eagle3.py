@@ -40,7 +40,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .layers import apply_rope, rms_norm
-from .llama import config_fields
+from .llama_layout import config_fields
 from .quant.matmul import embedding_rows
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import llama
+from . import llama, llama_layout
 from .config import ModelConfig
 from .family import ModelFamily
 
@@ -32,7 +32,7 @@ def parse_config(d: Mapping[str, Any]) -> ModelConfig:
     not run."""
     if d.get("mlp_bias"):
         raise ValueError("unsupported granite option mlp_bias=True (biased MLP projections)")
-    fields = llama.config_fields(d)
+    fields = llama_layout.config_fields(d)
     return ModelConfig(
         **fields,
         embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
@@ -56,7 +56,7 @@ FAMILY = ModelFamily(
     parse_config=parse_config,
     module=llama.LlamaForCausalLM,
     param_shapes=llama.param_shapes,
-    load_host_params=llama.load_host_params,
+    load_host_params=llama_layout.load_host_params,
     linears=llama.LINEARS,
     refused=_refused,
     lora=llama.lora_layout,

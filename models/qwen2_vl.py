@@ -30,9 +30,10 @@ from .family import ModelFamily
 from .gemma3_vl import ParamTree, _first_prefix
 from .image_spec import PatchImageSpec
 from .layers import dense_causal_attention
-from .llama import LINEARS, LlamaForCausalLM, config_fields
-from .llama import load_host_params as load_text_params
+from .llama import LINEARS, LlamaForCausalLM
 from .llama import param_shapes as text_shapes
+from .llama_layout import config_fields
+from .llama_layout import load_host_params as load_text_params
 from .qwen_vit import QwenVitConfig, load_vit, parse_vit_config, vit_encode, vit_shapes
 from .types import AttentionFn, TensorReader
 
