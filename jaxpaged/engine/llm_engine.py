@@ -239,6 +239,7 @@ class LLMEngine:
                 cache_config=cache_config,
                 attention_backend=attention_backend,
                 params_dtype=str(_params_dtype(draft[1])),
+                mesh=self.mesh,
             )
             draft_bytes = draft_model.kv.layout(1).bytes_per_block
             num_blocks = shared_num_blocks(
@@ -394,7 +395,7 @@ class LLMEngine:
                 speculative_config=None,
                 configure_process=False,
             )
-            draft = cls._load(draft_args, ParallelConfig())[:2]
+            draft = cls._load(draft_args, parallel_config)[:2]  # onto the target's shards
         eagle = None
         if spec is not None and spec.method == "eagle3":
             folder = resolve_model_path(
