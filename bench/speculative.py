@@ -2,7 +2,8 @@
 
     python bench/speculative.py [--model M] [--batch-sizes 1 8 32] [--max-tokens 96]
         [--num-speculative-tokens 4] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
-        [--workloads copy chat] [--draft-model PATH|bundled-gguf] [--eagle3 HEAD] [--json FILE]
+        [--workloads copy chat] [--draft-model PATH|bundled-gguf] [--eagle3 HEAD] [--rounds N]
+        [--json FILE]
 
 Engines over the same model: one without speculation, one with
 ``speculative_config={"method": "ngram", ...}`` and, with ``--draft-model``, one with that
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also an eagle3 engine with this EAGLE-3 head (a folder or hub id for --model)",
     )
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each batch this many times, alternating the engines' order")  # fmt: skip
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -184,25 +187,38 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         for b in args.batch_sizes:
             prompts = makers[workload](tokenizer, b)
-            results = {
-                name: run_batch(llm, prompts, args.max_tokens) for name, llm in engines.items()
-            }
-            same = all(r["token_ids"] == results["off"]["token_ids"] for r in results.values())
-            for name, r in results.items():
-                length = r["acceptance_length"]
-                rate = r["acceptance_rate"]
-                print(
-                    f"| {workload} | {b} | {name} | {r['tok_s']:.1f} | {r['tpot_ms']:.1f} | "
-                    f"{'' if length is None else f'{length:.2f}'} | "
-                    f"{'' if rate is None else f'{100 * rate:.0f} %'} | {same} |",
-                    flush=True,
-                )
-                rows.append({"workload": workload, "batch": b, "config": name, "same": same,
-                             **{k: v for k, v in r.items() if k != "token_ids"}})  # fmt: skip
-            for name in results:
-                if name != "off":
-                    speedup = results[name]["tok_s"] / results["off"]["tok_s"]
-                    print(f"|  |  | {name} / off | **{speedup:.2f}x** |  |  |  |  |", flush=True)
+            speedups: dict[str, list[float]] = {}
+            for rnd in range(args.rounds):
+                # alternate which engine goes first: the machine's load drifts
+                order = list(engines.items())
+                results = {
+                    name: run_batch(llm, prompts, args.max_tokens)
+                    for name, llm in (order if rnd % 2 == 0 else order[::-1])
+                }
+                same = all(r["token_ids"] == results["off"]["token_ids"] for r in results.values())
+                for name, r in results.items():
+                    length = r["acceptance_length"]
+                    rate = r["acceptance_rate"]
+                    print(
+                        f"| {workload} | {b} | {name} | {r['tok_s']:.1f} | {r['tpot_ms']:.1f} | "
+                        f"{'' if length is None else f'{length:.2f}'} | "
+                        f"{'' if rate is None else f'{100 * rate:.0f} %'} | {same} |",
+                        flush=True,
+                    )
+                    rows.append({"workload": workload, "batch": b, "config": name, "same": same,
+                                 "round": rnd,
+                                 **{k: v for k, v in r.items() if k != "token_ids"}})  # fmt: skip
+                for name in results:
+                    if name != "off":
+                        speedup = results[name]["tok_s"] / results["off"]["tok_s"]
+                        speedups.setdefault(name, []).append(speedup)
+                        print(f"|  |  | {name} / off | **{speedup:.2f}x** |  |  |  |  |",
+                              flush=True)  # fmt: skip
+            if args.rounds > 1:
+                for name, xs in speedups.items():
+                    print(f"|  |  | {name} / off, median of {len(xs)} rounds | "
+                          f"**{statistics.median(xs):.2f}x** (min {min(xs):.2f}, max "
+                          f"{max(xs):.2f}) |  |  |  |  |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": spec, "rows": rows}, f, indent=1)

@@ -425,24 +425,42 @@ class EngineCore:
 
     def _grammar_masks(self, plan: SchedulerOutput) -> dict[int, np.ndarray]:
         """Sequence index -> the allowed-token mask of each grammar request that samples in
-        this plan (its matcher has seen all its tokens: the scheduler saw to that)."""
+        this plan (its matcher has seen all its tokens: the scheduler saw to that); for one
+        that verifies n-gram drafts, the mask of each verified position ([d + 1, W])."""
         if not self.grammars:
             return {}
         rows = [i for i, s in enumerate(plan.seqs) if s.do_sample and s.request_id in self.grammars]
         if not rows:
             return {}
-        masks = self.grammars.masks([plan.seqs[i].request_id for i in rows])
-        return dict(zip(rows, masks, strict=True))
+        drafting = [i for i in rows if plan.seqs[i].num_draft_tokens]
+        rows = [i for i in rows if not plan.seqs[i].num_draft_tokens]
+        out: dict[int, np.ndarray] = {}
+        if rows:
+            masks = self.grammars.masks([plan.seqs[i].request_id for i in rows])
+            out.update(zip(rows, masks, strict=True))
+        for i in drafting:
+            s = plan.seqs[i]
+            out[i] = self.grammars.masks_through(s.request_id, s.token_ids[-s.num_draft_tokens :])
+        return out
 
     def _advance_grammars(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Feeds new tokens to their requests' matchers; a request whose grammar has ended
-        (or that broke it) stops there."""
+        (or that broke it) stops there: tokens after it in the same update (accepted drafts
+        and the token after them) are dropped, as one-token decoding would have stopped."""
         out = []
         for u in updates:
-            if u.request_id in self.grammars and u.new_token_ids and not u.finished:
-                if not all(self.grammars.accept(u.request_id, t) for t in u.new_token_ids):
-                    self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
-                    u = dataclasses.replace(u, finish_reason="stop")
+            if u.request_id in self.grammars and u.new_token_ids:
+                ends = _grammar_end(self.grammars, u)
+                if ends is not None and (not u.finished or ends < len(u.new_token_ids)):
+                    if not u.finished:
+                        self.scheduler.finish(u.request_id, RequestStatus.FINISHED_STOPPED)
+                    u = dataclasses.replace(
+                        u,
+                        new_token_ids=u.new_token_ids[:ends],
+                        new_logprobs=u.new_logprobs[:ends],
+                        finish_reason="stop",
+                        stop_reason=None,
+                    )
             out.append(u)
         self.grammars.retain(self.scheduler.requests)
         return out
@@ -521,3 +539,12 @@ class EngineStepError(RuntimeError):
     def __init__(self, outputs: list[RequestOutput]) -> None:
         super().__init__("engine step failed")
         self.outputs = outputs
+
+
+def _grammar_end(grammars: GrammarMatchers, u: RequestUpdate) -> int | None:
+    """How many of the update's tokens stand when its request's grammar ends (or breaks)
+    at one of them (that token included), else None (the matcher has seen them all)."""
+    for n, t in enumerate(u.new_token_ids, 1):
+        if not grammars.accept(u.request_id, t):
+            return n
+    return None

@@ -76,10 +76,11 @@ def check_in_memory(args: EngineArgs, model_config: ModelConfig | None, params: 
 
 
 def load_speculative_models(
-    args: EngineArgs,
+    args: EngineArgs, parallel_config: ParallelConfig
 ) -> tuple[tuple[ModelConfig, Params] | None, tuple[Eagle3Config, Params] | None]:
     """(draft model's config and params, EAGLE-3 head's) that ``args.speculative_config``
-    names: each None when its method is not the one configured."""
+    names: each None when its method is not the one configured. A draft model is split
+    over the target's devices as the target is."""
     spec = args.speculative_config
     draft = eagle = None
     if spec is not None and spec.method == "draft_model":
@@ -91,7 +92,7 @@ def load_speculative_models(
             speculative_config=None,
             configure_process=False,
         )
-        draft = load_model(draft_args, ParallelConfig())[:2]
+        draft = load_model(draft_args, parallel_config)[:2]
     if spec is not None and spec.method == "eagle3":
         folder = resolve_model_path(
             spec.model, revision=spec.revision, download_dir=args.download_dir

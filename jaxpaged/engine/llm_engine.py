@@ -248,6 +248,7 @@ class LLMEngine:
                 cache_config=cache_config,
                 attention_backend=attention_backend,
                 params_dtype=str(dtype_of(draft[1])),
+                mesh=self.mesh,
             )
             draft_bytes = draft_model.kv.layout(1).bytes_per_block
             num_blocks = shared_num_blocks(
@@ -393,7 +394,7 @@ class LLMEngine:
 
                 params = quantize_params(jax.device_get(params), model_config, args.quantization)
             loaded = False
-        draft, eagle = load_speculative_models(args)
+        draft, eagle = load_speculative_models(args, parallel_config)
         engine = cls(
             model_config=model_config,
             params=params,

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.distributed.parallel import shard_params
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.models.config import ModelConfig
@@ -34,7 +35,10 @@ class DraftModel:
         cache_config: CacheConfig,
         attention_backend: str | None,
         params_dtype: str,
+        mesh: Any = None,  # noqa: ANN401 - the target's jax Mesh (tensor parallel) or None
     ) -> None:
+        if mesh is not None:  # split like the target (loaded onto its shards: left there)
+            model_config, params = shard_params(model_config, params, mesh)
         self.model_config = model_config
         self.params = params
         dtype = params_dtype
@@ -47,8 +51,9 @@ class DraftModel:
             kv_dtype=kv_dtype,
             block_size=cache_config.block_size,
             attention_backend=attention_backend,
-            mesh=None,
+            mesh=mesh,
         )
+        self.mesh = mesh
         self.kv = KVPlan(
             model_config=model_config,
             block_size=cache_config.block_size,
@@ -75,6 +80,7 @@ class DraftModel:
             max_model_len=scheduler_config.max_model_len,
             platform=self.platform,
             seed=seed,
+            mesh=self.mesh,
             sampled_rows=scheduler_config.max_num_seqs * (k + 1),
         )
         return DraftModelProposer(
@@ -97,9 +103,12 @@ def check_draft(
             f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
             f"is not the target's ({target.vocab_size}): a draft needs the same tokenizer"
         )
-    if tensor_parallel_size > 1:
+    tp = speculative_config.draft_tensor_parallel_size
+    if tp is not None and tp != tensor_parallel_size:
         raise ValueError(
-            "speculative_config: a draft model with tensor_parallel_size > 1 is not supported"
+            f"speculative_config: draft_tensor_parallel_size ({tp}) must be the engine's "
+            f"tensor_parallel_size ({tensor_parallel_size}): the draft model is split over "
+            "the target's devices, as the target is"
         )
     if lora:
         raise ValueError("speculative_config: a draft model with LoRA is not supported")

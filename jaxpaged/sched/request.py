@@ -209,11 +209,13 @@ class Request:
     def can_speculate(self) -> bool:
         """Whether its decodes may verify drafted tokens: each verified position is sampled
         as if the drafts before it were accepted, which per-request state (penalties,
-        min_tokens, logit_bias, logits processors: the token history) and grammars (the mask
-        after each draft) would have to follow; those requests decode one token a step, as
-        do requests that turned speculation off (``SamplingParams.speculative``)."""
+        min_tokens, logit_bias, logits processors: the token history) would have to follow;
+        those requests decode one token a step, as do requests that turned speculation off
+        (``SamplingParams.speculative``). A grammar's mask does follow drafts known on the
+        host (n-gram: the engine core masks each verified position), so a structured-output
+        request drafts only with such a proposer (the scheduler checks)."""
         sp = self.sampling_params
-        return sp.speculative and not self.needs_state_row and sp.structured_output is None
+        return sp.speculative and not self.needs_state_row
 
     @property
     def needs_state_row(self) -> bool:

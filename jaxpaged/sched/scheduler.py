@@ -427,7 +427,11 @@ class Scheduler:
             if req.num_inflight and req.sampling_params.structured_output is not None:
                 continue  # its grammar's next mask needs the token in flight
             drafts: tuple[int, ...] = ()
-            if drafting and req.can_speculate:
+            if (
+                drafting
+                and req.can_speculate
+                and (self.proposer.drafts_on_host or req.sampling_params.structured_output is None)
+            ):
                 if req.num_inflight:
                     continue  # drafting reads its tokens: the one in flight first
                 drafts = self._drafts(req, room() - 1)

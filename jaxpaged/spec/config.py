@@ -122,9 +122,15 @@ class SpeculativeConfig:
                     "(its float weights are kept in the target's dtype)"
                 )
             tp = self.draft_tensor_parallel_size
-            if tp is not None and tp != 1:
+            if m == "eagle3" and tp is not None and tp != 1:
                 raise ValueError(
-                    f"speculative_config: draft_tensor_parallel_size must be 1, got {tp!r}"
+                    f"speculative_config: draft_tensor_parallel_size must be 1 for an EAGLE-3 "
+                    f"head, got {tp!r}"
+                )
+            if tp is not None and (not _is_int(tp) or tp < 1):
+                raise ValueError(
+                    f"speculative_config: draft_tensor_parallel_size must be an int >= 1, "
+                    f"got {tp!r}"
                 )
 
     @property

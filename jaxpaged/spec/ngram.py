@@ -16,6 +16,9 @@ class NgramProposer:
     """Proposes up to ``k`` draft tokens per call (stateless; one per engine). Cost per call:
     O(len(token_ids) * n) in numpy, for each n tried."""
 
+    # the drafts are real tokens here: a grammar's mask can follow them (structured output)
+    drafts_on_host = True
+
     def __init__(self, *, min_n: int, max_n: int, k: int) -> None:
         if not 1 <= min_n <= max_n or k < 1:
             raise ValueError(f"NgramProposer: need 1 <= min_n <= max_n and k >= 1, got "
@@ -47,6 +50,8 @@ class NgramProposer:
 class DeviceDraftSlots:
     """For a draft model: the scheduler allots ``k`` draft slots per decode (placeholder
     tokens, 0); the draft model fills them on the device (jaxpaged.worker.spec_draft)."""
+
+    drafts_on_host = False  # no grammar can follow them: structured output does not draft
 
     def __init__(self, *, k: int) -> None:
         self.k = k

@@ -153,6 +153,23 @@ class GrammarMatchers:
             llnp.fill_next_token_bitmask_par(self._executor, rows, out)
         return out[:, : mask_width(self.compiler.vocab_size)]
 
+    def masks_through(
+        self, request_id: str, drafts: Sequence[int]
+    ) -> np.ndarray:  # int32 [len(drafts) + 1, W]
+        """Speculative decoding: the masks of the request's next token and of the token after
+        each draft, as if the drafts before it were accepted (a copy of the matcher follows
+        them; the request's own is untouched). Rows after the first draft the grammar
+        rejects allow every token: verification stops at that draft (the target's sample
+        there is masked, so it never equals it), so nothing sampled after it is emitted."""
+        m = self._matchers[request_id].deep_copy()
+        out = llnp.allocate_token_bitmask(len(drafts) + 1, self.compiler.vocab_size)  # all -1
+        llnp.fill_next_token_bitmask(m, out, 0)
+        for j, t in enumerate(drafts):
+            if not (int(out[j, t >> 5]) >> (t & 31)) & 1 or not m.consume_token(t):
+                break
+            llnp.fill_next_token_bitmask(m, out, j + 1)
+        return out[:, : mask_width(self.compiler.vocab_size)]
+
     def retain(self, alive: Iterable[str]) -> None:
         """Drops the matchers of requests that ended."""
         keep = set(alive)

@@ -206,16 +206,24 @@ class InputBatch(PersistentBatch):
         req = self.requests
         return tuple(req[s.request_id].params.logprobs if s.do_sample else None for s in seqs)
 
-    def _allowed(self, s: int, allowed: Mapping[int, np.ndarray] | None) -> np.ndarray:
+    def _allowed(
+        self, s: int, allowed: Mapping[int, np.ndarray] | None, k1: int = 1
+    ) -> np.ndarray:  # int32 [s * k1, W]
+        """The step's masks: row ``i * k1 + j`` is sequence i's verified position j (``k1``
+        rows per sequence in a step that verifies drafts, else 1). A mask of shape [W]
+        covers position 0, one of [m, W] positions 0 .. m - 1; the rest allow every token."""
         words = -(-self.vocab_size // 32)
         if not allowed:
-            out = self._all_allowed.get(s)
+            out = self._all_allowed.get(s * k1)
             if out is None:
-                out = self._all_allowed[s] = np.full((s, words), -1, np.int32)
+                out = self._all_allowed[s * k1] = np.full((s * k1, words), -1, np.int32)
             return out
-        out = np.full((s, words), -1, np.int32)
+        out = np.full((s * k1, words), -1, np.int32)
         for i, mask in allowed.items():
-            out[i] = mask
+            mask = mask.reshape(-1, words)
+            if len(mask) > k1:
+                raise ValueError(f"sequence {i}: {len(mask)} masks for {k1} verified positions")
+            out[i * k1 : i * k1 + len(mask)] = mask
         return out
 
     def prepare(
@@ -228,7 +236,8 @@ class InputBatch(PersistentBatch):
         whose sampling settings were refused when their request joined (index -> reason:
         they sample as padding rows and their requests fail). Every sequence's request must
         be in the batch (``update`` with its plan first). ``allowed``: sequence index -> its
-        structured-output mask (int32 [ceil(V / 32)])."""
+        structured-output mask (int32 [ceil(V / 32)]; [d + 1, W] for one that verifies d
+        drafts: the mask of each verified position)."""
         t, s, b = bucket.num_tokens, bucket.num_seqs, bucket.max_blocks
         if b != self.max_blocks:
             raise ValueError(f"bucket has {b} block columns, the batch {self.max_blocks}")
@@ -293,6 +302,7 @@ class InputBatch(PersistentBatch):
         sample_rows = np.zeros(s, np.int32)
         sample_rows[:n] = cu[1 : n + 1] - 1
         spec: dict[str, np.ndarray] = {}
+        k1 = 1  # rows sampled per sequence
         # a decode-only step carries no drafts: it samples one row per sequence, as without
         # speculative decoding (no K + 1 logits rows for nothing)
         if self.num_speculative_tokens and not bucket.decode_only:
@@ -314,7 +324,7 @@ class InputBatch(PersistentBatch):
             allowed = {i: m for i, m in allowed.items() if i not in failed}
         st = self.sampling  # allowed is its last field: per step, not kept
         sampling = sampler.SamplingTensors(
-            *(arr[sample_idx] for arr in st[:-1]), allowed=self._allowed(s, allowed)
+            *(arr[sample_idx] for arr in st[:-1]), allowed=self._allowed(s, allowed, k1)
         )._replace(key_counter=(counters & 0xFFFFFFFF).astype(np.uint32))
         batch = StepBatch(
             tokens=tokens,

@@ -17,8 +17,11 @@ since position j draws from the stream of output index ``key_counter + j`` as it
 unspeculated. Logprobs are the target's at each emitted position.
 
 Per-request state that follows the token history (penalties, min_tokens, logit_bias,
-logits processors) and grammar masks are read only at position 0: such requests do not
-draft (``Request.can_speculate``), and their later rows are ignored.
+logits processors) is read only at position 0: such requests do not draft
+(``Request.can_speculate``), and their later rows are ignored. Grammar masks come per
+position (the engine core advances a copy of the request's matcher through its n-gram
+drafts): a draft the grammar rejects is never sampled there, so verification stops at it,
+and every emitted token obeys the mask of its own position.
 """
 
 from __future__ import annotations
@@ -34,17 +37,18 @@ __all__ = ["expand_sampling", "num_emitted", "verify_rows"]
 
 def expand_sampling(t: SamplingTensors, k1: int) -> SamplingTensors:  # [S, ...] -> [S*k1, ...]
     """Each sequence's sampling settings for its ``k1`` verification rows (row ``i * k1 +
-    j`` = position j of sequence i): the stream counter advances by j; the state row and the
-    grammar mask stay at position 0 (see the module docstring)."""
+    j`` = position j of sequence i): the stream counter advances by j; the state row stays
+    at position 0 (see the module docstring). The grammar masks come per row already
+    (``allowed`` [S * k1, W]: each position's, after the drafts before it)."""
     s = t.temperature.shape[0]
-    rep = [jnp.repeat(x, k1, axis=0) for x in t]
-    out = SamplingTensors(*rep)
+    if t.allowed.shape[0] != s * k1:
+        raise ValueError(f"allowed has {t.allowed.shape[0]} rows, want {s} x {k1}")
+    rep = [jnp.repeat(x, k1, axis=0) for x in t[:-1]]
+    out = SamplingTensors(*rep, allowed=t.allowed)
     j = jnp.tile(jnp.arange(k1, dtype=jnp.uint32), s)  # [S*k1]
-    first = j == 0
     return out._replace(
         key_counter=out.key_counter + j,
-        state_rows=jnp.where(first, out.state_rows, -1),
-        allowed=jnp.where(first[:, None], out.allowed, -1),
+        state_rows=jnp.where(j == 0, out.state_rows, -1),
     )
 
 

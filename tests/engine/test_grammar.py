@@ -89,6 +89,27 @@ def test_choice_masks_allow_exactly_the_prefixes_then_end(compiler):
     assert "r" not in matchers and len(matchers) == 1
 
 
+def test_masks_through_drafts(compiler):
+    """Speculative decoding: the mask after each draft is the mask after consuming it; after
+    a draft the grammar rejects every token is allowed (nothing there is emitted); the
+    request's own matcher is untouched."""
+    from jaxpaged.worker.grammar import GrammarMatchers
+
+    comp, tok = compiler
+    matchers = GrammarMatchers(comp)
+    matchers.add("r", StructuredOutput(choice=["yes", "no way"]))
+    no, way = tok.encode("no way", add_special_tokens=False)
+    (yes,) = tok.encode("yes", add_special_tokens=False)
+    masks = matchers.masks_through("r", [no, yes, way])  # "yes" cannot follow "no"
+    assert masks.shape == (4, matchers.masks(["r"]).shape[1])
+    np.testing.assert_array_equal(masks[0], matchers.masks(["r"])[0])
+    assert list(_allowed(masks[1])) == [way]
+    assert (masks[2:] == -1).all()
+    assert list(_allowed(matchers.masks_through("r", [no, way])[2])) == [2]  # ended: EOS only
+    assert matchers.accept("r", no)  # the request's matcher had not moved
+    assert list(_allowed(matchers.masks(["r"])[0])) == [way]
+
+
 def test_grammars_are_cached_and_invalid_ones_named(compiler):
     comp, _ = compiler
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}

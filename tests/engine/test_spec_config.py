@@ -48,6 +48,8 @@ def test_vllm_keys_and_defaults():
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "gguf"}, "quantization"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
          "draft_tensor_parallel_size"),
+        ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x",
+          "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ("{not json", "JSON"),
@@ -76,3 +78,22 @@ def test_serve_flag(capsys):
         build_parser().parse_args(["--speculative-config", '{"num_speculative_tokens": 4, "x": 1}'])
     err = capsys.readouterr().err
     assert "--speculative-config" in err and "unknown key 'x'" in err
+
+
+def test_draft_split_as_the_target():
+    """A draft model runs on the target's devices: draft_tensor_parallel_size is the engine's
+    tensor_parallel_size or unset (the draft itself at TP=2: tests/parallel/tp_spec_checks.py)."""
+    from jaxpaged.config import SchedulerConfig
+    from jaxpaged.engine.spec_builder import check_draft
+    from jaxpaged.models.testing import tiny_config
+
+    cfg, sched = tiny_config(), SchedulerConfig(max_model_len=64)
+    for tp, draft_tp in ((2, None), (2, 2), (1, 1)):
+        spec = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=2,
+                                 draft_tensor_parallel_size=draft_tp)  # fmt: skip
+        check_draft(cfg, cfg, spec, sched, tensor_parallel_size=tp, lora=False)
+    spec = SpeculativeConfig(
+        method="draft_model", model="d", num_speculative_tokens=2, draft_tensor_parallel_size=1
+    )
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size \(1\).*\(2\)"):
+        check_draft(cfg, cfg, spec, sched, tensor_parallel_size=2, lora=False)

@@ -1,11 +1,14 @@
-"""Structured output beside n-gram speculative decoding, on a tiny random model over the
-bundled SmolLM2 tokenizer's vocabulary: a grammar request in a batch whose other requests
-draft is served without drafts (its mask would have to follow each draft), so no token the
-grammar rejects is ever emitted: its output is the engine's without speculation and
-matches its regex, while the requests beside it draft."""
+"""Structured output with n-gram speculative decoding, on a tiny random model over the
+bundled SmolLM2 tokenizer's vocabulary: a grammar request drafts too, each verified
+position sampled under the grammar's mask after the drafts before it, so no token the
+grammar rejects is ever emitted: greedy output is the engine's without speculation, token
+for token, alone and beside plain drafting requests. (Draft models draft on the device,
+where no grammar follows: their grammar requests decode one token a step,
+test_spec_scheduler.py.)"""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -59,3 +62,37 @@ def test_grammar_request_beside_drafting_requests(engines):
     assert re.fullmatch(REGEX, text) and got[2].outputs[0].finish_reason == "stop", text
     m = spec.get_metrics()
     assert m["spec_decode_num_drafts"] > 0
+
+
+def _spec_counts(llm) -> tuple[int, int]:
+    m = llm.get_metrics()
+    return m["spec_decode_num_draft_tokens"], m["spec_decode_num_accepted_tokens"]
+
+
+def test_json_schema_request_drafts_within_its_grammar(engines, bundled_model_path):
+    """A JSON-schema request alone: its prompt holds JSON written with spaces (which strict
+    JSON's compact grammar rejects), so the n-gram drafts run into the grammar; every
+    emitted token obeys it, the output equals the engine's without speculation, and drafts
+    were verified and accepted."""
+    plain, spec = engines
+    tok = transformers.AutoTokenizer.from_pretrained(bundled_model_path)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+    }
+    prompt = tok.encode('{"name": "ab ab", "tags": ["ab", "ab"]} {"name":"ab"' * 2)
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_output=StructuredOutput(json=schema)
+    )
+    before = _spec_counts(spec)
+    (want,) = plain.generate([prompt], params)
+    (got,) = spec.generate([prompt], params)
+    drafted, accepted = (a - b for a, b in zip(_spec_counts(spec), before, strict=True))
+    out = got.outputs[0]
+    assert list(out.token_ids) == list(want.outputs[0].token_ids), (out.text, want.outputs[0].text)
+    assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"name", "tags"}, out.text
+    assert drafted > accepted > 0, (drafted, accepted)

@@ -273,3 +273,20 @@ def test_disable_by_batch_size():
     sched.update(plan, RunnerOutput(sampled_token_ids=[1, 1]))  # b reaches max_tokens
     plan = sched.schedule()
     assert [s.num_draft_tokens for s in plan.seqs] == [2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_structured_output_drafts_only_with_host_drafts(method):
+    """A structured-output request drafts with n-gram (its tokens are on the host, where the
+    engine's grammar masks each verified position), not with drafts made on the device."""
+    from jaxpaged.sampling_params import StructuredOutput
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=2, disable_by_batch_size=4,
+                             **({"prompt_lookup_min": 1} if method == "ngram" else {"model": "d"}))  # fmt: skip
+    sched = Scheduler(cfg, CacheConfig(block_size=4), num_blocks=64, speculative_config=spec)
+    so = StructuredOutput(regex="[0-9]+")
+    sched.add_request(make_request("g", [1, 2, 1, 2, 1], 20, structured_output=so))
+    sched.update(sched.schedule(), RunnerOutput(sampled_token_ids=[2]))
+    (seq,) = sched.schedule().seqs
+    assert seq.num_draft_tokens == (2 if method == "ngram" else 0)

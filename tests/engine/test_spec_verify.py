@@ -50,6 +50,8 @@ def test_verification_keeps_the_target_distribution():
         engine_key_data=sampler.seed_to_key_data(0),
     )
     state = sampler.create_seq_state(1, V, MAX_BANNED_IDS)
+    # a step that verifies drafts has a mask row per verified position (none set here)
+    per_row = t._replace(allowed=np.repeat(t.allowed, K + 1, axis=0))
 
     @jax.jit
     def verify(t):
@@ -60,7 +62,7 @@ def test_verification_keeps_the_target_distribution():
         d = jnp.broadcast_to(jnp.asarray(drafts), (N, K))
         return targets, spec_verify.num_emitted(d, targets, jnp.full((N,), K, jnp.int32))
 
-    targets, emitted = (np.asarray(a) for a in verify(jax.tree.map(jnp.asarray, t)))
+    targets, emitted = (np.asarray(a) for a in verify(jax.tree.map(jnp.asarray, per_row)))
     first = targets[:, 0]
     assert _tv(np.bincount(first, minlength=V), p[0]) < 0.04
     accepted = emitted >= 2

@@ -33,6 +33,7 @@ CHECKS = [
     "kv_int8",
     "grouped_gguf",
     "grouped_split_refused",
+    "spec_identity",
 ]
 # the rest of the families x sizes x cache dtypes matrix, with TP=1 engines beside
 SLOW_CHECKS = [

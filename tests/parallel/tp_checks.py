@@ -36,6 +36,7 @@ from tp_quant_checks import (  # noqa: E402
     check_grouped_prequantized,
     check_grouped_split_refused,
 )
+from tp_spec_checks import check_spec_identity  # noqa: E402
 
 # ------------------------------------------------------------------------------ checks
 
@@ -362,6 +363,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "warmup_gpt2": lambda c: check_warmup_family(c, "gpt2"),
     "quantized_families": check_quantized_families,
     "kv_int8": lambda c: check_kv_8bit(c, "int8", (2,)),
+    "spec_identity": check_spec_identity,
     # slow: the rest of the matrix, with TP=1 engines as well
     "full_gpt2": lambda c: check_family_vs_hf(c, "gpt2", (2, 4), with_tp1=True),
     "full_opt": lambda c: check_family_vs_hf(c, "opt", (2,), with_tp1=True),
