@@ -333,6 +333,35 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
       quantize_row16(xfp + r * K, K, G, xq.data() + r * K, xs + r, sums.data() + r * groups);
     const int16_t* xqp = xq.data();
     const int32_t* sp = sums.data();
+#ifdef JAXPAGED_Q4_VNNI
+    if (jaxpaged::q4::vnni_fits(bits, K, G)) {
+      thread_local std::vector<int16_t> xs2;  // x in the order tile_vnni reads
+      thread_local std::vector<float> xsum;  // the group sums, as float
+      if (xs2.size() < static_cast<size_t>(M * K)) xs2.resize(M * K);
+      if (xsum.size() < static_cast<size_t>(M * groups)) xsum.resize(M * groups);
+      for (int64_t r = 0; r < M; ++r) {
+        if (nibbles)
+          jaxpaged::q4::split_even_odd(xqp + r * K, K, xs2.data() + r * K);
+        else
+          std::copy(xqp + r * K, xqp + (r + 1) * K, xs2.data() + r * K);
+        for (int64_t g = 0; g < groups; ++g) xsum[r * groups + g] = static_cast<float>(sp[r * groups + g]);
+      }
+      const int16_t* x2 = xs2.data();
+      const float* xsp = xsum.data();
+      jaxpaged::parallel_for_runs(pool, M * out_blocks, [&](int64_t i) {
+        const int64_t m = i / out_blocks, n0 = (i % out_blocks) * kNb;
+        const int64_t n1 = std::min(N, n0 + kNb);
+        const float* res = fused.residual != nullptr ? fused.residual + m * N : nullptr;
+        if (nibbles)
+          jaxpaged::q4::row_vnni<4>(x2 + m * K, xs[m], xsp + m * groups, wl, sl, ml, res,
+                                    yp + m * N, K, G, n0, n1);
+        else
+          jaxpaged::q4::row_vnni<8>(x2 + m * K, xs[m], xsp + m * groups, wl, sl, nullptr, res,
+                                    yp + m * N, K, G, n0, n1);
+      });
+      return ffi::Error::Success();
+    }
+#endif
     jaxpaged::parallel_for_runs(pool, M * out_blocks, [&](int64_t i) {
       const int64_t m = i / out_blocks, n0 = (i % out_blocks) * kNb;
       const int64_t n1 = std::min(N, n0 + kNb);

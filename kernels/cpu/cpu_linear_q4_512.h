@@ -266,6 +266,115 @@ void block_z(const float* xt, int64_t ldx, const float* residual, float* y, int6
   }
 }
 
+
+#if defined(__AVX512VNNI__)
+#define JAXPAGED_Q4_VNNI 1
+// One row in int16 (cpu_linear_q4.cc's row_int: x rounded to int16 with a per-row scale,
+// int32 sums per group, scaled once per group) with AVX512-VNNI: vpdpwssd multiplies and
+// adds 32 int16 pairs in one instruction, where row_int spends vpmaddwd and vpaddd on 16.
+// 4-bit weights are not put back in k order: 32 bytes (64 inputs) widen to 32 int16 lanes,
+// the low nibbles (the even inputs) are one mask and the high ones (the odd inputs) one shift
+// away, and x is stored split the same way (split_even_odd), so the whole unpack is 3
+// instructions per 64 weights (row_int: 5 per 16).
+inline bool vnni_fits(int64_t bits, int64_t K, int64_t G) {
+  return bits == 4 ? K % 64 == 0 && (G == 32 || G % 64 == 0) : G % 32 == 0;
+}
+
+// xq [K] int16 -> out [K]: per 64-input block, its 32 even inputs, then its 32 odd ones.
+inline void split_even_odd(const int16_t* xq, int64_t K, int16_t* out) {
+  for (int64_t b = 0; b < K; b += 64)
+    for (int64_t i = 0; i < 32; ++i) {
+      out[b + i] = xq[b + 2 * i];
+      out[b + 32 + i] = xq[b + 2 * i + 1];
+    }
+}
+
+// y[j] = xs * (sum over groups of scale * (q . xq) + min * sum(xq)) + base[j] for NR outputs.
+// x: split_even_odd's order (4-bit) or k order (8-bit); xsum: the group sums of xq, float.
+template <int NR, int BITS>
+inline void tile_vnni(const int16_t* x, float xs, const float* xsum, int64_t K, int64_t G,
+                      const uint8_t* w, int64_t row_bytes, const float* scales,
+                      const float* mins, float* y, const float* base) {
+  const int64_t groups = K / G;
+  __m512 acc[NR];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+  if constexpr (BITS == 4) {
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    for (int64_t b = 0; b < K; b += 64) {
+      const __m512i xe = _mm512_loadu_si512(x + b), xo = _mm512_loadu_si512(x + b + 32);
+      const int64_t g0 = b / G, g1 = (b + 32) / G;  // int32 lanes 0-7: g0, 8-15: g1
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + b / 2)));
+        __m512i part = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low), xe);
+        part = _mm512_dpwssd_epi32(part, _mm512_srli_epi16(v, 4), xo);
+        const float* sr = scales + j * groups;
+        const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(sr[g0]), _mm256_set1_ps(sr[g1]), 1);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), sv, acc[j]);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i part[NR];
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) part[j] = _mm512_setzero_si512();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        const __m512i xv = _mm512_loadu_si512(x + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j)
+          part[j] = _mm512_dpwssd_epi32(
+              part[j],
+              _mm512_cvtepi8_epi16(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + k))),
+              xv);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j)
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[j]),
+                                 _mm512_set1_ps(scales[j * groups + g]), acc[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    float v = _mm512_reduce_add_ps(acc[j]);
+    if (mins != nullptr) {
+      const float* mr = mins + j * groups;
+      __m512 mv = _mm512_setzero_ps();
+      int64_t g = 0;
+      for (; g + 16 <= groups; g += 16)
+        mv = _mm512_fmadd_ps(_mm512_loadu_ps(mr + g), _mm512_loadu_ps(xsum + g), mv);
+      v += _mm512_reduce_add_ps(mv);
+      for (; g < groups; ++g) v += mr[g] * xsum[g];
+    }
+    y[j] = v * xs + (base != nullptr ? base[j] : 0.0f);
+  }
+}
+
+// Outputs [n0, n1) of one row (y, residual: that row's), 4 outputs a tile.
+template <int BITS>
+void row_vnni(const int16_t* x, float xs, const float* xsum, const uint8_t* w,
+              const float* scales, const float* mins, const float* residual, float* y,
+              int64_t K, int64_t G, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const int64_t groups = K / G;
+  for (int64_t n = n0; n < n1;) {
+    const float* base = residual != nullptr ? residual + n : nullptr;
+    const uint8_t* wr = w + n * row_bytes;
+    const float* sr = scales + n * groups;
+    const float* mr = mins != nullptr ? mins + n * groups : nullptr;
+    if (n + 4 <= n1) {
+      tile_vnni<4, BITS>(x, xs, xsum, K, G, wr, row_bytes, sr, mr, y + n, base);
+      n += 4;
+    } else {
+      tile_vnni<1, BITS>(x, xs, xsum, K, G, wr, row_bytes, sr, mr, y + n, base);
+      n += 1;
+    }
+  }
+}
+#endif  // __AVX512VNNI__
+
 }  // namespace jaxpaged::q4
 
 #endif  // JAXPAGED_AVX512

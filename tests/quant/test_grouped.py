@@ -161,11 +161,12 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
     [(4, 32, 1, 1, 64, 16), (4, 32, 2, 2, 128, 24), (4, 32, 7, 5, 576, 50),
      (4, 32, 32, 32, 192, 40), (8, 32, 33, 30, 576, 20), (8, 16, 3, 3, 96, 5),
      (4, 128, 100, 97, 256, 64), (4, 32, 8, 8, 576, 49), (4, 16, 6, 6, 96, 30),
-     (4, 32, 20, 17, 576, 61)],
+     (4, 32, 20, 17, 576, 61), (8, 32, 1, 1, 576, 37), (4, 64, 1, 1, 1536, 21)],
 )  # fmt: skip
 def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
-    the residual's rows without a matmul. The row counts cover every path: int16 (1 row),
+    the residual's rows without a matmul. The row counts cover every path: int16 (1 row;
+    with AVX512-VNNI, 4-bit with two groups per 64 inputs or one, and 8-bit),
     dot_rows (2-8 rows, one or two row tiles, 32- and 16-input steps, an output tail) and
     block_z (more, 16- and 32-row tiles, two row blocks) with AVX-512; the AVX2 paths
     elsewhere."""
