@@ -216,3 +216,25 @@ def test_cpu_backend_runs_grouped_weights_in_linear_q4():
     assert CpuBackend.select(
         mixed, weight_map, attention_backend="cpu", sharded=False
     ).grouped_weights
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
+def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
+    """The kernel's path (one row, a few, many) follows the step's real rows inside one
+    compiled program of the bucket's shape: one compilation for every row count, each
+    output against the dequantized reference."""
+    rng = np.random.default_rng(7)
+    w = quantize_grouped(rng.normal(0, 1, (1, 48, 128)).astype(np.float32), 1, 32, 4)
+    wj = jax.tree.map(jnp.asarray, w)
+    x = jnp.asarray(rng.normal(0, 1, (40, 128)), jnp.float32)
+    run = jax.jit(lambda x, w, rows: linear_q4(x, w, 0, num_rows=rows))
+    dense = w.dequantize(np.float32)[0].T
+    for rows in (1, 3, 8, 20, 40):
+        got = np.asarray(run(x, wj, jnp.int32(rows)))
+        xr = np.asarray(x)[:rows]
+        if rows == 1:  # the int16 path's rounding of x
+            scale = np.abs(xr).max() / 32767
+            xr = np.rint(xr / scale) * scale
+        np.testing.assert_allclose(got[:rows], xr @ dense, rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(got[rows:], 0.0)
+    assert run._cache_size() == 1
