@@ -125,6 +125,14 @@ def _reference_points(llm: Any, num_tokens: int, *, repeats: int) -> dict[str, f
 
     runner = llm.engine.runner
     lay = runner.params["layers"]  # (in panel layout under the native matmul: same FLOPs, bytes)
+
+    @jax.jit
+    def read_all(tree):
+        return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+    read = {"read every weight once (jitted sum)": _timed(read_all, runner.params, repeats=repeats)}
+    if not isinstance(lay["wqkv"], jax.Array):  # group-wise quantized: no 2-D float dots
+        return read
     n = runner.model_config.num_layers
     d = lay["wqkv"].shape[-1]
     w2d = [  # [out, in], as the params
@@ -148,14 +156,10 @@ def _reference_points(llm: Any, num_tokens: int, *, repeats: int) -> dict[str, f
             x = x + (gu[:, :f] * gu[:, f:]) @ wd.T
         return x
 
-    @jax.jit
-    def read_all(tree):
-        return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(tree))
-
     x = jnp.ones((num_tokens, d), w2d[0][0].dtype) * 1e-3
     return {
         "layers' matmuls alone (2-D weights, unrolled)": _timed(matmuls, w2d, x, repeats=repeats),
-        "read every weight once (jitted sum)": _timed(read_all, runner.params, repeats=repeats),
+        **read,
     }
 
 

@@ -36,7 +36,12 @@ _SOURCES = (
     _HERE / "cpu_linear_q4.cc",
     _HERE / "cpu_argmax.cc",
 )
-_HEADERS = (_HERE / "cpu_fused.h", _HERE / "cpu_parallel.h", _HERE / "cpu_simd.h")
+_HEADERS = (
+    _HERE / "cpu_fused.h",
+    _HERE / "cpu_linear_q4_512.h",
+    _HERE / "cpu_parallel.h",
+    _HERE / "cpu_simd.h",
+)
 _TARGET = "jaxpaged_paged_attention"
 _QUANT_TARGET = "jaxpaged_paged_attention_quant"  # 8-bit pools with per-(token, head) scales
 _LINEAR_TARGET = "jaxpaged_linear"

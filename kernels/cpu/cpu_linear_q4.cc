@@ -8,11 +8,12 @@
 // low nibble) or [L, N, K] int8, with float32 scales and mins [L, N, K/G]: a decode step
 // streams 4.5-6 bits per weight where float32 streams 32.
 //
-// Past kIntRows rows, a work item (row block, kTn outputs) dequantizes kTo outputs' weights
-// at a time into a float32 buffer that every row tile reads (tile_t below), so each weight
-// streams from memory once per row block of kMc rows. Up to kIntRows rows (decode at batch
-// 1-2) take an int16 path instead (row_int below): x rounded to int16 per row, weights
-// widened to int16, vpmaddwd.
+// Up to kIntRows rows (decode at batch 1, or 1-2 without AVX-512) take an int16 path
+// (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd. Past
+// them, with AVX-512, cpu_linear_q4_512.h's float32 paths: dot_rows up to kDotRows rows,
+// block_z past them. Without AVX-512 a work item (row block, kTn outputs) dequantizes kTo
+// outputs' weights at a time into a float32 buffer that every row tile reads (tile_t below),
+// so each weight streams from memory once per row block of kMc rows.
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "cpu_fused.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
+#include "cpu_linear_q4_512.h"  // after cpu_simd.h, which defines JAXPAGED_AVX512
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -266,7 +268,14 @@ void row_int(const int16_t* xq, float xs, const int32_t* sums, const uint8_t* w,
 }
 #endif
 
+#ifdef JAXPAGED_AVX512
+// With AVX-512 two rows take dot_rows (cpu_linear_q4_512.h): measured faster than the int16
+// path there (CPU time, 30 layers of SmolLM2's MLP shapes: 12.1 against 14.0-23.1 ms), and
+// exact in float32
+constexpr int64_t kIntRows = 1;
+#else
 constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AVX2)
+#endif
 
 ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
@@ -324,6 +333,35 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
       quantize_row16(xfp + r * K, K, G, xq.data() + r * K, xs + r, sums.data() + r * groups);
     const int16_t* xqp = xq.data();
     const int32_t* sp = sums.data();
+#ifdef JAXPAGED_Q4_VNNI
+    if (jaxpaged::q4::vnni_fits(bits, K, G)) {
+      thread_local std::vector<int16_t> xs2;  // x in the order tile_vnni reads
+      thread_local std::vector<float> xsum;  // the group sums, as float
+      if (xs2.size() < static_cast<size_t>(M * K)) xs2.resize(M * K);
+      if (xsum.size() < static_cast<size_t>(M * groups)) xsum.resize(M * groups);
+      for (int64_t r = 0; r < M; ++r) {
+        if (nibbles)
+          jaxpaged::q4::split_even_odd(xqp + r * K, K, xs2.data() + r * K);
+        else
+          std::copy(xqp + r * K, xqp + (r + 1) * K, xs2.data() + r * K);
+        for (int64_t g = 0; g < groups; ++g) xsum[r * groups + g] = static_cast<float>(sp[r * groups + g]);
+      }
+      const int16_t* x2 = xs2.data();
+      const float* xsp = xsum.data();
+      jaxpaged::parallel_for_runs(pool, M * out_blocks, [&](int64_t i) {
+        const int64_t m = i / out_blocks, n0 = (i % out_blocks) * kNb;
+        const int64_t n1 = std::min(N, n0 + kNb);
+        const float* res = fused.residual != nullptr ? fused.residual + m * N : nullptr;
+        if (nibbles)
+          jaxpaged::q4::row_vnni<4>(x2 + m * K, xs[m], xsp + m * groups, wl, sl, ml, res,
+                                    yp + m * N, K, G, n0, n1);
+        else
+          jaxpaged::q4::row_vnni<8>(x2 + m * K, xs[m], xsp + m * groups, wl, sl, nullptr, res,
+                                    yp + m * N, K, G, n0, n1);
+      });
+      return ffi::Error::Success();
+    }
+#endif
     jaxpaged::parallel_for_runs(pool, M * out_blocks, [&](int64_t i) {
       const int64_t m = i / out_blocks, n0 = (i % out_blocks) * kNb;
       const int64_t n1 = std::min(N, n0 + kNb);
@@ -337,8 +375,24 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
-  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of 8
-  const int64_t mp = (M + 7) / 8 * 8;
+#ifdef JAXPAGED_AVX512
+  if (M <= jaxpaged::q4::kDotRows) {
+    constexpr int64_t kDotNb = jaxpaged::q4::kDotNb;
+    jaxpaged::parallel_for_runs(pool, (N + kDotNb - 1) / kDotNb, [&](int64_t i) {
+      const int64_t n0 = i * kDotNb, n1 = std::min(N, n0 + kDotNb);
+      if (nibbles)
+        jaxpaged::q4::dot_rows<4>(M, xfp, wl, sl, ml, fused.residual, yp, K, G, N, n0, n1);
+      else
+        jaxpaged::q4::dot_rows<8>(M, xfp, wl, sl, nullptr, fused.residual, yp, K, G, N, n0, n1);
+    });
+    return ffi::Error::Success();
+  }
+  constexpr int64_t kPad = 16;  // block_z reads x's rows 16 at a time
+#else
+  constexpr int64_t kPad = 8;
+#endif
+  // x transposed, [K, Mp], its rows padded with zeros to Mp, a multiple of kPad
+  const int64_t mp = (M + kPad - 1) / kPad * kPad;
   thread_local std::vector<float> xt;
   if (xt.size() < static_cast<size_t>(K * mp)) xt.resize(K * mp);
   float* xtp = xt.data();
@@ -349,6 +403,22 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     }
   });
   const int64_t row_blocks = (M + kMc - 1) / kMc;
+#ifdef JAXPAGED_AVX512
+  constexpr int64_t kZn = 4 * jaxpaged::q4::kZo;  // outputs per work item
+  const int64_t z_blocks = (N + kZn - 1) / kZn;
+  jaxpaged::parallel_for_runs(pool, row_blocks * z_blocks, [&](int64_t i) {
+    const int64_t m0 = (i / z_blocks) * kMc, n0 = (i % z_blocks) * kZn;
+    const int64_t rows = std::min(kMc, M - m0), n1 = std::min(N, n0 + kZn);
+    jaxpaged::q4::block_z(xtp, mp, fused.residual, yp, K, N, m0, rows, n0, n1,
+                          [&](int64_t a, int64_t b, float* buf) {
+                            if (nibbles)
+                              jaxpaged::q4::dequantize_z<4>(wl, sl, ml, K, G, a, b, buf);
+                            else
+                              jaxpaged::q4::dequantize_z<8>(wl, sl, nullptr, K, G, a, b, buf);
+                          });
+  });
+  return ffi::Error::Success();
+#endif
   const int64_t col_blocks = (N + kTn - 1) / kTn;
   jaxpaged::parallel_for_runs(pool, row_blocks * col_blocks, [&](int64_t i) {
     const int64_t m0 = (i / col_blocks) * kMc, n0 = (i % col_blocks) * kTn;

@@ -160,11 +160,16 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
     "bits,group,m,real,k,n",
     [(4, 32, 1, 1, 64, 16), (4, 32, 2, 2, 128, 24), (4, 32, 7, 5, 576, 50),
      (4, 32, 32, 32, 192, 40), (8, 32, 33, 30, 576, 20), (8, 16, 3, 3, 96, 5),
-     (4, 128, 100, 97, 256, 64)],
+     (4, 128, 100, 97, 256, 64), (4, 32, 8, 8, 576, 49), (4, 16, 6, 6, 96, 30),
+     (4, 32, 20, 17, 576, 61), (8, 32, 1, 1, 576, 37), (4, 64, 1, 1, 1536, 21)],
 )  # fmt: skip
 def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
-    the residual's rows without a matmul."""
+    the residual's rows without a matmul. The row counts cover every path: int16 (1 row;
+    with AVX512-VNNI, 4-bit with two groups per 64 inputs or one, and 8-bit),
+    dot_rows (2-8 rows, one or two row tiles, 32- and 16-input steps, an output tail) and
+    block_z (more, 16- and 32-row tiles, two row blocks) with AVX-512; the AVX2 paths
+    elsewhere."""
     rng = np.random.default_rng(m * k + n + bits)
     w = quantize_grouped(rng.normal(0, 1, (3, n, k)).astype(np.float32), 1, group, bits)
     x, gate = (jnp.asarray(rng.normal(0, 1, (m, k)), jnp.float32) for _ in range(2))
@@ -177,7 +182,10 @@ def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n)
 
     got = np.asarray(run(x, jax.tree.map(jnp.asarray, w), gate, residual, norm_w))
     xr = np.asarray(rms_norm(jax.nn.silu(gate) * x, norm_w, 1e-5))
-    want = np.asarray(residual) + xr @ w.dequantize(np.float32)[2].T
+    if real == 1:  # the int16 path: x rounded to int16 with a per-row scale, max |x| / 32767
+        scale = np.abs(xr).max(axis=1, keepdims=True) / 32767
+        xr = np.rint(xr / scale) * scale
+    want = np.asarray(residual) + xr.astype(np.float64) @ w.dequantize(np.float32)[2].T
     np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(got[real:], np.asarray(residual)[real:])
 
@@ -208,3 +216,25 @@ def test_cpu_backend_runs_grouped_weights_in_linear_q4():
     assert CpuBackend.select(
         mixed, weight_map, attention_backend="cpu", sharded=False
     ).grouped_weights
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
+def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
+    """The kernel's path (one row, a few, many) follows the step's real rows inside one
+    compiled program of the bucket's shape: one compilation for every row count, each
+    output against the dequantized reference."""
+    rng = np.random.default_rng(7)
+    w = quantize_grouped(rng.normal(0, 1, (1, 48, 128)).astype(np.float32), 1, 32, 4)
+    wj = jax.tree.map(jnp.asarray, w)
+    x = jnp.asarray(rng.normal(0, 1, (40, 128)), jnp.float32)
+    run = jax.jit(lambda x, w, rows: linear_q4(x, w, 0, num_rows=rows))
+    dense = w.dequantize(np.float32)[0].T
+    for rows in (1, 3, 8, 20, 40):
+        got = np.asarray(run(x, wj, jnp.int32(rows)))
+        xr = np.asarray(x)[:rows]
+        if rows == 1:  # the int16 path's rounding of x
+            scale = np.abs(xr).max() / 32767
+            xr = np.rint(xr / scale) * scale
+        np.testing.assert_allclose(got[:rows], xr @ dense, rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(got[rows:], 0.0)
+    assert run._cache_size() == 1
