@@ -144,9 +144,9 @@ def decode_image(
     return image
 
 
-def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
-    """An image (PIL) as the model's normalized pixels, channels first: RGB (transparency
-    composited over white), resized, rescaled to [0, 1] and normalized."""
+def to_rgb(image: Any) -> Any:  # PIL.Image.Image
+    """An image (PIL) in RGB, transparency composited over white (transformers'
+    convert_to_rgb); ValueError for what is not an image or has no pixel."""
     from PIL import Image
 
     if not isinstance(image, Image.Image):
@@ -155,12 +155,18 @@ def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
     if w < 1 or h < 1:
         raise ValueError(f"image: {w} x {h} pixels; an image needs at least 1 x 1")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        # transparency over white, as transformers' convert_to_rgb
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        rgb = Image.alpha_composite(white, rgba).convert("RGB")
-    else:
-        rgb = image.convert("RGB")
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def preprocess(image: Any, spec: ImageSpec) -> np.ndarray:  # float32 [3, S, S]
+    """An image (PIL) as the model's normalized pixels, channels first: RGB (transparency
+    composited over white), resized, rescaled to [0, 1] and normalized."""
+    from PIL import Image
+
+    rgb = to_rgb(image)
     rgb = rgb.resize((spec.size, spec.size), Image.Resampling.BILINEAR)
     x = np.asarray(rgb, np.float32) * np.float32(spec.rescale)
     x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpaged.engine.images import ImagePrompts, image_spec_from_folder
+from jaxpaged.engine.images import ImagePrompts, image_spec_from_folder, to_rgb
 from jaxpaged.models.image_spec import MAX_ASPECT, ImageSpec, PatchImageSpec
 from jaxpaged.sched.images import ImageItem, content_hash
 
@@ -60,21 +60,6 @@ def smart_resize(
     return h, w
 
 
-def _rgb(image: Any) -> Any:  # PIL.Image.Image
-    from PIL import Image
-
-    if not isinstance(image, Image.Image):
-        raise ValueError(f"image must be a PIL.Image.Image, got {type(image).__name__}")
-    w, h = image.size
-    if w < 1 or h < 1:
-        raise ValueError(f"image: {w} x {h} pixels; an image needs at least 1 x 1")
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")  # transparency over white, as convert_to_rgb
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
 def patchify(
     pixels: np.ndarray,  # float32 [C, H, W]
     spec: PatchImageSpec,
@@ -94,7 +79,7 @@ def preprocess_patches(
     """An image (PIL) as the model's patches and their grid (frames, rows, columns)."""
     from PIL import Image
 
-    rgb = _rgb(image)
+    rgb = to_rgb(image)
     w, h = rgb.size
     rh, rw = smart_resize(h, w, spec.factor, spec.min_pixels, spec.max_pixels)
     rgb = rgb.resize((rw, rh), Image.Resampling.BICUBIC)
