@@ -156,7 +156,7 @@ class Leader:
         for bucket in self.runner.buckets.all():
             batch, _ = self.runner.build_batch([], bucket)
             self.announce_step(batch, bucket, op=OP_WARM_STEP)
-        for n in pow2_ladder(1, self.runner._max_move):
+        for n in pow2_ladder(1, self.runner.moves.max_move):
             none = np.full(n, -1, np.int32)
             self.announce_copy(none, none, op=OP_WARM_COPY)
 

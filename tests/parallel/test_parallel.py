@@ -28,7 +28,7 @@ CHECKS = [
     "quantized_int8",
     "family_gemma2",
     "family_mixtral",
-    "warmup_gpt2",
+    "family_gpt2",
     "quantized_families",
     "kv_int8",
     "grouped_gguf",
@@ -37,6 +37,8 @@ CHECKS = [
 ]
 # the rest of the families x sizes x cache dtypes matrix, with TP=1 engines beside
 SLOW_CHECKS = [
+    "warmup_gpt2",
+    "quantized_gpt2",
     "full_gpt2",
     "full_opt",
     "full_gemma2",

@@ -360,8 +360,12 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     # the default suite: one engine per family newly split (against transformers)
     "family_gemma2": lambda c: check_family_vs_hf(c, "gemma2", (4,)),
     "family_mixtral": lambda c: check_family_vs_hf(c, "mixtral", (2,)),
+    # GPT-2's fused, biased Conv1D layout split at TP 2 (eager); its warm-up under TP, and
+    # its int8 weights, in the full matrix (Llama's cover both by default)
+    "family_gpt2": lambda c: check_family_vs_hf(c, "gpt2", (2,)),
     "warmup_gpt2": lambda c: check_warmup_family(c, "gpt2"),
-    "quantized_families": check_quantized_families,
+    "quantized_families": lambda c: check_quantized_families(c, (("gemma2", "fp8"),)),
+    "quantized_gpt2": lambda c: check_quantized_families(c, (("gpt2", "int8"),)),
     "kv_int8": lambda c: check_kv_8bit(c, "int8", (2,)),
     "spec_identity": check_spec_identity,
     # slow: the rest of the matrix, with TP=1 engines as well

@@ -113,7 +113,7 @@ def check_kv_8bit(ctx: Ctx, kv_dtype: str, tps: tuple[int, ...]) -> None:
         assert_sharded(llm.engine, tp, num_kv_heads=2, vocab=256)
 
 
-def check_quantized_families(ctx: Ctx) -> None:
+def check_quantized_families(ctx: Ctx, cases: tuple[tuple[str, str], ...]) -> None:
     """int8 / fp8 weights on the families beyond the Llama layout at TP=2: greedy tokens
     equal TP=1's (XLA's dequant dots on both), and every matmul weight the family declares
     is quantized, its values split on the float leaf's axis and its scales alike, except
@@ -122,7 +122,7 @@ def check_quantized_families(ctx: Ctx) -> None:
     from jaxpaged.models.quant import QuantizedWeight
     from jaxpaged.models.registry import family_of
 
-    for family, method in (("gpt2", "int8"), ("gemma2", "fp8")):
+    for family, method in cases:  # (family, quantization method)
         path = ctx.model(family)
         kw = dict(quantization=method, attention_backend="xla")
         ref, _ = greedy(path, 1, **kw)
