@@ -19,7 +19,7 @@ def limits_cases(small: bool) -> list[tuple[str, dict, list, dict]]:
     """(label, shape, seqs, options): decode rows, prefill from scratch, chunked prefill."""
     if small:
         return [("6q/2kv d16 bs8 window 7", dict(hq=6, hkv=2, d=16, bs=8, dtype="float32"),
-                 [(1, 9), (19, 19), (7, 20)], dict(sliding_window=7))]  # fmt: skip
+                 [(1, 9), (13, 13), (6, 15)], dict(sliding_window=7))]  # fmt: skip
     seqs = [(1, 700), (300, 300), (90, 400), (1, 33), (257, 600)]
     return [
         ("8q/4kv d256 bs16 (Gemma 3 4B)", dict(hq=8, hkv=4, d=256, bs=16, dtype="bfloat16"),
@@ -161,7 +161,7 @@ def eagle3_stage(rep: Report, greedy_tokens, config, want: list, *, eager: bool)
     try:
         with tempfile.TemporaryDirectory() as path:
             write_eagle3_head(path, config)
-            # a dry run's 5 tokens leave room for 2 drafts a step; a CPU engine caps the
+            # a dry run's 4 tokens leave room for 2 drafts after the first; a CPU engine caps the
             # drafting batch unless told (engine_setup.CPU_SPEC_MAX_BATCH): 4 requests draft
             spec = {"method": "eagle3", "model": path, "num_speculative_tokens": 2 if eager else 3,
                     "disable_by_batch_size": 64}  # fmt: skip
