@@ -7,7 +7,9 @@ traceback on failure) -> correctness against the jnp reference (bfloat16 first, 
 float32, head_dim 256 last; decode-only calls; engine-like table widths) -> decode timing at
 batch 1/16/64/256 x context 2k/8k against the measured device copy bandwidth and JAX's own
 GPU ``paged_attention`` -> a short engine run (tok/s; greedy tokens against the CPU engine's,
-shipped in accelerator_expected.json). A stage starts only while the deadline leaves room.
+shipped in accelerator_expected.json), with n-gram speculation, then with a tiny random EAGLE-3
+head; per-row causal limits run right after correctness (bench/accelerator_features.py has
+the newer stages). A stage starts only while the deadline leaves room.
 
 ``--dry-run`` runs every stage on the CPU with tiny shapes and the kernels in interpret mode
 (tests/bench checks the script that way); ``--write-expected`` records the CPU engine's tokens.
@@ -26,6 +28,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accelerator_features import causal_limits_stage, eagle3_stage  # noqa: E402
 from accelerator_kernels import (  # noqa: E402
     HERE,
     Report,
@@ -271,9 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     compile_stage(rep, kernel_backend(platform), interpret, small=args.dry_run)
     correctness_stage(rep, platform, interpret, small=args.dry_run)
+    causal_limits_stage(rep, platform, interpret, small=args.dry_run)
     timing_stage(rep, platform, interpret, small=args.dry_run)
     engine_stage(rep, eager=args.dry_run)
     spec_stage(rep, eager=args.dry_run)
+    with open(EXPECTED) as f:
+        expected = json.load(f)
+    # drafts need room for k + 1 more tokens: a dry run makes 4 tokens per request
+    want = [t[: 4 if args.dry_run else expected["max_tokens"]] for t in expected["tokens"]]
+    eagle3_stage(rep, greedy_tokens, model_and_params()[0], want, eager=args.dry_run)
     rep.line(f"\nfailures: {rep.failures}; total {time.monotonic() - rep.start:.0f} s")
     return 1 if rep.failures else 0
 

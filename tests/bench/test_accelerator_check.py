@@ -21,11 +21,13 @@ def test_accelerator_check_dry_run_runs_every_stage(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "accelerator_check.md").read_text()
     for heading in ("jax ", "## Compile", "## Correctness", "## Decode attention timing",
-                    "## Engine run", "## Speculative decoding"):  # fmt: skip
+                    "## Engine run", "## Speculative decoding", "## Per-row causal limits",
+                    "## EAGLE-3 drafting"):  # fmt: skip
         assert heading in report
     assert "- decode: compiled" in report and "- prefill: compiled" in report
     assert "| jaxpaged pallas |" in report and "| jax paged_attention |" in report
-    assert report.count("greedy tokens equal the CPU engine's") == 2  # with speculation too
+    assert report.count("greedy tokens equal the CPU engine's") == 3  # with speculation too
+    assert "- PASS 6q/2kv d16 bs8 window 7 float32" in report  # causal limits
     assert "FAIL" not in report and "skipped" not in report and "failures: 0" in report
 
 
