@@ -96,7 +96,7 @@ def ray_app(tmp_path_factory):
     the least it needs: no dashboard; 4 CPUs, so Ray prestarts the 4 workers that Serve's
     controller, its proxy and the 2 replicas then run in; engines without warm-up (the few
     shapes the tests use compile on first use) sharing one persistent compilation cache; a
-    health check every second. The proxy may take 60 s to start (Ray's 5 s default kills
+    health check every second; the router's queue probes given seconds, not 0.1 s. The proxy may take 60 s to start (Ray's 5 s default kills
     it on a busy machine, and serve.start then fails)."""
     import ray
     from tiny_llama import write_tiny_llama
@@ -106,6 +106,10 @@ def ray_app(tmp_path_factory):
     port = _free_port()
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")  # read by the controller
+    # the router's probe of a replica's queue (0.1 s, at most 1 s by default) times out on a
+    # busy machine, and the session router then falls back to the next replica on the ring
+    monkeypatch.setenv("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "5")
+    monkeypatch.setenv("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "10")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     monkeypatch.undo()
     try:
