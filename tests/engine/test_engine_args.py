@@ -284,7 +284,9 @@ def test_bad_value_is_a_value_error_naming_the_field(field, value):
 
 
 def test_settings_the_model_does_not_decide_fail_before_loading(monkeypatch):
-    monkeypatch.setattr(LLMEngine, "_load", staticmethod(lambda *a: pytest.fail("loaded")))
+    from jaxpaged.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a: pytest.fail("loaded"))
     for bad in (
         {"gpu_memory_utilization": 0},
         {"block_size": 0},
