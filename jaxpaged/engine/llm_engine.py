@@ -266,7 +266,7 @@ class LLMEngine:
             if drafter is not None:
                 raise ValueError("kv_offloading_disk_dir is not supported with a draft model")
             os.makedirs(disk_dir, exist_ok=True)
-            self.runner.disk_dir = disk_dir
+            self.runner.moves.disk_dir = disk_dir
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,

@@ -510,15 +510,6 @@ class Runner:
         self.seq_state = self.programs.init_state_row(self.seq_state, *arrays)
 
     # ------------------------------------------------------------ block moves
-    @property
-    def disk_dir(self) -> str | None:
-        """The disk tier's folder (set by the engine builder)."""
-        return self.moves.disk_dir
-
-    @disk_dir.setter
-    def disk_dir(self, folder: str | None) -> None:
-        self.moves.disk_dir = folder
-
     def apply_copy(
         self,
         src: np.ndarray,  # int32 [N] source block ids, -1 = padding

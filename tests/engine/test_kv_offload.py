@@ -100,7 +100,7 @@ def _nothing_held(request):
         if pool.disk is not None:
             assert len(pool.disk) <= pool.disk.num_slots
             files = {f"block-{pool.disk.slot(k)}.kv" for k in pool.disk.keys()}
-            assert files <= set(os.listdir(runner.disk_dir))
+            assert files <= set(os.listdir(runner.moves.disk_dir))
 
 
 def _run(engine, prompts: dict[str, list[int]], logprobs: dict | None = None) -> dict:
