@@ -61,6 +61,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+from jaxpaged.sched.host_slots import HostSlots
 from jaxpaged.sched.host_tier import HostTier
 
 __all__ = [
@@ -122,8 +123,6 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if num_tier_blocks < 0:
             raise ValueError(f"num_tier_blocks must be >= 0, got {num_tier_blocks}")
         if num_tier_blocks and not enable_prefix_caching:
@@ -145,13 +144,10 @@ class BlockPool:
         # Free cached blocks, least recently freed first.
         self._free_cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._cached: dict[bytes, int] = {}  # prefix key -> block id
-        self._host_free: list[int] = []  # returned host slots; then _host_fresh.. (lazy)
-        self._host_fresh = 0
-        self._host_pending: list[int] = []
+        self.host = HostSlots(num_host_blocks)
         # Per request id. Logical block i of a request lives in req_to_blocks[id][i] (device)
-        # or, while swapped out, in _req_to_host[id][i] (host slot).
+        # or, while swapped out, in host.req_to_slots[id][i] (host slot).
         self.req_to_blocks: dict[str, list[int]] = {}
-        self._req_to_host: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}  # keys of its full blocks, memoised
         self._num_registered: dict[str, int] = {}  # leading blocks offered to the cache
         # first entry of its table changed since take_block_changes (absent: none)
@@ -197,7 +193,7 @@ class BlockPool:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free) + (self.num_host_blocks - self._host_fresh)
+        return self.host.num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -236,13 +232,13 @@ class BlockPool:
 
     def host_block_table(self, request_id: str) -> tuple[int, ...]:
         """The host slots of a swapped-out request, logical block order (a snapshot)."""
-        return tuple(self._req_to_host.get(request_id, ()))
+        return self.host.table(request_id)
 
     def tracked_request_ids(self) -> set[str]:
         """Ids the pool keeps any state for (blocks, host slots, keys or counts)."""
         return (
             set(self.req_to_blocks)
-            | set(self._req_to_host)
+            | set(self.host.req_to_slots)
             | set(self._changed_from)
             | set(self._req_hashes)
             | set(self._num_registered)
@@ -521,10 +517,7 @@ class BlockPool:
             self._changed(request_id, max(keep - 1, 0))
             if self._num_registered.get(request_id, 0) > keep:
                 self._num_registered[request_id] = keep
-        host = self._req_to_host.get(request_id)
-        if host and len(host) > keep:
-            self._host_pending.extend(host[keep:])  # free from the next schedule on
-            del host[keep:]
+        self.host.trim(request_id, keep)  # free from the next schedule on
 
     def fork(
         self, parent_id: str, child_id: str, num_tokens: int, parent_num_computed_tokens: int
@@ -559,57 +552,42 @@ class BlockPool:
     def can_swap_out(self, request_id: str) -> bool:
         return self.num_blocks_of(request_id) <= self.num_free_host_blocks
 
-    def _take_host(self) -> int:
-        if self._host_free:
-            return self._host_free.pop()
-        self._host_fresh += 1
-        return self._host_fresh - 1
-
     def swap_out(self, request_id: str) -> list[CopyPair]:
         """Moves the request's blocks to host slots: returns (device_block, host_slot)
         pairs to copy before the step, and frees the device blocks (its keys stay: the same
         tokens come back)."""
-        if not self.can_swap_out(request_id):
-            raise RuntimeError(
-                f"swap_out: {self.num_blocks_of(request_id)} blocks needed, "
-                f"{self.num_free_host_blocks} host slots free"
-            )
-        pairs = [(b, self._take_host()) for b in self.req_to_blocks.get(request_id, ())]
-        self._req_to_host[request_id] = [h for _, h in pairs]
+        blocks = self.req_to_blocks.get(request_id, [])
+        pairs = list(zip(blocks, self.host.take(request_id, len(blocks)), strict=True))
         self._release_device(request_id)
         return pairs
 
     def can_swap_in(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Room for the request's swapped blocks plus ``num_new_tokens`` more tokens."""
         end_block = _cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        num_host = len(self._req_to_host.get(request_id, ()))
-        return max(end_block, num_host) <= self.num_free_blocks
+        return max(end_block, self.host.num_of(request_id)) <= self.num_free_blocks
 
     def swap_in(self, request_id: str) -> list[CopyPair]:
         """Takes fresh device blocks for the request's host slots: returns
         (host_slot, device_block) pairs to copy before the step."""
         if self.num_blocks_of(request_id):
             raise ValueError(f"swap_in: {request_id!r} already holds device blocks")
-        host = self._req_to_host.get(request_id, [])
-        if len(host) > self.num_free_blocks:
+        if self.host.num_of(request_id) > self.num_free_blocks:
             raise RuntimeError("swap_in: not enough free device blocks")
-        pairs = [(h, self._take()) for h in host]
+        pairs = [(h, self._take()) for h in self.host.give_back_later(request_id)]
         self.req_to_blocks[request_id] = [b for _, b in pairs]
         self._changed(request_id, 0)
-        self._host_pending.extend(self._req_to_host.pop(request_id, ()))
         return pairs
 
     def free_host(self, request_id: str) -> None:
         """Gives back the host slots of a swapped request that ends while swapped, and
         forgets its keys: the id may be reused."""
-        self._host_free.extend(reversed(self._req_to_host.pop(request_id, ())))
+        self.host.free(request_id)
         self._req_hashes.pop(request_id, None)
 
     def release_host_slots(self) -> None:
         """Host slots read by the last step's swap-ins become free, and the host tier's
         pins go (call between steps)."""
-        self._host_free.extend(reversed(self._host_pending))
-        self._host_pending.clear()
+        self.host.release_pending()
         if self.tier is not None:
             self.tier.unpin_all()
         if self.disk is not None:

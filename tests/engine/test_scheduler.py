@@ -70,7 +70,7 @@ def assert_all_free(sched):
     pool = sched.pool
     assert not sched.has_unfinished_requests()
     assert pool.num_free_blocks == pool.num_blocks
-    assert pool.num_free_host_blocks + len(pool._host_pending) == pool.num_host_blocks
+    assert pool.num_free_host_blocks + len(pool.host._pending) == pool.num_host_blocks
     pool.release_host_slots()
     assert pool.num_free_host_blocks == pool.num_host_blocks
     assert pool.tracked_request_ids() == set()  # no request id left behind
