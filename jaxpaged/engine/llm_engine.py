@@ -30,7 +30,6 @@ from jaxpaged.config import (
 )
 from jaxpaged.engine.core import EngineCore, EngineStepError, asleep_message
 from jaxpaged.engine.engine_setup import (
-    check_in_memory,
     check_one_replica,
     check_processors,
     dtype_of,
@@ -38,6 +37,8 @@ from jaxpaged.engine.engine_setup import (
     image_setup,
     load_model,
     load_speculative_models,
+    model_for_engine,
+    shard_for_tp,
     spec_defaults,
 )
 from jaxpaged.engine.input_processor import InputProcessor
@@ -45,16 +46,15 @@ from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.lora import LoRARequest, build_adapters, read_adapter
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.engine.pooled_requests import PooledOutput, PooledResults, pooling_request
-from jaxpaged.engine.prefill_budget import StepCosts, choose_prefill_cap
 from jaxpaged.engine.process import apply_process_config, program_store
 from jaxpaged.engine.protocol import EngineAsleepError, EngineDeadError, EngineStats, Prompt
 from jaxpaged.engine.spec_builder import (
-    DraftModel,
-    check_draft,
     check_eagle,
+    check_spec_inputs,
+    draft_beside,
     head_params_in,
-    shared_num_blocks,
 )
+from jaxpaged.engine.warm_start import warm_start
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.eagle3 import Eagle3Config
 from jaxpaged.models.llama import Params
@@ -111,22 +111,7 @@ class LLMEngine:
         ImageSpec, models/gemma3_vl.py)."""
         cache_config = cache_config or CacheConfig()
         logits_processors = check_processors(logits_processors)
-        if speculative_config is not None and jax.process_count() > 1:
-            raise ValueError(
-                "speculative_config: speculative decoding across hosts is not supported"
-            )
-        wants_draft = speculative_config is not None and speculative_config.method == "draft_model"
-        if wants_draft != (draft is not None):
-            raise ValueError(
-                "speculative_config: method 'draft_model' and the draft model's (config, params) "
-                "come together (from_engine_args loads the draft from its model key)"
-            )
-        wants_eagle = speculative_config is not None and speculative_config.method == "eagle3"
-        if wants_eagle != (eagle is not None):
-            raise ValueError(
-                "speculative_config: method 'eagle3' and the head's (config, params) come "
-                "together (from_engine_args loads the head from its model key)"
-            )
+        check_spec_inputs(speculative_config, draft=draft, eagle=eagle)
         # only what was asked for; again for engines built on params in hand (JAX started:
         # the malloc thresholds still take)
         process_config = process_config or ProcessConfig()
@@ -136,21 +121,12 @@ class LLMEngine:
         scheduler_config = scheduler_config or SchedulerConfig()
         parallel_config = parallel_config or ParallelConfig()
         check_one_replica(parallel_config)
-        self.mesh = None
         # what update_weights takes: the params as given, before sharding / KV replication
         self._given_config = model_config
         self._given_spec = ParamsSpec.of(params)
-        if parallel_config.tensor_parallel_size > 1:
-            from jaxpaged.distributed.parallel import make_mesh, shard_params
-
-            if graphdef is not None:
-                raise ValueError(
-                    "tensor_parallel_size > 1 is not supported for a model of your own "
-                    "(jaxpaged knows how to split only its own families' weights)"
-                )
-
-            self.mesh = make_mesh(parallel_config.tensor_parallel_size)
-            model_config, params = shard_params(model_config, params, self.mesh)
+        self.mesh, model_config, params = shard_for_tp(
+            parallel_config, model_config, params, own_model=graphdef is not None
+        )
         self.parallel_config = parallel_config
         self.model_config = model_config
         self.cache_config = cache_config
@@ -197,9 +173,9 @@ class LLMEngine:
             platform=self.platform,
         )
 
-        mm_config = mm_config or MultiModalConfig()
+        mm = mm_config or MultiModalConfig()
         image_prompts, image_slots = image_setup(
-            model_config, mm_config, scheduler_config, speculative_config, parallel_config
+            model_config, mm, scheduler_config, speculative_config, parallel_config
         )
 
         def runner_for(layout: KVLayout) -> Runner:
@@ -234,29 +210,19 @@ class LLMEngine:
         )
         bytes_per_block = kv.layout(1).bytes_per_block
         drafter = None
-        if draft is not None:
-            check_draft(
-                draft[0],
+        if draft is not None:  # its pool shares the target's budget
+            num_blocks, bytes_per_block, drafter = draft_beside(
+                draft,
                 model_config,
                 speculative_config,
                 scheduler_config,
-                tensor_parallel_size=parallel_config.tensor_parallel_size,
-                lora=self.lora is not None,
-            )
-            draft_model = DraftModel(
-                *draft,
-                cache_config=cache_config,
+                cache_config,
+                num_blocks=num_blocks,
+                bytes_per_block=bytes_per_block,
                 attention_backend=attention_backend,
-                params_dtype=str(dtype_of(draft[1])),
                 mesh=self.mesh,
-            )
-            draft_bytes = draft_model.kv.layout(1).bytes_per_block
-            num_blocks = shared_num_blocks(
-                num_blocks, bytes_per_block, draft_bytes, cache_config.num_kv_blocks is not None
-            )
-            bytes_per_block += draft_bytes  # a swapped-out block holds both pools' blocks
-            drafter = draft_model.proposer(
-                num_blocks, scheduler_config, speculative_config, seed=seed
+                lora=self.lora is not None,
+                seed=seed,
             )
         self.layout = kv.layout(num_blocks)
         self.runner = runner_for(self.layout)
@@ -311,40 +277,20 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.pooled = PooledResults()  # pooling requests (engine/paged_pooling.py)
         self.dead_error: BaseException | None = None
-        # how wake_up gets the weights back after sleep(level=2) when none are given: set
-        # by from_engine_args for an engine that loaded them itself
+        # wake_up's reload after sleep(level=2), set by from_engine_args when it loaded them
         self._reload: Callable[[], Params] | None = None
         # params of a checkpoint folder / hub id / .gguf, loaded the way this engine's were
         self.weights_from: Callable[[str], Params] | None = None
-        self.warmup_programs = 0
-        self.warmup_seconds = 0.0
-        if not enforce_eager:
-            # block moves to and from the host: swap preemption or the prefix cache's host tier
-            swap = (
-                scheduler_config.preemption_mode == "swap" or self.scheduler.pool.tier is not None
-            )
-            self.warmup_programs, self.warmup_seconds = self.runner.warm_up(
-                swap=swap, show_progress=show_progress
-            )
-            logger.info(
-                "warm-up compiled %d programs in %.1f s", self.warmup_programs, self.warmup_seconds
-            )
-        self.core.mark_compiled()
-        # measured after warm-up, on its shapes (a compilation here would count as serving's);
-        # None where the cap was given
-        self.step_costs: tuple[StepCosts, ...] | None = None
-        if (
-            scheduler_config.max_prefill_tokens_with_decodes is None
-            and scheduler_config.prefill_stall_ratio is not None
-        ):
-            caps, self.step_costs = choose_prefill_cap(
-                self.runner.execute,
-                scheduler_config,
-                num_blocks=num_blocks,
-                block_size=cache_config.block_size,
-                measure=not enforce_eager,
-            )
-            self.scheduler.set_prefill_caps(caps)
+        ready = warm_start(
+            self.runner,
+            self.scheduler,
+            num_blocks=num_blocks,
+            enforce_eager=enforce_eager,
+            show_progress=show_progress,
+            mark_compiled=self.core.mark_compiled,
+        )
+        self.warmup_programs, self.warmup_seconds = ready.programs, ready.seconds
+        self.step_costs = ready.step_costs  # measured after warm-up; None where given
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -366,34 +312,16 @@ class LLMEngine:
         check_one_replica(parallel_config)  # before any weight is read
         lora_config = args.lora_config()
         process_config = args.process_config()
-        if params is None:
-            from jaxpaged.engine.runner_choice import choose_runner
-
-            if choose_runner(args) != "generate":
-                raise ValueError(
-                    f"model {args.model!r} is a pooling model (an encoder: embeddings and "
-                    "scores, no generation): use LLM(model, runner='pooling') and embed() / "
-                    "score(), or `jaxpaged serve` (its runner is chosen from the checkpoint)"
-                )
-            if (
-                model_config is not None
-                or tokenizer is not None
-                or eos_token_ids is not None
-                or graphdef is not None
-            ):
-                raise ValueError(
-                    "model_config, tokenizer and eos_token_ids come with params "
-                    "(without params, args.model is loaded with its own)"
-                )
-            model_config, params, tokenizer, eos_token_ids = load_model(args, parallel_config)
-            loaded = True
-        else:
-            check_in_memory(args, model_config, params)
-            if args.quantization is not None:  # quantized on the host, then placed as loaded
-                from jaxpaged.models.quant import quantize_params
-
-                params = quantize_params(jax.device_get(params), model_config, args.quantization)
-            loaded = False
+        loaded = params is None
+        model_config, params, tokenizer, eos_token_ids = model_for_engine(
+            args,
+            parallel_config,
+            model_config=model_config,
+            params=params,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
+            own_model=graphdef is not None,
+        )
         draft, eagle = load_speculative_models(args, parallel_config)
         engine = cls(
             model_config=model_config,
@@ -670,9 +598,3 @@ class LLMEngine:
         if self.core.step_log is not None:
             self.core.step_log.close()
         self.runner.close()
-
-
-# On a CPU a step's time follows its rows, so verifying drafts for many sequences costs more
-# than it saves: bench/speculative.py on the 2-core VM measured n-gram at 1.40x at batch 1 on
-# copy-heavy work, 0.71x at 8 (0.67x on chat). Unless told otherwise, a CPU engine drafts only
-# while this many requests run at most.

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.distributed.parallel import shard_params
+from jaxpaged.engine.engine_setup import dtype_of
 from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.models.config import ModelConfig
@@ -21,7 +24,73 @@ from jaxpaged.worker.kv_cache import kv_storage_dtype
 from jaxpaged.worker.runner import Runner
 from jaxpaged.worker.spec_draft import DraftModelProposer
 
-__all__ = ["DraftModel", "check_draft", "check_eagle", "head_params_in", "shared_num_blocks"]
+__all__ = [
+    "DraftModel",
+    "check_draft",
+    "check_eagle",
+    "check_spec_inputs",
+    "draft_beside",
+    "head_params_in",
+    "shared_num_blocks",
+]
+
+
+def check_spec_inputs(
+    speculative_config: SpeculativeConfig | None,
+    *,
+    draft: tuple[ModelConfig, Any] | None,
+    eagle: tuple[Eagle3Config, Any] | None,
+) -> None:
+    """ValueError unless a method's models come with it: a draft model's (config, params)
+    with ``draft_model``, a head's with ``eagle3``, neither otherwise; one host only."""
+    if speculative_config is not None and jax.process_count() > 1:
+        raise ValueError("speculative_config: speculative decoding across hosts is not supported")
+    method = None if speculative_config is None else speculative_config.method
+    if (method == "draft_model") != (draft is not None):
+        raise ValueError(
+            "speculative_config: method 'draft_model' and the draft model's (config, params) "
+            "come together (from_engine_args loads the draft from its model key)"
+        )
+    if (method == "eagle3") != (eagle is not None):
+        raise ValueError(
+            "speculative_config: method 'eagle3' and the head's (config, params) come "
+            "together (from_engine_args loads the head from its model key)"
+        )
+
+
+def draft_beside(
+    draft: tuple[ModelConfig, Any],
+    target: ModelConfig,
+    speculative_config: SpeculativeConfig,
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    *,
+    num_blocks: int,
+    bytes_per_block: int,
+    attention_backend: str | None,
+    mesh: Any,  # noqa: ANN401 - the target's jax Mesh (tensor parallel) or None
+    lora: bool,
+    seed: int,
+) -> tuple[int, int, DraftModelProposer]:
+    """(blocks per pool, bytes a block of both pools holds, the drafter) for a draft model
+    beside a target whose pool alone would get ``num_blocks`` of ``bytes_per_block``."""
+    tp = 1 if mesh is None else mesh.size
+    check_draft(
+        draft[0], target, speculative_config, scheduler_config, tensor_parallel_size=tp, lora=lora
+    )
+    draft_model = DraftModel(
+        *draft,
+        cache_config=cache_config,
+        attention_backend=attention_backend,
+        params_dtype=str(dtype_of(draft[1])),
+        mesh=mesh,
+    )
+    draft_bytes = draft_model.kv.layout(1).bytes_per_block
+    num_blocks = shared_num_blocks(
+        num_blocks, bytes_per_block, draft_bytes, cache_config.num_kv_blocks is not None
+    )
+    drafter = draft_model.proposer(num_blocks, scheduler_config, speculative_config, seed=seed)
+    return num_blocks, bytes_per_block + draft_bytes, drafter  # a swapped block holds both
 
 
 class DraftModel:
