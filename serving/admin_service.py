@@ -17,7 +17,8 @@ import grpc
 
 from jaxpaged.serving import admin_pb2 as pb
 from jaxpaged.serving import admin_pb2_grpc as pb_grpc
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, ServingError
+from jaxpaged.serving.errors import InvalidRequest, ServingError
+from jaxpaged.serving.frontend import Frontend
 
 __all__ = ["ADMIN_SERVICE_NAME", "AdminServicer", "add_admin_service"]
 

@@ -26,7 +26,8 @@ from jaxpaged.serving.anthropic_protocol import (
     MessagesRequest,
 )
 from jaxpaged.serving.chat_run import ChatRun, check_model, render_prompt, start_chat
-from jaxpaged.serving.frontend import Frontend, ServingError
+from jaxpaged.serving.errors import ServingError
+from jaxpaged.serving.frontend import Frontend
 from jaxpaged.serving.protocol import parse_body
 
 __all__ = ["ContentBlocks", "add_anthropic_routes"]

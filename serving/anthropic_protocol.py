@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Tag, model_validator
 
-from jaxpaged.serving.frontend import InvalidRequest
+from jaxpaged.serving.errors import InvalidRequest
 from jaxpaged.serving.protocol import ChatCompletionRequest
 from jaxpaged.serving.protocol import StrictModel as _Strict
 

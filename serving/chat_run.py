@@ -15,7 +15,8 @@ from fastapi import Request
 
 from jaxpaged.outputs import CompletionOutput
 from jaxpaged.serving.chat_reply import ReplyBuilder
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, RequestHandle, output_kind_for
+from jaxpaged.serving.errors import InvalidRequest
+from jaxpaged.serving.frontend import Frontend, RequestHandle, output_kind_for
 from jaxpaged.serving.lora_routes import lora_of
 from jaxpaged.serving.metrics import RequestTotals
 from jaxpaged.serving.protocol import ChatCompletionRequest

@@ -11,7 +11,8 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxpaged.serving.frontend import Frontend, InvalidRequest
+from jaxpaged.serving.errors import InvalidRequest
+from jaxpaged.serving.frontend import Frontend
 
 __all__ = ["add_dev_routes", "dev_mode"]
 

@@ -23,6 +23,15 @@ from jaxpaged.engine.images import MAX_IMAGE_BYTES, chat_images
 from jaxpaged.engine.protocol import EngineAsleepError, EngineClient, EngineDeadError, Prompt
 from jaxpaged.outputs import RequestOutput, RequestOutputKind
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serving.errors import (
+    EngineFailure,
+    InvalidRequest,
+    Overloaded,
+    ServingError,
+    Unauthenticated,
+    Unavailable,
+    field_of,
+)
 from jaxpaged.serving.media import fetch_image_bytes
 from jaxpaged.serving.metrics import RequestTotals, ServingMetrics
 from jaxpaged.serving.reasoning import REASONING_PARSERS
@@ -31,17 +40,10 @@ from jaxpaged.serving.tool_prompt import TemplateToolSupport, conversation_for_t
 
 __all__ = [
     "EngineDeadError",
-    "EngineFailure",
     "Frontend",
-    "InvalidRequest",
-    "NotFound",
-    "Overloaded",
     "Phase",
     "RequestHandle",
     "ServingConfig",
-    "ServingError",
-    "Unauthenticated",
-    "Unavailable",
     "close_all",
     "output_kind_for",
 ]
@@ -62,61 +64,6 @@ class Phase(str, enum.Enum):
     DRAINING = "draining"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-class ServingError(Exception):
-    """A request the server refuses or cannot finish; each subclass has its status codes."""
-
-    http_status = 500
-    grpc_code = "INTERNAL"
-    error_type = "server_error"
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class InvalidRequest(ServingError):
-    http_status = 400
-    grpc_code = "INVALID_ARGUMENT"
-    error_type = "invalid_request_error"
-
-
-class Unauthenticated(ServingError):
-    http_status = 401
-    grpc_code = "UNAUTHENTICATED"
-    error_type = "authentication_error"
-
-
-class NotFound(ServingError):
-    http_status = 404
-    grpc_code = "NOT_FOUND"
-    error_type = "not_found_error"
-
-
-class Overloaded(ServingError):
-    http_status = 429
-    grpc_code = "RESOURCE_EXHAUSTED"
-    error_type = "rate_limit_error"
-
-
-class Unavailable(ServingError):
-    http_status = 503
-    grpc_code = "UNAVAILABLE"
-    error_type = "service_unavailable"
-
-
-class EngineFailure(ServingError):
-    http_status = 500
-    grpc_code = "INTERNAL"
-    error_type = "server_error"
-
-
-def field_of(message: str) -> str | None:
-    """The field a SamplingParams / prompt ValueError names (its first word), for `param`."""
-    word = message.split(" ", 1)[0].strip(":,")
-    return word if word.isidentifier() else None
 
 
 def output_kind_for(*, stream: bool) -> RequestOutputKind:

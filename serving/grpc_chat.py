@@ -15,7 +15,8 @@ from typing import Any
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving.chat_reply import ReplyBuilder
-from jaxpaged.serving.frontend import Frontend, InvalidRequest
+from jaxpaged.serving.errors import InvalidRequest
+from jaxpaged.serving.frontend import Frontend
 from jaxpaged.serving.protocol import ChatCompletionRequest, parse_body
 from jaxpaged.serving.tools import ToolPlan, plan_tools
 

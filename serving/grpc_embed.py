@@ -4,7 +4,8 @@ the same checks as ``/v1/embeddings`` (serving/pooling_routes.py)."""
 from __future__ import annotations
 
 from jaxpaged.serving import generation_pb2 as pb
-from jaxpaged.serving.frontend import Frontend, InvalidRequest
+from jaxpaged.serving.errors import InvalidRequest
+from jaxpaged.serving.frontend import Frontend
 from jaxpaged.serving.pooling_protocol import MAX_INPUTS
 from jaxpaged.serving.pooling_routes import pooling_engine, run_pooling
 

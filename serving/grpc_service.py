@@ -27,14 +27,8 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams, StructuredOutput
 from jaxpaged.serving import generation_pb2 as pb
 from jaxpaged.serving import generation_pb2_grpc as pb_grpc
-from jaxpaged.serving.frontend import (
-    Frontend,
-    InvalidRequest,
-    Phase,
-    ServingError,
-    field_of,
-    output_kind_for,
-)
+from jaxpaged.serving.errors import InvalidRequest, ServingError, field_of
+from jaxpaged.serving.frontend import Frontend, Phase, output_kind_for
 from jaxpaged.serving.grpc_chat import ChatTools, chat_prompt
 from jaxpaged.serving.grpc_embed import embed
 from jaxpaged.serving.metrics import RequestTotals

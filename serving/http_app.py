@@ -27,14 +27,8 @@ from jaxpaged.serving.chat_reply import ReplyBuilder
 from jaxpaged.serving.chat_run import check_model, until_disconnect
 from jaxpaged.serving.deltas import merge_handles
 from jaxpaged.serving.dev_routes import add_dev_routes
-from jaxpaged.serving.frontend import (
-    Frontend,
-    InvalidRequest,
-    RequestHandle,
-    ServingError,
-    close_all,
-    output_kind_for,
-)
+from jaxpaged.serving.errors import InvalidRequest, ServingError
+from jaxpaged.serving.frontend import Frontend, RequestHandle, close_all, output_kind_for
 from jaxpaged.serving.lora_routes import add_lora_routes, lora_model_cards, lora_of
 from jaxpaged.serving.metrics import CONTENT_TYPE, RequestTotals
 from jaxpaged.serving.pooling_routes import add_pooling_routes

@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from jaxpaged.lora_request import LoRARequest
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, NotFound
+from jaxpaged.serving.errors import InvalidRequest, NotFound
+from jaxpaged.serving.frontend import Frontend
 
 __all__ = ["add_lora_routes", "lora_model_cards", "lora_of", "runtime_updates_allowed"]
 

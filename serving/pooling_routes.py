@@ -17,13 +17,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from jaxpaged.engine.protocol import EngineDeadError, PoolingClient
-from jaxpaged.serving.frontend import (
-    Frontend,
-    InvalidRequest,
-    ServingError,
-    Unavailable,
-    field_of,
-)
+from jaxpaged.serving.errors import InvalidRequest, ServingError, Unavailable, field_of
+from jaxpaged.serving.frontend import Frontend
 from jaxpaged.serving.pooling_protocol import (
     EmbeddingRequest,
     PoolingRequest,

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxpaged.sampling_params import SamplingParams, StructuredOutput
-from jaxpaged.serving.frontend import InvalidRequest, field_of
+from jaxpaged.serving.errors import InvalidRequest, field_of
 
 __all__ = [
     "NO_EFFECT_FIELDS",

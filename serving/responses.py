@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.serving.chat_run import ChatRun, check_model, start_chat
-from jaxpaged.serving.frontend import Frontend, InvalidRequest, NotFound, ServingError
+from jaxpaged.serving.errors import InvalidRequest, NotFound, ServingError
+from jaxpaged.serving.frontend import Frontend
 from jaxpaged.serving.protocol import parse_body
 from jaxpaged.serving.response_store import ResponseStore, StoredResponse
 from jaxpaged.serving.responses_protocol import (

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator as _Discriminator
 from pydantic import Field, Tag, model_validator
 
-from jaxpaged.serving.frontend import InvalidRequest
+from jaxpaged.serving.errors import InvalidRequest
 from jaxpaged.serving.protocol import ChatCompletionRequest
 from jaxpaged.serving.protocol import StrictModel as _Strict
 

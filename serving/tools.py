@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from jaxpaged.sampling_params import StructuredOutput
-from jaxpaged.serving.frontend import InvalidRequest
+from jaxpaged.serving.errors import InvalidRequest
 from jaxpaged.serving.protocol import ChatCompletionRequest, NamedToolChoice
 
 __all__ = ["ToolPlan", "plan_tools"]
