@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from jaxpaged.arg_fields import CliForm, add_field_args, setting, unknown_message
 from jaxpaged.arg_values import (
     fraction,
     image_limit,
@@ -80,37 +80,17 @@ RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
 
-# ------------------------------------------------------------------ the fields
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CliForm:
-    """How one EngineArgs field appears on the command line. A flag name without a leading
-    dash is a positional argument; a bool field becomes ``--flag / --no-flag``."""
-
-    flags: tuple[str, ...]
-    parse: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    nargs: str | None = None
-
-
 # A step with decodes and a prompt chunk takes at most this many decode steps' time (the cap
 # measured at warm-up, jaxpaged.engine.prefill_budget). Measured under `vllm bench serve` (16
 # in flight, 256-token prompts): see bench/RESULTS.md.
 DEFAULT_PREFILL_STALL_RATIO = 3.0
 
 
-def _setting(default: Any, help: str, *flags: str, **cli: Any) -> Any:
-    """A dataclass field with its help text and command-line form in the metadata."""
-    return dataclasses.field(
-        default=default, metadata={"help": help, "cli": CliForm(flags=flags, **cli)}
-    )
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineArgs:
     """Everything that configures an engine (vLLM's names and meanings)."""
 
-    model: str | os.PathLike[str] | None = _setting(
+    model: str | os.PathLike[str] | None = setting(
         None,
         "HF hub id (REPO:FILE.gguf for one GGUF of a hub repo), local folder, Orbax folder or "
         ".gguf file (default: bundled SmolLM2); positional or --model",
@@ -118,13 +98,13 @@ class EngineArgs:
         "--model",
         metavar="MODEL",
     )
-    revision: str | None = _setting(
+    revision: str | None = setting(
         None,
         "hub branch, tag or commit of MODEL (default: main)",
         "--revision",
         parse=optional_text,
     )
-    download_dir: str | os.PathLike[str] | None = _setting(
+    download_dir: str | os.PathLike[str] | None = setting(
         None,
         "folder to download hub models into (default: the Hugging Face cache, $HF_HUB_CACHE "
         "or $HF_HOME/hub or ~/.cache/huggingface/hub)",
@@ -132,14 +112,14 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
-    dtype: str | None = _setting(
+    dtype: str | None = setting(
         None,
         "weights and KV cache dtype of a loaded model; auto/unset: float32 on CPU, else the "
         "checkpoint's half dtype (or bfloat16)",
         "--dtype",
         choices=DTYPES,
     )
-    quantization: str | None = _setting(
+    quantization: str | None = setting(
         None,
         "weight-only quantization: int8 or fp8 (e4m3) values with one float32 scale per "
         "output channel, applied at load and dequantized inside each matmul; gguf: a GGUF "
@@ -151,7 +131,7 @@ class EngineArgs:
         "--quantization",
         choices=QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,
     )
-    runner: str = _setting(
+    runner: str = setting(
         "auto",
         "what the model runs: generate (text generation, the paged engine) or pooling "
         "(embeddings, scores and reranks of an encoder: BERT, RoBERTa, XLM-R); auto: what "
@@ -159,7 +139,7 @@ class EngineArgs:
         "--runner",
         choices=RUNNERS,
     )
-    hf_overrides: dict[str, Any] | str | None = _setting(
+    hf_overrides: dict[str, Any] | str | None = setting(
         None,
         "config.json keys replaced at load time, vLLM's JSON (jaxpaged.hf_overrides): the "
         'original Qwen3-Reranker as {"architectures": ["Qwen3ForSequenceClassification"], '
@@ -168,14 +148,14 @@ class EngineArgs:
         parse=str,
         metavar="JSON",
     )
-    tensor_parallel_size: int = _setting(
+    tensor_parallel_size: int = setting(
         1,
         "devices the weights and KV pool are split over (all hosts together)",
         "-tp",
         "--tensor-parallel-size",
         parse=positive_int,
     )
-    data_parallel_size: int = _setting(
+    data_parallel_size: int = setting(
         1,
         "engine replicas behind one server, each on its own tensor_parallel_size devices "
         "(its own process); requests go to the least-loaded replica, keeping a prompt "
@@ -184,7 +164,7 @@ class EngineArgs:
         "--data-parallel-size",
         parse=positive_int,
     )
-    data_parallel_health_check_period: float = _setting(
+    data_parallel_health_check_period: float = setting(
         10.0,
         "seconds within which a data-parallel replica that stopped answering the server's "
         "health probes (hung) stops receiving requests, fails its open ones and is killed "
@@ -192,26 +172,26 @@ class EngineArgs:
         "--data-parallel-health-check-period",
         parse=positive_float,
     )
-    max_model_len: int | None = _setting(
+    max_model_len: int | None = setting(
         None,
         "most tokens (prompt + output) of one request (default: the model's context length)",
         "--max-model-len",
         parse=positive_int,
     )
-    max_num_seqs: int = _setting(
+    max_num_seqs: int = setting(
         64,
         "most requests running at once (sequences in one step)",
         "--max-num-seqs",
         parse=positive_int,
     )
-    max_num_batched_tokens: int | None = _setting(
+    max_num_batched_tokens: int | None = setting(
         None,
         "token budget of one step, prefill chunks plus decodes (default: "
         "max(512, min(2048, max_num_seqs)))",
         "--max-num-batched-tokens",
         parse=positive_int,
     )
-    max_prefill_tokens_with_decodes: int | None = _setting(
+    max_prefill_tokens_with_decodes: int | None = setting(
         None,
         "most prefill tokens in a step that also carries decodes, so a new prompt does not "
         "stall the running requests (default: measured at warm-up, see "
@@ -219,7 +199,7 @@ class EngineArgs:
         "--max-prefill-tokens-with-decodes",
         parse=positive_int,
     )
-    prefill_stall_ratio: float = _setting(
+    prefill_stall_ratio: float = setting(
         DEFAULT_PREFILL_STALL_RATIO,
         "without --max-prefill-tokens-with-decodes: the engine times a decode step and one "
         "with a prompt chunk at warm-up and caps the prefill tokens of a step with decodes so "
@@ -227,26 +207,26 @@ class EngineArgs:
         "--prefill-stall-ratio",
         parse=stall_ratio,
     )
-    fit_prefill_to_buckets: bool = _setting(
+    fit_prefill_to_buckets: bool = setting(
         False,
         "in a step with decodes, lower the prefill cap to end the step on a compiled size "
         "(shorter mixed steps: a lower inter-token latency tail, a slower prefill)",
         "--fit-prefill-to-buckets",
     )
-    block_size: int = _setting(16, "tokens per KV cache block", "--block-size", parse=positive_int)
-    gpu_memory_utilization: float = _setting(
+    block_size: int = setting(16, "tokens per KV cache block", "--block-size", parse=positive_int)
+    gpu_memory_utilization: float = setting(
         0.9,
         "share of accelerator memory for weights, activations and the KV pool",
         "--gpu-memory-utilization",
         parse=fraction,
     )
-    kv_cache_memory: int | str | None = _setting(
+    kv_cache_memory: int | str | None = setting(
         None,
         "bytes for the KV cache (CPU), a number or a size such as 2GiB",
         "--kv-cache-memory",
         parse=parse_size,
     )
-    kv_cache_dtype: str = _setting(
+    kv_cache_dtype: str = setting(
         "auto",
         "KV cache dtype: auto (the model's), bfloat16, or 8-bit fp8 (e4m3) / int8 with a "
         "float32 scale per token and KV head (about 1.9x the tokens of bfloat16 in the same "
@@ -254,19 +234,19 @@ class EngineArgs:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
     )
-    num_kv_blocks: int | None = _setting(
+    num_kv_blocks: int | None = setting(
         None,
         "exact KV block count (overrides memory sizing)",
         "--num-kv-blocks",
         parse=positive_int,
     )
-    swap_space: float | str = _setting(
+    swap_space: float | str = setting(
         4.0,
         "host memory for the blocks of swapped-out requests: GiB, or a size such as 16GiB",
         "--swap-space",
         parse=parse_gib,
     )
-    kv_offloading_size: float | str | None = _setting(
+    kv_offloading_size: float | str | None = setting(
         None,
         "host memory for a tier of the prefix cache: GiB, or a size such as 16GiB (unset: "
         "off); full blocks evicted from the device's prefix cache are kept there, least "
@@ -274,13 +254,13 @@ class EngineArgs:
         "--kv-offloading-size",
         parse=parse_gib,
     )
-    kv_offloading_backend: str | None = _setting(
+    kv_offloading_backend: str | None = setting(
         None,
         "where --kv-offloading-size keeps blocks: native (unset: native; this engine's host "
         "memory tier; other backends, such as lmcache, are refused by name)",
         "--kv-offloading-backend",
     )
-    kv_offloading_disk_dir: str | None = _setting(
+    kv_offloading_disk_dir: str | None = setting(
         None,
         "a folder for a disk tier behind the host tier (--kv-offloading-size): blocks the "
         "host tier forgets are written there and read back on a prefix hit",
@@ -288,42 +268,42 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
-    kv_offloading_disk_size: float | str | None = _setting(
+    kv_offloading_disk_size: float | str | None = setting(
         None,
         "how much of --kv-offloading-disk-dir the disk tier may fill: GiB, or a size such as 64GiB",
         "--kv-offloading-disk-size",
         parse=parse_gib,
     )
-    preemption_mode: str = _setting(
+    preemption_mode: str = setting(
         "recompute",
         "what a preempted request's blocks become: freed and recomputed, or swapped to host",
         "--preemption-mode",
         choices=PREEMPTION_MODES,
     )
-    scheduling_policy: str = _setting(
+    scheduling_policy: str = setting(
         "fcfs",
         "the order requests are served in: first come first served, or by each request's "
         "priority (lower first; preemption takes the lowest priority first)",
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
     )
-    enable_prefix_caching: bool = _setting(
+    enable_prefix_caching: bool = setting(
         True, "share the KV blocks of equal prompt prefixes", "--enable-prefix-caching"
     )
-    enforce_eager: bool = _setting(
+    enforce_eager: bool = setting(
         False, "skip warm-up; compile shapes on first use", "--enforce-eager"
     )
-    attention_backend: str | None = _setting(
+    attention_backend: str | None = setting(
         None,
         "paged-attention kernel (default: by platform)",
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
     )
-    seed: int = _setting(0, "seed of unseeded requests' sampling", "--seed", parse=int)
-    show_progress: bool = _setting(
+    seed: int = setting(0, "seed of unseeded requests' sampling", "--seed", parse=int)
+    show_progress: bool = setting(
         True, "progress bars while loading and warming up", "--show-progress"
     )
-    configure_process: bool = _setting(
+    configure_process: bool = setting(
         False,
         "process-wide settings, before JAX starts: XLA_PYTHON_CLIENT_PREALLOCATE=false and "
         "XLA_PYTHON_CLIENT_MEM_FRACTION=gpu_memory_utilization (so the KV pool gets the "
@@ -331,7 +311,7 @@ class EngineArgs:
         "is left as it is)",
         "--configure-process",
     )
-    compile_cache_dir: str | os.PathLike[str] | None = _setting(
+    compile_cache_dir: str | os.PathLike[str] | None = setting(
         None,
         "folder of JAX's persistent compilation cache, set in jax.config for the whole "
         "process (unset, or '' on the command line: jax.config is left as it is)",
@@ -339,7 +319,7 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
-    program_cache_dir: str | os.PathLike[str] | None = _setting(
+    program_cache_dir: str | os.PathLike[str] | None = setting(
         None,
         "folder where the engine keeps its compiled step programs whole, so a restart loads "
         "them without tracing (unset: off)",
@@ -347,21 +327,21 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
-    enable_lora: bool = _setting(
+    enable_lora: bool = setting(
         False,
         "serve LoRA adapters over the base model (Llama family): requests choose one by name",
         "--enable-lora",
     )
-    max_loras: int = _setting(
+    max_loras: int = setting(
         1,
         "LoRA adapters on the device at once; requests of further adapters wait for a slot",
         "--max-loras",
         parse=positive_int,
     )
-    max_lora_rank: int = _setting(
+    max_lora_rank: int = setting(
         16, "the largest LoRA rank an adapter may have", "--max-lora-rank", parse=positive_int
     )
-    lora_modules: tuple[str, ...] | dict[str, str] = _setting(
+    lora_modules: tuple[str, ...] | dict[str, str] = setting(
         (),
         "LoRA adapters registered at start-up, as name=path (a PEFT folder: "
         "adapter_config.json + adapter_model.safetensors); Python: also a dict name -> path",
@@ -369,7 +349,7 @@ class EngineArgs:
         metavar="NAME=PATH",
         nargs="+",
     )
-    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = _setting(
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = setting(
         None,
         "speculative decoding, vLLM's keys as JSON, e.g. "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -381,21 +361,21 @@ class EngineArgs:
         parse=speculative_json,
         metavar="JSON",
     )
-    limit_mm_per_prompt: int | dict[str, int] | str = _setting(
+    limit_mm_per_prompt: int | dict[str, int] | str = setting(
         4,
         'most images in one prompt of a vision-language model: N, or vLLM\'s JSON {"image": N}',
         "--limit-mm-per-prompt",
         parse=str,
         metavar="N|JSON",
     )
-    encoder_cache_images: int = _setting(
+    encoder_cache_images: int = setting(
         16,
         "encoded images a vision-language model's encoder cache keeps beyond the most one "
         "step reads (a resent image is not encoded again)",
         "--encoder-cache-images",
         parse=int,
     )
-    logits_processors: tuple[Any, ...] = _setting(
+    logits_processors: tuple[Any, ...] = setting(
         (),
         "jittable logits processors (jaxpaged.worker.logits_processors.LogitsProcessor) that "
         "requests may choose by name; Python only (no command-line form)",
@@ -448,7 +428,7 @@ class EngineArgs:
         names = cls.field_names()
         for key in kwargs:
             if key not in names:
-                raise ValueError(_unknown_message(key, names))
+                raise ValueError(unknown_message(key, names))
         return cls(**kwargs)
 
     @classmethod
@@ -466,21 +446,9 @@ class EngineArgs:
         defaults = dict(defaults or {})
         for key in defaults:
             if key not in cls.field_names():
-                raise ValueError(_unknown_message(key, cls.field_names()))
+                raise ValueError(unknown_message(key, cls.field_names()))
         group = parser.add_argument_group("engine")
-        for f in cls._cli_fields():
-            default = defaults.get(f.name, f.default)
-            flags = f.metadata["cli"].flags
-            kwargs = _argparse_kwargs(f, default)
-            if flags[0].startswith("-"):
-                group.add_argument(*flags, **kwargs)
-                continue
-            # a positional that may also be given as an option (`serve MODEL` or `--model MODEL`)
-            group.add_argument(flags[0], action=_GivenOnce, **kwargs)
-            if flags[1:]:
-                kwargs.pop("nargs")
-                kwargs["help"] = argparse.SUPPRESS
-                group.add_argument(*flags[1:], dest=f.name, action=_GivenOnce, **kwargs)
+        add_field_args(group, cls._cli_fields(), defaults)
         return group
 
     @classmethod
@@ -565,47 +533,3 @@ class EngineArgs:
             compile_cache_dir=folder(self.compile_cache_dir),
             program_cache_dir=folder(self.program_cache_dir),
         )
-
-
-class _GivenOnce(argparse.Action):
-    """Stores a value that has two spellings (a positional and an option): an absent
-    positional keeps what the option gave, and two different values are an error."""
-
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        old = getattr(namespace, self.dest, None)
-        if values is None or values == self.default:
-            if old is not None:
-                return  # an absent positional keeps the option's value
-        elif old is not None and old != self.default and old != values:
-            parser.error(f"{self.metavar or self.dest} given twice: {old!r} and {values!r}")
-        setattr(namespace, self.dest, values)
-
-
-def _argparse_kwargs(f: dataclasses.Field[Any], default: Any) -> dict[str, Any]:
-    """argparse.add_argument keywords for one field: the default, its help and CLI form."""
-    cli: CliForm = f.metadata["cli"]
-    help_text = f.metadata["help"]
-    kwargs: dict[str, Any] = {"default": default}
-    if default is not None:
-        help_text += f" (default: {default})"
-    if not cli.flags[0].startswith("-"):
-        kwargs["nargs"] = "?"  # an optional positional: `serve [MODEL]`
-    elif isinstance(f.default, bool):
-        kwargs["action"] = argparse.BooleanOptionalAction
-    kwargs["help"] = help_text.replace("%", "%%")
-    if cli.parse is not None:
-        kwargs["type"] = cli.parse
-    if cli.choices is not None:
-        kwargs["choices"] = cli.choices
-    if cli.metavar is not None:
-        kwargs["metavar"] = cli.metavar
-    if cli.nargs is not None:
-        kwargs["nargs"] = cli.nargs
-    return kwargs
-
-
-def _unknown_message(key: str, names: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(key, names, n=3)
-    if close:
-        return f"unknown engine argument {key!r}; did you mean {' or '.join(map(repr, close))}?"
-    return f"unknown engine argument {key!r}; engine arguments are: {', '.join(names)}"
