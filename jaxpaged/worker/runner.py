@@ -33,7 +33,6 @@ from jaxpaged.kernels.step_kernels import StepKernels
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.eagle3 import Eagle3Config
 from jaxpaged.models.llama import Params
-from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
 from jaxpaged.worker import sampler, spec_eagle
@@ -42,6 +41,7 @@ from jaxpaged.worker.buckets import Bucket, BucketSet
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_cache import KVLayout
 from jaxpaged.worker.logits_processors import LogitsProcessor
+from jaxpaged.worker.logprob_rows import logprob_at, prompt_logprob_rows, prompt_logprobs_at
 from jaxpaged.worker.lora import LoraAdapters
 from jaxpaged.worker.model_hooks import ModelHooks
 from jaxpaged.worker.patch_images import PatchImageEncoder, image_encoder
@@ -403,7 +403,7 @@ class Runner:
         batch, failed_rows = self.build_batch(plan.seqs, bucket, allowed)
         out = self._run(batch, bucket)
         wanted = self.input_batch.logprobs_wanted(plan.seqs)
-        prompt_wanted = _prompt_wanted(plan.seqs)
+        prompt_wanted = prompt_logprob_rows(plan.seqs)
         # start the device->host copies now: they run as soon as the step is done
         verified = tuple(s.num_draft_tokens > 0 for s in plan.seqs)
         some = any(w is not None for w in wanted) or any(prompt_wanted)
@@ -457,14 +457,14 @@ class Runner:
             spec_lps = [
                 None
                 if ids is None or want[i] is None
-                else [_logprob(out, i * k1 + j, t, want[i]) for j, t in enumerate(ids)]
+                else [logprob_at(out, i * k1 + j, t, want[i]) for j, t in enumerate(ids)]
                 for i, ids in enumerate(spec_ids)
             ]
         logprobs = [
-            None if w is None else _logprob(out, i * k1, int(out.token_ids[i]), w)
+            None if w is None else logprob_at(out, i * k1, int(out.token_ids[i]), w)
             for i, w in enumerate(want)
         ]
-        prompt = [None if p is None else _prompt_logprobs(out, *p) for p in pending.prompt_wanted]
+        prompt = [None if p is None else prompt_logprobs_at(out, *p) for p in pending.prompt_wanted]
         return RunnerOutput(
             sampled_token_ids=out.token_ids[:n].tolist(),
             logprobs=None if plain else logprobs,
@@ -558,45 +558,3 @@ class Runner:
             total += self.drafter.warm_up(swap=swap, show_progress=show_progress)[0]
         self.warmed_up = True
         return total, time.perf_counter() - start
-
-
-def _prompt_wanted(
-    seqs: Sequence[ScheduledSeq],
-) -> tuple[tuple[int, tuple[int, ...], int] | None, ...]:
-    """Per sequence: (its first row in the batch, its prompt targets, the top-k asked for),
-    or None when it wants no prompt logprobs in this step."""
-    out = []
-    row = 0
-    for seq in seqs:
-        out.append((row, seq.prompt_targets, seq.prompt_top_k) if seq.prompt_targets else None)
-        row += seq.num_tokens
-    return tuple(out)
-
-
-def _logprob(out: StepOutput, row: int, token: int, k: int) -> Logprob:
-    """The sampled token's logprob and the top ``k`` of logprob row ``row`` (host copy)."""
-    return Logprob(
-        token_id=int(token),
-        logprob=float(out.logprobs[row]),
-        top=dict(
-            zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist(), strict=True)
-        ),
-    )
-
-
-def _prompt_logprobs(out: StepOutput, first: int, targets: Sequence[int], k: int) -> list[Logprob]:
-    """One sequence's prompt logprobs from a step's host copy: rows ``first ..``."""
-    return [
-        Logprob(
-            token_id=target,
-            logprob=float(out.prompt_logprobs[r]),
-            top=dict(
-                zip(
-                    out.prompt_top_ids[r, :k].tolist(),
-                    out.prompt_top_logprobs[r, :k].tolist(),
-                    strict=True,
-                )
-            ),
-        )
-        for r, target in enumerate(targets, first)
-    ]
