@@ -7,7 +7,40 @@ between steps, so no step reads and writes one slot.
 
 from __future__ import annotations
 
-__all__ = ["HostSlots"]
+from collections.abc import Callable
+
+from jaxpaged.config import CacheConfig, SchedulerConfig
+
+__all__ = ["HostSlots", "host_block_counts"]
+
+
+def host_block_counts(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    bytes_per_block: int | None,
+    *,
+    host: int | None = None,
+    tier: int | None = None,
+    disk: int | None = None,
+) -> tuple[int, int, int]:
+    """(swap slots, host tier slots, disk tier slots): each as given, else from its setting's
+    bytes over ``bytes_per_block`` (ValueError when that is needed and missing), else 0."""
+
+    def sized(given: int | None, setting: str, wanted: bool, count: Callable[[int], int]) -> int:
+        if given is not None or not wanted:
+            return given or 0
+        if bytes_per_block is None:
+            raise ValueError(f"bytes_per_block is required with {setting}")
+        return count(bytes_per_block)
+
+    return (
+        sized(host, "preemption_mode='swap'", scheduler_config.preemption_mode == "swap",
+              cache_config.num_host_blocks),
+        sized(tier, "kv_offloading_size", bool(cache_config.kv_offloading_size),
+              cache_config.num_tier_blocks),
+        sized(disk, "kv_offloading_disk_dir", bool(cache_config.kv_offloading_disk_dir),
+              cache_config.num_disk_blocks),
+    )  # fmt: skip
 
 
 class HostSlots:

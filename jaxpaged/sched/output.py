@@ -202,6 +202,16 @@ class RunnerOutput:
     # hidden state at its last prompt token
     pooled_hidden: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
+    def emitted(self, i: int) -> tuple[Sequence[int], Sequence[Logprob]]:
+        """Sequence ``i``'s tokens from the step (several after a verification of drafts)
+        and their logprobs (empty when not asked for)."""
+        spec = self.spec_token_ids[i] if self.spec_token_ids is not None else None
+        if spec is not None:
+            lps = self.spec_logprobs[i] if self.spec_logprobs is not None else None
+            return [int(t) for t in spec], lps or ()
+        lp = self.logprobs[i] if self.logprobs is not None else None
+        return [int(self.sampled_token_ids[i])], () if lp is None else (lp,)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RequestUpdate:
@@ -242,3 +252,12 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification of ``num_drafts`` draft tokens, of which the first
+        ``num_accepted`` were accepted."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.spec_accepted_per_pos[j] += 1

@@ -189,6 +189,11 @@ class Request:
             if i == len(self.prompt_logprobs):
                 self.prompt_logprobs.append(lp)
 
+    def length_reached(self, max_model_len: int) -> bool:
+        """Whether the last token ``max_tokens`` or ``max_model_len`` allows is already
+        sampled (seen by the host or still in flight)."""
+        return self.num_generated >= self.max_tokens or self.num_total_tokens >= max_model_len
+
     def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
         """The finished status that appending ``token`` (just done) ends it with, if any
         token-based stop condition holds (setting ``stop_reason``); None to go on."""

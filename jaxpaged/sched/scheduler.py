@@ -13,84 +13,27 @@ Length limits cost nothing: a request whose last allowed token is in flight is n
 A request with ``structured_output`` is not scheduled while its token is in flight either (its
 grammar's next mask needs that token): it decodes every other step, the others overlap.
 
-Per step (:meth:`Scheduler.schedule`), under a token budget (``max_num_batched_tokens``; in a
-step with decodes its prefill chunks take ``max_prefill_tokens_with_decodes`` at most, with
-``fit_prefill_to_buckets`` fewer to end the step on a compiled size: :mod:`.prefill_cap`):
-
-1. **Running** requests: decodes first (one token each), then unfinished prefills (the rest
-   of the prompt, or prompt + output after a recompute, chunked to the budget), oldest
-   first. When blocks run out, the running request that arrived last (and is not yet
-   scheduled this step; under ``scheduling_policy="priority"``, the one of the lowest
-   priority, i.e. the highest ``SamplingParams.priority``, then the latest) is *preempted*: ``recompute`` frees its blocks and puts it at the
-   front of ``waiting`` (it keeps its output and later prefills prompt + output so far);
-   ``swap`` moves its blocks to host slots and puts it in ``swapped`` (recompute when the
-   swap space is full).
-2. **Swapped** requests come back (oldest first) unless this step preempted.
-3. **Waiting** requests are admitted first come first served (or lowest priority value
-   first, then first come, under the priority policy: a steady stream of higher-priority
-   requests starves lower ones, as in vLLM; there is no aging), while ``max_num_seqs`` and
-   the budget allow, unless this step preempted or a swapped request is still out. A new
-   request starts from the longest cached prefix; a sample of an ``n > 1`` group starts as
-   a fork of a sibling whose prompt is computed (sharing all its prompt blocks and
-   recomputing only the last prompt token), and waits while a sibling is still prefilling.
-   A request with ``prompt_logprobs`` computes its whole prompt (no prefix-cache hit).
-   A preempted request comes back only once its in-flight token is known.
-   A request with a LoRA adapter is passed over while no device slot can take its adapter
-   (:mod:`jaxpaged.sched.lora_slots`); the plan's ``lora_loads`` say which slots to write.
-
-Every scheduled sequence feeds ``token_ids`` at positions ``start_pos ..``; it samples
-(``sampling`` is set) only when that reaches the end of its tokens. :meth:`update` appends
-sampled tokens and ends requests on token-based conditions (EOS after ``min_tokens`` unless
-``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``). Stop strings are the
-engine's output processing: it calls :meth:`finish`. :meth:`abort` ends a request in any state.
-
-What crosses to the runner is what changed: a request's settings once, in the plan that
-brings it into the runner's batch (``SchedulerOutput.new_requests``: first scheduled, or
-scheduled again after a preemption), then per step its tokens and the block ids that changed
-in its table (the pool notes them), and the ids of the requests that left the batch
-(``finished_request_ids``, ``preempted_request_ids``). A plan that only drops requests still
-has work: the runner must hear of it before a later plan reuses their rows.
-
-Speculative decoding (``speculative_config``): a decode of a request that can draft
-(``Request.can_speculate``) feeds its last token and up to ``num_speculative_tokens`` drafts
-(n-gram prompt lookup here, or placeholder slots a draft model or an EAGLE-3 head fills on
-the device), capped
-so that accepting them all stays within ``max_tokens`` and ``max_model_len``; its blocks
-cover them all. :meth:`update` appends the tokens the runner says the target accepted (plus
-its own next one), checking stop conditions after each as if they came one per step, then
-rolls back: ``num_computed_tokens`` drops to the last emitted token and the blocks past it
-go back to the pool (``BlockPool.trim``). Drafting reads a request's tokens, so a request
-that drafts is not scheduled while a token of it is in flight (the overlapped loop's one
-wait for the host, as for structured output). ``disable_by_batch_size``: no drafts while
-more requests run.
-
-Sampler state: a running request with repetition / presence / frequency penalties or
-``min_tokens`` holds a row of the runner's on-device sampler state (``state_row``: token
-counts, tokens generated, the ids min_tokens holds back); the plan says which rows to fill
-from a request (``state_rows_to_init``) and the step keeps them current.
-
-Host tier (``kv_offloading_size``): the pool offloads evicted prefix blocks to host slots and
-finds prefixes there too (:class:`jaxpaged.sched.block_pool.BlockPool`); each plan carries
-the copies as plain pairs (``blocks_to_offload``, ``blocks_to_load``) for the runner.
-
-Metrics (:class:`SchedulerStats`): ``prefix_cache_queries`` / ``prefix_cache_hits`` are in
-tokens: at each admission, the tokens the request needs (prompt, or prompt + output after a
-recompute) and how many of them came from the prefix cache or a fork (``kv_offload_hits``:
-of those, the tokens loaded back from the host tier).
+A step (:meth:`Scheduler.schedule`) takes, under a token budget: running requests (decodes
+first, then unfinished prefills; when blocks run out the latest arrival, or the lowest
+priority, is preempted by recompute or swap), then swapped ones coming back, then waiting ones
+admitted from the longest cached prefix. :meth:`update` appends the sampled tokens and ends
+requests on token-based conditions; stop strings are the engine's (:meth:`finish`). What
+crosses to the runner is what changed (a request's settings once, then its tokens and changed
+block ids). The rules in full, with speculative decoding, sampler-state rows, the host tier
+and the metrics: docs/architecture.md, "Scheduling a step".
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import banned_ids_for_min_tokens
 from jaxpaged.sched.block_pool import BlockPool, CopyPair
+from jaxpaged.sched.host_slots import host_block_counts
 from jaxpaged.sched.images import fit_chunk
 from jaxpaged.sched.lora_slots import LoraSlots
 from jaxpaged.sched.output import (
@@ -102,9 +45,11 @@ from jaxpaged.sched.output import (
     SchedulerStats,
     StateRowInit,
 )
-from jaxpaged.sched.prefill_cap import prefill_cap
 from jaxpaged.sched.request import Request, RequestStatus
-from jaxpaged.spec import DeviceDraftSlots, NgramProposer, SpeculativeConfig
+from jaxpaged.sched.request_checks import check_new_request
+from jaxpaged.sched.request_queues import RequestQueues
+from jaxpaged.sched.step_plan import StepPlan
+from jaxpaged.spec import DeviceDraftSlots, NgramProposer, SpeculativeConfig, proposer_for
 
 __all__ = [
     "NewRequestData",
@@ -140,38 +85,21 @@ class Scheduler:
         """``num_blocks``: device KV blocks (the runner's sizing); ``max_loras``: device
         LoRA slots (0: LoRA off); ``step_sizes``: token counts of the runner's compiled
         mixed-step shapes, which the prefill cap rounds to with ``fit_prefill_to_buckets``
-        (:mod:`.prefill_cap`); ``speculative_config``: draft tokens for decodes (n-gram
-        prompt lookup), verified by the runner's step. Host swap slots:
-        ``num_host_blocks`` if given, else ``swap_space`` / ``bytes_per_block`` in swap
-        mode (required there), else none. Host tier slots: ``num_tier_blocks`` if given,
-        else ``kv_offloading_size`` / ``bytes_per_block`` (required when it is set); disk
-        tier slots likewise from ``kv_offloading_disk_size``."""
+        (:mod:`.prefill_cap`); ``speculative_config``: draft tokens for decodes, verified
+        by the runner's step. Host swap, tier and disk slots: as given, else from their
+        settings' bytes over ``bytes_per_block`` (:func:`.host_slots.host_block_counts`)."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.bytes_per_block = bytes_per_block or 0  # for the byte counts of metrics
 
-        def sized(
-            given: int | None, setting: str, wanted: bool, count: Callable[[int], int]
-        ) -> int:
-            """A host-side block count: as given, else from its setting's bytes."""
-            if given is not None or not wanted:
-                return given or 0
-            if bytes_per_block is None:
-                raise ValueError(f"bytes_per_block is required with {setting}")
-            return count(bytes_per_block)
-
-        num_host_blocks = sized(
-            num_host_blocks, "preemption_mode='swap'",
-            scheduler_config.preemption_mode == "swap", cache_config.num_host_blocks,
-        )  # fmt: skip
-        num_tier_blocks = sized(
-            num_tier_blocks, "kv_offloading_size",
-            bool(cache_config.kv_offloading_size), cache_config.num_tier_blocks,
-        )  # fmt: skip
-        num_disk_blocks = sized(
-            num_disk_blocks, "kv_offloading_disk_dir",
-            bool(cache_config.kv_offloading_disk_dir), cache_config.num_disk_blocks,
-        )  # fmt: skip
+        num_host_blocks, num_tier_blocks, num_disk_blocks = host_block_counts(
+            scheduler_config,
+            cache_config,
+            bytes_per_block,
+            host=num_host_blocks,
+            tier=num_tier_blocks,
+            disk=num_disk_blocks,
+        )
         self.pool = BlockPool(
             num_blocks,
             cache_config.block_size,
@@ -182,10 +110,8 @@ class Scheduler:
         )
         self.block_size = cache_config.block_size
         self.clock = clock
-        self._by_priority = scheduler_config.scheduling_policy == "priority"
-        self.waiting: collections.deque[Request] = collections.deque()  # in _order
-        self.running: list[Request] = []  # sorted by _order
-        self.swapped: list[Request] = []  # sorted by _order
+        q = self.queues = RequestQueues(by_priority=scheduler_config.scheduling_policy != "fcfs")
+        self.waiting, self.running, self.swapped = q.waiting, q.running, q.swapped  # in place only
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.stats = SchedulerStats()
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished samples
@@ -204,12 +130,7 @@ class Scheduler:
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | DeviceDraftSlots | None = None
         if speculative_config is not None:
-            k = speculative_config.num_speculative_tokens
-            if speculative_config.method == "ngram":
-                lo, hi = speculative_config.lookup_window
-                self.proposer = NgramProposer(min_n=lo, max_n=hi, k=k)
-            else:  # a draft model drafts on the device, into the slots allotted here
-                self.proposer = DeviceDraftSlots(k=k)
+            self.proposer = proposer_for(speculative_config)
             self.stats.spec_accepted_per_pos = [0] * speculative_config.num_speculative_tokens
 
     def set_prefill_cap(self, cap: int) -> None:
@@ -236,46 +157,20 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {rid!r} is not a fresh request")
-        if request.lora_name is not None and self.lora_slots is None:
-            raise ValueError("a LoRA adapter was asked for, but LoRA is not enabled")
-        max_len = self.config.max_model_len
-        n_prompt = request.num_prompt_tokens
-        if n_prompt == 0:
-            raise ValueError("prompt must not be empty")
-        if n_prompt > max_len - 1:
-            raise ValueError(
-                f"prompt is {n_prompt} tokens long, more than max_model_len - 1 = {max_len - 1}"
-            )
-        sp = request.sampling_params
-        if sp.priority and not self._by_priority:
-            raise ValueError(
-                f"priority {sp.priority} is only honoured with scheduling_policy 'priority' "
-                "(--scheduling-policy priority); this engine serves first come first served"
-            )
-        if sp.max_tokens is not None and n_prompt + sp.max_tokens > max_len:
-            raise ValueError(
-                f"max_tokens ({sp.max_tokens}) + prompt length ({n_prompt}) exceeds "
-                f"max_model_len ({max_len})"
-            )
-        request.max_tokens = sp.effective_max_tokens(n_prompt, max_len)
-        # The last output token is never fed back, so its K/V is never stored.
-        need = -(-(n_prompt + request.max_tokens - 1) // self.block_size)  # blocks, rounded up
-        if need > self.pool.num_blocks:
-            raise ValueError(
-                f"request {rid!r} needs up to {need} KV blocks (prompt {n_prompt} + "
-                f"max_tokens {request.max_tokens} tokens, block_size {self.block_size}) but "
-                f"the pool has {self.pool.num_blocks}; lower max_tokens or enlarge the KV "
-                "cache (num_kv_blocks / kv_cache_memory / gpu_memory_utilization)"
-            )
+        request.max_tokens = check_new_request(
+            request,
+            self.config,
+            block_size=self.block_size,
+            num_blocks=self.pool.num_blocks,
+            lora=self.lora_slots is not None,
+        )
         request.arrival_order = self._next_order
         request.rng_stream = self._next_order
         self._next_order += 1
         self.requests[rid] = request
         if request.parent_id is not None:
             self._groups.setdefault(request.parent_id, []).append(request)
-        self._queue(request)
+        self.queues.add_waiting(request)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -352,66 +247,16 @@ class Scheduler:
         runs."""
         self.pool.release_host_slots()
         budget = self.config.max_num_batched_tokens
-        cap = self.config.max_prefill_tokens_with_decodes or budget  # a long chunk stalls decodes
-        prefilled = decodes = 0  # tokens in chunks of > 1 token; sequences fed 1 token
-        seqs: list[ScheduledSeq] = []
-        scheduled: list[Request] = []
-        fed: dict[str, int] = {}  # request id -> tokens it feeds in this step
-        copies: list[CopyPair] = []
-        swap_out: list[CopyPair] = []
-        swap_in: list[CopyPair] = []
-        preempted: list[str] = []
-        row_inits: list[StateRowInit] = []
-        lora_loads: list[tuple[int, str]] = []
-        new_requests: list[NewRequestData] = []
-
-        def room() -> int:  # tokens the next chunk may take
-            if not decodes:
-                return budget
-            limit = self._caps[min(decodes, len(self._caps) - 1)] if self._caps else cap
-            return min(budget, prefill_cap(limit, decodes, self.step_sizes) - prefilled)
-
-        def emit(req: Request, start: int, n: int, drafts: Sequence[int] = ()) -> None:
-            nonlocal budget, prefilled, decodes
-            decodes, prefilled = (decodes + 1, prefilled) if n == 1 else (decodes, prefilled + n)
-            n += len(drafts)  # a decode that verifies drafts feeds them after its token
-            rid = req.request_id
-            new = rid not in self._in_batch
-            if new:  # joins the runner's batch: its settings and whole table cross once
-                self._in_batch.add(rid)
-                new_requests.append(req.new_request_data())
-            changes = self.pool.take_block_changes(rid, whole=new)
-            seqs.append(
-                req.scheduled_seq(
-                    start,
-                    n - len(drafts),
-                    prev_rows=self._prev_rows,
-                    block_changes=changes,
-                    drafts=drafts,
-                )
-            )
-            scheduled.append(req)
-            fed[req.request_id] = n
-            req.num_computed_tokens = start + n
-            req.num_inflight += int(seqs[-1].do_sample)
-            budget -= n
-
-        def start_running(req: Request) -> None:
-            self._set_running(req)
-            if req.needs_state_row:
-                sp = req.sampling_params
-                banned = banned_ids_for_min_tokens(sp, req.eos_token_ids) if sp.min_tokens else ()
-                req.state_row = self._free_state_rows.pop()
-                row_inits.append(
-                    StateRowInit(
-                        row=req.state_row,
-                        prompt_token_ids=tuple(req.prompt_token_ids),
-                        output_token_ids=tuple(req.output_token_ids),
-                        min_tokens=sp.min_tokens,
-                        banned_ids=banned,
-                        logit_bias=sp.logit_bias,
-                    )
-                )
+        plan = StepPlan(
+            budget=budget,
+            cap=self.config.max_prefill_tokens_with_decodes or budget,  # long chunks stall decodes
+            caps=self._caps,
+            step_sizes=self.step_sizes,
+        )
+        room = plan.room
+        emit = functools.partial(self._emit, plan)
+        start_running = functools.partial(self._start_running, plan)
+        scheduled, fed, copies, preempted = plan.scheduled, plan.fed, plan.copies, plan.preempted
 
         limit = None if self.proposer is None else self.speculative_config.disable_by_batch_size
         drafting = self.proposer is not None and (limit is None or len(self.running) <= limit)
@@ -422,7 +267,9 @@ class Scheduler:
         for req in order:
             if room() <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING or self._length_reached(req):
+            if req.status is not RequestStatus.RUNNING or req.length_reached(
+                self.config.max_model_len
+            ):
                 continue  # preempted earlier in this loop, or its last token is in flight
             if req.num_inflight and req.sampling_params.structured_output is not None:
                 continue  # its grammar's next mask needs the token in flight
@@ -446,7 +293,7 @@ class Scheduler:
             new_copies = self._allocate(req, n + len(drafts))
             while new_copies is None:
                 victim = next(r for r in reversed(self.running) if r not in scheduled)
-                swap_out.extend(self._preempt(victim))
+                plan.swap_out.extend(self._preempt(victim))
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -469,7 +316,7 @@ class Scheduler:
                 ):
                     break
                 self.swapped.pop(0)
-                swap_in.extend(self.pool.swap_in(req.request_id))
+                plan.swap_in.extend(self.pool.swap_in(req.request_id))
                 new_copies = self._allocate(req, n)
                 assert new_copies is not None  # checked by can_swap_in
                 copies.extend(new_copies)
@@ -495,7 +342,7 @@ class Scheduler:
                 if req.lora_name and not req.lora_slot:
                     req.lora_slot, load = self.lora_slots.acquire(req.lora_name)
                     if load:
-                        lora_loads.append((req.lora_slot, req.lora_name))
+                        plan.lora_loads.append((req.lora_slot, req.lora_name))
                 copies.extend(new_copies)
                 start_running(req)
                 emit(req, start, n)
@@ -511,7 +358,7 @@ class Scheduler:
                 req.prefix_key_slice,
                 req.lora_name,
             )
-        self._prev_rows = {s.request_id: i for i, s in enumerate(seqs) if s.do_sample}
+        self._prev_rows = {s.request_id: i for i, s in enumerate(plan.seqs) if s.do_sample}
         finished, self._finished_ids = tuple(self._finished_ids), []
         moves = self.pool.take_tier_moves()
         self.stats.num_steps += 1
@@ -519,21 +366,43 @@ class Scheduler:
         self.stats.kv_offload_blocks_loaded += len(moves.load) + len(moves.disk_load)
         self.stats.kv_offload_disk_blocks_stored += len(moves.spill)
         self.stats.kv_offload_disk_blocks_loaded += len(moves.disk_load)
-        return SchedulerOutput(
-            seqs=tuple(seqs),
-            new_requests=tuple(new_requests),
-            blocks_to_swap_out=tuple(swap_out),
-            blocks_to_offload=tuple(moves.offload),
-            blocks_to_swap_in=tuple(swap_in),
-            blocks_to_load=tuple(moves.load),
-            blocks_to_spill=tuple(moves.spill),
-            blocks_to_load_from_disk=tuple(moves.disk_load),
-            blocks_to_copy=tuple(copies),
-            state_rows_to_init=tuple(row_inits),
-            lora_loads=tuple(lora_loads),
-            finished_request_ids=finished,
-            preempted_request_ids=tuple(preempted),
+        return plan.output(finished, moves)
+
+    def _emit(
+        self, plan: StepPlan, req: Request, start: int, n: int, drafts: Sequence[int] = ()
+    ) -> None:
+        """Schedules ``n`` tokens of ``req`` from position ``start`` (plus ``drafts`` after a
+        decode's token, to verify) and advances its computed count past them."""
+        rid = req.request_id
+        new = rid not in self._in_batch
+        if new:  # joins the runner's batch: its settings and whole table cross once
+            self._in_batch.add(rid)
+            plan.new_requests.append(req.new_request_data())
+        changes = self.pool.take_block_changes(rid, whole=new)
+        seq = req.scheduled_seq(
+            start, n, prev_rows=self._prev_rows, block_changes=changes, drafts=drafts
         )
+        plan.add(req, seq, n + len(drafts), len(drafts))
+        req.num_computed_tokens = start + n + len(drafts)
+        req.num_inflight += int(seq.do_sample)
+
+    def _start_running(self, plan: StepPlan, req: Request) -> None:
+        """Moves ``req`` into ``running``, with a sampler-state row when it needs one."""
+        self.queues.set_running(req)
+        if req.needs_state_row:
+            sp = req.sampling_params
+            banned = banned_ids_for_min_tokens(sp, req.eos_token_ids) if sp.min_tokens else ()
+            req.state_row = self._free_state_rows.pop()
+            plan.row_inits.append(
+                StateRowInit(
+                    row=req.state_row,
+                    prompt_token_ids=tuple(req.prompt_token_ids),
+                    output_token_ids=tuple(req.output_token_ids),
+                    min_tokens=sp.min_tokens,
+                    banned_ids=banned,
+                    logit_bias=sp.logit_bias,
+                )
+            )
 
     def _drafts(self, req: Request, room: int) -> tuple[int, ...]:
         """Draft tokens for a decode of ``req``'s last known token (none for a prefill):
@@ -549,12 +418,6 @@ class Scheduler:
         if k <= 0:
             return ()
         return self.proposer.propose(req.all_token_ids, k)
-
-    def _length_reached(self, req: Request) -> bool:
-        """Whether the request's last allowed token is already sampled (seen or not)."""
-        return (
-            req.num_generated >= req.max_tokens or req.num_total_tokens >= self.config.max_model_len
-        )
 
     def _admit(
         self, req: Request, budget: int, held: list[Request], fed: dict[str, int]
@@ -624,28 +487,6 @@ class Scheduler:
         """The pool's allocate_slots for ``n`` tokens past the request's computed ones."""
         return self.pool.allocate_slots(req.request_id, req.num_computed_tokens, n, prefix_blocks)
 
-    def _order(self, req: Request) -> tuple[int, int]:
-        """Who goes first: the earlier arrival, or under the priority policy the lower
-        priority value, then the earlier arrival. Preemption takes the last."""
-        return (req.sampling_params.priority if self._by_priority else 0, req.arrival_order)
-
-    def _queue(self, req: Request) -> None:
-        """A new request joins ``waiting``: at the end (fcfs), or in priority order."""
-        if not self._by_priority:
-            self.waiting.append(req)
-            return
-        self._insert_ordered(self.waiting, req)
-
-    def _insert_ordered(
-        self, queue: list[Request] | collections.deque[Request], req: Request
-    ) -> None:
-        """Inserts ``req`` into ``queue`` (sorted by ``_order``) after its equals."""
-        queue.insert(bisect.bisect(queue, self._order(req), key=self._order), req)
-
-    def _set_running(self, req: Request) -> None:
-        req.status = RequestStatus.RUNNING
-        self._insert_ordered(self.running, req)
-
     def _release_state_row(self, req: Request) -> None:
         if req.state_row >= 0:
             self._free_state_rows.append(req.state_row)
@@ -664,18 +505,12 @@ class Scheduler:
             and self.pool.can_swap_out(victim.request_id)
         ):
             pairs = self.pool.swap_out(victim.request_id)
-            victim.status = RequestStatus.SWAPPED
-            self._insert_ordered(self.swapped, victim)
+            self.queues.set_swapped(victim)
             self.stats.num_swap_outs += 1
             return pairs
         self.pool.free(victim.request_id)
         victim.num_computed_tokens = 0
-        victim.status = RequestStatus.WAITING
-        if self._by_priority:  # ahead of later arrivals of its priority
-            at = bisect.bisect_left(self.waiting, self._order(victim), key=self._order)
-            self.waiting.insert(at, victim)
-        else:
-            self.waiting.appendleft(victim)
+        self.queues.requeue(victim)
         return []
 
     # ------------------------------------------------------------------ update
@@ -721,7 +556,7 @@ class Scheduler:
                     )
                 )
                 continue
-            tokens, lps = self._emitted(i, s, runner_output)
+            tokens, lps = runner_output.emitted(i)
             if req.first_token_time is None:
                 req.first_token_time = now
             first = not req.output_token_ids and req.sampling_params.prompt_logprobs is not None
@@ -734,7 +569,7 @@ class Scheduler:
                 if status is not None:
                     break
             if s.num_draft_tokens:
-                self._count_drafts(s.num_draft_tokens, len(tokens) - 1)
+                self.stats.count_drafts(s.num_draft_tokens, len(tokens) - 1)
                 # rejected drafts' K/V is stale: the next step rewrites from the bonus token
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                 self.pool.trim(req.request_id, req.num_computed_tokens)
@@ -751,27 +586,6 @@ class Scheduler:
                 )
             )
         return updates
-
-    @staticmethod
-    def _emitted(
-        i: int, s: ScheduledSeq, out: RunnerOutput
-    ) -> tuple[Sequence[int], Sequence[Logprob]]:
-        """Sequence ``i``'s tokens from a step (several after a verification of drafts)
-        and their logprobs (empty when not asked for)."""
-        spec = out.spec_token_ids[i] if out.spec_token_ids is not None else None
-        if spec is not None:
-            lps = out.spec_logprobs[i] if out.spec_logprobs is not None else None
-            return [int(t) for t in spec], lps or ()
-        lp = out.logprobs[i] if out.logprobs is not None else None
-        return [int(out.sampled_token_ids[i])], () if lp is None else (lp,)
-
-    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
-        st = self.stats
-        st.spec_num_drafts += 1
-        st.spec_num_draft_tokens += num_drafts
-        st.spec_num_accepted_tokens += num_accepted
-        for j in range(num_accepted):
-            st.spec_accepted_per_pos[j] += 1
 
     # ----------------------------------------------------------------- metrics
     def kv_cache_usage(self) -> float:

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["DeviceDraftSlots", "NgramProposer"]
+from jaxpaged.spec.config import SpeculativeConfig
+
+__all__ = ["DeviceDraftSlots", "NgramProposer", "proposer_for"]
 
 
 class NgramProposer:
@@ -58,3 +60,13 @@ class DeviceDraftSlots:
 
     def propose(self, token_ids: Sequence[int], k: int | None = None) -> tuple[int, ...]:
         return (0,) * (self.k if k is None else min(k, self.k))
+
+
+def proposer_for(config: SpeculativeConfig) -> NgramProposer | DeviceDraftSlots:
+    """The scheduler's drafter: n-gram prompt lookup on the host, or the slots a draft model
+    or an EAGLE-3 head fills on the device."""
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        lo, hi = config.lookup_window
+        return NgramProposer(min_n=lo, max_n=hi, k=k)
+    return DeviceDraftSlots(k=k)
