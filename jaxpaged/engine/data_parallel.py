@@ -18,9 +18,12 @@ nothing more to it. A replica that hangs (answers no health probe for
 ``data_parallel_health_check_period`` seconds, jaxpaged.engine.dp_health) is killed and
 treated the same. A dead replica is restarted on its devices and rejoins once it is ready
 (with the sleep level, the adapters and the weights path the others were given since they
-started); requests meanwhile go to the others, or wait for it when none is left. Only
-when a restart fails and no replica is left do requests get :class:`EngineDeadError` and
-``errored`` turn true (the server then reports NOT_SERVING). Admin calls (LoRA adapters,
+started); requests meanwhile go to the others, or wait for it when none is left. A rank
+is restarted (a failed start tried again) at most ``data_parallel_max_restarts`` times within
+10 minutes (dp_health.RestartLimit); past that it is given up: logged, named by /health
+(``replicas_given_up``) and its ReplicaStats. Only when no replica is left and none is
+restarting do requests get :class:`EngineDeadError` and ``errored`` turn true (the server
+then reports NOT_SERVING). Admin calls (LoRA adapters,
 sleep mode, weights by path) go to every live replica.
 """
 
@@ -41,7 +44,7 @@ from jaxpaged.args import EngineArgs
 from jaxpaged.engine.async_engine import RequestStream
 from jaxpaged.engine.core import asleep_message
 from jaxpaged.engine.dp_devices import replica_environments
-from jaxpaged.engine.dp_health import watch
+from jaxpaged.engine.dp_health import RestartLimit, watch
 from jaxpaged.engine.dp_process import ReplicaInfo, start_replica, wait_exit, wait_ready
 from jaxpaged.engine.dp_replica import replica_args
 from jaxpaged.engine.dp_router import Router, RouterConfig, prefix_keys
@@ -77,7 +80,9 @@ class DataParallelClient:
     def __init__(
         self, args: EngineArgs, *, router: RouterConfig | None = None, start_timeout: float = 3600
     ) -> None:
-        self._period = args.parallel_config().data_parallel_health_check_period  # ValueError
+        parallel = args.parallel_config()  # ValueError
+        self._period = parallel.data_parallel_health_check_period
+        self._restart_limit = RestartLimit(parallel.data_parallel_max_restarts)
         args.cache_config()
         from jaxpaged.engine.runner_choice import choose_runner
 
@@ -407,6 +412,13 @@ class DataParallelClient:
         left = sum(x.alive for x in self.replicas)
         # one being added back (a restart's catch-up) that dies is not restarted again
         restart = not self._stopping and self._loop is not None and self.replicas[r.rank] is r
+        if restart and not self._restart_limit.allow(r.rank):
+            restart, r.given_up = False, True
+            limit = self._restart_limit
+            reason += (
+                f"; given up: restarted {limit.max_restarts} times within {limit.window:g} s "
+                "(data_parallel_max_restarts)"
+            )
         # with none left and none coming back, the engine is dead; else only its requests fail
         error_type = ReplicaFailedError if left or restart or self._restarting else EngineDeadError
         r.error = error_type(f"data-parallel replica {r.rank} (pid {r.pid}) failed: {reason}")
@@ -441,8 +453,9 @@ class DataParallelClient:
     async def _restart(self, old: ReplicaInfo) -> None:
         """Starts a new process for ``old``'s rank once ``old``'s has exited (its devices are
         free then), brings it up to date (sleep level, adapters and weights path given since
-        the start) and lets the router use it. A failed restart leaves the rank dead."""
-        rank, new = old.rank, None
+        the start) and lets the router use it. A failed restart is tried again while the
+        restart limit allows, then the rank is given up."""
+        rank, new, retry = old.rank, None, False
         try:
             if not await asyncio.to_thread(wait_exit, old.process, 10):
                 old.process.kill()
@@ -464,10 +477,16 @@ class DataParallelClient:
                 await self._request(new, "call", "update_weights_from", (self._weights_path,))
             if not new.alive:
                 raise RuntimeError(str(new.error))
-        except Exception as exc:  # noqa: BLE001 - logged; the rank stays dead
-            log.error("data-parallel replica %d could not be restarted: %s", rank, exc)
+        except Exception as exc:  # noqa: BLE001 - logged; tried again within the limit
             if new is not None:
                 new.process.kill()
+                await asyncio.to_thread(wait_exit, new.process, 5)
+            retry = not self._stopping and self._restart_limit.allow(rank)
+            old.given_up = not retry
+            log.error(
+                "data-parallel replica %d could not be restarted: %s; %s", rank, exc,
+                "trying again" if retry else "given up (data_parallel_max_restarts)",
+            )  # fmt: skip
         else:  # not after a return (stopping)
             if old.stats is not None:
                 self._retired.append(old.stats)
@@ -476,6 +495,9 @@ class DataParallelClient:
             log.warning("data-parallel replica %d restarted (pid %s)", rank, new.pid)
         finally:
             self._restarting.pop(rank, None)
+            if retry:
+                self._restarting[rank] = None
+                self._spawn(self._restart(old))
             if self._stopping and new is not None and new.process.poll() is None:
                 new.process.kill()
             assert self._changed is not None
