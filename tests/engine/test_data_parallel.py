@@ -10,7 +10,9 @@ each), a shared prompt prefix stays on one replica, killing a replica fails exac
 streams (never a hang), a request it had not taken yet goes to the other, which serves the
 rest until the killed one is restarted and rejoins; then the other replica is frozen
 (SIGSTOP, hung): the health check finds it within its period, its streams fail naming it,
-it is killed and restarted.
+it is killed and its restart begins (the first restart showed a rejoin). In this process
+too, on fake replica processes (fake_dp_replica.py): a restart's catch-up and the restart
+limit.
 """
 
 from __future__ import annotations
