@@ -207,6 +207,45 @@ def test_a_conversation_stays_on_one_replica(ray_app):
         assert len({replica(f"w9 w{i}", {"x-session-id": session}) for i in range(3)}) == 1
 
 
+def test_a_client_that_goes_away_aborts_its_request(ray_app):
+    """A stream closed after its first chunk is aborted on its replica through the ingress's
+    relay: that replica runs nothing within seconds, having generated far fewer than the
+    500 tokens asked for (the session header sends /metrics to the same replica)."""
+    import httpx
+
+    headers = {"x-session-id": "goes-away"}
+
+    def replica_metrics() -> tuple[str, dict[str, float]]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = httpx.get(ray_app + "/metrics", headers=headers, timeout=60)
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:  # summed over labels (model_name)
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return r.headers["x-jaxpaged-replica"], values
+
+    tag, before = replica_metrics()
+    body = {"model": "tiny", "prompt": "w7 w8", "max_tokens": 500, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", ray_app + "/v1/completions", headers=headers, json=body,
+                      timeout=120) as r:  # fmt: skip
+        assert r.headers["x-jaxpaged-replica"] == tag
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while True:
+        where, values = replica_metrics()
+        assert where == tag
+        if values["vllm:num_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, "the request still runs after its client left"
+        time.sleep(0.1)
+    generated = (
+        values["jaxpaged:generation_tokens_total"] - before["jaxpaged:generation_tokens_total"]
+    )
+    assert 0 < generated < 400, generated
+
+
 def test_killed_replica_fails_its_stream_only_and_is_replaced(ray_app):
     """The actor of the replica serving a stream is killed: that stream, which had started,
     ends with an error within seconds (never hangs); the requests sent after the kill are
