@@ -12,8 +12,9 @@ a one-replica server does, and a replica that dies takes nothing else with it.
 
 Each request goes to one replica (jaxpaged.engine.dp_router: the least-loaded, or the one
 that served the prompt's prefix unless it is overloaded). A replica that dies (its process
-exits, or its engine fails) ends its open requests with :class:`ReplicaFailedError` naming
-it (a request's failure: the server goes on); the others keep serving, and the router sends
+exits, or its engine fails) ends its open requests that had output with
+:class:`ReplicaFailedError` naming it (a request's failure: the server goes on) and sends
+those with no output yet to another replica; the others keep serving, and the router sends
 nothing more to it. A replica that hangs (answers no health probe for
 ``data_parallel_health_check_period`` seconds, jaxpaged.engine.dp_health) is killed and
 treated the same. A dead replica is restarted on its devices and rejoins once it is ready
@@ -104,6 +105,7 @@ class DataParallelClient:
         self._router = Router(router or RouterConfig(block_size=args.block_size))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owner: dict[str, ReplicaInfo] = {}  # request id -> the replica serving it
+        self._unanswered: dict[str, _Unanswered] = {}  # requests with no output yet
         self._call_ids = itertools.count()
         self._sleep_level = 0
         self._stopping = False
@@ -237,12 +239,27 @@ class DataParallelClient:
     ) -> RequestStream:
         """Chooses a replica (least loaded, or the holder of the prompt's prefix) and adds
         the request there; the replica validates it (its ValueError is raised here). A
-        replica that dies before it took the request (nothing ran) leaves it to the next."""
+        replica that dies before the request's first output (it had not taken it, or it was
+        still waiting there) leaves it to the next."""
         if self._sleep_level:
             raise EngineAsleepError(asleep_message(self._sleep_level))
         if self._loop is None:
             raise RuntimeError("DataParallelClient.start() has not been called")
         check_request_id(request_id, self._owner)
+        stream = RequestStream(request_id)
+        pending = _Unanswered((prompt, params, output_kind, lora_name))
+        self._unanswered[request_id] = pending
+        try:
+            await self._place(stream, pending)
+        except BaseException:
+            self._unanswered.pop(request_id, None)
+            raise
+        return stream
+
+    async def _place(self, stream: RequestStream, pending: _Unanswered) -> None:
+        """Adds the request of ``stream`` to a live replica (waiting while every one is
+        restarting); the replica's ValueError, or EngineDeadError, is raised."""
+        request_id, prompt = stream.request_id, pending.body[0]
         keys = prefix_keys(prompt, self._router.config) if _is_prompt(prompt) else []
         while True:
             if not any(x.alive for x in self.replicas):
@@ -253,12 +270,11 @@ class DataParallelClient:
                 await self._changed.wait()  # every replica is restarting
                 continue
             r = self.replicas[self._router.choose(keys, [x.load() for x in self.replicas])]
-            stream = RequestStream(request_id)
             r.streams[request_id] = stream
             self._owner[request_id] = r
             r.sent_total += 1
             try:
-                await self._request(r, "add", request_id, prompt, params, output_kind, lora_name)
+                await self._request(r, "add", request_id, *pending.body)
             except (ReplicaFailedError, EngineDeadError) as exc:
                 self._forget_request(r, request_id)
                 if r.alive:  # its engine failed: the replica's own report follows
@@ -268,9 +284,29 @@ class DataParallelClient:
                 if self._forget_request(r, request_id) and r.alive:
                     self._send(r, ("abort", request_id))  # e.g. the caller went away
                 raise
-            return stream
+            if not r.alive and request_id in self._unanswered:
+                continue  # it died right after taking the request (_died left it here)
+            pending.taken = True
+            if pending.aborted:  # while it was being sent again
+                self._send(r, ("abort", request_id))
+            return
+
+    async def _send_again(self, stream: RequestStream, pending: _Unanswered) -> None:
+        """A request whose replica died before its first output, on another replica."""
+        pending.taken = False
+        try:
+            await self._place(stream, pending)
+        except BaseException as exc:
+            self._unanswered.pop(stream.request_id, None)
+            self._owner.pop(stream.request_id, None)
+            if not isinstance(exc, Exception):  # cancelled: the client shuts down
+                exc = EngineDeadError(f"the engine shut down while serving {stream.request_id!r}")
+            stream.put(exc)
 
     async def abort(self, request_id: str) -> None:
+        pending = self._unanswered.get(request_id)
+        if pending is not None:
+            pending.aborted = True
         r = self._owner.get(request_id)
         if r is not None and r.alive:
             self._send(r, ("abort", request_id))
@@ -388,6 +424,7 @@ class DataParallelClient:
             elif kind == "fail":
                 stream = r.streams.pop(msg[1], None)
                 self._owner.pop(msg[1], None)
+                self._unanswered.pop(msg[1], None)
                 if stream is not None:
                     stream.put(ReplicaFailedError(f"data-parallel replica {r.rank}: {msg[2]}"))
             elif kind == "dead":
@@ -398,6 +435,7 @@ class DataParallelClient:
         stream = r.streams.get(out.request_id)
         if stream is None:
             return
+        self._unanswered.pop(out.request_id, None)
         stream.put(out)
         if out.finished:
             del r.streams[out.request_id]
@@ -425,14 +463,25 @@ class DataParallelClient:
         if self._stopping:
             return
         log.error(
-            "%s; %d open requests fail; %d replicas left%s", r.error, len(r.streams), left,
+            "%s; its %d open requests fail (those with no output yet go to another replica); "
+            "%d replicas left%s", r.error, len(r.streams), left,
             "; restarting it" if restart else "",
         )  # fmt: skip
         self._router.forget(r.rank)
+        again = []
         for rid, stream in r.streams.items():
+            pending = self._unanswered.get(rid)
+            if pending is not None and not pending.taken:
+                continue  # being added: _place tries the next replica
+            if pending is not None and (left or restart or self._restarting):
+                again.append((stream, pending))  # nothing came out yet: another replica
+                continue
             self._owner.pop(rid, None)
+            self._unanswered.pop(rid, None)
             stream.put(error_type(f"{r.error} while serving request {rid!r}"))
         r.streams.clear()
+        for stream, pending in again:
+            self._spawn(self._send_again(stream, pending))
         for future in r.calls.values():
             if not future.done():
                 future.set_exception(r.error)
@@ -524,6 +573,15 @@ class DataParallelClient:
                 wait_exit(r.process, 5)
             r.alive = False
             r.conn.close()
+
+
+@dataclasses.dataclass
+class _Unanswered:
+    """A request with no output yet, kept to send it again if its replica dies."""
+
+    body: tuple  # add_request's (prompt, params, output_kind, lora_name)
+    taken: bool = False  # a replica has taken it (replied to its "add")
+    aborted: bool = False
 
 
 def _is_prompt(prompt: object) -> bool:

@@ -2,8 +2,9 @@
 and no JAX (it starts in a fraction of a second), so the data-parallel client's restarts can
 be tested on cheap processes. Run as ``python fake_dp_replica.py FD RANK``. Its environment
 says what it does: it appends ``pid start`` and ``pid METHOD`` (each admin call) lines to
-the file ``FAKE_DP_LOG``; with ``FAKE_DP_DIE=after_ready`` it exits right after saying it is
-ready (a replica that keeps crashing)."""
+the file ``FAKE_DP_LOG`` (``pid add:REQUEST_ID`` for each request it takes, which it never
+answers); with ``FAKE_DP_DIE=after_ready`` it exits right after saying it is ready (a replica
+that keeps crashing), with ``FAKE_DP_DIE=after_add`` right after taking a request."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ def main() -> None:
             _, call_id, method, _args = msg
             note(method)
             conn.send([("reply", call_id, True, 0)])
+        elif msg[0] == "add":  # taken (never answered: no outputs from this fake)
+            note(f"add:{msg[2]}")
+            conn.send([("reply", msg[1], True, None)])
+            if os.environ.get("FAKE_DP_DIE") == "after_add":
+                sys.exit(5)
         elif msg[0] == "shutdown":
             return
 
