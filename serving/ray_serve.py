@@ -42,6 +42,7 @@ _DEPLOYMENT_OPTIONS = frozenset({
     "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "user_config",
     "request_router_config",
 })  # fmt: skip
+INGRESS_MAX_ONGOING = 10_000  # the ingress's default max_ongoing_requests
 # the engine deployment's request router: prefix (or x-session-id) affinity unless overloaded
 PREFIX_ROUTER = "jaxpaged.serving.ray_router.PrefixAffinityRouter"
 # shorthands for ray_actor_options
@@ -255,7 +256,10 @@ def build_app(args: dict[str, Any]) -> Any:  # noqa: ANN401 - a ray.serve Applic
     options, flags = deployment_options(dict(args))
     argv = serve_argv(flags)
     options.setdefault("name", "jaxpaged")
+    # the ingress holds every request while it relays it: Ray's default cap (5 at once)
+    # would queue all traffic behind 5 requests
     ingress = {"name": f"{options['name']}-ingress", "num_replicas": 1,
+               "max_ongoing_requests": INGRESS_MAX_ONGOING,
                **options.pop("ingress_options", {})}  # fmt: skip
     engine = serve.deployment(_EngineReplica, **options).bind(argv)
     return serve.deployment(serve.ingress()(JaxpagedIngress), **ingress).bind(engine)

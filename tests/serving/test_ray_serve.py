@@ -37,6 +37,7 @@ def test_build_app_maps_flags_and_ray_options():
         "max_ongoing_requests": "32", "graceful_shutdown_timeout_s": "30",
     })  # fmt: skip
     assert app._bound_deployment.name == "jaxpaged-ingress"  # relays to the engine replicas
+    assert app._bound_deployment.max_ongoing_requests == 10_000  # not Ray's 5
     (engine,) = app._bound_deployment.init_args
     deployment = engine._bound_deployment
     assert deployment.name == "jaxpaged"
