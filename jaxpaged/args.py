@@ -172,6 +172,13 @@ class EngineArgs:
         "--data-parallel-health-check-period",
         parse=positive_float,
     )
+    data_parallel_max_restarts: int = setting(
+        3,
+        "restarts a data-parallel replica gets within 10 minutes; one that dies again is "
+        "given up (logged; /health names it; with none left the server is NOT_SERVING)",
+        "--data-parallel-max-restarts",
+        parse=int,
+    )
     max_model_len: int | None = setting(
         None,
         "most tokens (prompt + output) of one request (default: the model's context length)",
@@ -522,6 +529,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
             data_parallel_health_check_period=self.data_parallel_health_check_period,
+            data_parallel_max_restarts=self.data_parallel_max_restarts,
         )
 
     def process_config(self) -> ProcessConfig:

@@ -241,6 +241,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_health_check_period: float = 10.0  # seconds (jaxpaged.engine.dp_health)
+    data_parallel_max_restarts: int = 3  # per replica within dp_health.RESTART_WINDOW
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -252,6 +253,9 @@ class ParallelConfig:
             raise ValueError(
                 f"data_parallel_health_check_period must be seconds > 0, got {period!r}"
             )
+        restarts = self.data_parallel_max_restarts
+        if not _is_int(restarts) or restarts < 0:
+            raise ValueError(f"data_parallel_max_restarts must be an int >= 0, got {restarts!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

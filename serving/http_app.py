@@ -272,9 +272,16 @@ def create_app(frontend: Frontend) -> FastAPI:
     # ---- endpoints ---------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        if frontend.ready:
+        if not frontend.ready:
+            return JSONResponse({"status": frontend.phase.value}, status_code=503)
+        # data-parallel replicas down (restarting, or given up) while others serve
+        replicas = frontend.engine.get_stats().replicas
+        down = [rank for rank, r in enumerate(replicas) if not r.alive]
+        if not down:
             return Response(status_code=200)
-        return JSONResponse({"status": frontend.phase.value}, status_code=503)
+        given_up = [rank for rank, r in enumerate(replicas) if r.given_up]
+        return JSONResponse({"status": "degraded", "replicas_down": down,
+                             "replicas_given_up": given_up})  # fmt: skip
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -8,21 +8,30 @@ or from Python: ``serve.run(build_app({"model": ..., "num_replicas": 2}))``. The
 starts) and Ray Serve's deployment options (``num_replicas``, ``autoscaling_config``,
 ``ray_actor_options``, ``max_ongoing_requests``, health-check and graceful-shutdown
 settings, ``request_router_config``; ``num_gpus``, ``num_cpus``, ``resources`` and
-``accelerator_type`` go into ``ray_actor_options``; ``session_affinity=true`` selects Ray's
-consistent-hash router on the ``x-session-id`` header). Ray routes the requests, scales the replicas, restarts a failed one
-(its health check is the engine's) and drains one it removes; jaxpaged adds no router of its
-own. Requires the ``ray`` extra (``pip install 'jaxpaged[ray]'``).
+``accelerator_type`` go into ``ray_actor_options``; ``ingress_options``, a JSON object, are
+the ingress deployment's options). Ray scales the replicas, restarts a failed one (its health
+check is the engine's) and drains one it removes.
+
+The application is two deployments: a light ingress (``jaxpaged-ingress``, one replica, no
+engine) that reads each request and relays it through a Ray handle
+(jaxpaged.serving.ray_relay) to an engine replica (``jaxpaged``). Ray's proxy routes on
+headers alone, so the ingress is where the prompt is known: the engine deployment's
+request router (jaxpaged.serving.ray_router, Ray's request-router interface) keeps a
+conversation on the replica holding its prefix unless that replica is overloaded, the same
+rule as ``--data-parallel-size``'s router; the ``x-session-id`` header, when sent, is the key
+instead. ``session_affinity`` is accepted for compatibility (the header is always honoured).
+Requires the ``ray`` extra (``pip install 'jaxpaged[ray]'``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
-__all__ = ["JaxpagedReplica", "build_app", "deployment_options", "serve_argv"]
+__all__ = ["JaxpagedIngress", "JaxpagedReplica", "build_app", "deployment_options", "serve_argv"]
 
 log = logging.getLogger("jaxpaged.serving.ray_serve")
 
@@ -33,10 +42,9 @@ _DEPLOYMENT_OPTIONS = frozenset({
     "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "user_config",
     "request_router_config",
 })  # fmt: skip
-# Ray's router that hashes the session header (x-session-id) onto a replica, falling back to
-# the next ones when that replica is at max_ongoing_requests: a conversation stays where its
-# prefix is cached while that replica is not overloaded
-_SESSION_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+INGRESS_MAX_ONGOING = 10_000  # the ingress's default max_ongoing_requests
+# the engine deployment's request router: prefix (or x-session-id) affinity unless overloaded
+PREFIX_ROUTER = "jaxpaged.serving.ray_router.PrefixAffinityRouter"
 # shorthands for ray_actor_options
 _ACTOR_OPTIONS = frozenset({"num_gpus", "num_cpus", "resources", "accelerator_type"})
 # serve flags with no meaning inside Ray (it owns the ports and the process)
@@ -49,7 +57,7 @@ def _parse_value(key: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     if key in ("autoscaling_config", "ray_actor_options", "resources", "user_config",
-               "request_router_config"):  # fmt: skip
+               "request_router_config", "ingress_options"):  # fmt: skip
         try:
             return json.loads(value)
         except json.JSONDecodeError as e:
@@ -70,25 +78,19 @@ def _parse_value(key: str, value: Any) -> Any:
 
 
 def deployment_options(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Splits build_app's mapping into (Ray Serve deployment options, serve flags)."""
-    options: dict[str, Any] = {}
+    """Splits build_app's mapping into (the engine deployment's Ray Serve options, serve
+    flags); ``ingress_options`` stays among the options."""
+    options: dict[str, Any] = {"request_router_config": {"request_router_class": PREFIX_ROUTER}}
     actor: dict[str, Any] = {}
     flags: dict[str, Any] = {}
     for raw_key, value in args.items():
         key = str(raw_key).replace("-", "_")
-        if key in _DEPLOYMENT_OPTIONS:
+        if key in _DEPLOYMENT_OPTIONS or key == "ingress_options":
             options[key] = _parse_value(key, value)
         elif key in _ACTOR_OPTIONS:
             actor[key] = _parse_value(key, value)
         elif key == "session_affinity":
-            if _parse_value(key, value):
-                module = _SESSION_ROUTER.rpartition(".")[0]
-                if importlib.util.find_spec(module) is None:
-                    raise ValueError(
-                        f"session_affinity needs Ray's consistent-hash router ({module}); "
-                        "this Ray has none (pip install 'jaxpaged[ray]')"
-                    )
-                options["request_router_config"] = {"request_router_class": _SESSION_ROUTER}
+            _parse_value(key, value)  # checked; the router always honours x-session-id
         elif key in _NOT_IN_RAY:
             raise ValueError(
                 f"{raw_key!r} does not apply under Ray Serve (Ray's proxy owns the ports; one "
@@ -122,16 +124,26 @@ def serve_argv(flags: dict[str, Any]) -> list[str]:
 
 
 class JaxpagedReplica:
-    """One Ray Serve replica: one engine and the HTTP app of `jaxpaged serve` over it. Built
-    at replica start (``__serve_build_asgi_app__``: loading runs in a thread, so the replica's
-    loop stays free); Ray calls ``check_health`` periodically and the destructor when it
-    removes the replica, after its own drain."""
+    """One engine replica: one engine and the HTTP app of `jaxpaged serve` over it, which
+    runs the requests the ingress relays (``relay``). Built at replica start (``start``:
+    loading runs in a thread, so the replica's loop stays free); Ray calls ``check_health``
+    periodically and the destructor when it removes the replica, after its own drain."""
 
     def __init__(self, argv: list[str]) -> None:
         self.argv = list(argv)
         self.frontend: Any = None
+        self.app: Any = None
 
-    async def __serve_build_asgi_app__(self) -> Any:  # noqa: ANN401 - an ASGI app
+    async def relay(
+        self, scope: dict, body: bytes, route_keys: tuple[int, ...] = ()
+    ) -> AsyncIterator[dict]:
+        """One relayed HTTP request (``route_keys`` were the router's): its ASGI messages."""
+        from jaxpaged.serving.ray_relay import run_relayed
+
+        async for message in run_relayed(self.app, scope, body):
+            yield message
+
+    async def start(self) -> None:
         from jaxpaged.args import EngineArgs
         from jaxpaged.cli.config_file import parse_args_with_config
         from jaxpaged.cli.serve import (
@@ -160,7 +172,7 @@ class JaxpagedReplica:
 
         app = create_app(self.frontend)
         app.add_middleware(_ReplicaHeader, tag=serve.get_replica_context().replica_tag)
-        return app
+        self.app = app
 
     async def check_health(self) -> None:
         """Raises while the engine is not serving (Ray then replaces the replica)."""
@@ -181,16 +193,36 @@ class JaxpagedReplica:
         frontend = self.frontend
         if frontend is None or frontend.phase.value == "stopped":
             return None
-        return self._stop(getattr(super(), "__del__", None))
+        return self._stop()
 
-    async def _stop(self, parent: Any) -> None:  # noqa: ANN401 - the wrapper's __del__
+    async def _stop(self) -> None:
         frontend = self.frontend
         if frontend.engine is not None:
             await frontend.drain(0.0)
             await frontend.engine.shutdown()
         frontend.stopped()
-        if parent is not None:  # Ray's ASGI wrapper: the app's lifespan shutdown
-            await parent()
+
+
+class _EngineReplica(JaxpagedReplica):
+    """The engine deployment's class: Ray awaits an async constructor before it routes."""
+
+    async def __init__(self, argv: list[str]) -> None:  # type: ignore[misc]
+        super().__init__(argv)
+        await self.start()
+
+
+class JaxpagedIngress:
+    """The ingress deployment: relays every HTTP request to an engine replica through
+    ``engine`` (a Ray DeploymentHandle), whose router ranks the replicas by the request's
+    prefix keys (module docstring)."""
+
+    def __init__(self, engine: Any) -> None:  # noqa: ANN401 - a DeploymentHandle
+        self.engine = engine.options(stream=True)
+
+    async def __serve_build_asgi_app__(self) -> Any:  # noqa: ANN401 - an ASGI app
+        from jaxpaged.serving.ray_relay import IngressApp
+
+        return IngressApp(self.engine.relay.remote)
 
 
 class _ReplicaHeader:
@@ -224,5 +256,10 @@ def build_app(args: dict[str, Any]) -> Any:  # noqa: ANN401 - a ray.serve Applic
     options, flags = deployment_options(dict(args))
     argv = serve_argv(flags)
     options.setdefault("name", "jaxpaged")
-    deployment = serve.deployment(serve.ingress()(JaxpagedReplica), **options)
-    return deployment.bind(argv)
+    # the ingress holds every request while it relays it: Ray's default cap (5 at once)
+    # would queue all traffic behind 5 requests
+    ingress = {"name": f"{options['name']}-ingress", "num_replicas": 1,
+               "max_ongoing_requests": INGRESS_MAX_ONGOING,
+               **options.pop("ingress_options", {})}  # fmt: skip
+    engine = serve.deployment(_EngineReplica, **options).bind(argv)
+    return serve.deployment(serve.ingress()(JaxpagedIngress), **ingress).bind(engine)

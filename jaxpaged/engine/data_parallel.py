@@ -12,15 +12,19 @@ a one-replica server does, and a replica that dies takes nothing else with it.
 
 Each request goes to one replica (jaxpaged.engine.dp_router: the least-loaded, or the one
 that served the prompt's prefix unless it is overloaded). A replica that dies (its process
-exits, or its engine fails) ends its open requests with :class:`ReplicaFailedError` naming
-it (a request's failure: the server goes on); the others keep serving, and the router sends
+exits, or its engine fails) ends its open requests that had output with
+:class:`ReplicaFailedError` naming it (a request's failure: the server goes on) and sends
+those with no output yet to another replica; the others keep serving, and the router sends
 nothing more to it. A replica that hangs (answers no health probe for
 ``data_parallel_health_check_period`` seconds, jaxpaged.engine.dp_health) is killed and
 treated the same. A dead replica is restarted on its devices and rejoins once it is ready
 (with the sleep level, the adapters and the weights path the others were given since they
-started); requests meanwhile go to the others, or wait for it when none is left. Only
-when a restart fails and no replica is left do requests get :class:`EngineDeadError` and
-``errored`` turn true (the server then reports NOT_SERVING). Admin calls (LoRA adapters,
+started); requests meanwhile go to the others, or wait for it when none is left. A rank
+is restarted (a failed start tried again) at most ``data_parallel_max_restarts`` times within
+10 minutes (dp_health.RestartLimit); past that it is given up: logged, named by /health
+(``replicas_given_up``) and its ReplicaStats. Only when no replica is left and none is
+restarting do requests get :class:`EngineDeadError` and ``errored`` turn true (the server
+then reports NOT_SERVING). Admin calls (LoRA adapters,
 sleep mode, weights by path) go to every live replica.
 """
 
@@ -41,7 +45,7 @@ from jaxpaged.args import EngineArgs
 from jaxpaged.engine.async_engine import RequestStream
 from jaxpaged.engine.core import asleep_message
 from jaxpaged.engine.dp_devices import replica_environments
-from jaxpaged.engine.dp_health import watch
+from jaxpaged.engine.dp_health import RestartLimit, watch
 from jaxpaged.engine.dp_process import ReplicaInfo, start_replica, wait_exit, wait_ready
 from jaxpaged.engine.dp_replica import replica_args
 from jaxpaged.engine.dp_router import Router, RouterConfig, prefix_keys
@@ -77,7 +81,9 @@ class DataParallelClient:
     def __init__(
         self, args: EngineArgs, *, router: RouterConfig | None = None, start_timeout: float = 3600
     ) -> None:
-        self._period = args.parallel_config().data_parallel_health_check_period  # ValueError
+        parallel = args.parallel_config()  # ValueError
+        self._period = parallel.data_parallel_health_check_period
+        self._restart_limit = RestartLimit(parallel.data_parallel_max_restarts)
         args.cache_config()
         from jaxpaged.engine.runner_choice import choose_runner
 
@@ -99,6 +105,7 @@ class DataParallelClient:
         self._router = Router(router or RouterConfig(block_size=args.block_size))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owner: dict[str, ReplicaInfo] = {}  # request id -> the replica serving it
+        self._unanswered: dict[str, _Unanswered] = {}  # requests with no output yet
         self._call_ids = itertools.count()
         self._sleep_level = 0
         self._stopping = False
@@ -232,12 +239,27 @@ class DataParallelClient:
     ) -> RequestStream:
         """Chooses a replica (least loaded, or the holder of the prompt's prefix) and adds
         the request there; the replica validates it (its ValueError is raised here). A
-        replica that dies before it took the request (nothing ran) leaves it to the next."""
+        replica that dies before the request's first output (it had not taken it, or it was
+        still waiting there) leaves it to the next."""
         if self._sleep_level:
             raise EngineAsleepError(asleep_message(self._sleep_level))
         if self._loop is None:
             raise RuntimeError("DataParallelClient.start() has not been called")
         check_request_id(request_id, self._owner)
+        stream = RequestStream(request_id)
+        pending = _Unanswered((prompt, params, output_kind, lora_name))
+        self._unanswered[request_id] = pending
+        try:
+            await self._place(stream, pending)
+        except BaseException:
+            self._unanswered.pop(request_id, None)
+            raise
+        return stream
+
+    async def _place(self, stream: RequestStream, pending: _Unanswered) -> None:
+        """Adds the request of ``stream`` to a live replica (waiting while every one is
+        restarting); the replica's ValueError, or EngineDeadError, is raised."""
+        request_id, prompt = stream.request_id, pending.body[0]
         keys = prefix_keys(prompt, self._router.config) if _is_prompt(prompt) else []
         while True:
             if not any(x.alive for x in self.replicas):
@@ -248,12 +270,11 @@ class DataParallelClient:
                 await self._changed.wait()  # every replica is restarting
                 continue
             r = self.replicas[self._router.choose(keys, [x.load() for x in self.replicas])]
-            stream = RequestStream(request_id)
             r.streams[request_id] = stream
             self._owner[request_id] = r
             r.sent_total += 1
             try:
-                await self._request(r, "add", request_id, prompt, params, output_kind, lora_name)
+                await self._request(r, "add", request_id, *pending.body)
             except (ReplicaFailedError, EngineDeadError) as exc:
                 self._forget_request(r, request_id)
                 if r.alive:  # its engine failed: the replica's own report follows
@@ -263,9 +284,29 @@ class DataParallelClient:
                 if self._forget_request(r, request_id) and r.alive:
                     self._send(r, ("abort", request_id))  # e.g. the caller went away
                 raise
-            return stream
+            if not r.alive and request_id in self._unanswered:
+                continue  # it died right after taking the request (_died left it here)
+            pending.taken = True
+            if pending.aborted:  # while it was being sent again
+                self._send(r, ("abort", request_id))
+            return
+
+    async def _send_again(self, stream: RequestStream, pending: _Unanswered) -> None:
+        """A request whose replica died before its first output, on another replica."""
+        pending.taken = False
+        try:
+            await self._place(stream, pending)
+        except BaseException as exc:
+            self._unanswered.pop(stream.request_id, None)
+            self._owner.pop(stream.request_id, None)
+            if not isinstance(exc, Exception):  # cancelled: the client shuts down
+                exc = EngineDeadError(f"the engine shut down while serving {stream.request_id!r}")
+            stream.put(exc)
 
     async def abort(self, request_id: str) -> None:
+        pending = self._unanswered.get(request_id)
+        if pending is not None:
+            pending.aborted = True
         r = self._owner.get(request_id)
         if r is not None and r.alive:
             self._send(r, ("abort", request_id))
@@ -383,6 +424,7 @@ class DataParallelClient:
             elif kind == "fail":
                 stream = r.streams.pop(msg[1], None)
                 self._owner.pop(msg[1], None)
+                self._unanswered.pop(msg[1], None)
                 if stream is not None:
                     stream.put(ReplicaFailedError(f"data-parallel replica {r.rank}: {msg[2]}"))
             elif kind == "dead":
@@ -393,6 +435,7 @@ class DataParallelClient:
         stream = r.streams.get(out.request_id)
         if stream is None:
             return
+        self._unanswered.pop(out.request_id, None)
         stream.put(out)
         if out.finished:
             del r.streams[out.request_id]
@@ -407,20 +450,38 @@ class DataParallelClient:
         left = sum(x.alive for x in self.replicas)
         # one being added back (a restart's catch-up) that dies is not restarted again
         restart = not self._stopping and self._loop is not None and self.replicas[r.rank] is r
+        if restart and not self._restart_limit.allow(r.rank):
+            restart, r.given_up = False, True
+            limit = self._restart_limit
+            reason += (
+                f"; given up: restarted {limit.max_restarts} times within {limit.window:g} s "
+                "(data_parallel_max_restarts)"
+            )
         # with none left and none coming back, the engine is dead; else only its requests fail
         error_type = ReplicaFailedError if left or restart or self._restarting else EngineDeadError
         r.error = error_type(f"data-parallel replica {r.rank} (pid {r.pid}) failed: {reason}")
         if self._stopping:
             return
         log.error(
-            "%s; %d open requests fail; %d replicas left%s", r.error, len(r.streams), left,
+            "%s; its %d open requests fail (those with no output yet go to another replica); "
+            "%d replicas left%s", r.error, len(r.streams), left,
             "; restarting it" if restart else "",
         )  # fmt: skip
         self._router.forget(r.rank)
+        again = []
         for rid, stream in r.streams.items():
+            pending = self._unanswered.get(rid)
+            if pending is not None and not pending.taken:
+                continue  # being added: _place tries the next replica
+            if pending is not None and (left or restart or self._restarting):
+                again.append((stream, pending))  # nothing came out yet: another replica
+                continue
             self._owner.pop(rid, None)
+            self._unanswered.pop(rid, None)
             stream.put(error_type(f"{r.error} while serving request {rid!r}"))
         r.streams.clear()
+        for stream, pending in again:
+            self._spawn(self._send_again(stream, pending))
         for future in r.calls.values():
             if not future.done():
                 future.set_exception(r.error)
@@ -441,8 +502,9 @@ class DataParallelClient:
     async def _restart(self, old: ReplicaInfo) -> None:
         """Starts a new process for ``old``'s rank once ``old``'s has exited (its devices are
         free then), brings it up to date (sleep level, adapters and weights path given since
-        the start) and lets the router use it. A failed restart leaves the rank dead."""
-        rank, new = old.rank, None
+        the start) and lets the router use it. A failed restart is tried again while the
+        restart limit allows, then the rank is given up."""
+        rank, new, retry = old.rank, None, False
         try:
             if not await asyncio.to_thread(wait_exit, old.process, 10):
                 old.process.kill()
@@ -464,10 +526,16 @@ class DataParallelClient:
                 await self._request(new, "call", "update_weights_from", (self._weights_path,))
             if not new.alive:
                 raise RuntimeError(str(new.error))
-        except Exception as exc:  # noqa: BLE001 - logged; the rank stays dead
-            log.error("data-parallel replica %d could not be restarted: %s", rank, exc)
+        except Exception as exc:  # noqa: BLE001 - logged; tried again within the limit
             if new is not None:
                 new.process.kill()
+                await asyncio.to_thread(wait_exit, new.process, 5)
+            retry = not self._stopping and self._restart_limit.allow(rank)
+            old.given_up = not retry
+            log.error(
+                "data-parallel replica %d could not be restarted: %s; %s", rank, exc,
+                "trying again" if retry else "given up (data_parallel_max_restarts)",
+            )  # fmt: skip
         else:  # not after a return (stopping)
             if old.stats is not None:
                 self._retired.append(old.stats)
@@ -476,6 +544,9 @@ class DataParallelClient:
             log.warning("data-parallel replica %d restarted (pid %s)", rank, new.pid)
         finally:
             self._restarting.pop(rank, None)
+            if retry:
+                self._restarting[rank] = None
+                self._spawn(self._restart(old))
             if self._stopping and new is not None and new.process.poll() is None:
                 new.process.kill()
             assert self._changed is not None
@@ -502,6 +573,15 @@ class DataParallelClient:
                 wait_exit(r.process, 5)
             r.alive = False
             r.conn.close()
+
+
+@dataclasses.dataclass
+class _Unanswered:
+    """A request with no output yet, kept to send it again if its replica dies."""
+
+    body: tuple  # add_request's (prompt, params, output_kind, lora_name)
+    taken: bool = False  # a replica has taken it (replied to its "add")
+    aborted: bool = False
 
 
 def _is_prompt(prompt: object) -> bool:

@@ -10,6 +10,10 @@ last answer it had came at most one interval after it went silent, it is declare
 most ``period`` seconds after it stopped (a stopped process, a loop blocked for good). A
 tick of this loop that itself came late (this process was not scheduled, e.g. a busy host)
 judges nobody: the probes go out again first.
+
+A replica that dies is restarted, at most ``max_restarts`` times within ``RESTART_WINDOW``
+seconds (:class:`RestartLimit`): one that keeps dying (a bad device, a crash at start-up) is
+then given up rather than restarted forever.
 """
 
 from __future__ import annotations
@@ -20,9 +24,35 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from jaxpaged.engine.dp_process import ReplicaInfo
 
-__all__ = ["PROBES_PER_PERIOD", "watch"]
+__all__ = ["PROBES_PER_PERIOD", "RESTART_WINDOW", "RestartLimit", "watch"]
 
 PROBES_PER_PERIOD = 5
+RESTART_WINDOW = 600.0  # seconds
+
+
+class RestartLimit:
+    """Counts each rank's restarts over the last ``window`` seconds."""
+
+    def __init__(
+        self,
+        max_restarts: int,
+        window: float = RESTART_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        self._clock = clock
+        self._times: dict[int, list[float]] = {}
+
+    def allow(self, rank: int) -> bool:
+        """Whether ``rank`` may be restarted now (then the restart is counted)."""
+        now = self._clock()
+        times = [t for t in self._times.get(rank, []) if now - t < self.window]
+        allowed = len(times) < self.max_restarts
+        if allowed:
+            times.append(now)
+        self._times[rank] = times
+        return allowed
 
 
 async def watch(

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -20,7 +20,7 @@ from jaxpaged.engine.async_engine import RequestStream
 from jaxpaged.engine.dp_router import ReplicaLoad
 from jaxpaged.engine.protocol import EngineStats, ReplicaStats
 
-__all__ = ["ReplicaInfo", "start_replica", "wait_exit", "wait_ready"]
+__all__ = ["REPLICA_COMMAND", "ReplicaInfo", "start_replica", "wait_exit", "wait_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class ReplicaInfo:
         self.process = process
         self.conn = conn
         self.alive = True
+        self.given_up = False  # dead past its restart limit (data_parallel.RestartLimit)
         self.error: RuntimeError | None = None
         self.streams: dict[str, RequestStream] = {}
         self.calls: dict[int, asyncio.Future] = {}
@@ -54,6 +55,7 @@ class ReplicaInfo:
             num_waiting=0 if stats is None else stats.num_waiting + stats.num_swapped,
             kv_cache_usage=0.0 if stats is None else stats.kv_cache_usage,
             requests_total=self.sent_total,
+            given_up=self.given_up,
         )
 
     def load(self) -> ReplicaLoad:
@@ -65,14 +67,23 @@ class ReplicaInfo:
         )
 
 
-def start_replica(rank: int, env: Mapping[str, str], child_args: bytes) -> ReplicaInfo:
-    """Starts replica ``rank``'s process with ``env`` added to this one's environment and
-    hands it its pickled EngineArgs; returns at once (see :func:`wait_ready`)."""
+REPLICA_COMMAND = (sys.executable, "-m", "jaxpaged.engine.dp_replica")
+
+
+def start_replica(
+    rank: int,
+    env: Mapping[str, str],
+    child_args: bytes,
+    command: Sequence[str] = REPLICA_COMMAND,
+) -> ReplicaInfo:
+    """Starts replica ``rank``'s process (``command FD RANK``) with ``env`` added to this
+    one's environment and hands it its pickled EngineArgs; returns at once (see
+    :func:`wait_ready`)."""
     # a fresh interpreter per replica (not multiprocessing's spawn, which would run the
     # caller's __main__ again), with its devices in its environment from the start
     ours, theirs = socket.socketpair()
     process = subprocess.Popen(
-        [sys.executable, "-m", "jaxpaged.engine.dp_replica", str(theirs.fileno()), str(rank)],
+        [*command, str(theirs.fileno()), str(rank)],
         env={**os.environ, **env},
         pass_fds=(theirs.fileno(),),
     )

@@ -14,15 +14,19 @@ chunk has none. The router remembers the replica each key was last sent to (the
 ``table_size`` most recent keys) and prefers the one holding the request's longest known
 prefix while its open requests exceed the least-loaded replica's by at most
 ``affinity_slack`` and its KV usage is under ``kv_overload``.
+
+Replicas are named by any hashable id: the data-parallel client passes its loads as a list
+(ids are ranks), the Ray Serve router (jaxpaged.serving.ray_router) as a mapping from Ray's
+replica ids. One rule serves both.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
-__all__ = ["ReplicaLoad", "Router", "RouterConfig", "prefix_keys"]
+__all__ = ["Loads", "ReplicaLoad", "Router", "RouterConfig", "prefix_keys"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +57,10 @@ class ReplicaLoad:
     sent_total: int
 
 
+# replicas' loads: a list (ids are its indices) or a mapping from replica id, in order
+Loads = Sequence[ReplicaLoad] | Mapping[Hashable, ReplicaLoad]
+
+
 def prefix_keys(prompt: str | Sequence[int], config: RouterConfig) -> list[int]:
     """Chained hashes of the prompt's full leading chunks (see the module docstring)."""
     if isinstance(prompt, str):
@@ -74,48 +82,65 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self._table: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._table: collections.OrderedDict[int, Hashable] = collections.OrderedDict()
 
-    def least_loaded(self, loads: Sequence[ReplicaLoad]) -> int:
-        """The rank of the least-loaded live replica (ValueError when none is alive)."""
-        alive = [r for r, load in enumerate(loads) if load.alive]
+    def least_loaded(self, loads: Loads) -> Hashable:
+        """The id of the least-loaded live replica (ValueError when none is alive); ties go
+        to the earlier one."""
+        named = _named(loads)
+        alive = [(i, r) for i, (r, load) in enumerate(named.items()) if load.alive]
         if not alive:
             raise ValueError("no live replica")
-        return min(alive, key=lambda r: _order(loads[r], r))
+        return min(alive, key=lambda item: _order(named[item[1]], item[0]))[1]
 
-    def choose(self, keys: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(self, keys: Sequence[int], loads: Loads) -> Hashable:
         """The replica for a request with prefix ``keys`` (see :func:`prefix_keys`); records
         the choice for the keys."""
-        best = self.least_loaded(loads)
-        chosen = best
+        chosen = self.prefer(keys, loads)
+        self.record(keys, chosen)
+        return chosen
+
+    def prefer(self, keys: Sequence[int], loads: Loads) -> Hashable:
+        """The holder of the longest recorded prefix of ``keys`` while it is alive and not
+        overloaded (module docstring), else the least-loaded replica. Records nothing."""
+        named = _named(loads)
+        best = self.least_loaded(named)
         preferred = self._holder(keys)
-        if preferred is not None and preferred < len(loads):
-            load, least = loads[preferred], loads[best]
-            if (
-                load.alive
-                and load.open_requests <= least.open_requests + self.config.affinity_slack
-                and load.kv_cache_usage < self.config.kv_overload
-            ):
-                chosen = preferred
+        if preferred is None or preferred not in named:
+            return best
+        load, least = named[preferred], named[best]
+        if (
+            load.alive
+            and load.open_requests <= least.open_requests + self.config.affinity_slack
+            and load.kv_cache_usage < self.config.kv_overload
+        ):
+            return preferred
+        return best
+
+    def record(self, keys: Sequence[int], replica: Hashable) -> None:
+        """Remembers that the prefix ``keys`` went to ``replica`` (the table's newest)."""
         for key in keys:
-            self._table[key] = chosen
+            self._table[key] = replica
             self._table.move_to_end(key)
         while len(self._table) > self.config.table_size:
             self._table.popitem(last=False)
-        return chosen
 
-    def forget(self, rank: int) -> None:
-        """Drops every prefix recorded for ``rank`` (a replica that died)."""
-        for key in [k for k, r in self._table.items() if r == rank]:
+    def forget(self, replica: Hashable) -> None:
+        """Drops every prefix recorded for ``replica`` (one that died)."""
+        for key in [k for k, r in self._table.items() if r == replica]:
             del self._table[key]
 
-    def _holder(self, keys: Sequence[int]) -> int | None:
+    def _holder(self, keys: Sequence[int]) -> Hashable | None:
         """The replica of the longest recorded prefix of ``keys``."""
         for key in reversed(keys):
-            rank = self._table.get(key)
-            if rank is not None:
-                return rank
+            replica = self._table.get(key)
+            if replica is not None:
+                return replica
         return None
+
+
+def _named(loads: Loads) -> Mapping[Hashable, ReplicaLoad]:
+    return loads if isinstance(loads, Mapping) else dict(enumerate(loads))
 
 
 def _order(load: ReplicaLoad, rank: int) -> tuple[int, int, int, int]:

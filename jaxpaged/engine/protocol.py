@@ -53,6 +53,7 @@ class ReplicaStats:
     num_waiting: int
     kv_cache_usage: float
     requests_total: int  # requests routed to it
+    given_up: bool = False  # it died past its restart limit and stays dead
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

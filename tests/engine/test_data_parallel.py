@@ -10,11 +10,14 @@ each), a shared prompt prefix stays on one replica, killing a replica fails exac
 streams (never a hang), a request it had not taken yet goes to the other, which serves the
 rest until the killed one is restarted and rejoins; then the other replica is frozen
 (SIGSTOP, hung): the health check finds it within its period, its streams fail naming it,
-it is killed and restarted.
+it is killed and its restart begins (the first restart showed a rejoin). In this process
+too, on fake replica processes (fake_dp_replica.py): a restart's catch-up and the restart
+limit.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +223,112 @@ def test_health_check_finds_a_silent_replica_within_its_period():
     silent = SimpleNamespace(rank=0, alive=True, last_heard=0.0)
     # the tick at 4.5 s comes 4.5 s after the one before: no verdict; the next one judges
     assert _watch([silent], [4.5, 1.0, 1.0], lambda r, now: None) == [(0, 5.5, 5.5)]
+
+
+def _fake_replicas(tmp_path, monkeypatch, *modes: str):
+    """The client's replica processes become fake_dp_replica.py ones, rank i with
+    FAKE_DP_DIE=modes[i]; returns notes(rank, pid=None): the lines rank's processes logged."""
+    import functools
+    import sys
+
+    from jaxpaged.engine import data_parallel
+    from jaxpaged.engine.dp_process import start_replica
+
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(len(modes))]
+    envs = [
+        {"FAKE_DP_LOG": str(log), "FAKE_DP_DIE": mode}
+        for log, mode in zip(logs, modes, strict=True)
+    ]
+    fake = (sys.executable, str(HERE / "fake_dp_replica.py"))
+    monkeypatch.setattr(data_parallel, "replica_environments", lambda *a, **k: envs)
+    monkeypatch.setattr(
+        data_parallel, "start_replica", functools.partial(start_replica, command=fake)
+    )
+
+    def notes(rank: int, pid: int | None = None) -> list[str]:
+        lines = [line.split() for line in logs[rank].read_text().splitlines()]
+        return [what for p, what in lines if pid is None or int(p) == pid]
+
+    return notes
+
+
+async def _until(condition, seconds: float = 60) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_restarts_catch_up_then_stop_at_the_limit(tmp_path, monkeypatch):
+    """On fake replica processes (fake_dp_replica.py: the pipe protocol, no engine, ~0.1 s
+    to start): a restarted replica is sent the sleep level and the adapter added since the
+    start before it serves; one that dies after every start is restarted
+    data_parallel_max_restarts (2) times, then given up (its stats say so, the other serves
+    on); once every rank is given up the engine is dead and a request fails naming why."""
+    import asyncio
+
+    from jaxpaged.args import EngineArgs
+    from jaxpaged.engine.protocol import EngineDeadError
+    from jaxpaged.lora_request import LoRARequest
+    from jaxpaged.sampling_params import SamplingParams
+
+    notes = _fake_replicas(tmp_path, monkeypatch, "", "after_ready")
+
+    async def go() -> None:
+        client = DataParallelClient(EngineArgs(data_parallel_size=2, data_parallel_max_restarts=2))
+        client.start()
+        try:
+            await _until(lambda: client.replicas[1].given_up)
+            assert notes(1).count("start") == 3  # its first start and 2 restarts
+            replicas = client.get_stats().replicas
+            assert [(r.alive, r.given_up) for r in replicas] == [(True, False), (False, True)]
+            assert not client.errored and "given up" in str(client.replicas[1].error)
+
+            await client.sleep(1)
+            await client.add_lora(LoRARequest("a", 1, "/adapters/a"))
+            first = client.replicas[0]
+            first.process.kill()
+            await _until(lambda: client.replicas[0] is not first and client.replicas[0].alive)
+            assert notes(0, client.replicas[0].pid) == ["start", "sleep", "add_lora"]
+            await client.wake_up()
+
+            second = client.replicas[0]
+            second.process.kill()  # its second restart: the limit
+            await _until(lambda: client.replicas[0] is not second and client.replicas[0].alive)
+            client.replicas[0].process.kill()
+            await _until(lambda: client.errored)
+            assert client.replicas[0].given_up
+            with pytest.raises(EngineDeadError, match="given up"):
+                await client.add_request("x", "hello", SamplingParams())
+        finally:
+            await client.shutdown()
+
+    asyncio.run(go())
+
+
+def test_a_request_with_no_output_yet_goes_to_another_replica(tmp_path, monkeypatch):
+    """A replica that dies right after taking a request (fake: it never answers) leaves the
+    request, which had no output yet, to the other replica: the caller's stream is the same
+    and carries no error."""
+    import asyncio
+
+    from jaxpaged.args import EngineArgs
+    from jaxpaged.sampling_params import SamplingParams
+
+    notes = _fake_replicas(tmp_path, monkeypatch, "", "after_add")
+
+    async def go() -> None:
+        client = DataParallelClient(EngineArgs(data_parallel_size=2))
+        client.start()
+        try:
+            await client.add_request("a", "first prompt", SamplingParams())  # rank 0: tie
+            stream = await client.add_request("b", "second prompt", SamplingParams())  # rank 1
+            await _until(lambda: "add:b" in notes(0))
+            assert notes(1).count("add:b") == 1 and notes(0).count("add:b") == 1
+            assert client._owner["b"] is client.replicas[0] and stream._queue.empty()
+        finally:
+            await client.shutdown()
+
+    asyncio.run(go())

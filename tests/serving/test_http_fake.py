@@ -3,6 +3,7 @@ SSE, every bad-input case, auth, overload, disconnect -> abort, engine failure, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -311,6 +312,20 @@ def test_engine_failure_gives_500_then_503(server_factory):
     engine = FakeAsyncEngine(step_delay=0.01)
     server = server_factory(engine)
     assert httpx.get(server.http + "/health", timeout=30).status_code == 200
+    # data-parallel replicas down while others serve: still 200, naming them
+    from jaxpaged.engine.protocol import ReplicaStats
+
+    def replica(alive: bool, given_up: bool = False) -> ReplicaStats:
+        return ReplicaStats(alive=alive, num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                            requests_total=0, given_up=given_up)  # fmt: skip
+
+    stats = engine.get_stats
+    replicas = (replica(True), replica(False), replica(False, given_up=True))
+    engine.get_stats = lambda: dataclasses.replace(stats(), replicas=replicas)
+    r = httpx.get(server.http + "/health", timeout=30)
+    assert r.status_code == 200
+    assert r.json() == {"status": "degraded", "replicas_down": [1, 2], "replicas_given_up": [2]}
+    engine.get_stats = stats
     results = {}
 
     def nonstream() -> None:

@@ -36,25 +36,27 @@ def test_build_app_maps_flags_and_ray_options():
         "served_model_name": "m", "num_replicas": "2", "num_gpus": "1",
         "max_ongoing_requests": "32", "graceful_shutdown_timeout_s": "30",
     })  # fmt: skip
-    deployment = app._bound_deployment
+    assert app._bound_deployment.name == "jaxpaged-ingress"  # relays to the engine replicas
+    assert app._bound_deployment.max_ongoing_requests == 10_000  # not Ray's 5
+    (engine,) = app._bound_deployment.init_args
+    deployment = engine._bound_deployment
     assert deployment.name == "jaxpaged"
     assert deployment.num_replicas == 2
     assert deployment.ray_actor_options["num_gpus"] == 1
     assert deployment.max_ongoing_requests == 32
-    (argv,) = app._bound_deployment.init_args
+    (argv,) = deployment.init_args
     assert argv == [
         "--model", "/models/m", "--max-model-len", "4096", "--no-enable-prefix-caching",
         "--served-model-name", "m",
     ]  # fmt: skip
+    router = deployment._deployment_config.request_router_config.request_router_class
+    assert router == "jaxpaged.serving.ray_router.PrefixAffinityRouter"
     options, _ = deployment_options(
-        {"autoscaling_config": '{"min_replicas": 1, "max_replicas": 4}'}
+        {"autoscaling_config": '{"min_replicas": 1, "max_replicas": 4}', "session_affinity": "true"}
     )
-    assert options == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
-    options, _ = deployment_options({"session_affinity": "true"})
-    router = options["request_router_config"]["request_router_class"]
-    module, _, name = router.rpartition(".")
-    assert hasattr(__import__(module, fromlist=[name]), name)  # this Ray has that router
-    assert deployment_options({"session_affinity": False})[0] == {}
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4}
+    ingress = build_app({"model": "m", "ingress_options": '{"num_replicas": 2}'})
+    assert ingress._bound_deployment.num_replicas == 2
 
 
 @pytest.mark.parametrize(
@@ -127,11 +129,9 @@ def ray_app(tmp_path_factory):
 
 
 def _replicas() -> list[str]:
-    app = serve.status().applications["jaxpaged"]
-    return [
-        state for d in app.deployments.values() for state, n in d.replica_states.items()
-        for _ in range(n)
-    ]  # fmt: skip
+    """The engine replicas' states (the ingress deployment aside)."""
+    engines = serve.status().applications["jaxpaged"].deployments["jaxpaged"]
+    return [state for state, n in engines.replica_states.items() for _ in range(n)]
 
 
 def _wait_for_two_running(seconds: float = 240) -> None:
@@ -148,7 +148,7 @@ def _replica_actors() -> dict[str, object]:
     return {
         a["name"]: ray.get_actor(a["name"], namespace=a["namespace"])
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::jaxpaged#")
+        if a["name"].startswith("SERVE_REPLICA::jaxpaged#jaxpaged#")
     }  # fmt: skip
 
 
@@ -183,24 +183,68 @@ def test_two_replicas_answer_concurrent_openai_requests(ray_app):
         assert len({text for i, (text, _) in enumerate(got) if i % 4 == k}) == 1
 
 
-def test_a_session_stays_on_one_replica(ray_app):
-    """session_affinity: requests with one x-session-id land on one replica (Ray's
-    consistent-hash router), and different sessions spread over both."""
+def test_a_conversation_stays_on_one_replica(ray_app):
+    """A conversation's growing prompt (no header) lands on one replica, so does a session's
+    x-session-id, and different conversations spread over both (jaxpaged.serving.ray_router)."""
     import httpx
 
-    def replica(session: str) -> str:
+    def replica(prompt: str, headers: dict | None = None) -> str:
         r = httpx.post(
             ray_app + "/v1/completions",
-            headers={"x-session-id": session},
-            json={"model": "tiny", "prompt": "w9", "max_tokens": 2, "temperature": 0},
+            headers=headers or {},
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0},
             timeout=120,
         )
         assert r.status_code == 200, r.text
         return r.headers["x-jaxpaged-replica"]
 
+    first = {}
+    for c in range(4):  # each turn repeats the conversation so far, then adds to it
+        turns = " ".join(f"w{c}{k} w3{k}" for k in range(12))
+        first[c] = replica(turns)
+        assert {replica(turns + f" w5{t} w6{t}" * t) for t in range(1, 4)} == {first[c]}, c
+    assert len(set(first.values())) == 2  # new conversations go to the less-loaded one
     for session in ("conversation-a", "conversation-b"):
-        assert len({replica(session) for _ in range(4)}) == 1, session
-    assert len({replica(f"s{i}") for i in range(16)}) == 2
+        assert len({replica(f"w9 w{i}", {"x-session-id": session}) for i in range(3)}) == 1
+
+
+def test_a_client_that_goes_away_aborts_its_request(ray_app):
+    """A stream closed after its first chunk is aborted on its replica through the ingress's
+    relay: that replica runs nothing within seconds, having generated far fewer than the
+    500 tokens asked for (the session header sends /metrics to the same replica)."""
+    import httpx
+
+    headers = {"x-session-id": "goes-away"}
+
+    def replica_metrics() -> tuple[str, dict[str, float]]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = httpx.get(ray_app + "/metrics", headers=headers, timeout=60)
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:  # summed over labels (model_name)
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return r.headers["x-jaxpaged-replica"], values
+
+    tag, before = replica_metrics()
+    body = {"model": "tiny", "prompt": "w7 w8", "max_tokens": 500, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", ray_app + "/v1/completions", headers=headers, json=body,
+                      timeout=120) as r:  # fmt: skip
+        assert r.headers["x-jaxpaged-replica"] == tag
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while True:
+        where, values = replica_metrics()
+        assert where == tag
+        if values["vllm:num_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, "the request still runs after its client left"
+        time.sleep(0.1)
+    generated = (
+        values["jaxpaged:generation_tokens_total"] - before["jaxpaged:generation_tokens_total"]
+    )
+    assert 0 < generated < 400, generated
 
 
 def test_killed_replica_fails_its_stream_only_and_is_replaced(ray_app):
