@@ -36,7 +36,7 @@ from jaxpaged.models.llama import Params
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
-from jaxpaged.worker import sampler, spec_eagle
+from jaxpaged.worker import sampler, spec_eagle, spec_grammar
 from jaxpaged.worker.block_moves import BlockMover
 from jaxpaged.worker.buckets import Bucket, BucketSet
 from jaxpaged.worker.input_batch import InputBatch
@@ -113,6 +113,9 @@ class Runner:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_slots = draft_slots
         self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
+        # EAGLE-3 with structured output: warm-up compiles the propose-only step programs
+        # (set by the engine builder; jaxpaged.worker.spec_grammar)
+        self.eagle_grammar_drafts = False
         # entries of the previous-token array (a draft model's runner: its target's size)
         self._sampled_rows = sampled_rows or max_num_seqs * (
             1 + num_speculative_tokens * draft_slots
@@ -365,12 +368,27 @@ class Runner:
             )
         return kw
 
-    def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
+    def _bucket_kwargs(self, bucket: Bucket) -> dict[str, object]:
         kwargs = self._step_kwargs()
         if bucket.decode_only:
             kwargs.update(max_q_len=1)
         elif bucket.max_q_len is not None:
             kwargs.update(max_q_len=bucket.max_q_len)
+        return kwargs
+
+    def propose(self, batch: StepBatch, bucket: Bucket) -> jax.Array:  # int32 [S, K]
+        """The EAGLE-3 head's drafts for ``batch`` (the step's own passes, stopped there),
+        for grammar requests' masks (jaxpaged.worker.spec_grammar); single host only."""
+        if self.leader is not None:
+            raise RuntimeError("propose-only steps are not announced to other hosts")
+        drafts, self.pool, self.seq_state, self.eagle_state = self.programs.step(
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._array_kwargs(),
+            **self._bucket_kwargs(bucket), propose_only=True,
+        )  # fmt: skip
+        return drafts
+
+    def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
+        kwargs = self._bucket_kwargs(bucket)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool, self.seq_state, self.eagle_state = self.programs.step(
@@ -401,6 +419,8 @@ class Runner:
             return None
         bucket = self.buckets.pick(plan.seqs)
         batch, failed_rows = self.build_batch(plan.seqs, bucket, allowed)
+        if isinstance(allowed, spec_grammar.DraftMasks) and allowed.pending:  # the one wait
+            batch = spec_grammar.batch_after_drafts(self, plan, bucket, batch, allowed)
         out = self._run(batch, bucket)
         wanted = self.input_batch.logprobs_wanted(plan.seqs)
         prompt_wanted = _prompt_wanted(plan.seqs)
@@ -532,6 +552,8 @@ class Runner:
         for bucket in buckets:
             batch, _ = self.build_batch([], bucket)
             jax.block_until_ready(self._run(batch, bucket))
+            if self.eagle_grammar_drafts and batch.verify_rows is not None:
+                jax.block_until_ready(self.propose(batch, bucket))
             bar.update()
 
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
