@@ -78,7 +78,7 @@ def setup(bundled_model_path, tmp_path_factory):
 
 def _grammar(method: str, plain_ids: list[int]) -> str:
     if method == "eagle3":  # after A only B: the head drafts A or B, the mask changes
-        return "start: (<[%d]> | <[%d]> <[%d]>){40,}" % (B, A, B)
+        return f"start: (<[{B}]> | <[{A}]> <[{B}]>){{40,}}"
     # the target's own first tokens, then one it would not pick: drafts accepted, then
     # one rejected inside a verified run
     other = next(t for t in (A, B, 3) if t != plain_ids[4])
