@@ -123,13 +123,14 @@ class Runner:
         self.lora = lora
         self.model_config = model_config
         self.eagle_config = None if eagle is None else eagle[0]
-        self.eagle_params = None if eagle is None else jax.device_put(eagle[1])
         if eagle is not None and layout.num_layers != model_config.num_layers + 1:
             raise ValueError("an EAGLE-3 head's K/V needs one pool layer after the model's")
         # traced into the step (static); their names index them in SamplingTensors.processor
         self.logits_processors = tuple(logits_processors)
         self.processor_names = tuple(p.name for p in self.logits_processors)
         self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
+        # on every device of a mesh (replicated: one small layer)
+        self.eagle_params = None if eagle is None else self._on_mesh(jax.device_put(eagle[1]))
         # multi-host: rank 0's hook that announces each device call to the followers
         # (see jaxpaged.distributed.multihost); None on one host
         self.leader = None
