@@ -555,6 +555,7 @@ class Runner:
             jax.block_until_ready(self._run(batch, bucket))
             if self.eagle_grammar_drafts and batch.verify_rows is not None:
                 jax.block_until_ready(self.propose(batch, bucket))
+                bar.update()
             bar.update()
 
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
@@ -563,6 +564,8 @@ class Runner:
         start = time.perf_counter()
         buckets = self.buckets.all()
         total = len(buckets) + 1 + self.moves.num_programs(swap=swap)
+        if self.eagle_grammar_drafts:  # the propose-only programs (jaxpaged.worker.spec_grammar)
+            total += sum(not b.decode_only for b in buckets)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
         # the platform's attention compiled once already (its probe, for Pallas): a failure
         # here stops the start-up
