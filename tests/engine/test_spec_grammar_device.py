@@ -2,13 +2,16 @@
 tiny random model over the bundled SmolLM2 tokenizer's vocabulary: the runner reads the
 drafts back before the verification step, a copy of the grammar matcher walks them and each
 verified position is sampled under its own mask (jaxpaged.worker.spec_grammar). Greedy
-output equals the engine's without speculation, token for token, beside a plain drafting
-request, and drafts are accepted. The grammars are token-level Lark (``<[id]>``) so that
+output equals the engine's without speculation (``SamplingParams.speculative=False``),
+token for token, beside a plain drafting request, and the grammar request's drafts are
+accepted. The grammars are token-level Lark (``<[id]>``) so that
 the drafters' picks obey them often enough to be accepted and to be rejected mid-run:
 without the walk (a verified position masked as the first, or after the placeholder
 tokens) the outputs differ."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import transformers
@@ -56,7 +59,6 @@ def setup(bundled_model_path, tmp_path_factory):
     write_eagle3_head(head, target=CONFIG, keep=[A, B])
     spec = dict(num_speculative_tokens=K, disable_by_batch_size=8)
     made = {
-        "plain": _engine(params, tokenizer),
         # the target drafting for itself: its drafts are its unconstrained greedy picks
         "draft_model": _engine(
             params,
@@ -88,12 +90,15 @@ def _grammar(method: str, plain_ids: list[int]) -> str:
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_grammar_requests_draft_on_the_device_exactly(setup, method):
-    plain, spec = setup["plain"], setup[method]
+    """The reference: the same engine with speculation off per request (one token a step,
+    the grammar's mask of that token only)."""
+    spec = setup[method]
     free = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    unconstrained = plain.generate(PROMPTS, free)[0].outputs[0].token_ids
+    off = dataclasses.replace(free, speculative=False)
+    unconstrained = spec.generate(PROMPTS, off)[0].outputs[0].token_ids
     so = StructuredOutput(grammar=_grammar(method, list(unconstrained)))
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_output=so), free]
-    want = plain.generate(PROMPTS, params)
+    want = spec.generate(PROMPTS, [dataclasses.replace(p, speculative=False) for p in params])
     core = spec.engine.core
     advance, runs = core._advance_grammars, []  # the grammar request's tokens per step
 
