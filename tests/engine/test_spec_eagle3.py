@@ -20,6 +20,7 @@ from eagle3_heads import write_eagle3_head
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine import LLMEngine
+from jaxpaged.engine.spec_builder import check_eagle
 from jaxpaged.models import eagle3
 from jaxpaged.models.layers import dense_causal_attention
 from jaxpaged.models.llama import LlamaForCausalLM
@@ -259,6 +260,10 @@ def test_heads_the_engine_cannot_run_are_refused(head_dir, target_params, tmp_pa
     other = tiny_config(hidden_size=48, num_heads=8, head_dim=8)
     with pytest.raises(ValueError, match="hidden states of size"):
         LLMEngine.from_params(other, random_params(other), speculative_config=spec, **BASE)
+    config, _ = eagle3.load_eagle3(str(head_dir[0]))  # 4 query heads: split 2 ways, not 3
+    assert check_eagle(config, CONFIG, tensor_parallel_size=2, own_model=False).num_layers == 3
+    with pytest.raises(ValueError, match="must divide by tensor_parallel_size"):
+        check_eagle(config, CONFIG, tensor_parallel_size=3, own_model=False)
     missing = tmp_path / "head"
     _write_head(missing)
     (missing / "model.safetensors").unlink()
