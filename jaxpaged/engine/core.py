@@ -13,12 +13,18 @@ The step overlaps host and device work::
 
 so while the device runs step k, the host finishes step k-1 and then plans step k+1: the device
 waits for Python only when the host work of a step takes longer than the step itself.
+
+The one exception: a step that carries a structured-output request verifying drafts made on
+the device (a draft model, an EAGLE-3 head). Its grammar masks need those drafts, so
+``dispatch`` reads them back (waiting for step k-1 and the drafting) before it launches the
+target's part of step k (jaxpaged.worker.spec_grammar).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -39,6 +45,7 @@ from jaxpaged.sched.request import Request, RequestStatus
 from jaxpaged.sched.scheduler import Scheduler
 from jaxpaged.worker.grammar import GrammarMatchers
 from jaxpaged.worker.lora import LoraAdapters
+from jaxpaged.worker.spec_grammar import DraftMasks
 
 __all__ = ["DeviceRunner", "EngineCore", "EngineRequest", "EngineStepError"]
 
@@ -426,7 +433,8 @@ class EngineCore:
     def _grammar_masks(self, plan: SchedulerOutput) -> dict[int, np.ndarray]:
         """Sequence index -> the allowed-token mask of each grammar request that samples in
         this plan (its matcher has seen all its tokens: the scheduler saw to that); for one
-        that verifies n-gram drafts, the mask of each verified position ([d + 1, W])."""
+        that verifies drafts, the mask of each verified position ([d + 1, W]), made here
+        for n-gram drafts and after the drafting for drafts made on the device."""
         if not self.grammars:
             return {}
         rows = [i for i, s in enumerate(plan.seqs) if s.do_sample and s.request_id in self.grammars]
@@ -438,6 +446,12 @@ class EngineCore:
         if rows:
             masks = self.grammars.masks([plan.seqs[i].request_id for i in rows])
             out.update(zip(rows, masks, strict=True))
+        if drafting and not self.scheduler.proposer.drafts_on_host:
+            # drafts made on the device: the runner reads them back before the target's
+            # step and makes these masks then (jaxpaged.worker.spec_grammar)
+            walk = self.grammars.masks_through
+            pending = {i: functools.partial(walk, plan.seqs[i].request_id) for i in drafting}
+            return DraftMasks(out, pending)
         for i in drafting:
             s = plan.seqs[i]
             out[i] = self.grammars.masks_through(s.request_id, s.token_ids[-s.num_draft_tokens :])

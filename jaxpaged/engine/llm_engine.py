@@ -250,6 +250,8 @@ class LLMEngine:
             if tokenizer is None
             else GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids=eos)
         )
+        # EAGLE-3 with structured output: propose-only programs (jaxpaged.worker.spec_grammar)
+        self.runner.eagle_grammar_drafts = grammars is not None and eagle is not None
         self.inputs = InputProcessor(
             grammars=grammars,
             tokenizer=tokenizer,

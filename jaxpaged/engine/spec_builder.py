@@ -211,11 +211,14 @@ def check_eagle(
             "speculative_config: method 'eagle3' needs a Llama-family target (its aux hidden "
             f"states), got model_type {target.model_type!r}"
         )
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            "speculative_config: an EAGLE-3 head with tensor_parallel_size > 1 is not supported"
-        )
     c = head.layer
+    n = tensor_parallel_size
+    if n > 1 and (c.num_heads % n or c.num_kv_heads % n):
+        # its weights are replicated; its attention runs per device on the pool's KV heads
+        raise ValueError(
+            f"speculative_config: an EAGLE-3 head's attention heads ({c.num_heads} query, "
+            f"{c.num_kv_heads} KV) must divide by tensor_parallel_size ({n})"
+        )
     if c.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config: the EAGLE-3 head's vocabulary ({c.vocab_size} tokens) is not "

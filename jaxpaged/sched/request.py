@@ -216,9 +216,10 @@ class Request:
         as if the drafts before it were accepted, which per-request state (penalties,
         min_tokens, logit_bias, logits processors: the token history) would have to follow;
         those requests decode one token a step, as do requests that turned speculation off
-        (``SamplingParams.speculative``). A grammar's mask does follow drafts known on the
-        host (n-gram: the engine core masks each verified position), so a structured-output
-        request drafts only with such a proposer (the scheduler checks)."""
+        (``SamplingParams.speculative``). A grammar's mask does follow drafts (a copy of
+        the matcher walks them on the host: the engine core for n-gram drafts, the runner
+        after reading back drafts made on the device), so structured-output requests draft
+        with every proposer (``grammar_drafts``), once their last token is on the host."""
         sp = self.sampling_params
         return sp.speculative and not self.needs_state_row
 

@@ -277,7 +277,7 @@ class Scheduler:
             if (
                 drafting
                 and req.can_speculate
-                and (self.proposer.drafts_on_host or req.sampling_params.structured_output is None)
+                and (self.proposer.grammar_drafts or req.sampling_params.structured_output is None)
             ):
                 if req.num_inflight:
                     continue  # drafting reads its tokens: the one in flight first

@@ -18,8 +18,10 @@ class NgramProposer:
     """Proposes up to ``k`` draft tokens per call (stateless; one per engine). Cost per call:
     O(len(token_ids) * n) in numpy, for each n tried."""
 
-    # the drafts are real tokens here: a grammar's mask can follow them (structured output)
+    # the drafts are real tokens, known when the step is planned: the engine core walks a
+    # grammar through them then (structured output)
     drafts_on_host = True
+    grammar_drafts = True  # structured-output requests draft too
 
     def __init__(self, *, min_n: int, max_n: int, k: int) -> None:
         if not 1 <= min_n <= max_n or k < 1:
@@ -50,10 +52,14 @@ class NgramProposer:
 
 
 class DeviceDraftSlots:
-    """For a draft model: the scheduler allots ``k`` draft slots per decode (placeholder
-    tokens, 0); the draft model fills them on the device (jaxpaged.worker.spec_draft)."""
+    """For a draft model or an EAGLE-3 head: the scheduler allots ``k`` draft slots per
+    decode (placeholder tokens, 0); the drafter fills them on the device
+    (jaxpaged.worker.spec_draft, jaxpaged.worker.spec_eagle)."""
 
-    drafts_on_host = False  # no grammar can follow them: structured output does not draft
+    drafts_on_host = False
+    # structured-output requests draft too: the runner reads their drafts back before the
+    # verification step, for the grammar's masks (jaxpaged.worker.spec_grammar)
+    grammar_drafts = True
 
     def __init__(self, *, k: int) -> None:
         self.k = k

@@ -316,6 +316,7 @@ class InputBatch(PersistentBatch):
             spec["seq_rows"] = rows.astype(np.int32)
             spec["next_tokens"] = np.full(s, -1, np.int32)
             spec["next_tokens"][:n] = [seq.next_token for seq in seqs]
+            spec["host_drafts"] = np.zeros(s, np.int32)  # set by spec_grammar
         lora_slots = None
         if self.lora:
             lora_slots = np.zeros(t, np.int32)

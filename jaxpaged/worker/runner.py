@@ -35,7 +35,7 @@ from jaxpaged.models.eagle3 import Eagle3Config
 from jaxpaged.models.llama import Params
 from jaxpaged.sampling_params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxpaged.sched.output import RunnerOutput, ScheduledSeq, SchedulerOutput, StateRowInit
-from jaxpaged.worker import sampler, spec_eagle
+from jaxpaged.worker import sampler, spec_eagle, spec_grammar
 from jaxpaged.worker.block_moves import BlockMover
 from jaxpaged.worker.buckets import Bucket, BucketSet
 from jaxpaged.worker.input_batch import InputBatch
@@ -113,6 +113,9 @@ class Runner:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_slots = draft_slots
         self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
+        # EAGLE-3 with structured output: warm-up compiles the propose-only step programs
+        # (set by the engine builder; jaxpaged.worker.spec_grammar)
+        self.eagle_grammar_drafts = False
         # entries of the previous-token array (a draft model's runner: its target's size)
         self._sampled_rows = sampled_rows or max_num_seqs * (
             1 + num_speculative_tokens * draft_slots
@@ -120,13 +123,14 @@ class Runner:
         self.lora = lora
         self.model_config = model_config
         self.eagle_config = None if eagle is None else eagle[0]
-        self.eagle_params = None if eagle is None else jax.device_put(eagle[1])
         if eagle is not None and layout.num_layers != model_config.num_layers + 1:
             raise ValueError("an EAGLE-3 head's K/V needs one pool layer after the model's")
         # traced into the step (static); their names index them in SamplingTensors.processor
         self.logits_processors = tuple(logits_processors)
         self.processor_names = tuple(p.name for p in self.logits_processors)
         self.mesh = mesh  # tensor parallelism: params already on it; the pool is split on it
+        # on every device of a mesh (replicated: one small layer)
+        self.eagle_params = None if eagle is None else self._on_mesh(jax.device_put(eagle[1]))
         # multi-host: rank 0's hook that announces each device call to the followers
         # (see jaxpaged.distributed.multihost); None on one host
         self.leader = None
@@ -365,12 +369,27 @@ class Runner:
             )
         return kw
 
-    def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
+    def _bucket_kwargs(self, bucket: Bucket) -> dict[str, object]:
         kwargs = self._step_kwargs()
         if bucket.decode_only:
             kwargs.update(max_q_len=1)
         elif bucket.max_q_len is not None:
             kwargs.update(max_q_len=bucket.max_q_len)
+        return kwargs
+
+    def propose(self, batch: StepBatch, bucket: Bucket) -> jax.Array:  # int32 [S, K]
+        """The EAGLE-3 head's drafts for ``batch`` (the step's own passes, stopped there),
+        for grammar requests' masks (jaxpaged.worker.spec_grammar); single host only."""
+        if self.leader is not None:
+            raise RuntimeError("propose-only steps are not announced to other hosts")
+        drafts, self.pool, self.seq_state, self.eagle_state = self.programs.step(
+            self.params, self.pool, self.seq_state, self.sampled, batch, **self._array_kwargs(),
+            **self._bucket_kwargs(bucket), propose_only=True,
+        )  # fmt: skip
+        return drafts
+
+    def _run(self, batch: StepBatch, bucket: Bucket) -> StepOutput:
+        kwargs = self._bucket_kwargs(bucket)
         if self.leader is not None:
             self.leader.announce_step(batch, bucket)
         out, self.pool, self.seq_state, self.eagle_state = self.programs.step(
@@ -401,6 +420,8 @@ class Runner:
             return None
         bucket = self.buckets.pick(plan.seqs)
         batch, failed_rows = self.build_batch(plan.seqs, bucket, allowed)
+        if isinstance(allowed, spec_grammar.DraftMasks) and allowed.pending:  # the one wait
+            batch = spec_grammar.batch_after_drafts(self, plan, bucket, batch, allowed)
         out = self._run(batch, bucket)
         wanted = self.input_batch.logprobs_wanted(plan.seqs)
         prompt_wanted = prompt_logprob_rows(plan.seqs)
@@ -532,6 +553,9 @@ class Runner:
         for bucket in buckets:
             batch, _ = self.build_batch([], bucket)
             jax.block_until_ready(self._run(batch, bucket))
+            if self.eagle_grammar_drafts and batch.verify_rows is not None:
+                jax.block_until_ready(self.propose(batch, bucket))
+                bar.update()
             bar.update()
 
     def warm_up(self, *, swap: bool = False, show_progress: bool = True) -> tuple[int, float]:
@@ -540,6 +564,8 @@ class Runner:
         start = time.perf_counter()
         buckets = self.buckets.all()
         total = len(buckets) + 1 + self.moves.num_programs(swap=swap)
+        if self.eagle_grammar_drafts:  # the propose-only programs (jaxpaged.worker.spec_grammar)
+            total += sum(not b.decode_only for b in buckets)
         bar = tqdm(total=total, desc="warm-up (compiling)", disable=not show_progress, unit="prog")
         # the platform's attention compiled once already (its probe, for Pallas): a failure
         # here stops the start-up

@@ -19,8 +19,8 @@ unspeculated. Logprobs are the target's at each emitted position.
 Per-request state that follows the token history (penalties, min_tokens, logit_bias,
 logits processors) is read only at position 0: such requests do not draft
 (``Request.can_speculate``), and their later rows are ignored. Grammar masks come per
-position (the engine core advances a copy of the request's matcher through its n-gram
-drafts): a draft the grammar rejects is never sampled there, so verification stops at it,
+position (a copy of the request's matcher walks its drafts on the host: n-gram drafts
+when planned, device drafts once read back, jaxpaged.worker.spec_grammar): a draft the grammar rejects is never sampled there, so verification stops at it,
 and every emitted token obeys the mask of its own position.
 """
 

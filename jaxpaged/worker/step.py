@@ -71,6 +71,9 @@ class StepBatch(NamedTuple):
     seq_rows: jax.Array | None = None  # int32 [S]; padding R
     # the known token after each sequence's fed ones (ScheduledSeq.next_token), -1: sampled
     next_tokens: jax.Array | None = None  # int32 [S]
+    # 1: the sequence's draft rows hold drafts the host gave (a grammar request's, read back
+    # for its masks: jaxpaged.worker.spec_grammar); the step drafts none of its own there
+    host_drafts: jax.Array | None = None  # int32 [S]
     # a vision-language model: each row's image features in the encoder cache (flat index
     # slot * I + j, jaxpaged.worker.images), -1 = a text token
     image_rows: jax.Array | None = None  # int32 [T]
@@ -172,6 +175,7 @@ def prompt_logprobs(
         "kernels",
         "logits_processors",
         "eagle_config",
+        "propose_only",
     ),
     donate_argnums=(1, 2),
 )
@@ -199,6 +203,7 @@ def step(
     eagle_params: dict[str, jax.Array] | None = None,
     eagle_state: spec_eagle.EagleState | None = None,
     image_cache: jax.Array | None = None,  # [C, I, D] encoded images (jaxpaged.worker.images)
+    propose_only: bool = False,
 ) -> tuple[StepOutput, KVPool, sampler.SeqState, spec_eagle.EagleState | None]:
     """Runs the model (``nnx.merge(graphdef.graphdef, params)``: a module of the paged-model protocol,
     docs/models.md) over the batch's tokens, writing their K/V into the pool first, and
@@ -215,7 +220,9 @@ def step(
     ``eagle_state``: an EAGLE-3 head drafting in the step (jaxpaged.worker.spec_eagle), its
     K/V the pool's layer after the model's; its new state is returned fourth (else None).
     ``image_cache`` [C, I, D]: the encoded images ``batch.image_rows`` index, whose features
-    replace those rows' embeddings."""
+    replace those rows' embeddings. ``propose_only`` (EAGLE-3, a batch with verification
+    rows): stop after the head's passes and return its drafts (int32 [S, K]) in the
+    StepOutput's place, for grammar requests' masks (jaxpaged.worker.spec_grammar)."""
     if backend not in BACKENDS:
         raise ValueError(
             f"step: backend must be a resolved attention backend of {BACKENDS} (the engine's "
@@ -302,6 +309,8 @@ def step(
     if eagle:
         model_kw["aux_layers"] = eagle_config.aux_layers(model.config.num_layers)
         target_embed = model.embed.get_value()
+    if propose_only and not (eagle and speculative):
+        raise ValueError("step: propose_only needs an EAGLE-3 head and verification rows")
     if eagle and speculative:  # the drafts, into the draft rows' placeholder tokens
         drafts, pool = spec_eagle.propose(
             eagle_params, eagle_config, eagle_state, target_embed, pool,
@@ -310,9 +319,12 @@ def step(
             num_speculative_tokens=batch.verify_rows.shape[1] - 1, layer_index=head_layer,
             attention_for=attention_for,
         )  # fmt: skip
+        if propose_only:
+            return replicate_on(drafts, mesh), pool, seq_state, eagle_state
         k = drafts.shape[1]
         draft_rows = batch.verify_rows[:, 1:]  # [S, K]
-        fed = jnp.arange(k)[None, :] < batch.num_drafts[:, None]
+        own = batch.host_drafts[:, None] == 0  # given drafts stay (the grammar walked them)
+        fed = (jnp.arange(k)[None, :] < batch.num_drafts[:, None]) & own
         at = jnp.where(fed, draft_rows, tokens.shape[0])
         tokens = tokens.at[at.reshape(-1)].set(drafts.reshape(-1), mode="drop")
     hidden, pool, *aux = model(tokens, batch.positions, attention_fn, pool, **model_kw)

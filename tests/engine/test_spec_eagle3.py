@@ -16,10 +16,11 @@ import random
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from eagle3_heads import write_eagle3_head
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine import LLMEngine
+from jaxpaged.engine.spec_builder import check_eagle
 from jaxpaged.models import eagle3
 from jaxpaged.models.layers import dense_causal_attention
 from jaxpaged.models.llama import LlamaForCausalLM
@@ -31,58 +32,8 @@ DRAFT_VOCAB = 64
 K = 3
 
 
-def _write_head(path, *, target=CONFIG, aux=AUX, num_heads: int = 4, seed: int = 3):
-    """A random head for ``target`` in the published layout (``aux`` None: no layer ids,
-    vLLM's default); returns its tensors by checkpoint name."""
-    rng = np.random.default_rng(seed)
-    h, hd, f = target.hidden_size, target.head_dim, 48
-    nq, nkv = num_heads, target.num_kv_heads  # the head's query heads; its KV: the target's
-
-    def w(*shape, scale=0.3):
-        return rng.normal(0, scale, shape).astype(np.float32)
-
-    keep = np.sort(rng.choice(target.vocab_size, DRAFT_VOCAB, replace=False))
-    t2d = np.zeros(target.vocab_size, bool)
-    t2d[keep] = True
-    tensors = {
-        "fc.weight": w(h, 3 * h),
-        "midlayer.hidden_norm.weight": 1 + w(h, scale=0.1),
-        "midlayer.input_layernorm.weight": 1 + w(h, scale=0.1),
-        "midlayer.post_attention_layernorm.weight": 1 + w(h, scale=0.1),
-        "midlayer.self_attn.q_proj.weight": w(nq * hd, 2 * h),
-        "midlayer.self_attn.k_proj.weight": w(nkv * hd, 2 * h),
-        "midlayer.self_attn.v_proj.weight": w(nkv * hd, 2 * h),
-        "midlayer.self_attn.o_proj.weight": w(h, nq * hd),
-        "midlayer.mlp.gate_proj.weight": w(f, h),
-        "midlayer.mlp.up_proj.weight": w(f, h),
-        "midlayer.mlp.down_proj.weight": w(h, f),
-        "norm.weight": 1 + w(h, scale=0.1),
-        "lm_head.weight": w(DRAFT_VOCAB, h, scale=1.0),
-        "d2t": (keep - np.arange(DRAFT_VOCAB)).astype(np.int64),
-        "t2d": t2d,
-    }
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": h,
-        "intermediate_size": f,
-        "num_hidden_layers": 1,
-        "num_attention_heads": nq,
-        "num_key_value_heads": nkv,
-        "head_dim": hd,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        "vocab_size": target.vocab_size,
-        "draft_vocab_size": DRAFT_VOCAB,
-        "target_hidden_size": h,
-    }
-    if aux is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path / "model.safetensors"))
-    return tensors
+def _write_head(path, **kwargs):
+    return write_eagle3_head(path, target=CONFIG, aux=AUX, draft_vocab=DRAFT_VOCAB, **kwargs)
 
 
 # ------------------------------------------------------------- numpy reference
@@ -309,6 +260,10 @@ def test_heads_the_engine_cannot_run_are_refused(head_dir, target_params, tmp_pa
     other = tiny_config(hidden_size=48, num_heads=8, head_dim=8)
     with pytest.raises(ValueError, match="hidden states of size"):
         LLMEngine.from_params(other, random_params(other), speculative_config=spec, **BASE)
+    config, _ = eagle3.load_eagle3(str(head_dir[0]))  # 4 query heads: split 2 ways, not 3
+    assert check_eagle(config, CONFIG, tensor_parallel_size=2, own_model=False).num_layers == 3
+    with pytest.raises(ValueError, match="must divide by tensor_parallel_size"):
+        check_eagle(config, CONFIG, tensor_parallel_size=3, own_model=False)
     missing = tmp_path / "head"
     _write_head(missing)
     (missing / "model.safetensors").unlink()

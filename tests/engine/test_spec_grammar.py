@@ -2,9 +2,8 @@
 bundled SmolLM2 tokenizer's vocabulary: a grammar request drafts too, each verified
 position sampled under the grammar's mask after the drafts before it, so no token the
 grammar rejects is ever emitted: greedy output is the engine's without speculation, token
-for token, alone and beside plain drafting requests. (Draft models draft on the device,
-where no grammar follows: their grammar requests decode one token a step,
-test_spec_scheduler.py.)"""
+for token, alone and beside plain drafting requests. (Drafts made on the device, by a
+draft model or an EAGLE-3 head: test_spec_grammar_device.py.)"""
 
 from __future__ import annotations
 

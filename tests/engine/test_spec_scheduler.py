@@ -276,9 +276,11 @@ def test_disable_by_batch_size():
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_structured_output_drafts_only_with_host_drafts(method):
+def test_structured_output_requests_draft(method):
     """A structured-output request drafts with n-gram (its tokens are on the host, where the
-    engine's grammar masks each verified position), not with drafts made on the device."""
+    engine's grammar masks each verified position) and with drafts made on the device (the
+    runner reads them back for the masks: jaxpaged.worker.spec_grammar), once its last
+    token is no longer in flight."""
     from jaxpaged.sampling_params import StructuredOutput
 
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
@@ -289,4 +291,4 @@ def test_structured_output_drafts_only_with_host_drafts(method):
     sched.add_request(make_request("g", [1, 2, 1, 2, 1], 20, structured_output=so))
     sched.update(sched.schedule(), RunnerOutput(sampled_token_ids=[2]))
     (seq,) = sched.schedule().seqs
-    assert seq.num_draft_tokens == (2 if method == "ngram" else 0)
+    assert seq.num_draft_tokens == 2
