@@ -244,12 +244,9 @@ class LLMEngine:
         )
         self.speculative_config = speculative_config
         self.eos_token_ids = eos
-        # structured output needs the tokenizer's token strings
-        grammars = (
-            None
-            if tokenizer is None
-            else GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids=eos)
-        )
+        grammars = None  # structured output needs the tokenizer's token strings
+        if tokenizer is not None:
+            grammars = GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids=eos)
         # EAGLE-3 with structured output: propose-only programs (jaxpaged.worker.spec_grammar)
         self.runner.eagle_grammar_drafts = grammars is not None and eagle is not None
         self.inputs = InputProcessor(
