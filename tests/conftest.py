@@ -45,6 +45,48 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
 
 
+_COMPILE_EVENTS = {
+    "/jax/core/compile/backend_compile_duration": "compile",
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace",
+}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``JAXPAGED_TEST_COMPILE_LOG=FILE``: appends, per test (its setup, call and
+    teardown, so a module fixture counts at the test that builds it), the CPU seconds of this
+    process and those JAX spent compiling and tracing, and the number of XLA compiles
+    (subprocesses not counted): where a cold suite's time goes (docs/development.md)."""
+    path = os.environ.get("JAXPAGED_TEST_COMPILE_LOG")
+    if not path:
+        yield
+        return
+    import time
+
+    import jax
+
+    spent = {"compile": 0.0, "trace": 0.0, "compiles": 0}
+
+    def listener(event: str, seconds: float, **_: object) -> None:
+        kind = _COMPILE_EVENTS.get(event)
+        if kind is not None:
+            spent[kind] += seconds
+            spent["compiles"] += kind == "compile"
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    cpu = time.process_time()
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        with open(path, "a") as f:
+            f.write(
+                f"{item.nodeid}\t{time.process_time() - cpu:.2f}\t{spent['compile']:.2f}\t"
+                f"{spent['trace']:.2f}\t{spent['compiles']}\n"
+            )
+
+
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:
     """HF-format folder of the bundled SmolLM2-135M-Instruct (converted once, then cached)."""
