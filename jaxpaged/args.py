@@ -76,6 +76,8 @@ QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "gguf", "none")
 CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
 # the runners a model may run (jaxpaged.engine.pooling: "auto" reads the checkpoint)
 RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
+# jaxpaged.models.loader.TOKENIZER_MODES
+TOKENIZER_MODES: tuple[str, ...] = ("auto", "tokenizers")
 # jaxpaged.kernels.BACKENDS (not imported here: this module stays free of JAX; a test compares)
 ATTENTION_BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu", "tpu")
 
@@ -131,6 +133,15 @@ class EngineArgs:
         "--download-dir",
         parse=optional_text,
         metavar="DIR",
+    )
+    tokenizer_mode: str = _setting(
+        "auto",
+        "auto: transformers' tokenizer of the model; tokenizers: its tokenizer.json through "
+        "the tokenizers library and its chat template through jinja2, without importing "
+        "transformers (the terminal commands' faster start; a folder without tokenizer.json "
+        "or with a model-specific tokenizer class still gets transformers')",
+        "--tokenizer-mode",
+        choices=TOKENIZER_MODES,
     )
     dtype: str | None = _setting(
         None,
