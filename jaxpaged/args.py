@@ -134,6 +134,13 @@ class EngineArgs:
         parse=optional_text,
         metavar="DIR",
     )
+    dtype: str | None = _setting(
+        None,
+        "weights and KV cache dtype of a loaded model; auto/unset: float32 on CPU, else the "
+        "checkpoint's half dtype (or bfloat16)",
+        "--dtype",
+        choices=DTYPES,
+    )
     tokenizer_mode: str = _setting(
         "auto",
         "auto: transformers' tokenizer of the model; tokenizers: its tokenizer.json through "
@@ -142,13 +149,6 @@ class EngineArgs:
         "or with a model-specific tokenizer class still gets transformers')",
         "--tokenizer-mode",
         choices=TOKENIZER_MODES,
-    )
-    dtype: str | None = _setting(
-        None,
-        "weights and KV cache dtype of a loaded model; auto/unset: float32 on CPU, else the "
-        "checkpoint's half dtype (or bfloat16)",
-        "--dtype",
-        choices=DTYPES,
     )
     quantization: str | None = _setting(
         None,
@@ -357,6 +357,12 @@ class EngineArgs:
         "--program-cache-dir",
         parse=optional_text,
         metavar="DIR",
+    )
+    huge_pages: bool = _setting(
+        True,
+        "on a CPU, move the weights every step reads onto 2 MiB pages at load (Linux 6.1+; "
+        "up to ~0.3 s once, ~1.8 ms less a batch-32 decode step)",
+        "--huge-pages",
     )
     enable_lora: bool = _setting(
         False,
@@ -575,6 +581,7 @@ class EngineArgs:
             configure_process=self.configure_process,
             compile_cache_dir=folder(self.compile_cache_dir),
             program_cache_dir=folder(self.program_cache_dir),
+            huge_pages=self.huge_pages,
         )
 
 
