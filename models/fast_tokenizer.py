@@ -97,6 +97,14 @@ _CLEAN_UP = (
 )
 
 
+# transformers' apply_chat_template arguments this tokenizer does not offer (rather than
+# passing them to the template as variables)
+_UNSUPPORTED_CHAT_ARGS = frozenset(
+    {"continue_final_message", "return_dict", "return_tensors", "padding", "truncation",
+     "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask", "sanitize_control_tokens"}
+)  # fmt: skip
+
+
 class FastTokenizer:
     """A folder's tokenizer.json with its special tokens and chat template (see the module's
     docstring); build it with :meth:`from_folder`."""
@@ -278,6 +286,12 @@ class FastTokenizer:
         """The conversation through the chat template, as transformers'
         ``apply_chat_template``: the text, or (``tokenize``) its ids without added special
         tokens. ``variables``: extra template variables (they override special tokens)."""
+        unsupported = sorted(_UNSUPPORTED_CHAT_ARGS & set(variables))
+        if unsupported:
+            raise ValueError(
+                f"apply_chat_template: {unsupported} need transformers' tokenizer "
+                "(tokenizer_mode='auto')"
+            )
         text = self._template_text(chat_template, tools)
         template = self._templates.get(text)
         if template is None:

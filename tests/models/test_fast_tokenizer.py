@@ -210,9 +210,13 @@ def test_incremental_detokenization_matches_transformers(pair):
         assert texts[0] == texts[1]
 
 
-def test_missing_tokenizer_json_is_a_value_error(tmp_path):
+def test_missing_tokenizer_json_and_unsupported_arguments_are_value_errors(tmp_path, pair):
     with pytest.raises(ValueError, match="no tokenizer.json"):
         FastTokenizer.from_folder(tmp_path)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        pair[0].apply_chat_template(CONVERSATIONS[0], continue_final_message=True)
+    with pytest.raises(ValueError, match=r"tools\[0\] must be a JSON schema"):
+        pair[0].apply_chat_template(CONVERSATIONS[0], tools=[len], chat_template=QWEN_TOOLS)
 
 
 def test_tokenizer_modes():
