@@ -20,8 +20,6 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from jaxpaged.models.chat_template import compile_chat_template, render_chat
-
 __all__ = ["SPECIAL_TOKEN_NAMES", "FastTokenizer"]
 
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES)
@@ -292,6 +290,9 @@ class FastTokenizer:
                 f"apply_chat_template: {unsupported} need transformers' tokenizer "
                 "(tokenizer_mode='auto')"
             )
+        # jinja2 (~0.08 s to import) only for a command that uses a chat template
+        from jaxpaged.models.chat_template import compile_chat_template, render_chat
+
         text = self._template_text(chat_template, tools)
         template = self._templates.get(text)
         if template is None:
