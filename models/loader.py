@@ -242,15 +242,28 @@ def _keeps_gguf_quantization(
 _GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The model's Hugging Face tokenizer (AutoTokenizer from the resolved folder).
+# "auto": transformers' tokenizer; "tokenizers": jaxpaged.models.fast_tokenizer where it fits
+TOKENIZER_MODES = ("auto", "tokenizers")
+
+
+def load_tokenizer(path: str | os.PathLike, mode: str = "auto"):
+    """The model's tokenizer: Hugging Face's (AutoTokenizer from the resolved folder), or,
+    with ``mode="tokenizers"``, a :class:`~jaxpaged.models.fast_tokenizer.FastTokenizer`
+    (no transformers import) where the folder declares the generic fast tokenizer.
 
     A folder whose tokenizer_config.json declares the generic fast tokenizer (a converted
     GGUF's, the bundled model's) loads that class directly: AutoTokenizer first reads the
     model's config through transformers' configuration module, which imports torch (seconds
-    of a command's start-up on a CPU) for the same tokenizer."""
+    of a command's start-up on a CPU) for the same tokenizer. Model-specific classes stay
+    with transformers in either mode: they may rebuild the backend from their own rules."""
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode must be one of {TOKENIZER_MODES}, got {mode!r}")
     folder = resolve_model_path(path)
     if _generic_fast_tokenizer(folder):
+        if mode == "tokenizers":
+            from jaxpaged.models.fast_tokenizer import FastTokenizer
+
+            return FastTokenizer.from_folder(folder)
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(folder)

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxpaged.gene
 
         return chat.run(args, first_message=args.prompt)
     terminal.configure_logging(args.verbose)
-    llm = terminal.one_sequence_llm(args)
+    llm = terminal.one_sequence_llm(args, one_shot=True)
     if args.chat:
         prompt: Prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:

@@ -58,7 +58,7 @@ def load_model(
     image = getattr(model_config, "image", None)
     if isinstance(image, ImageSpec):  # the processor's size, mean and std
         model_config = dataclasses.replace(model_config, image=image_spec_for_folder(image, folder))
-    return model_config, params, load_tokenizer(folder), eos
+    return model_config, params, load_tokenizer(folder, args.tokenizer_mode), eos
 
 
 def model_for_engine(

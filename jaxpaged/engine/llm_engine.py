@@ -199,6 +199,7 @@ class LLMEngine:
                 eagle=eagle,
                 image_slots=image_slots,
                 program_store=program_store(process_config.program_cache_dir, self.mesh),
+                huge_pages=process_config.huge_pages,
             )
 
         eos = eos_ids(model_config, tokenizer, eos_token_ids)

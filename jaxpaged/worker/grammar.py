@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy as llnp
 import numpy as np
 
@@ -63,6 +62,19 @@ def _grammar_text(spec: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
+def _llg_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for ``tokenizer``. transformers' fast tokenizers go through
+    ``llguidance.hf``, imported here (it imports transformers) so an engine that never uses
+    a grammar does not pay for it; a tokenizer of the ``tokenizers`` library alone (the
+    terminal commands', jaxpaged.models.light_tokenizer) hands over its backend directly."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not type(tokenizer).__module__.startswith("transformers"):
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+    from llguidance import hf
+
+    return hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+
+
 class GrammarCompiler:
     """Checks and caches grammars for one tokenizer (thread-safe: admission runs in the
     callers' threads). The llguidance tokenizer is built on first use (~1.5 s here)."""
@@ -79,9 +91,7 @@ class GrammarCompiler:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             try:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos
-                )
+                self._tokenizer = _llg_tokenizer(self._hf, self.vocab_size, self._eos)
             except Exception as e:  # not a fast Hugging Face tokenizer
                 raise ValueError(
                     "structured_output: this model's tokenizer cannot drive a grammar "

@@ -95,6 +95,7 @@ class Runner:
         eagle: tuple[Eagle3Config, dict[str, np.ndarray]] | None = None,
         image_slots: int = 0,
         program_store: ProgramStore | None = None,
+        huge_pages: bool = True,
     ) -> None:
         """``params`` is the model's state as a pytree and ``graphdef`` its NNX graph
         definition (None: the Llama family over ``model_config``); ``platform``: the engine's,
@@ -109,7 +110,8 @@ class Runner:
         the head's); ``program_store``: where its compiled programs are kept whole (None:
         jit's tracing at every start);
         ``image_slots``: a vision-language model's encoder cache, in images (0: the model
-        takes no images; jaxpaged.worker.images)."""
+        takes no images; jaxpaged.worker.images); ``huge_pages``: the streamed weights moved
+        onto 2 MiB pages at load (kernels/cpu/huge_pages.py)."""
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_slots = draft_slots
         self.drafter = None  # spec_draft.DraftModelProposer, set by the engine builder
@@ -154,7 +156,7 @@ class Runner:
         self.params: Params | None = None
         self.huge_page_bytes = 0
         # host (numpy) leaves go to the default device once, not with every step
-        self._install_params(self.params_spec.place(params))
+        self._install_params(self.params_spec.place(params), huge_pages=huge_pages)
         # packing may add a leaf (the tied vocabulary projection's own packed copy); a swap
         # packs the same way, so the graph definition stays valid across update_params
         self.graphdef = StaticGraph(self._hooks.graphdef_for(self.params, graphdef))

@@ -60,6 +60,8 @@ CLI_CASES = {
     "configure_process": (["--configure-process"], True),
     "compile_cache_dir": (["--compile-cache-dir", "/tmp/xla-cache"], "/tmp/xla-cache"),
     "program_cache_dir": (["--program-cache-dir", "/tmp/programs"], "/tmp/programs"),
+    "huge_pages": (["--no-huge-pages"], False),
+    "tokenizer_mode": (["--tokenizer-mode", "tokenizers"], "tokenizers"),
     "enable_lora": (["--enable-lora"], True),
     "max_loras": (["--max-loras", "3"], 3),
     "limit_mm_per_prompt": (["--limit-mm-per-prompt", '{"image": 2}'], 2),
@@ -192,6 +194,10 @@ def test_compile_cache_dir_may_be_a_path():
     assert args.process_config().compile_cache_dir == "/tmp/xla-cache"
     programs = EngineArgs(program_cache_dir=pathlib.Path("/tmp/programs"))
     assert programs.process_config().program_cache_dir == "/tmp/programs"
+    assert EngineArgs().process_config().huge_pages
+    assert not EngineArgs(huge_pages=False).process_config().huge_pages
+    with pytest.raises(ValueError, match="huge_pages must be a bool"):
+        EngineArgs(huge_pages="no").process_config()
 
 
 @pytest.fixture

@@ -195,3 +195,23 @@ def test_close_schema_closes_declared_objects_everywhere_but_all_of_branches():
     assert closed["allOf"] == schema["allOf"] and closed["additionalProperties"] is False
     assert "additionalProperties" not in closed["properties"]["open"]
     assert "additionalProperties" not in point  # the input is not changed
+
+
+def test_fast_tokenizer_gives_the_same_masks(compiler, bundled_model_path):
+    """The terminal commands' tokenizer (tokenizers alone, jaxpaged.models.fast_tokenizer)
+    drives llguidance to the same masks as transformers' tokenizer of the folder."""
+    from jaxpaged.models.fast_tokenizer import FastTokenizer
+    from jaxpaged.worker.grammar import GrammarCompiler, GrammarMatchers
+
+    fast = GrammarCompiler(FastTokenizer.from_folder(bundled_model_path), 49152, [2])
+    spec = StructuredOutput(json={"type": "object", "properties": {"n": {"type": "integer"}}})
+    masks = []
+    for comp in (compiler[0], fast):
+        matchers = GrammarMatchers(comp)
+        matchers.add("r", spec)
+        rows = [matchers.masks(["r"])[0]]
+        for t in compiler[1].encode('{"n":12', add_special_tokens=False):
+            assert matchers.accept("r", t)
+            rows.append(matchers.masks(["r"])[0])
+        masks.append(np.stack(rows))
+    np.testing.assert_array_equal(masks[0], masks[1])
