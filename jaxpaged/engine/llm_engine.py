@@ -222,7 +222,6 @@ class LLMEngine:
                 bytes_per_block=bytes_per_block,
                 attention_backend=attention_backend,
                 mesh=self.mesh,
-                lora=self.lora is not None,
                 seed=seed,
             )
         self.layout = kv.layout(num_blocks)

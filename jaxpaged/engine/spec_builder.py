@@ -69,15 +69,12 @@ def draft_beside(
     bytes_per_block: int,
     attention_backend: str | None,
     mesh: Any,  # noqa: ANN401 - the target's jax Mesh (tensor parallel) or None
-    lora: bool,
     seed: int,
 ) -> tuple[int, int, DraftModelProposer]:
     """(blocks per pool, bytes a block of both pools holds, the drafter) for a draft model
     beside a target whose pool alone would get ``num_blocks`` of ``bytes_per_block``."""
     tp = 1 if mesh is None else mesh.size
-    check_draft(
-        draft[0], target, speculative_config, scheduler_config, tensor_parallel_size=tp, lora=lora
-    )
+    check_draft(draft[0], target, speculative_config, scheduler_config, tensor_parallel_size=tp)
     draft_model = DraftModel(
         *draft,
         cache_config=cache_config,
@@ -164,9 +161,10 @@ def check_draft(
     scheduler_config: SchedulerConfig,
     *,
     tensor_parallel_size: int,
-    lora: bool,
 ) -> None:
-    """ValueError for a draft model this engine cannot run beside ``target``."""
+    """ValueError for a draft model this engine cannot run beside ``target``. LoRA is not
+    one: the draft drafts without adapters (its runner has no LoRA slots and is given no
+    adapter loads; :mod:`jaxpaged.worker.spec_draft`), the target verifies with them."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
@@ -179,8 +177,6 @@ def check_draft(
             f"tensor_parallel_size ({tensor_parallel_size}): the draft model is split over "
             "the target's devices, as the target is"
         )
-    if lora:
-        raise ValueError("speculative_config: a draft model with LoRA is not supported")
     limit = speculative_config.max_model_len
     if limit is not None and limit < scheduler_config.max_model_len:
         raise ValueError(

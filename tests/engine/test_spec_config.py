@@ -91,9 +91,9 @@ def test_draft_split_as_the_target():
     for tp, draft_tp in ((2, None), (2, 2), (1, 1)):
         spec = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=2,
                                  draft_tensor_parallel_size=draft_tp)  # fmt: skip
-        check_draft(cfg, cfg, spec, sched, tensor_parallel_size=tp, lora=False)
+        check_draft(cfg, cfg, spec, sched, tensor_parallel_size=tp)
     spec = SpeculativeConfig(
         method="draft_model", model="d", num_speculative_tokens=2, draft_tensor_parallel_size=1
     )
     with pytest.raises(ValueError, match=r"draft_tensor_parallel_size \(1\).*\(2\)"):
-        check_draft(cfg, cfg, spec, sched, tensor_parallel_size=2, lora=False)
+        check_draft(cfg, cfg, spec, sched, tensor_parallel_size=2)
