@@ -1,6 +1,6 @@
 """An engine that is closed or dropped releases its compiled programs and device memory.
 
-One process (release_worker.py) builds warmed-up engines of distinct shapes in turn (8; 60
+One process (release_worker.py) builds warmed-up engines of distinct shapes in turn (6; 60
 with JAXPAGED_TEST_FULL=1: ~5 s each on 2 cores),
 through LLM and a checkpoint folder, closing half of them and only dropping the others.
 Each engine compiles its own programs (a step program holds its machine code in memory
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-NUM_ENGINES = 60 if os.environ.get("JAXPAGED_TEST_FULL") == "1" else 8
+NUM_ENGINES = 60 if os.environ.get("JAXPAGED_TEST_FULL") == "1" else 6
 HALF = NUM_ENGINES // 2
 # what JAX keeps process-wide whatever the engine does (traces of the jnp calls a model's
 # loading makes outside any jit, one per distinct shape) measured ~8 lines and ~20 MiB per

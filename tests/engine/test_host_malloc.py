@@ -1,6 +1,6 @@
 """The malloc tuning that keeps XLA:CPU's per-step buffers mapped (jaxpaged.kernels.cpu.host_malloc).
 
-Two fresh processes (untuned; tuned) run the bundled model and ask for the process settings
+Fresh processes (tuned; with JAXPAGED_TEST_FULL=1 first an untuned control) run the bundled model and ask for the process settings
 (``configure_process=True``; they are process-wide, and the arena limit only takes before JAX
 starts): 32 sequences in pure decode, counting the minor page faults per engine step in six
 windows of four steps (the tuned process: on a fresh thread, then on the main thread). The step's scratch (36 MiB)
@@ -82,9 +82,11 @@ def _decode_faults_per_step(model_path: str, tuning: str, threads: str) -> dict[
 
 
 def test_decode_steps_reuse_their_scratch_instead_of_faulting_it_in(bundled_model_path):
-    untuned = _decode_faults_per_step(bundled_model_path, "0", "main")["main"]
-    # the problem the tuning exists for (so this test can tell the two apart)
-    assert min(untuned) > 1000, f"faults per step without the tuning: {untuned}"
+    untuned = None
+    if os.environ.get("JAXPAGED_TEST_FULL") == "1":  # the control: ~18 s of CPU more
+        untuned = _decode_faults_per_step(bundled_model_path, "0", "main")["main"]
+        # the problem the tuning exists for (so this test can tell the two apart)
+        assert min(untuned) > 1000, f"faults per step without the tuning: {untuned}"
     # the fresh thread first: the steps it runs reuse what the main thread's warm-up left
     tuned = _decode_faults_per_step(bundled_model_path, "1", "thread,main")
     for thread, faults in tuned.items():

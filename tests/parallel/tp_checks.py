@@ -342,10 +342,11 @@ def check_quantized_int8(ctx: Ctx) -> None:
 
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     "errors": check_errors,
-    "family_llama": lambda c: check_family(c, "llama"),
+    # llama at TP 4 (KV heads replicated): multihost, warmup_no_recompile, quantized_int8
+    "family_llama": lambda c: check_family(c, "llama", (2,)),
     "multihost": check_multihost,
     "family_qwen2": lambda c: check_family(c, "qwen2"),
-    # llama runs TP 2 and 4; q/k norm (qwen3) and MQA replicated 4 ways (mistral) at TP 4
+    # q/k norm (qwen3) and MQA replicated 4 ways (mistral) at TP 4
     "family_qwen3": lambda c: check_family(c, "qwen3", (4,)),
     "family_mistral": lambda c: check_family(c, "mistral", (4,)),
     "bloom": check_bloom,
