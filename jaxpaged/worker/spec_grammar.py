@@ -30,19 +30,41 @@ need a host round trip per draft position and is not done.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from jaxpaged.sched.output import SchedulerOutput
+from jaxpaged.sched.output import ScheduledSeq, SchedulerOutput
 from jaxpaged.worker.buckets import Bucket
+from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.step import StepBatch
 
-if TYPE_CHECKING:  # the target's runner; typing only (the runner imports this module)
-    from jaxpaged.worker.runner import Runner
+__all__ = [
+    "DraftMasks",
+    "DraftingRunner",
+    "batch_after_drafts",
+    "draft_model_drafts",
+    "with_given_drafts",
+]
 
-__all__ = ["DraftMasks", "batch_after_drafts", "draft_model_drafts", "with_given_drafts"]
+
+class DraftingRunner(Protocol):
+    """What this module reads of the target's runner (which imports this module)."""
+
+    input_batch: InputBatch
+    drafter: Any  # the draft model's proposer, or None (EAGLE-3 drafts in the step)
+    sampled: jax.Array  # int32 [R]: the last step's token array
+
+    def build_batch(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        bucket: Bucket,
+        allowed: Mapping[int, np.ndarray] | None = None,
+    ) -> tuple[StepBatch, dict[int, str]]: ...
+
+    def propose(self, batch: StepBatch, bucket: Bucket) -> jax.Array: ...  # int32 [S, K]
+
 
 # a request's drafts -> its masks, int32 [len(drafts) + 1, W] (GrammarMatchers.masks_through)
 MasksAfter = Callable[[Sequence[int]], np.ndarray]
@@ -97,7 +119,11 @@ def with_given_drafts(batch: StepBatch, drafts: Mapping[int, Sequence[int]]) -> 
 
 
 def batch_after_drafts(
-    runner: Runner, plan: SchedulerOutput, bucket: Bucket, batch: StepBatch, masks: DraftMasks
+    runner: DraftingRunner,
+    plan: SchedulerOutput,
+    bucket: Bucket,
+    batch: StepBatch,
+    masks: DraftMasks,
 ) -> StepBatch:
     """The target step's batch once the pending grammar requests' device drafts are read
     back (the wait the module docstring describes) and their masks made from them."""

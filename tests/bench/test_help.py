@@ -12,7 +12,7 @@ from jaxpaged.cli import bench as bench_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {
-    "accelerator_check", "embed", "gpu_decode", "kernels", "kv_offload", "overlap", "quant",
+    "accelerator_check", "cold_start", "embed", "gpu_decode", "kernels", "kv_offload", "overlap", "quant",
     "q4_vs_float", "quant_quality",
     "roofline", "serving", "speculative", "step_breakdown", "structured_json", "throughput",
     "vision",
