@@ -16,10 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _LINEAR_Q4_TARGET, _fused_operands, _require
+from .features import cpu_flags
 
-__all__ = ["is_grouped_weight", "linear_q4"]
+__all__ = ["int16_rows", "is_grouped_weight", "linear_q4"]
 
 CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
+LANES_MIN = 9  # with AVX512-VNNI, from this many real rows x is rounded to int16 (lanes path)
+
+
+def int16_rows(rows: int, flags: frozenset[str] | None = None) -> bool:
+    """Whether a step of ``rows`` real rows has its x rounded to int16 per row (max |x| /
+    32767) in the kernel on a CPU with ``flags`` (default: this one's), as the kernel built
+    with -march=native chooses: one row (two without AVX-512) on AVX2, and with AVX512-VNNI
+    also ``LANES_MIN`` rows and more (cpu_linear_q4_lanes.h); float32 otherwise."""
+    flags = cpu_flags() if flags is None else flags
+    avx512 = {"avx512f", "avx512bw"} <= flags
+    if "avx2" not in flags or "fma" not in flags:
+        return False
+    if rows <= (1 if avx512 else 2):
+        return True
+    return avx512 and {"avx512_vnni", "avx512vl"} <= flags and rows >= LANES_MIN
 
 
 def is_grouped_weight(w: Any) -> bool:
@@ -43,8 +59,10 @@ def linear_q4(
 ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ dequantize(w[layer]).T  [M, N]
     """`cpu.linear`'s contract over a group-wise quantized weight: each group's products
     summed, times its scale, plus its min times the sum of x over the group. In float32,
-    except for one or two real rows (decode at batch 1-2), whose x is rounded to int16 with
-    a per-row scale (max |x| / 32767, as linear_q8) so the products run in vpmaddwd."""
+    except where ``int16_rows`` says x is rounded to int16 with a per-row scale (max |x| /
+    32767, as linear_q8) so the products run in integer multiply-adds: one real row (decode
+    at batch 1), and with AVX512-VNNI 9 rows and more (vpdpwssd, twice float32's
+    multiply-adds an instruction)."""
     _require("kernels")
     values, scales, mins, bits = w.values, w.scales, w.mins, w.bits
     k = x.shape[-1]

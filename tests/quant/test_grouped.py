@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.kernels import cpu
-from jaxpaged.kernels.cpu.linear_q4 import linear_q4
+from jaxpaged.kernels.cpu.linear_q4 import int16_rows, linear_q4
 from jaxpaged.models.layers import rms_norm
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
 from jaxpaged.models.quant import GroupedWeight, is_quantized, quantize_grouped, weight_bytes
@@ -182,7 +182,7 @@ def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n)
 
     got = np.asarray(run(x, jax.tree.map(jnp.asarray, w), gate, residual, norm_w))
     xr = np.asarray(rms_norm(jax.nn.silu(gate) * x, norm_w, 1e-5))
-    if real == 1:  # the int16 path: x rounded to int16 with a per-row scale, max |x| / 32767
+    if int16_rows(real):  # x rounded to int16 with a per-row scale, max |x| / 32767
         scale = np.abs(xr).max(axis=1, keepdims=True) / 32767
         xr = np.rint(xr / scale) * scale
     want = np.asarray(residual) + xr.astype(np.float64) @ w.dequantize(np.float32)[2].T
@@ -232,8 +232,8 @@ def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
     for rows in (1, 3, 8, 20, 40):
         got = np.asarray(run(x, wj, jnp.int32(rows)))
         xr = np.asarray(x)[:rows]
-        if rows == 1:  # the int16 path's rounding of x
-            scale = np.abs(xr).max() / 32767
+        if int16_rows(rows):  # the int16 paths' rounding of x
+            scale = np.abs(xr).max(axis=1, keepdims=True) / 32767
             xr = np.rint(xr / scale) * scale
         np.testing.assert_allclose(got[:rows], xr @ dense, rtol=1e-4, atol=1e-3)
         np.testing.assert_array_equal(got[rows:], 0.0)
