@@ -282,22 +282,24 @@ constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AV
 
 #ifdef JAXPAGED_Q4_LANES
 // Many rows with AVX512-VNNI (cpu_linear_q4_lanes.h). LanesX::row(r) rounds row r of x to
-// int16 (called in the pass that prepares the rows, so no pass of its own), then run()
+// int16 per group (called in the pass that prepares the rows, so no pass of its own), then run()
 // stores the pairs transposed on the calling thread (a few microseconds: cheaper than
 // waking the pool once more) and runs work items of (row block, outputs) in block_lanes.
 struct LanesX {
   LanesX(int64_t M, int64_t K, int64_t G) : M(M), K(K), G(G), groups(K / G), mp((M + 15) / 16 * 16) {
     if (xq.size() < static_cast<size_t>(M * K)) xq.resize(M * K);
-    if (xs.size() < static_cast<size_t>(M)) xs.resize(M);
+    if (xs.size() < static_cast<size_t>(M * groups)) xs.resize(M * groups);
+    if (xsc.size() < static_cast<size_t>(mp * groups)) xsc.resize(mp * groups);
     if (sums.size() < static_cast<size_t>(M * groups)) sums.resize(M * groups);
     if (xsum.size() < static_cast<size_t>(mp * groups)) xsum.resize(mp * groups);
     if (xp.size() < static_cast<size_t>(mp * K / 2)) xp.resize(mp * K / 2);
     // the calling thread's buffers: row() runs on pool threads too
     xqp = xq.data(), xsp = xs.data(), sump = sums.data(), xsump = xsum.data(), xpp = xp.data();
+    xscp = xsc.data();
   }
 
   void row(const float* x, int64_t r) {  // x: row r, [K]
-    jaxpaged::q4::quantize_row16_z(x, K, G, xqp + r * K, xsp + r, sump + r * groups);
+    jaxpaged::q4::quantize_groups16_z(x, K, G, xqp + r * K, xsp + r * groups, sump + r * groups);
   }
 
   void run(ffi::ThreadPool& pool, int64_t bits, int64_t N, const uint8_t* wl, const float* sl,
@@ -311,8 +313,11 @@ struct LanesX {
     for (int64_t p = 0; p < half; ++p)
       for (int64_t m = M; m < mp; ++m) xpp[p * mp + m] = 0;
     for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t m = 0; m < M; ++m) xsump[g * mp + m] = sump[m * groups + g];
-      for (int64_t m = M; m < mp; ++m) xsump[g * mp + m] = 0.0f;
+      for (int64_t m = 0; m < M; ++m) {
+        xsump[g * mp + m] = sump[m * groups + g];
+        xscp[g * mp + m] = xsp[m * groups + g];
+      }
+      for (int64_t m = M; m < mp; ++m) xsump[g * mp + m] = xscp[g * mp + m] = 0.0f;
     }
     constexpr int64_t kRows = 96;  // rows per work item
     constexpr int64_t kOut = 2 * jaxpaged::q4::kLo;  // outputs per work item
@@ -321,24 +326,25 @@ struct LanesX {
       const int64_t m0 = (i / out_blocks) * kRows, n0 = (i % out_blocks) * kOut;
       const int64_t rows = std::min(kRows, M - m0), n1 = std::min(N, n0 + kOut);
       if (bits == 4)
-        jaxpaged::q4::block_lanes<4>(xpp, xsump, xsp, mp, wl, sl, ml, residual, yp, K, G, N,
+        jaxpaged::q4::block_lanes<4>(xpp, xscp, xsump, mp, wl, sl, ml, residual, yp, K, G, N,
                                      m0, rows, n0, n1);
       else
-        jaxpaged::q4::block_lanes<8>(xpp, xsump, xsp, mp, wl, sl, nullptr, residual, yp, K, G,
+        jaxpaged::q4::block_lanes<8>(xpp, xscp, xsump, mp, wl, sl, nullptr, residual, yp, K, G,
                                      N, m0, rows, n0, n1);
     });
   }
 
   const int64_t M, K, G, groups, mp;  // mp: rows padded to whole vectors
   int16_t* xqp;
-  float *xsp, *sump, *xsump;
+  float *xsp, *sump, *xsump, *xscp;
   int32_t* xpp;
   static thread_local std::vector<int16_t> xq;  // [M, K]
-  static thread_local std::vector<float> xs, sums, xsum;  // [M], [M, K / G], [K / G, mp]
+  static thread_local std::vector<float> xs, sums;  // x's group scales and sums [M, K / G]
+  static thread_local std::vector<float> xsc, xsum;  // the same, transposed: [K / G, mp]
   static thread_local std::vector<int32_t> xp;  // [K / 2, mp]
 };
 thread_local std::vector<int16_t> LanesX::xq;
-thread_local std::vector<float> LanesX::xs, LanesX::sums, LanesX::xsum;
+thread_local std::vector<float> LanesX::xs, LanesX::sums, LanesX::xsc, LanesX::xsum;
 thread_local std::vector<int32_t> LanesX::xp;
 #endif
 

@@ -1,14 +1,14 @@
 // cpu_linear_q4.cc's path for many rows with AVX512-VNNI: the rows in the vector lanes, the
 // weights in int16 pairs, vpdpwssd.
 //
-// x is rounded to int16 per row (max |x| / 32767, as the one-row path) and stored as pairs
+// x is rounded to int16 per group of inputs (max |x| / 32767 of the group) and stored as pairs
 // (x[k], x[k+1]) in one 32-bit lane per row, transposed: [K/2, rows]. A work item widens
 // NR outputs' weights once to int16 pairs ([NR, K/2] 32-bit words), then every tile of
 // 16 or 32 rows broadcasts one word per output and k pair into one vpdpwssd per 16 rows: 32
 // multiply-adds an instruction where the float32 kernels (block_z here, the panel kernel
 // for float weights) do 16, and the weights need no conversion to float. The int32 sums of
-// a group are converted and scaled once per group (one conversion and one FMA per 16 rows
-// and output), the mins' term added from the group sums of x. Measured against block_z
+// a group are converted and scaled once per group (a conversion, a multiply and an FMA per
+// 16 rows and output), the mins' term added from the sums of x's rounded groups. Measured against block_z
 // and the float32 panel kernel in bench/q4_vs_float.py (bench/RESULTS.md).
 #pragma once
 
@@ -27,29 +27,42 @@
 namespace jaxpaged::q4 {
 
 constexpr int64_t kLanesMin = 9;  // rows from which the lane path runs (fewer: dot_rows)
-constexpr int64_t kLanesMax = 1 << 20;  // rows up to which it runs (more: block_z)
+// rows up to which it runs: decode steps. More (prefill chunks) take block_z in float32: x
+// rounded to int16 moved the bundled SmolLM2's logits over 64 prompt tokens by up to 0.014
+// from the float expansion's (float32 kernels: < 1e-3)
+constexpr int64_t kLanesMax = 32;
 
-// Row x [K] rounded to int16 (scale max |x| / 32767; round to nearest even, as lrintf):
-// xq [K], *scale, the group sums of xq as float, sums [K / G].
-inline void quantize_row16_z(const float* x, int64_t K, int64_t G, int16_t* xq, float* scale,
-                             float* sums) {
-  __m512 mx = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-  const float absmax = _mm512_reduce_max_ps(mx);
-  const float s = absmax > 0.0f ? absmax / 32767.0f : 1.0f;
-  const __m512 inv = _mm512_set1_ps(1.0f / s);
+// Row x [K] rounded to int16 per group of G inputs (scale: the group's max |x| / 32767;
+// round to nearest even, as lrintf): xq [K], scales [K / G], and the sums of the rounded
+// groups, sums [K / G] (the mins' term then sees the x the products see: with x's own sums
+// the rounding error met 4-bit weights' q * scale, all of one sign, not the weights
+// themselves, and grew ~10x). A scale per group, not per row: a row's few outlier inputs (hundreds of
+// times the rest) would leave the others a handful of int16 steps.
+inline void quantize_groups16_z(const float* x, int64_t K, int64_t G, int16_t* xq,
+                                float* scales, float* sums) {
   const __m512i lo = _mm512_set1_epi32(-32767), hi = _mm512_set1_epi32(32767);
   for (int64_t g = 0; g < K / G; ++g) {
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + k);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
     __m512i total = _mm512_setzero_si512();
+    const float absmax = _mm512_reduce_max_ps(mx);
+    // a NaN in x makes its group's scale NaN, so it reaches y as in float32
+    const float s = nan ? std::nanf("") : absmax > 0.0f ? absmax / 32767.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / s);
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
       __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
       q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
       total = _mm512_add_epi32(total, q);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + k), _mm512_cvtepi32_epi16(q));
     }
-    sums[g] = static_cast<float>(_mm512_reduce_add_epi32(total));
+    scales[g] = s;
+    sums[g] = s * static_cast<float>(_mm512_reduce_add_epi32(total));
   }
-  *scale = s;
 }
 
 // Inputs [k, k + 16) of one output as 8 int16 pairs (k order, the low half the even input).
@@ -90,12 +103,13 @@ inline void widen_pairs(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
   }
 }
 
-// out[j][r] = sum over groups g of scale[j, g] * (sum over the group's k pairs p of
-// wp[j, p] . xp[p, r]) + min[j, g] * xsum[g, r], for j < NR and r < 16 NV.
-// xp: [K / 2, ldx] pairs; wp: widen_pairs' blocks from the tile's first output; xsum:
-// [K / G, ldx].
+// out[j][r] = sum over groups g of scale[j, g] * xsc[g, r] * (sum over the group's k pairs
+// p of wp[j, p] . xp[p, r]) + min[j, g] * xsum[g, r], for j < NR and r < 16 NV.
+// xp: [K / 2, ldx] pairs; wp: widen_pairs' blocks from the tile's first output; xsc, xsum:
+// x's group scales and sums, [K / G, ldx].
 template <int NR, int NV>
-inline void tile_lanes(const int32_t* xp, const float* xsum, int64_t ldx, const int32_t* wp,
+inline void tile_lanes(const int32_t* xp, const float* xsc, const float* xsum, int64_t ldx,
+                       const int32_t* wp,
                        int64_t K, int64_t G, const float* scales, const float* mins,
                        float (*out)[32]) {
   const int64_t groups = K / G, gp = G / 2;
@@ -126,12 +140,16 @@ inline void tile_lanes(const int32_t* xp, const float* xsum, int64_t ldx, const 
           for (int v = 0; v < NV; ++v) part[j][v] = dpwssd_bcast(part[j][v], xv[v], wc + j * 8 + q);
       }
     }
+    __m512 xv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) xv[v] = _mm512_loadu_ps(xsc + g * ldx + 16 * v);
 #pragma GCC unroll 12
     for (int j = 0; j < NR; ++j) {
       const __m512 sv = _mm512_set1_ps(scales[j * groups + g]);
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v)
-        acc[j][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[j][v]), sv, acc[j][v]);
+        acc[j][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[j][v]), _mm512_mul_ps(sv, xv[v]),
+                                    acc[j][v]);
       if (mins != nullptr) {
         const __m512 mv = _mm512_set1_ps(mins[j * groups + g]);
 #pragma GCC unroll 2
@@ -148,25 +166,25 @@ inline void tile_lanes(const int32_t* xp, const float* xsum, int64_t ldx, const 
 
 // tile_lanes over `cols` (1 .. kLo) outputs of one tile of 16 NV rows.
 template <int NV>
-inline void tile_lanes_cols(int64_t cols, const int32_t* xp, const float* xsum, int64_t ldx,
+inline void tile_lanes_cols(int64_t cols, const int32_t* xp, const float* xsc,
+                            const float* xsum, int64_t ldx,
                             const int32_t* wp, int64_t K, int64_t G, const float* scales,
                             const float* mins, float (*out)[32]) {
   constexpr int64_t step = NV > 1 ? kLo2 : kLo1;
   const int64_t groups = K / G;
   int64_t j = 0;
   for (; j + step <= cols; j += step)
-    tile_lanes<step, NV>(xp, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
+    tile_lanes<step, NV>(xp, xsc, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
                          mins != nullptr ? mins + j * groups : nullptr, out + j);
   for (; j < cols; ++j)
-    tile_lanes<1, NV>(xp, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
+    tile_lanes<1, NV>(xp, xsc, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
                       mins != nullptr ? mins + j * groups : nullptr, out + j);
 }
 
-// Rows [m0, m0 + rows) of y over outputs [n0, n1). xp: x's int16 pairs [K / 2, ldx]; xsum:
-// its group sums [K / G, ldx]; xs: its row scales [rows of the step]; ldx a multiple of 16
-// (padding rows zero).
+// Rows [m0, m0 + rows) of y over outputs [n0, n1). xp: x's int16 pairs [K / 2, ldx]; xsc,
+// xsum: its group scales and sums [K / G, ldx]; ldx a multiple of 16 (padding rows zero).
 template <int BITS>
-void block_lanes(const int32_t* xp, const float* xsum, const float* xs, int64_t ldx,
+void block_lanes(const int32_t* xp, const float* xsc, const float* xsum, int64_t ldx,
                  const uint8_t* w, const float* scales, const float* mins,
                  const float* residual, float* y, int64_t K, int64_t G, int64_t N, int64_t m0,
                  int64_t rows, int64_t n0, int64_t n1) {
@@ -197,14 +215,13 @@ void block_lanes(const int32_t* xp, const float* xsum, const float* xs, int64_t 
       const int64_t rt = std::min<int64_t>(32, rows - t);
       const int64_t r0 = m0 + t;
       if (rt > 16)
-        tile_lanes_cols<2>(cols, xp + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
+        tile_lanes_cols<2>(cols, xp + r0, xsc + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
       else
-        tile_lanes_cols<1>(cols, xp + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
+        tile_lanes_cols<1>(cols, xp + r0, xsc + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
       for (int64_t r = 0; r < rt; ++r) {
         const int64_t at = (r0 + r) * N + n;
-        const float s = xs[r0 + r];
         for (int64_t j = 0; j < cols; ++j)
-          y[at + j] = out[j][r] * s + (residual != nullptr ? residual[at + j] : 0.0f);
+          y[at + j] = out[j][r] + (residual != nullptr ? residual[at + j] : 0.0f);
       }
     }
   }
