@@ -11,7 +11,8 @@
 // Up to kIntRows rows (decode at batch 1, or 1-2 without AVX-512) take an int16 path
 // (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd. Past
 // them, with AVX-512, cpu_linear_q4_512.h's float32 paths: dot_rows up to kDotRows rows,
-// block_z past them. Without AVX-512 a work item (row block, kTn outputs) dequantizes kTo
+// block_z past them; with AVX512-VNNI, decode steps of 9-32 rows take
+// cpu_linear_q4_lanes.h's int16 path instead (x rounded per group, vpdpwssd). Without AVX-512 a work item (row block, kTn outputs) dequantizes kTo
 // outputs' weights at a time into a float32 buffer that every row tile reads (tile_t below),
 // so each weight streams from memory once per row block of kMc rows.
 
