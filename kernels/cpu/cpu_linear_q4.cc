@@ -11,8 +11,9 @@
 // Up to kIntRows rows (decode at batch 1, or 1-2 without AVX-512) take an int16 path
 // (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd. Past
 // them, with AVX-512, cpu_linear_q4_512.h's float32 paths: dot_rows up to kDotRows rows,
-// block_z past them; with AVX512-VNNI, decode steps of 9-32 rows take
-// cpu_linear_q4_lanes.h's int16 path instead (x rounded per group, vpdpwssd). Without AVX-512 a work item (row block, kTn outputs) dequantizes kTo
+// block_z past them; with AVX512-VNNI, decode steps of 6-32 rows take
+// cpu_linear_q4_lanes.h's int16 path instead (x rounded per group, vpdpwssd). Without
+// AVX-512 a work item (row block, kTn outputs) dequantizes kTo
 // outputs' weights at a time into a float32 buffer that every row tile reads (tile_t below),
 // so each weight streams from memory once per row block of kMc rows.
 
@@ -287,7 +288,8 @@ constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AV
 // stores the pairs transposed on the calling thread (a few microseconds: cheaper than
 // waking the pool once more) and runs work items of (row block, outputs) in block_lanes.
 struct LanesX {
-  LanesX(int64_t M, int64_t K, int64_t G) : M(M), K(K), G(G), groups(K / G), mp((M + 15) / 16 * 16) {
+  LanesX(int64_t M, int64_t K, int64_t G)
+      : M(M), K(K), G(G), groups(K / G), mp((M + 15) / 16 * 16) {
     if (xq.size() < static_cast<size_t>(M * K)) xq.resize(M * K);
     if (xs.size() < static_cast<size_t>(M * groups)) xs.resize(M * groups);
     if (xsc.size() < static_cast<size_t>(mp * groups)) xsc.resize(mp * groups);
@@ -455,6 +457,12 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
+#ifdef JAXPAGED_Q4_LANES
+  if (lanes) {
+    lx->run(pool, bits, N, wl, sl, ml, fused.residual, yp);
+    return ffi::Error::Success();
+  }
+#endif
 #ifdef JAXPAGED_AVX512
   if (M <= jaxpaged::q4::kDotRows) {
     constexpr int64_t kDotNb = jaxpaged::q4::kDotNb;
@@ -467,12 +475,6 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     });
     return ffi::Error::Success();
   }
-#ifdef JAXPAGED_Q4_LANES
-  if (lanes) {
-    lx->run(pool, bits, N, wl, sl, ml, fused.residual, yp);
-    return ffi::Error::Success();
-  }
-#endif
   constexpr int64_t kPad = 16;  // block_z reads x's rows 16 at a time
 #else
   constexpr int64_t kPad = 8;

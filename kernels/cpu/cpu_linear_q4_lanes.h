@@ -1,15 +1,16 @@
 // cpu_linear_q4.cc's path for many rows with AVX512-VNNI: the rows in the vector lanes, the
 // weights in int16 pairs, vpdpwssd.
 //
-// x is rounded to int16 per group of inputs (max |x| / 32767 of the group) and stored as pairs
-// (x[k], x[k+1]) in one 32-bit lane per row, transposed: [K/2, rows]. A work item widens
-// NR outputs' weights once to int16 pairs ([NR, K/2] 32-bit words), then every tile of
-// 16 or 32 rows broadcasts one word per output and k pair into one vpdpwssd per 16 rows: 32
-// multiply-adds an instruction where the float32 kernels (block_z here, the panel kernel
-// for float weights) do 16, and the weights need no conversion to float. The int32 sums of
-// a group are converted and scaled once per group (a conversion, a multiply and an FMA per
-// 16 rows and output), the mins' term added from the sums of x's rounded groups. Measured against block_z
-// and the float32 panel kernel in bench/q4_vs_float.py (bench/RESULTS.md).
+// x is rounded to int16 per group of inputs (max |x| / 32767 of the group) and stored as
+// pairs (x[k], x[k+1]) in one 32-bit lane per row, transposed: [K/2, rows]. A work item
+// widens NR outputs' weights once to int16 pairs (32-bit words), then every tile of 8
+// (256-bit vectors), 16 or 32 rows broadcasts one word per output and k pair into one
+// vpdpwssd per vector of rows: 32 multiply-adds per 512 bits where the float32 kernels
+// (block_z here, the panel kernel for float weights) do 16, and the weights need no
+// conversion to float. The int32 sums of a group are converted and scaled once per group (a
+// conversion, a multiply and an FMA per vector of rows and output), the mins' term added
+// from the sums of x's rounded groups. Measured against the float32 panel kernel in
+// bench/q4_vs_float.py (bench/RESULTS.md).
 #pragma once
 
 #include "cpu_simd.h"
@@ -26,7 +27,7 @@
 
 namespace jaxpaged::q4 {
 
-constexpr int64_t kLanesMin = 9;  // rows from which the lane path runs (fewer: dot_rows)
+constexpr int64_t kLanesMin = 6;  // rows from which the lane path runs (fewer: dot_rows)
 // rows up to which it runs: decode steps. More (prefill chunks) take block_z in float32: x
 // rounded to int16 moved the bundled SmolLM2's logits over 64 prompt tokens by up to 0.014
 // from the float expansion's (float32 kernels: < 1e-3)
@@ -36,8 +37,8 @@ constexpr int64_t kLanesMax = 32;
 // round to nearest even, as lrintf): xq [K], scales [K / G], and the sums of the rounded
 // groups, sums [K / G] (the mins' term then sees the x the products see: with x's own sums
 // the rounding error met 4-bit weights' q * scale, all of one sign, not the weights
-// themselves, and grew ~10x). A scale per group, not per row: a row's few outlier inputs (hundreds of
-// times the rest) would leave the others a handful of int16 steps.
+// themselves, and grew ~10x). A scale per group, not per row: a row's few outlier inputs
+// (hundreds of times the rest) would leave the others a handful of int16 steps.
 inline void quantize_groups16_z(const float* x, int64_t K, int64_t G, int16_t* xq,
                                 float* scales, float* sums) {
   const __m512i lo = _mm512_set1_epi32(-32767), hi = _mm512_set1_epi32(32767);
@@ -70,11 +71,20 @@ template <int BITS>
 inline __m256i pairs8(const uint8_t* row, int64_t k) {
   if constexpr (BITS == 4) {
     // byte b holds inputs k (low nibble) and k + 1 (high): (b | b << 12) & 0x000F000F
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
-    return _mm256_ternarylogic_epi32(v, _mm256_slli_epi32(v, 12), _mm256_set1_epi32(0x000F000F), 0xA8);
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
+    return _mm256_ternarylogic_epi32(v, _mm256_slli_epi32(v, 12),
+                                     _mm256_set1_epi32(0x000F000F), 0xA8);
   } else {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
   }
+}
+
+// dpwssd_bcast on 8 lanes (AVX512-VL): a step of up to 8 rows fills one 256-bit vector,
+// which runs at twice the 512-bit rate, so it costs half a 16-row tile.
+inline __m256i dpwssd_bcast8(__m256i acc, __m256i x, const int32_t* w) {
+  asm("vpdpwssd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*w));
+  return acc;
 }
 
 constexpr int64_t kLo1 = 12;  // outputs per tile of 16 rows: 12 int32 and 12 float sums
@@ -164,6 +174,43 @@ inline void tile_lanes(const int32_t* xp, const float* xsc, const float* xsum, i
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[j] + 16 * v, acc[j][v]);
 }
 
+// tile_lanes for up to 8 rows (the first 8 lanes of xp, xsc and xsum), in 256-bit vectors.
+template <int NR>
+inline void tile_lanes8(const int32_t* xp, const float* xsc, const float* xsum, int64_t ldx,
+                        const int32_t* wp, int64_t K, int64_t G, const float* scales,
+                        const float* mins, float (*out)[32]) {
+  const int64_t groups = K / G, gp = G / 2;
+  __m256 acc[NR];
+#pragma GCC unroll 12
+  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i part[NR];
+#pragma GCC unroll 12
+    for (int j = 0; j < NR; ++j) part[j] = _mm256_setzero_si256();
+    for (int64_t c = g * gp; c < (g + 1) * gp; c += 8) {
+      const int32_t* wc = wp + (c / 8) * kLo * 8;
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + (c + q) * ldx));
+#pragma GCC unroll 12
+        for (int j = 0; j < NR; ++j) part[j] = dpwssd_bcast8(part[j], xv, wc + j * 8 + q);
+      }
+    }
+    const __m256 xs = _mm256_loadu_ps(xsc + g * ldx);
+    const __m256 xm = _mm256_loadu_ps(xsum + g * ldx);
+#pragma GCC unroll 12
+    for (int j = 0; j < NR; ++j) {
+      const __m256 sv = _mm256_set1_ps(scales[j * groups + g]);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[j]), _mm256_mul_ps(sv, xs), acc[j]);
+      if (mins != nullptr)
+        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(mins[j * groups + g]), xm, acc[j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int j = 0; j < NR; ++j) _mm256_storeu_ps(out[j], acc[j]);
+}
+
 // tile_lanes over `cols` (1 .. kLo) outputs of one tile of 16 NV rows.
 template <int NV>
 inline void tile_lanes_cols(int64_t cols, const int32_t* xp, const float* xsc,
@@ -173,12 +220,21 @@ inline void tile_lanes_cols(int64_t cols, const int32_t* xp, const float* xsc,
   constexpr int64_t step = NV > 1 ? kLo2 : kLo1;
   const int64_t groups = K / G;
   int64_t j = 0;
+  if constexpr (NV == 0) {  // up to 8 rows
+    for (; j + kLo1 <= cols; j += kLo1)
+      tile_lanes8<kLo1>(xp, xsc, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
+                        mins != nullptr ? mins + j * groups : nullptr, out + j);
+    for (; j < cols; ++j)
+      tile_lanes8<1>(xp, xsc, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
+                     mins != nullptr ? mins + j * groups : nullptr, out + j);
+  } else {
   for (; j + step <= cols; j += step)
     tile_lanes<step, NV>(xp, xsc, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
                          mins != nullptr ? mins + j * groups : nullptr, out + j);
   for (; j < cols; ++j)
     tile_lanes<1, NV>(xp, xsc, xsum, ldx, wp + j * 8, K, G, scales + j * groups,
                       mins != nullptr ? mins + j * groups : nullptr, out + j);
+  }
 }
 
 // Rows [m0, m0 + rows) of y over outputs [n0, n1). xp: x's int16 pairs [K / 2, ldx]; xsc,
@@ -216,8 +272,10 @@ void block_lanes(const int32_t* xp, const float* xsc, const float* xsum, int64_t
       const int64_t r0 = m0 + t;
       if (rt > 16)
         tile_lanes_cols<2>(cols, xp + r0, xsc + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
-      else
+      else if (rt > 8)
         tile_lanes_cols<1>(cols, xp + r0, xsc + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
+      else
+        tile_lanes_cols<0>(cols, xp + r0, xsc + r0, xsum + r0, ldx, wp.data(), K, G, sn, mn, out);
       for (int64_t r = 0; r < rt; ++r) {
         const int64_t at = (r0 + r) * N + n;
         for (int64_t j = 0; j < cols; ++j)

@@ -21,7 +21,7 @@ from .features import cpu_flags
 __all__ = ["int16_rounding", "is_grouped_weight", "linear_q4"]
 
 CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
-LANES_ROWS = (9, 32)  # with AVX512-VNNI, real rows whose x is rounded to int16 (lanes path)
+LANES_ROWS = (6, 32)  # with AVX512-VNNI, real rows whose x is rounded to int16 (lanes path)
 
 
 def int16_rounding(rows: int, flags: frozenset[str] | None = None) -> str | None:
@@ -63,7 +63,7 @@ def linear_q4(
     summed, times its scale, plus its min times the sum of x over the group. In float32,
     except where ``int16_rounding`` says x is rounded to int16 with a per-row scale (max |x| /
     32767, as linear_q8; or per group) so the products run in integer multiply-adds: one real row (decode
-    at batch 1), and with AVX512-VNNI 9 to 32 rows, per group of inputs (vpdpwssd, twice
+    at batch 1), and with AVX512-VNNI 6 to 32 rows, per group of inputs (vpdpwssd, twice
     float32's multiply-adds an instruction)."""
     _require("kernels")
     values, scales, mins, bits = w.values, w.scales, w.mins, w.bits

@@ -180,9 +180,9 @@ def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n)
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
     the residual's rows without a matmul. The row counts cover every path: int16 (1 row;
     with AVX512-VNNI, 4-bit with two groups per 64 inputs or one, and 8-bit),
-    dot_rows (2-8 rows, one or two row tiles, 32- and 16-input steps, an output tail), the
-    lane path with AVX512-VNNI (9-32 rows: 16- and 32-row tiles, 12- and 6-output tiles and
-    single-output tails, groups of 16 to 128, 4- and 8-bit) and block_z (more, 16- and
+    dot_rows (2-8 rows, 2-5 with AVX512-VNNI: 32- and 16-input steps, an output tail), the
+    lane path with AVX512-VNNI (6-32 rows: 8-, 16- and 32-row tiles, 12- and 6-output tiles
+    and single-output tails, groups of 16 to 128, 4- and 8-bit) and block_z (more, 16- and
     32-row tiles, two row blocks) with AVX-512; the AVX2 paths elsewhere."""
     rng = np.random.default_rng(m * k + n + bits)
     w = quantize_grouped(rng.normal(0, 1, (3, n, k)).astype(np.float32), 1, group, bits)
@@ -253,7 +253,7 @@ def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32)])
 def test_linear_q4_decode_rows_write_every_output(bits, group):
-    """A decode bucket of 32 rows at 9, 16, 24 and 32 real rows (the lane path with
+    """A decode bucket of 32 rows at 6, 16, 24 and 32 real rows (the lane path with
     AVX512-VNNI), each call after one whose output was all NaN (x NaN, so a reused buffer
     starts poisoned): every real row equals the dequantized reference, every padding row is
     zero, in one compiled program."""
@@ -264,7 +264,7 @@ def test_linear_q4_decode_rows_write_every_output(bits, group):
     run = jax.jit(lambda x, w, rows: linear_q4(x, w, 1, num_rows=rows))
     dense = w.dequantize(np.float32)[1].T.astype(np.float64)
     poison = jnp.full((32, k), np.nan, jnp.float32)
-    for rows in (9, 16, 24, 32):
+    for rows in (6, 16, 24, 32):
         assert np.isnan(np.asarray(run(poison, wj, jnp.int32(32)))).all()
         x = rng.normal(0, 1, (32, k)).astype(np.float32)
         got = np.asarray(run(jnp.asarray(x), wj, jnp.int32(rows)))
