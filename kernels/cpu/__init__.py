@@ -39,6 +39,7 @@ _SOURCES = (
 _HEADERS = (
     _HERE / "cpu_fused.h",
     _HERE / "cpu_linear_q4_512.h",
+    _HERE / "cpu_linear_q4_lanes.h",
     _HERE / "cpu_parallel.h",
     _HERE / "cpu_simd.h",
 )

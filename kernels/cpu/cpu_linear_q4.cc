@@ -11,19 +11,24 @@
 // Up to kIntRows rows (decode at batch 1, or 1-2 without AVX-512) take an int16 path
 // (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd. Past
 // them, with AVX-512, cpu_linear_q4_512.h's float32 paths: dot_rows up to kDotRows rows,
-// block_z past them. Without AVX-512 a work item (row block, kTn outputs) dequantizes kTo
+// block_z past them; with AVX512-VNNI, decode steps of 6-32 rows take
+// cpu_linear_q4_lanes.h's int16 path instead (x rounded per group, vpdpwssd). Without
+// AVX-512 a work item (row block, kTn outputs) dequantizes kTo
 // outputs' weights at a time into a float32 buffer that every row tile reads (tile_t below),
 // so each weight streams from memory once per row block of kMc rows.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 #include "cpu_fused.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
 #include "cpu_linear_q4_512.h"  // after cpu_simd.h, which defines JAXPAGED_AVX512
+#include "cpu_linear_q4_lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -277,6 +282,75 @@ constexpr int64_t kIntRows = 1;
 constexpr int64_t kIntRows = 2;  // up to this many rows take the int16 path (AVX2)
 #endif
 
+#ifdef JAXPAGED_Q4_LANES
+// Many rows with AVX512-VNNI (cpu_linear_q4_lanes.h). LanesX::row(r) rounds row r of x to
+// int16 per group (called in the pass that prepares the rows, so no pass of its own), then run()
+// stores the pairs transposed on the calling thread (a few microseconds: cheaper than
+// waking the pool once more) and runs work items of (row block, outputs) in block_lanes.
+struct LanesX {
+  LanesX(int64_t M, int64_t K, int64_t G)
+      : M(M), K(K), G(G), groups(K / G), mp((M + 15) / 16 * 16) {
+    if (xq.size() < static_cast<size_t>(M * K)) xq.resize(M * K);
+    if (xs.size() < static_cast<size_t>(M * groups)) xs.resize(M * groups);
+    if (xsc.size() < static_cast<size_t>(mp * groups)) xsc.resize(mp * groups);
+    if (sums.size() < static_cast<size_t>(M * groups)) sums.resize(M * groups);
+    if (xsum.size() < static_cast<size_t>(mp * groups)) xsum.resize(mp * groups);
+    if (xp.size() < static_cast<size_t>(mp * K / 2)) xp.resize(mp * K / 2);
+    // the calling thread's buffers: row() runs on pool threads too
+    xqp = xq.data(), xsp = xs.data(), sump = sums.data(), xsump = xsum.data(), xpp = xp.data();
+    xscp = xsc.data();
+  }
+
+  void row(const float* x, int64_t r) {  // x: row r, [K]
+    jaxpaged::q4::quantize_groups16_z(x, K, G, xqp + r * K, xsp + r * groups, sump + r * groups);
+  }
+
+  void run(ffi::ThreadPool& pool, int64_t bits, int64_t N, const uint8_t* wl, const float* sl,
+           const float* ml, const float* residual, float* yp) {
+    // pairs transposed: xp[p, m] = row m's pair p (its int16 row read as 32-bit words)
+    const int64_t half = K / 2;
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* row = xqp + m * K;
+      for (int64_t p = 0; p < half; ++p) std::memcpy(xpp + p * mp + m, row + 2 * p, 4);
+    }
+    for (int64_t p = 0; p < half; ++p)
+      for (int64_t m = M; m < mp; ++m) xpp[p * mp + m] = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t m = 0; m < M; ++m) {
+        xsump[g * mp + m] = sump[m * groups + g];
+        xscp[g * mp + m] = xsp[m * groups + g];
+      }
+      for (int64_t m = M; m < mp; ++m) xsump[g * mp + m] = xscp[g * mp + m] = 0.0f;
+    }
+    constexpr int64_t kRows = 96;  // rows per work item
+    constexpr int64_t kOut = 2 * jaxpaged::q4::kLo;  // outputs per work item
+    const int64_t row_blocks = (M + kRows - 1) / kRows, out_blocks = (N + kOut - 1) / kOut;
+    jaxpaged::parallel_for_runs(pool, row_blocks * out_blocks, [&](int64_t i) {
+      const int64_t m0 = (i / out_blocks) * kRows, n0 = (i % out_blocks) * kOut;
+      const int64_t rows = std::min(kRows, M - m0), n1 = std::min(N, n0 + kOut);
+      if (bits == 4)
+        jaxpaged::q4::block_lanes<4>(xpp, xscp, xsump, mp, wl, sl, ml, residual, yp, K, G, N,
+                                     m0, rows, n0, n1);
+      else
+        jaxpaged::q4::block_lanes<8>(xpp, xscp, xsump, mp, wl, sl, nullptr, residual, yp, K, G,
+                                     N, m0, rows, n0, n1);
+    });
+  }
+
+  const int64_t M, K, G, groups, mp;  // mp: rows padded to whole vectors
+  int16_t* xqp;
+  float *xsp, *sump, *xsump, *xscp;
+  int32_t* xpp;
+  static thread_local std::vector<int16_t> xq;  // [M, K]
+  static thread_local std::vector<float> xs, sums;  // x's group scales and sums [M, K / G]
+  static thread_local std::vector<float> xsc, xsum;  // the same, transposed: [K / G, mp]
+  static thread_local std::vector<int32_t> xp;  // [K / 2, mp]
+};
+thread_local std::vector<int16_t> LanesX::xq;
+thread_local std::vector<float> LanesX::xs, LanesX::sums, LanesX::xsc, LanesX::xsum;
+thread_local std::vector<int32_t> LanesX::xp;
+#endif
+
 ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
                         ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> num_rows,
@@ -313,9 +387,17 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   if (xf.size() < static_cast<size_t>(M * K)) xf.resize(M * K);
   float* xfp = xf.data();
   const float* xp = x.typed_data();
+#ifdef JAXPAGED_Q4_LANES
+  const bool lanes = M >= jaxpaged::q4::kLanesMin && M <= jaxpaged::q4::kLanesMax;
+  std::optional<LanesX> lx;
+  if (lanes) lx.emplace(M, K, G);
+#endif
   jaxpaged::parallel_for(pool, M, [&](int64_t r) {
     const float* gate = fused.gate ? fused.gate + r * K : nullptr;
     jaxpaged::PrepareRow(xp + r * K, gate, fused.norm_w, norm_eps, K, xfp + r * K);
+#ifdef JAXPAGED_Q4_LANES
+    if (lanes) lx->row(xfp + r * K, r);
+#endif
   });
   const int64_t row_bytes = nibbles ? K / 2 : K;
   const uint8_t* wl = static_cast<const uint8_t*>(values.untyped_data()) + layer * N * row_bytes;
@@ -372,6 +454,12 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
       else
         row_int<8>(xr, xs[m], sr, wl, sl, nullptr, fused.residual, yp, K, G, N, m, n0, n1);
     });
+    return ffi::Error::Success();
+  }
+#endif
+#ifdef JAXPAGED_Q4_LANES
+  if (lanes) {
+    lx->run(pool, bits, N, wl, sl, ml, fused.residual, yp);
     return ffi::Error::Success();
   }
 #endif

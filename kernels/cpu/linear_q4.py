@@ -16,10 +16,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _LINEAR_Q4_TARGET, _fused_operands, _require
+from .features import cpu_flags
 
-__all__ = ["is_grouped_weight", "linear_q4"]
+__all__ = ["int16_rounding", "is_grouped_weight", "linear_q4"]
 
 CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
+LANES_ROWS = (6, 32)  # with AVX512-VNNI, real rows whose x is rounded to int16 (lanes path)
+
+
+def int16_rounding(rows: int, flags: frozenset[str] | None = None) -> str | None:
+    """How a step of ``rows`` real rows has its x rounded to int16 in the kernel on a CPU
+    with ``flags`` (default: this one's), as the kernel built with -march=native chooses:
+    "row" (one scale per row, max |x| / 32767: one row, two without AVX-512, on AVX2),
+    "group" (one per group of inputs: with AVX512-VNNI, ``LANES_ROWS``, decode steps;
+    cpu_linear_q4_lanes.h) or None (float32)."""
+    flags = cpu_flags() if flags is None else flags
+    avx512 = {"avx512f", "avx512bw"} <= flags
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    if rows <= (1 if avx512 else 2):
+        return "row"
+    lanes = LANES_ROWS[0] <= rows <= LANES_ROWS[1]
+    return "group" if avx512 and {"avx512_vnni", "avx512vl"} <= flags and lanes else None
 
 
 def is_grouped_weight(w: Any) -> bool:
@@ -43,8 +61,10 @@ def linear_q4(
 ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ dequantize(w[layer]).T  [M, N]
     """`cpu.linear`'s contract over a group-wise quantized weight: each group's products
     summed, times its scale, plus its min times the sum of x over the group. In float32,
-    except for one or two real rows (decode at batch 1-2), whose x is rounded to int16 with
-    a per-row scale (max |x| / 32767, as linear_q8) so the products run in vpmaddwd."""
+    except where ``int16_rounding`` says x is rounded to int16 with a per-row scale (max |x| /
+    32767, as linear_q8; or per group) so the products run in integer multiply-adds: one real row (decode
+    at batch 1), and with AVX512-VNNI 6 to 32 rows, per group of inputs (vpdpwssd, twice
+    float32's multiply-adds an instruction)."""
     _require("kernels")
     values, scales, mins, bits = w.values, w.scales, w.mins, w.bits
     k = x.shape[-1]

@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.kernels import cpu
-from jaxpaged.kernels.cpu.linear_q4 import linear_q4
+from jaxpaged.kernels.cpu.linear_q4 import int16_rounding, linear_q4
 from jaxpaged.models.layers import rms_norm
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
 from jaxpaged.models.quant import GroupedWeight, is_quantized, quantize_grouped, weight_bytes
@@ -155,21 +155,35 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
     np.testing.assert_allclose(logits(params), logits(twin), rtol=1e-4, atol=1e-4)
 
 
+def _as_the_kernel_rounds(x: np.ndarray, real: int, group: int) -> np.ndarray:
+    """x [M, K] rounded to int16 as linear_q4 does in a step of `real` real rows on this
+    CPU: a scale per row or per group of inputs (max |x| / 32767), or not at all."""
+    how = int16_rounding(real)
+    if how is None:
+        return x
+    m = x.shape[0]
+    blocks = x.reshape(m, 1, -1) if how == "row" else x.reshape(m, -1, group)
+    scale = np.abs(blocks).max(axis=2, keepdims=True) / 32767
+    return (np.rint(blocks / scale) * scale).reshape(x.shape)
+
+
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
 @pytest.mark.parametrize(
     "bits,group,m,real,k,n",
     [(4, 32, 1, 1, 64, 16), (4, 32, 2, 2, 128, 24), (4, 32, 7, 5, 576, 50),
      (4, 32, 32, 32, 192, 40), (8, 32, 33, 30, 576, 20), (8, 16, 3, 3, 96, 5),
      (4, 128, 100, 97, 256, 64), (4, 32, 8, 8, 576, 49), (4, 16, 6, 6, 96, 30),
-     (4, 32, 20, 17, 576, 61), (8, 32, 1, 1, 576, 37), (4, 64, 1, 1, 1536, 21)],
+     (4, 32, 20, 17, 576, 61), (8, 32, 1, 1, 576, 37), (4, 64, 1, 1, 1536, 21),
+     (4, 32, 16, 16, 576, 61), (8, 16, 16, 9, 96, 5)],
 )  # fmt: skip
 def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
     the residual's rows without a matmul. The row counts cover every path: int16 (1 row;
     with AVX512-VNNI, 4-bit with two groups per 64 inputs or one, and 8-bit),
-    dot_rows (2-8 rows, one or two row tiles, 32- and 16-input steps, an output tail) and
-    block_z (more, 16- and 32-row tiles, two row blocks) with AVX-512; the AVX2 paths
-    elsewhere."""
+    dot_rows (2-8 rows, 2-5 with AVX512-VNNI: 32- and 16-input steps, an output tail), the
+    lane path with AVX512-VNNI (6-32 rows: 8-, 16- and 32-row tiles, 12- and 6-output tiles
+    and single-output tails, groups of 16 to 128, 4- and 8-bit) and block_z (more, 16- and
+    32-row tiles, two row blocks) with AVX-512; the AVX2 paths elsewhere."""
     rng = np.random.default_rng(m * k + n + bits)
     w = quantize_grouped(rng.normal(0, 1, (3, n, k)).astype(np.float32), 1, group, bits)
     x, gate = (jnp.asarray(rng.normal(0, 1, (m, k)), jnp.float32) for _ in range(2))
@@ -182,9 +196,7 @@ def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n)
 
     got = np.asarray(run(x, jax.tree.map(jnp.asarray, w), gate, residual, norm_w))
     xr = np.asarray(rms_norm(jax.nn.silu(gate) * x, norm_w, 1e-5))
-    if real == 1:  # the int16 path: x rounded to int16 with a per-row scale, max |x| / 32767
-        scale = np.abs(xr).max(axis=1, keepdims=True) / 32767
-        xr = np.rint(xr / scale) * scale
+    xr = _as_the_kernel_rounds(xr, real, group)
     want = np.asarray(residual) + xr.astype(np.float64) @ w.dequantize(np.float32)[2].T
     np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(got[real:], np.asarray(residual)[real:])
@@ -232,9 +244,31 @@ def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
     for rows in (1, 3, 8, 20, 40):
         got = np.asarray(run(x, wj, jnp.int32(rows)))
         xr = np.asarray(x)[:rows]
-        if rows == 1:  # the int16 path's rounding of x
-            scale = np.abs(xr).max() / 32767
-            xr = np.rint(xr / scale) * scale
+        xr = _as_the_kernel_rounds(xr, rows, 32)
         np.testing.assert_allclose(got[:rows], xr @ dense, rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(got[rows:], 0.0)
+    assert run._cache_size() == 1
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32)])
+def test_linear_q4_decode_rows_write_every_output(bits, group):
+    """A decode bucket of 32 rows at 6, 16, 24 and 32 real rows (the lane path with
+    AVX512-VNNI), each call after one whose output was all NaN (x NaN, so a reused buffer
+    starts poisoned): every real row equals the dequantized reference, every padding row is
+    zero, in one compiled program."""
+    rng = np.random.default_rng(11 + bits)
+    k, n = 576, 100
+    w = quantize_grouped(rng.normal(0, 1, (2, n, k)).astype(np.float32), 1, group, bits)
+    wj = jax.tree.map(jnp.asarray, w)
+    run = jax.jit(lambda x, w, rows: linear_q4(x, w, 1, num_rows=rows))
+    dense = w.dequantize(np.float32)[1].T.astype(np.float64)
+    poison = jnp.full((32, k), np.nan, jnp.float32)
+    for rows in (6, 16, 24, 32):
+        assert np.isnan(np.asarray(run(poison, wj, jnp.int32(32)))).all()
+        x = rng.normal(0, 1, (32, k)).astype(np.float32)
+        got = np.asarray(run(jnp.asarray(x), wj, jnp.int32(rows)))
+        want = _as_the_kernel_rounds(x[:rows], rows, group) @ dense
+        np.testing.assert_allclose(got[:rows], want, rtol=1e-4, atol=1e-3)
         np.testing.assert_array_equal(got[rows:], 0.0)
     assert run._cache_size() == 1
