@@ -213,16 +213,16 @@ class _EngineReplica(JaxpagedReplica):
 
 class JaxpagedIngress:
     """The ingress deployment: relays every HTTP request to an engine replica through
-    ``engine`` (a Ray DeploymentHandle), whose router ranks the replicas by the request's
-    prefix keys (module docstring)."""
+    ``replicas`` (a Ray DeploymentHandle of the engine deployment), whose router ranks them
+    by the request's prefix keys (module docstring)."""
 
-    def __init__(self, engine: Any) -> None:  # noqa: ANN401 - a DeploymentHandle
-        self.engine = engine.options(stream=True)
+    def __init__(self, replicas: Any) -> None:  # noqa: ANN401 - a DeploymentHandle
+        self.replicas = replicas.options(stream=True)
 
     async def __serve_build_asgi_app__(self) -> Any:  # noqa: ANN401 - an ASGI app
         from jaxpaged.serving.ray_relay import IngressApp
 
-        return IngressApp(self.engine.relay.remote)
+        return IngressApp(self.replicas.relay.remote)
 
 
 class _ReplicaHeader:
