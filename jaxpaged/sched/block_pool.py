@@ -134,7 +134,6 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.num_host_blocks = num_host_blocks
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         # Free blocks without content: returned ones (a stack), then never-used ids
@@ -190,6 +189,10 @@ class BlockPool:
                 b = table[i]
                 empty[b] = min(empty.get(b, bs), bs - min(bs, max(0, n - i * bs)))
         return sum(empty.values()) / (used * bs)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_slots
 
     @property
     def num_free_host_blocks(self) -> int:
