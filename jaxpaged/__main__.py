@@ -3,6 +3,10 @@
 if __name__ == "__main__":
     import sys
 
+    import jaxpaged
+    from jaxpaged.cli.checkout_path import drop_checkout_root
+
+    drop_checkout_root(jaxpaged.__file__)
     from jaxpaged.cli.main import main
 
     sys.exit(main())

@@ -12,6 +12,13 @@ import pytest
 # folders here (engine, models, serving, ...) shadow no package of the same name
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
+# `python -m pytest` puts the checkout root first on sys.path, where kernels/ (jaxpaged.kernels)
+# shadows the `kernels` distribution transformers >= 5.25 imports; `make test` sets
+# PYTHONSAFEPATH, this covers a direct run and the subprocesses the tests start
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """The suite opts in to the persistent compile cache that serve uses by default (library

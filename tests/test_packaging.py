@@ -95,3 +95,37 @@ def test_wheel_contains_and_imports_subpackages(tmp_path):
         str(site / "jaxpaged" / "kernels" / "cpu" / "__init__.py"),
     ]
     assert [p.name for p in seeded.glob("kernels_*.so")] == [built.name], "sources differ"
+
+
+def _top_level_kernels(drop: bool) -> str:
+    """Where `import kernels` resolves in `python -m`'s sys.path (the checkout root first)."""
+    code = (
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import jaxpaged\n"
+        "from jaxpaged.cli.checkout_path import drop_checkout_root\n"
+        f"if {drop}: drop_checkout_root(jaxpaged.__file__)\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(spec.origin if spec else None)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_python_m_from_the_checkout_does_not_shadow_the_kernels_distribution():
+    """transformers >= 5.25 imports the `kernels` distribution: the checkout's kernels/ must
+    not stand in for it when `python -m jaxpaged ...` runs from the checkout root."""
+    assert _top_level_kernels(drop=False) == str(REPO / "kernels" / "__init__.py")
+    assert not _top_level_kernels(drop=True).startswith(str(REPO))
+
+
+def test_the_suite_does_not_see_the_checkout_kernels_as_a_distribution():
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or not str(spec.origin).startswith(str(REPO))
+    assert os.environ.get("PYTHONSAFEPATH") == "1"  # the subprocesses the tests start
