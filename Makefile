@@ -1,10 +1,6 @@
 # The two set-up commands: `make serve` and `make test`. Both install into .venv.
 PY := .venv/bin/python
 PIP := $(PY) -m pip
-# `python -m` would put this folder first on sys.path, and its top-level kernels/ (installed as
-# jaxpaged.kernels) would shadow the `kernels` distribution transformers >= 5.25 imports; the
-# tests' subprocesses inherit it
-export PYTHONSAFEPATH := 1
 
 .PHONY: serve test test-full install install-dev lint format proto
 

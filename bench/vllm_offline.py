@@ -20,7 +20,7 @@ import sys
 import time
 
 # bench/ (this script's folder, first on sys.path) holds modules named like ones vLLM imports
-# (kernels.py): vLLM must see only its own environment.
+# (common.py, serving.py): vLLM must see only its own environment.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 

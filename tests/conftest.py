@@ -12,9 +12,10 @@ import pytest
 # folders here (engine, models, serving, ...) shadow no package of the same name
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-# `python -m pytest` puts the checkout root first on sys.path, where kernels/ (jaxpaged.kernels)
-# shadows the `kernels` distribution transformers >= 5.25 imports; `make test` sets
-# PYTHONSAFEPATH, this covers a direct run and the subprocesses the tests start
+# `python -m pytest` (and xdist's workers) put the checkout root first on sys.path, where
+# kernels/ (jaxpaged.kernels) shadows the `kernels` distribution transformers >= 5.25 imports.
+# PYTHONSAFEPATH keeps it out of the `python -m` / `-c` children the tests start from the root;
+# the bench scripts, which import their siblings, are started with tests/bench_env.py's environment
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
 os.environ["PYTHONSAFEPATH"] = "1"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_env import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -37,7 +38,7 @@ def _run(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env=script_env(PYTHONUNBUFFERED="1", **(env or {})),
     )
     assert proc.returncode == 0, (
         f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -260,13 +261,13 @@ def test_llamacpp_peer_offline_run_and_llama_bench(tmp_path):
 
 def test_throughput_rejects_unknown_system():
     proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())  # fmt: skip
     assert proc.returncode == 2 and "unknown ['bogus']" in proc.stderr
 
 
 def test_throughput_rejects_zero_decode_rounds():
     proc = subprocess.run([sys.executable, "bench/throughput.py", "--decode-rounds", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())  # fmt: skip
     assert proc.returncode == 2 and "--decode-rounds must be >= 1" in proc.stderr
 
 
@@ -315,7 +316,7 @@ def test_gpu_decode_dry_run(tmp_path):
         [sys.executable, "bench/gpu_decode.py", "--dry-run", "--concurrency", "1,2",
          "--decode-steps", "2", "--warm-steps", "1", "--json-out", str(tmp_path / "gpu.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=script_env(JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu.json").read_text())

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_env import script_env
 
 from jaxpaged.cli import bench as bench_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {
-    "accelerator_check", "cold_start", "embed", "gpu_decode", "kernels", "kv_offload", "overlap", "quant",
+    "accelerator_check", "cold_start", "embed", "gpu_decode", "attention_backends", "kv_offload", "overlap", "quant",
     "q4_vs_float", "quant_quality",
     "roofline", "serving", "speculative", "step_breakdown", "structured_json", "throughput",
     "vision",
@@ -24,7 +25,7 @@ def test_the_listed_benchmarks_are_the_tools():
 
 
 def test_every_tool_answers_help():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = script_env(JAX_PLATFORMS="cpu")
     procs = {
         name: subprocess.Popen(
             [sys.executable, f"bench/{name}.py", "--help"],

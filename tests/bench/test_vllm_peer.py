@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_env import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -29,7 +30,7 @@ def peer():
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+                          timeout=timeout, env=script_env())  # fmt: skip
 
 
 def test_compare_greedy_first_divergence(peer):

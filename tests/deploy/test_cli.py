@@ -130,7 +130,7 @@ def test_bench_runs_a_benchmark_of_the_checkout(capsys, monkeypatch):
     folder = bench_cli.bench_dir()
     assert folder == ROOT / "bench"
     names = bench_cli.benchmarks(folder)
-    assert {"throughput", "serving", "kernels"} <= set(names) and "common" not in names
+    assert {"throughput", "serving", "attention_backends"} <= set(names) and "common" not in names
     assert main(["bench"]) == 2
     assert main(["bench", "nope"]) == 2
     assert "no benchmark 'nope'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""CPU benchmark of the attention backends: `python bench/kernels.py [--quick]`.
+"""CPU benchmark of the attention backends: `python bench/attention_backends.py [--quick]`.
 
 Times the "xla" paged path (with and without the static hints the engine can pass), the
 "cpu" backend (the native kernel on every row) when it builds, the jnp reference, and dense attention over a contiguous cache of the same work
