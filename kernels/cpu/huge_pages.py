@@ -14,14 +14,13 @@ the weights are loaded, ``MADV_HUGEPAGE`` then ``MADV_COLLAPSE`` (Linux 6.1+) mo
 2 MiB-aligned interior of each buffer into huge pages in place: its address and contents
 stay. The copy is paid once, at load: 1.3-1.8 s for SmolLM2's 504 MiB on the dev VM.
 Elsewhere (another OS, a kernel before 6.1, an accelerator's buffers) nothing changes at once.
-``JAXPAGED_HUGE_PAGES=0`` turns it off.
+Whether an engine asks is its ``huge_pages`` setting (``--no-huge-pages``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import sys
 from collections.abc import Iterable
 
@@ -58,7 +57,7 @@ def back_with_huge_pages(
     cannot). Buffers an accelerator holds are left alone."""
     if min_bytes < HUGE_PAGE_BYTES:
         raise ValueError(f"min_bytes must be at least {HUGE_PAGE_BYTES}, got {min_bytes}")
-    if not sys.platform.startswith("linux") or os.environ.get("JAXPAGED_HUGE_PAGES", "1") == "0":
+    if not sys.platform.startswith("linux"):
         return 0
     arrays = list(arrays)
     # MADV_COLLAPSE moves only the pages already there: wait until XLA has written them all
