@@ -1,56 +1,45 @@
 """Flax NNX models (the families models/registry.py finds by architecture; your own,
-docs/models.md), their safetensors/hub loader and the bundled model."""
+docs/models.md), their safetensors/hub loader and the bundled model.
+
+The public names are imported on first use: `jaxpaged.models.config` (the plain config the
+scheduler's settings carry) must not pull in JAX, since `sched` runs without it."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from .config import ModelConfig, RopeScaling
-from .hub import ModelNotFoundError, resolve_model_path
-from .layers import dense_causal_attention
-from .llama import LlamaForCausalLM, compute_logits, forward, param_shapes
-from .loader import TensorError, load_model, load_tokenizer, put_on_device
-from .registry import load_config, parse_config
-from .types import AttentionFn, LinearFn, Params
+_EXPORTS = {
+    "AttentionFn": ".types",
+    "LinearFn": ".types",
+    "Params": ".types",
+    "LlamaForCausalLM": ".llama",
+    "ModelConfig": ".config",
+    "ModelNotFoundError": ".hub",
+    "RopeScaling": ".config",
+    "TensorError": ".loader",
+    "compute_logits": ".llama",
+    "convert_gguf": ".gguf",
+    "default_model_path": ".bundled",
+    "dense_causal_attention": ".layers",
+    "forward": ".llama",
+    "load_config": ".registry",
+    "load_model": ".loader",
+    "load_tokenizer": ".loader",
+    "param_shapes": ".llama",
+    "parse_config": ".registry",
+    "put_on_device": ".loader",
+    "resolve_model_path": ".hub",
+}
 
-__all__ = [
-    "AttentionFn",
-    "LinearFn",
-    "Params",
-    "LlamaForCausalLM",
-    "SUPPORTED_MODEL_TYPES",
-    "ModelConfig",
-    "ModelNotFoundError",
-    "RopeScaling",
-    "TensorError",
-    "compute_logits",
-    "convert_gguf",
-    "default_model_path",
-    "dense_causal_attention",
-    "forward",
-    "load_config",
-    "load_model",
-    "load_tokenizer",
-    "param_shapes",
-    "parse_config",
-    "put_on_device",
-    "resolve_model_path",
-]
+__all__ = sorted([*_EXPORTS, "SUPPORTED_MODEL_TYPES"])
 
 
 def __getattr__(name: str) -> Any:
-    # The GGUF importer and the bundled model live in their own modules (imported on first use so
-    # that `import jaxpaged.models` stays light and does not require them).
-    if name == "default_model_path":
-        from .bundled import default_model_path
-
-        return default_model_path
     if name == "SUPPORTED_MODEL_TYPES":  # every family's, which imports every family
         from .registry import supported_model_types
 
         return supported_model_types()
-    if name == "convert_gguf":
-        from .gguf import convert_gguf
-
-        return convert_gguf
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -144,6 +144,18 @@ def test_sched_is_plain_python():
         assert not bad, (m, bad)
 
 
+def test_importing_sched_imports_no_jax():
+    """Also through what it imports (its settings' config, the models' plain ModelConfig)."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in _modules() if m.startswith("jaxpaged.sched"))
+    code = f"import sys\nfor m in {names!r}: __import__(m)\nprint('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_dependencies_point_one_way():
     rules = {  # package -> jaxpaged packages it must not import
         "jaxpaged.kernels": {"engine", "worker", "sched", "serving", "models", "distributed",
