@@ -32,6 +32,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 PROMPT = "The quick brown fox jumps"  # 25 byte tokens: prefill padded to 32, cache of 64
+# every engine of the module (the functional entry's, the terminal commands' in this process
+# and in their subprocesses) has the terminal commands' shapes: one sequence, a pool of one
+# max_model_len, so the persistent compile cache hands each the programs an earlier compiled
+MAX_MODEL_LEN = 512
 
 
 def _byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -100,8 +104,9 @@ def _generate(params, config, tokenizer, prompt_ids, **sampling):
         params=params,
         config=config,
         tokenizer=tokenizer,
-        max_model_len=128,
-        num_kv_blocks=16,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=1,
+        num_kv_blocks=MAX_MODEL_LEN // 16,
         enforce_eager=True,
     )
     return list(out.outputs[0].token_ids)
@@ -133,7 +138,10 @@ def test_cli_subprocess_prints_only_the_generated_text(tiny):
     prompt_ids = encode_prompt(tokenizer, PROMPT, chat=True)
     assert tokenizer.decode(prompt_ids).endswith("user: " + PROMPT + "\nassistant:")
     want = tokenizer.decode(_hf_greedy(hf, prompt_ids, 12), skip_special_tokens=True)
-    proc = _run_cli("--model", folder, "--max-tokens", "12", "--chat", PROMPT)
+    proc = _run_cli(
+        "--model", folder, "--max-model-len", str(MAX_MODEL_LEN), "--max-tokens", "12", "--chat",
+        PROMPT,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
     assert proc.stdout.decode("utf-8") == want + "\n"
 
@@ -143,7 +151,8 @@ def test_cli_main_without_chat(tiny, capsys):
     prompt_ids = encode_prompt(tokenizer, PROMPT, chat=False)
     assert prompt_ids == tokenizer(PROMPT)["input_ids"]
     want = tokenizer.decode(_hf_greedy(hf, prompt_ids, 12), skip_special_tokens=True)
-    assert main(["--model", folder, "--max-tokens", "12", PROMPT]) == 0
+    argv = ["--model", folder, "--max-model-len", str(MAX_MODEL_LEN), "--max-tokens", "12"]
+    assert main([*argv, PROMPT]) == 0
     assert capsys.readouterr().out == want + "\n"
 
 
@@ -207,9 +216,9 @@ def test_one_sequence_engine_stops_a_reply_and_reuses_the_prefix_cache(tiny):
     stopped mid-way frees its blocks; the next turns give HF's greedy tokens, and each one's
     prefill skips every full block the previous turn computed (the prefix-hit counter)."""
     hf, tokenizer, folder = tiny
-    llm = terminal.one_sequence_llm(_tiny_args(folder, 256), owns_process=False)
+    llm = terminal.one_sequence_llm(_tiny_args(folder, MAX_MODEL_LEN), owns_process=False)
     engine = llm.engine
-    assert engine.layout.num_blocks == 256 // 16
+    assert engine.layout.num_blocks == MAX_MODEL_LEN // 16
     greedy = terminal.sampling_params(argparse.Namespace(temperature=0.0, top_p=1.0, seed=None), 40)
     stop = threading.Event()
     pieces: list[str] = []
@@ -338,7 +347,7 @@ def test_chat_in_a_terminal(tiny):
     _, tokenizer, folder = tiny
     env = dict(os.environ, PYTHONIOENCODING="utf-8", JAX_PLATFORMS="cpu")
     argv = [sys.executable, "-m", "jaxpaged", "chat", "-v", "--model", folder]
-    term = _Terminal([*argv, "--max-model-len", "512", "--max-tokens", "400"], env)
+    term = _Terminal([*argv, "--max-model-len", str(MAX_MODEL_LEN), "--max-tokens", "400"], env)
     try:
         term.read_until(b">>> ")
         line = b"Tell me about the quick brown fox and the lazy dog"

@@ -76,10 +76,13 @@ def test_swap_space_swaps():
 
 
 def test_openai_chat_client_against_jaxpaged_serve():
+    # the engine of tests/serving/test_real_cli.py's server (the example's ~30-token prompt
+    # and 200 tokens fit in 256): whichever runs second loads the programs from the
+    # persistent compile cache
     server = subprocess.Popen(
         [str(Path(sys.executable).with_name("jaxpaged")), "serve", "--port", "0",
-         "--grpc-port", "0", "--max-model-len", "512", "--num-kv-blocks", "64",
-         "--max-num-seqs", "4", "--enforce-eager"],
+         "--grpc-port", "0", "--max-model-len", "256", "--num-kv-blocks", "64",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--enforce-eager"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip

@@ -11,6 +11,8 @@ import os
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def resident_mib() -> float:
     with open("/proc/self/statm") as f:
@@ -23,28 +25,12 @@ def num_mappings() -> int:
 
 
 def write_model(path: str, i: int) -> None:
-    """A random Llama checkpoint whose shapes differ from every other i's (vocabulary),
-    with hidden size and depth varying too."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A random Llama checkpoint whose shapes differ from every other i's (its word-level
+    vocabulary: 128 + 8 i tokens), written with numpy (tests/tiny_llama.py: importing torch
+    and transformers would cost this process seconds of CPU)."""
+    from tiny_llama import write_tiny_llama
 
-    config = transformers.LlamaConfig(
-        hidden_size=32 + 16 * (i % 4),
-        intermediate_size=64,
-        num_hidden_layers=1 + i % 2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=128 + 8 * i,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(i)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    vocab = {f"t{j}": j for j in range(config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)
+    write_tiny_llama(path, max_position_embeddings=64, seed=i, words=128 + 8 * i)
 
 
 def main(num_engines: int) -> None:
@@ -64,6 +50,7 @@ def main(num_engines: int) -> None:
             num_kv_blocks=4,
             block_size=16,
             show_progress=False,
+            tokenizer_mode="tokenizers",  # no transformers import
         )
         out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3

@@ -94,32 +94,6 @@ def _health(port: int) -> int:
         )
 
 
-def test_sigterm_lets_in_flight_requests_finish(serve_process):
-    p = serve_process("--shutdown-timeout", "30", FAKE_STEP_DELAY="0.02")
-    p.wait_ready()
-    assert _health(p.grpc_port) == health_pb2.HealthCheckResponse.SERVING
-    with grpc.insecure_channel(f"127.0.0.1:{p.grpc_port}") as ch:
-        call = pb_grpc.GenerationStub(ch).Generate(build_request("abc", max_tokens=80), timeout=60)
-        first = next(call)
-        p.proc.send_signal(signal.SIGTERM)
-        assert wait_until(
-            lambda: _health(p.grpc_port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10
-        )
-        r = httpx.post(
-            f"http://127.0.0.1:{p.http_port}/v1/completions", json={"prompt": "x"}, timeout=10
-        )
-        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
-        with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.GenerationStub(ch).Generate(build_request("x", max_tokens=2), timeout=10))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        rest = list(call)
-    text = "".join(d.text for m in [first, *rest] for d in m.outputs)
-    assert text == expected_text([ord(c) for c in "abc"], 80)
-    assert rest[-1].outputs[-1].finish_reason == "length"
-    assert p.proc.wait(30) == 0
-    assert any("received SIGTERM" in line for line in p.lines)
-
-
 def test_shutdown_timeout_aborts_the_rest(serve_process):
     p = serve_process("--shutdown-timeout", "0.5", FAKE_STEP_DELAY="0.02")
     p.wait_ready()
@@ -150,8 +124,11 @@ def test_second_signal_aborts_at_once(serve_process):
     assert p.proc.wait(30) == 0
 
 
-def test_not_serving_while_loading(serve_process):
-    p = serve_process(FAKE_LOAD_DELAY="3")
+def test_not_serving_while_loading_then_sigterm_lets_in_flight_requests_finish(serve_process):
+    """One server (a process start less): NOT_SERVING and 503 while its engine loads, then
+    ready; SIGTERM while a stream runs: health turns NOT_SERVING, new requests are refused
+    (HTTP 503, gRPC UNAVAILABLE), the stream runs to its end and the process exits 0."""
+    p = serve_process("--shutdown-timeout", "30", FAKE_LOAD_DELAY="3", FAKE_STEP_DELAY="0.02")
     assert _health(p.grpc_port) == health_pb2.HealthCheckResponse.NOT_SERVING
     assert httpx.get(f"http://127.0.0.1:{p.http_port}/health", timeout=10).status_code == 503
     with GenerationClient(f"127.0.0.1:{p.grpc_port}") as client:
@@ -163,8 +140,27 @@ def test_not_serving_while_loading(serve_process):
         assert client.generate("a", max_tokens=2).text == expected_text([ord("a")], 2)
     log = "\n".join(p.lines)
     assert "KV pool:" in log and "python -m jaxpaged.client --grpc" in log and "curl http://" in log
-    p.proc.send_signal(signal.SIGTERM)
+
+    with grpc.insecure_channel(f"127.0.0.1:{p.grpc_port}") as ch:
+        call = pb_grpc.GenerationStub(ch).Generate(build_request("abc", max_tokens=80), timeout=60)
+        first = next(call)
+        p.proc.send_signal(signal.SIGTERM)
+        assert wait_until(
+            lambda: _health(p.grpc_port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10
+        )
+        r = httpx.post(
+            f"http://127.0.0.1:{p.http_port}/v1/completions", json={"prompt": "x"}, timeout=10
+        )
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GenerationStub(ch).Generate(build_request("x", max_tokens=2), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(call)
+    text = "".join(d.text for m in [first, *rest] for d in m.outputs)
+    assert text == expected_text([ord(c) for c in "abc"], 80)
+    assert rest[-1].outputs[-1].finish_reason == "length"
     assert p.proc.wait(30) == 0
+    assert any("received SIGTERM" in line for line in p.lines)
 
 
 def test_engine_build_failure_exits_1(serve_process):
