@@ -7,6 +7,7 @@ engine, which sets the caps it measured and compiles nothing for them."""
 from __future__ import annotations
 
 import argparse
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jaxpaged.engine.prefill_budget import (
     choose_prefill_cap,
     measure_step_costs,
 )
+from jaxpaged.engine.warm_start import warm_start
 from jaxpaged.models.testing import random_params, tiny_config
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sched.output import RunnerOutput
@@ -218,7 +220,29 @@ def test_engine_sets_the_caps_it_measured_and_compiles_nothing_for_them(tiny):
 
 
 def test_a_given_cap_is_kept_and_nothing_is_timed(tiny):
-    eng = engine(tiny, max_prefill_tokens_with_decodes=24)
+    """warm_start on a fake runner and scheduler: warmed up, then, a cap given, nothing is
+    timed (a real engine's warm-up would repeat the test above's); engines built eager (no
+    program compiled) keep a given cap, and one left unmeasured gets the default."""
+    calls = []
+
+    class Runner:
+        def warm_up(self, *, swap, show_progress):
+            calls.append("warm_up")
+            return 3, 0.5
+
+        def execute(self, plan):
+            pytest.fail("a step was timed")
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128,
+                             max_prefill_tokens_with_decodes=24, prefill_stall_ratio=2.0)  # fmt: skip
+    pool = types.SimpleNamespace(tier=None)
+    scheduler = types.SimpleNamespace(config=config, pool=pool, block_size=8,
+                                      set_prefill_caps=lambda caps: pytest.fail("caps set"))  # fmt: skip
+    ready = warm_start(Runner(), scheduler, num_blocks=96, enforce_eager=False,
+                       show_progress=False, mark_compiled=lambda: calls.append("marked"))  # fmt: skip
+    assert calls == ["warm_up", "marked"]
+    assert (ready.programs, ready.seconds, ready.step_costs) == (3, 0.5, None)
+    eng = engine(tiny, max_prefill_tokens_with_decodes=24, enforce_eager=True)
     assert eng.step_costs is None and eng.scheduler.config.max_prefill_tokens_with_decodes == 24
     eager = engine(tiny, enforce_eager=True)
     assert eager.step_costs is None

@@ -9,10 +9,12 @@ what matters is that the output is the target's, token for token."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,10 +92,17 @@ class RefHead:
         return best + self.t["d2t"][best].astype(np.int64), residual
 
 
-def _target_aux(params, tokens):  # [n] -> [n, 3H] (the jnp forward, dense attention)
-    model = LlamaForCausalLM.from_params(CONFIG, params)
-    pos = jnp.arange(len(tokens), dtype=jnp.int32)
-    _, _, aux = model(jnp.asarray(tokens, jnp.int32), pos, aux_layers=AUX)
+@functools.partial(jax.jit, static_argnames=("num_layers", "aux_layers"))
+def _forward(params, tokens, *, num_layers, aux_layers=()):  # int32 [n]
+    """The target's first ``num_layers`` layers (the jnp forward, dense attention), one
+    program (op by op it compiled every op of it)."""
+    model = LlamaForCausalLM.from_params(dataclasses.replace(CONFIG, num_layers=num_layers), params)
+    return model(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), aux_layers=aux_layers)
+
+
+def _target_aux(params, tokens):  # [n] -> [n, 3H]
+    tokens = jnp.asarray(tokens, jnp.int32)
+    _, _, aux = _forward(params, tokens, num_layers=CONFIG.num_layers, aux_layers=AUX)
     return np.asarray(aux, np.float64)
 
 
@@ -190,28 +199,34 @@ def test_head_layout_and_forward_match_the_reference(head_dir, target_params):
             np.testing.assert_allclose(aux[:, slot], target_params["embed"][tokens], rtol=1e-6)
             continue
         layers = {k: v[:layer] for k, v in target_params["layers"].items()}
-        cut = dataclasses.replace(CONFIG, num_layers=layer)
-        model = LlamaForCausalLM.from_params(cut, {**target_params, "layers": layers})
-        out, _ = model(jnp.asarray(tokens), jnp.arange(len(tokens), dtype=jnp.int32))
+        cut = {**target_params, "layers": layers}
+        out, _ = _forward(cut, jnp.asarray(tokens), num_layers=layer)
         np.testing.assert_allclose(
             _rms(aux[:, slot], target_params["final_norm"]), out, rtol=1e-4, atol=1e-4
         )
     # the head's forward (jnp, dense attention) against the numpy reference
     embed = target_params["embed"]
-    hidden = np.asarray(
-        eagle3.combine_aux(params, jnp.asarray(aux.reshape(len(tokens), -1), jnp.float32))
+
+    @jax.jit  # one program, as _forward
+    def head(params, aux, embeds):  # [T, 3H], [T, H]
+        positions = jnp.arange(embeds.shape[0], dtype=jnp.int32)
+        hidden = eagle3.combine_aux(params, aux)
+        normed, pre, _ = eagle3.head_forward(
+            params, config, embeds, hidden, positions, dense_causal_attention, None,
+            layer_index=0,
+        )  # fmt: skip
+        return pre, eagle3.draft_ids(params, normed)
+
+    pre, got_ids = head(
+        params, jnp.asarray(aux.reshape(len(tokens), -1), jnp.float32), jnp.asarray(embed[tokens])
     )
-    normed, pre, _ = eagle3.head_forward(
-        params, config, jnp.asarray(embed[tokens]), jnp.asarray(hidden),
-        jnp.arange(len(tokens), dtype=jnp.int32), dense_causal_attention, None, layer_index=0,
-    )  # fmt: skip
     ref = RefHead(tensors, embed.astype(np.float64))
     fc = tensors["fc.weight"].astype(np.float64)
     want_ids, want_pre = ref.step(
         tokens, aux.reshape(len(tokens), -1) @ fc.T, np.arange(len(tokens))
     )
     np.testing.assert_allclose(pre, want_pre, rtol=1e-4, atol=1e-4)
-    got_ids = np.asarray(eagle3.draft_ids(params, normed))
+    got_ids = np.asarray(got_ids)
     np.testing.assert_array_equal(got_ids, want_ids)
     assert np.isin(got_ids, np.flatnonzero(tensors["t2d"])).all()  # d2t: target ids
 

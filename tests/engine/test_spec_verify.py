@@ -53,16 +53,21 @@ def test_verification_keeps_the_target_distribution():
     # a step that verifies drafts has a mask row per verified position (none set here)
     per_row = t._replace(allowed=np.repeat(t.allowed, K + 1, axis=0))
 
+    # one program (op by op, the sampling without drafts compiled ~50 small ones)
     @jax.jit
-    def verify(t):
-        expanded = spec_verify.expand_sampling(t, K + 1)
+    def verify(per_row, t):
+        expanded = spec_verify.expand_sampling(per_row, K + 1)
         rows = jnp.tile(jnp.asarray(logits), (N, 1))  # [N * (K + 1), V]
         out = sampler.sample(rows, expanded, state, num_logprobs=0)
         targets = out.token_ids.reshape(N, K + 1)
         d = jnp.broadcast_to(jnp.asarray(drafts), (N, K))
-        return targets, spec_verify.num_emitted(d, targets, jnp.full((N,), K, jnp.int32))
+        emitted = spec_verify.num_emitted(d, targets, jnp.full((N,), K, jnp.int32))
+        plain = sampler.sample(jnp.tile(jnp.asarray(logits[:1]), (N, 1)), t, state, num_logprobs=0)
+        return targets, emitted, plain.token_ids
 
-    targets, emitted = (np.asarray(a) for a in verify(jax.tree.map(jnp.asarray, per_row)))
+    targets, emitted, plain = (
+        np.asarray(a) for a in verify(*jax.tree.map(jnp.asarray, (per_row, t)))
+    )
     first = targets[:, 0]
     assert _tv(np.bincount(first, minlength=V), p[0]) < 0.04
     accepted = emitted >= 2
@@ -71,5 +76,4 @@ def test_verification_keeps_the_target_distribution():
     assert _tv(np.bincount(second, minlength=V), p[1]) < 0.06
     # the streams are those of output positions counter, counter + 1, ...: position 0 is
     # what sampling without drafts draws
-    plain = sampler.sample(jnp.tile(jnp.asarray(logits[:1]), (N, 1)), t, state, num_logprobs=0)
-    np.testing.assert_array_equal(np.asarray(plain.token_ids), first)
+    np.testing.assert_array_equal(plain, first)

@@ -34,8 +34,10 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def _fresh_tokens(params, **settings) -> list[list[int]]:
-    engine = LLMEngine.from_params(tiny_config(), params, **{**SETTINGS, **settings})
+def _fresh_tokens(params) -> list[list[int]]:
+    """A fresh engine's tokens. Eager: it compiles only the shapes PROMPTS use (the same
+    programs as the warmed-up engine's); the warm-up and its no-compile checks are ``llm``'s."""
+    engine = LLMEngine.from_params(tiny_config(), params, enforce_eager=True, **SETTINGS)
     try:
         return _tokens(LLM.from_engine(engine))
     finally:
