@@ -29,7 +29,7 @@ serve: install
 # docs/development.md). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: install-dev
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # also the long matrices (JAXPAGED_TEST_FULL=1: docs/development.md)
 test-full:
