@@ -259,16 +259,16 @@ def test_llamacpp_peer_offline_run_and_llama_bench(tmp_path):
         peer.gguf_file(str(tmp_path))
 
 
-def test_throughput_rejects_unknown_system():
-    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())  # fmt: skip
-    assert proc.returncode == 2 and "unknown ['bogus']" in proc.stderr
+def test_throughput_rejects_unknown_system(capsys):
+    # main() in-process: the same exit status the script gives (`raise SystemExit(main())`),
+    # without a Python start per refusal
+    assert _load("throughput").main(["--systems", "jaxpaged,bogus"]) == 2
+    assert "unknown ['bogus']" in capsys.readouterr().err
 
 
-def test_throughput_rejects_zero_decode_rounds():
-    proc = subprocess.run([sys.executable, "bench/throughput.py", "--decode-rounds", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())  # fmt: skip
-    assert proc.returncode == 2 and "--decode-rounds must be >= 1" in proc.stderr
+def test_throughput_rejects_zero_decode_rounds(capsys):
+    assert _load("throughput").main(["--decode-rounds", "0"]) == 2
+    assert "--decode-rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_step_breakdown_smoke(tmp_path, tiny_model):
@@ -285,12 +285,37 @@ def test_step_breakdown_smoke(tmp_path, tiny_model):
     }
 
 
-def test_serving_sweep_http_launch(tmp_path, tiny_model):
+# the engine's shapes of test_throughput_smoke (--max-num-batched-tokens 16 too), so that the
+# server loads the programs that test compiled from the persistent compile cache
+_SERVER_ARGS = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+                "--enforce-eager"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model):
+    """One server (HTTP and gRPC ports) for both load-generator tests, started as
+    `bench/serving.py --launch` starts it: the script's parser and its launched_server."""
+    serving = _load("serving")
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = serving.build_parser().parse_args(
+        ["--launch", "--model", tiny_model, "--server-log", str(log), "--server-args",
+         *_SERVER_ARGS]
+    )  # fmt: skip
+    with serving.launched_server(args):
+        yield serving, ["--model", tiny_model, "--host", args.host, "--port", str(args.port),
+                        "--grpc-port", str(args.grpc_port)]  # fmt: skip
+
+
+def test_serving_sweep_http_launch(tmp_path, launched):
+    """The load generator runs in-process against the launched server (it builds no engine):
+    a Python start fewer than the script, and one server for this test and the next."""
+    serving, target = launched
     prefix = tmp_path / "sweep"
-    _run(["bench/serving.py", "--launch", "--model", tiny_model, "--num-prompts", "3",
-          "--min-output", "3", "--max-output", "5", "--max-prompt-words", "10", "--sweep", "1,2",
-          "--out-prefix", str(prefix), "--server-log", str(tmp_path / "server.log"),
-          "--server-args", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"])  # fmt: skip
+    rc = serving.main([
+        *target, "--num-prompts", "3", "--min-output", "3", "--max-output", "5",
+        "--max-prompt-words", "10", "--sweep", "1,2", "--out-prefix", str(prefix),
+    ])  # fmt: skip
+    assert rc == 0
     rows = list(csv.DictReader(open(f"{prefix}.csv")))
     assert [int(r["concurrency"]) for r in rows] == [1, 2]
     for r in rows:
@@ -300,12 +325,15 @@ def test_serving_sweep_http_launch(tmp_path, tiny_model):
     assert Path(f"{prefix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_serving_grpc_launch(tmp_path, tiny_model):
+def test_serving_grpc_launch(tmp_path, launched):
+    """The same server over gRPC."""
+    serving, target = launched
     out = tmp_path / "g.json"
-    _run(["bench/serving.py", "--launch", "--backend", "grpc", "--model", tiny_model,
-          "--num-prompts", "3", "--equal-length", "4", "--max-prompt-words", "10",
-          "--concurrency", "3", "--json-out", str(out),
-          "--server-args", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"])  # fmt: skip
+    rc = serving.main([
+        *target, "--backend", "grpc", "--num-prompts", "3", "--equal-length", "4",
+        "--max-prompt-words", "10", "--concurrency", "3", "--json-out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
     (row,) = json.loads(out.read_text())
     assert row["completed"] == 3 and row["output_tokens"] == 12
     assert row["tpot_mean_ms"] > 0 and row["itl_p50_ms"] > 0
