@@ -29,23 +29,6 @@ def _load(name: str):
     return importlib.import_module(name)
 
 
-def _run(
-    args: list[str], timeout: float = 600, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=script_env(PYTHONUNBUFFERED="1", **(env or {})),
-    )
-    assert proc.returncode == 0, (
-        f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return proc
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, bundled_model_path) -> str:
     """A 2-layer random Llama (hidden 32) with the bundled SmolLM2 tokenizer."""
@@ -159,16 +142,17 @@ def test_prefill_flops_by_hand():
 
 
 # ------------------------------------------------------------------- scripts (subprocess)
-def test_throughput_smoke(tmp_path, tiny_model):
+def test_throughput_smoke(tmp_path, tiny_model, capsys):
     """Every figure the script reports, on a tiny model; and a peer that fails (a stand-in
     "Python" that imports vLLM but whose offline run exits 1) is reported while the other
-    systems' figures still come out."""
+    systems' figures still come out. main() runs in-process: this worker has JAX, torch and
+    transformers imported already, a child would import them again."""
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-fake; exit 0; fi\nexit 1\n')
     fake.chmod(0o755)
     out = tmp_path / "t.json"
-    proc = _run([
-        "bench/throughput.py", "--model", tiny_model, "--num-prompts", "3", "--batch-size", "2",
+    rc = _load("throughput").main([
+        "--model", tiny_model, "--num-prompts", "3", "--batch-size", "2",
         "--min-output", "3", "--max-output", "6", "--max-prompt-words", "10",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--no-hf-cb-warmup",
         "--peaks-small", "--decode-batch", "2", "--decode-steps", "2", "--decode-rounds", "2",
@@ -176,7 +160,9 @@ def test_throughput_smoke(tmp_path, tiny_model):
         "--rounds", "2", "--prefill-lengths", "8", "24", "--prefill-repeats", "2",
         "--max-num-batched-tokens", "16", "--vllm-python", str(fake),
     ])  # fmt: skip
-    assert "vLLM's offline run failed with exit code 1" in proc.stdout
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    assert "vLLM's offline run failed with exit code 1" in stdout
     report = json.loads(out.read_text())
     assert len(report["rounds"]) == 2 and len(report["ratios_vs_hf-cb"]) == 2
     assert report["ratio_vs_hf-cb"] == statistics.median(report["ratios_vs_hf-cb"])
@@ -196,7 +182,7 @@ def test_throughput_smoke(tmp_path, tiny_model):
             r["serial_s"] >= r["roofline_s"] and r["median_s"] / r["serial_s"] == r["serial_ratio"]
         )
     assert step["serial_ratio"] == statistics.median(r["serial_ratio"] for r in step["rounds"])
-    assert "ratio jaxpaged / hf-static" in proc.stdout and "roofline" in proc.stdout
+    assert "ratio jaxpaged / hf-static" in stdout and "roofline" in stdout
     # prefill alone: a 24-token prompt over a 16-token budget takes two steps
     prefill = report["prefill"]
     assert [(r["prompt_len"], r["steps"], len(r["seconds"])) for r in prefill] == [
@@ -272,10 +258,14 @@ def test_throughput_rejects_zero_decode_rounds(capsys):
 
 
 def test_step_breakdown_smoke(tmp_path, tiny_model):
+    """main() in-process, as test_throughput_smoke."""
     out = tmp_path / "b.json"
-    _run(["bench/step_breakdown.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
-          "--max-model-len", "256", "--max-num-seqs", "4", "--max-prompt-words", "10",
-          "--enforce-eager", "--json-out", str(out)])  # fmt: skip
+    rc = _load("step_breakdown").main([
+        "--model", tiny_model, "--batch", "2", "--steps", "2", "--max-model-len", "256",
+        "--max-num-seqs", "4", "--max-prompt-words", "10", "--enforce-eager",
+        "--json-out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
     b = json.loads(out.read_text())
     assert b["bucket"]["decode_only"] and b["bucket"]["num_seqs"] >= 2
     assert all(v >= 0 for v in b["host_and_step_ms"].values())
