@@ -29,23 +29,6 @@ def _load(name: str):
     return importlib.import_module(name)
 
 
-def _run(
-    args: list[str], timeout: float = 600, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=script_env(PYTHONUNBUFFERED="1", **(env or {})),
-    )
-    assert proc.returncode == 0, (
-        f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return proc
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, bundled_model_path) -> str:
     """A 2-layer random Llama (hidden 32) with the bundled SmolLM2 tokenizer."""
@@ -159,16 +142,17 @@ def test_prefill_flops_by_hand():
 
 
 # ------------------------------------------------------------------- scripts (subprocess)
-def test_throughput_smoke(tmp_path, tiny_model):
+def test_throughput_smoke(tmp_path, tiny_model, capsys):
     """Every figure the script reports, on a tiny model; and a peer that fails (a stand-in
     "Python" that imports vLLM but whose offline run exits 1) is reported while the other
-    systems' figures still come out."""
+    systems' figures still come out. main() runs in-process: this worker has JAX, torch and
+    transformers imported already, a child would import them again."""
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-fake; exit 0; fi\nexit 1\n')
     fake.chmod(0o755)
     out = tmp_path / "t.json"
-    proc = _run([
-        "bench/throughput.py", "--model", tiny_model, "--num-prompts", "3", "--batch-size", "2",
+    rc = _load("throughput").main([
+        "--model", tiny_model, "--num-prompts", "3", "--batch-size", "2",
         "--min-output", "3", "--max-output", "6", "--max-prompt-words", "10",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--no-hf-cb-warmup",
         "--peaks-small", "--decode-batch", "2", "--decode-steps", "2", "--decode-rounds", "2",
@@ -176,7 +160,9 @@ def test_throughput_smoke(tmp_path, tiny_model):
         "--rounds", "2", "--prefill-lengths", "8", "24", "--prefill-repeats", "2",
         "--max-num-batched-tokens", "16", "--vllm-python", str(fake),
     ])  # fmt: skip
-    assert "vLLM's offline run failed with exit code 1" in proc.stdout
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    assert "vLLM's offline run failed with exit code 1" in stdout
     report = json.loads(out.read_text())
     assert len(report["rounds"]) == 2 and len(report["ratios_vs_hf-cb"]) == 2
     assert report["ratio_vs_hf-cb"] == statistics.median(report["ratios_vs_hf-cb"])
@@ -196,7 +182,7 @@ def test_throughput_smoke(tmp_path, tiny_model):
             r["serial_s"] >= r["roofline_s"] and r["median_s"] / r["serial_s"] == r["serial_ratio"]
         )
     assert step["serial_ratio"] == statistics.median(r["serial_ratio"] for r in step["rounds"])
-    assert "ratio jaxpaged / hf-static" in proc.stdout and "roofline" in proc.stdout
+    assert "ratio jaxpaged / hf-static" in stdout and "roofline" in stdout
     # prefill alone: a 24-token prompt over a 16-token budget takes two steps
     prefill = report["prefill"]
     assert [(r["prompt_len"], r["steps"], len(r["seconds"])) for r in prefill] == [
@@ -259,23 +245,27 @@ def test_llamacpp_peer_offline_run_and_llama_bench(tmp_path):
         peer.gguf_file(str(tmp_path))
 
 
-def test_throughput_rejects_unknown_system():
-    proc = subprocess.run([sys.executable, "bench/throughput.py", "--systems", "jaxpaged,bogus"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())  # fmt: skip
-    assert proc.returncode == 2 and "unknown ['bogus']" in proc.stderr
+def test_throughput_rejects_unknown_system(capsys):
+    # main() in-process: the same exit status the script gives (`raise SystemExit(main())`),
+    # without a Python start per refusal
+    assert _load("throughput").main(["--systems", "jaxpaged,bogus"]) == 2
+    assert "unknown ['bogus']" in capsys.readouterr().err
 
 
-def test_throughput_rejects_zero_decode_rounds():
-    proc = subprocess.run([sys.executable, "bench/throughput.py", "--decode-rounds", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())  # fmt: skip
-    assert proc.returncode == 2 and "--decode-rounds must be >= 1" in proc.stderr
+def test_throughput_rejects_zero_decode_rounds(capsys):
+    assert _load("throughput").main(["--decode-rounds", "0"]) == 2
+    assert "--decode-rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_step_breakdown_smoke(tmp_path, tiny_model):
+    """main() in-process, as test_throughput_smoke."""
     out = tmp_path / "b.json"
-    _run(["bench/step_breakdown.py", "--model", tiny_model, "--batch", "2", "--steps", "2",
-          "--max-model-len", "256", "--max-num-seqs", "4", "--max-prompt-words", "10",
-          "--enforce-eager", "--json-out", str(out)])  # fmt: skip
+    rc = _load("step_breakdown").main([
+        "--model", tiny_model, "--batch", "2", "--steps", "2", "--max-model-len", "256",
+        "--max-num-seqs", "4", "--max-prompt-words", "10", "--enforce-eager",
+        "--json-out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
     b = json.loads(out.read_text())
     assert b["bucket"]["decode_only"] and b["bucket"]["num_seqs"] >= 2
     assert all(v >= 0 for v in b["host_and_step_ms"].values())
@@ -285,12 +275,37 @@ def test_step_breakdown_smoke(tmp_path, tiny_model):
     }
 
 
-def test_serving_sweep_http_launch(tmp_path, tiny_model):
+# the engine's shapes of test_throughput_smoke (--max-num-batched-tokens 16 too), so that the
+# server loads the programs that test compiled from the persistent compile cache
+_SERVER_ARGS = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+                "--enforce-eager"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model):
+    """One server (HTTP and gRPC ports) for both load-generator tests, started as
+    `bench/serving.py --launch` starts it: the script's parser and its launched_server."""
+    serving = _load("serving")
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = serving.build_parser().parse_args(
+        ["--launch", "--model", tiny_model, "--server-log", str(log), "--server-args",
+         *_SERVER_ARGS]
+    )  # fmt: skip
+    with serving.launched_server(args):
+        yield serving, ["--model", tiny_model, "--host", args.host, "--port", str(args.port),
+                        "--grpc-port", str(args.grpc_port)]  # fmt: skip
+
+
+def test_serving_sweep_http_launch(tmp_path, launched):
+    """The load generator runs in-process against the launched server (it builds no engine):
+    a Python start fewer than the script, and one server for this test and the next."""
+    serving, target = launched
     prefix = tmp_path / "sweep"
-    _run(["bench/serving.py", "--launch", "--model", tiny_model, "--num-prompts", "3",
-          "--min-output", "3", "--max-output", "5", "--max-prompt-words", "10", "--sweep", "1,2",
-          "--out-prefix", str(prefix), "--server-log", str(tmp_path / "server.log"),
-          "--server-args", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"])  # fmt: skip
+    rc = serving.main([
+        *target, "--num-prompts", "3", "--min-output", "3", "--max-output", "5",
+        "--max-prompt-words", "10", "--sweep", "1,2", "--out-prefix", str(prefix),
+    ])  # fmt: skip
+    assert rc == 0
     rows = list(csv.DictReader(open(f"{prefix}.csv")))
     assert [int(r["concurrency"]) for r in rows] == [1, 2]
     for r in rows:
@@ -300,12 +315,15 @@ def test_serving_sweep_http_launch(tmp_path, tiny_model):
     assert Path(f"{prefix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_serving_grpc_launch(tmp_path, tiny_model):
+def test_serving_grpc_launch(tmp_path, launched):
+    """The same server over gRPC."""
+    serving, target = launched
     out = tmp_path / "g.json"
-    _run(["bench/serving.py", "--launch", "--backend", "grpc", "--model", tiny_model,
-          "--num-prompts", "3", "--equal-length", "4", "--max-prompt-words", "10",
-          "--concurrency", "3", "--json-out", str(out),
-          "--server-args", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"])  # fmt: skip
+    rc = serving.main([
+        *target, "--backend", "grpc", "--num-prompts", "3", "--equal-length", "4",
+        "--max-prompt-words", "10", "--concurrency", "3", "--json-out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
     (row,) = json.loads(out.read_text())
     assert row["completed"] == 3 and row["output_tokens"] == 12
     assert row["tpot_mean_ms"] > 0 and row["itl_p50_ms"] > 0

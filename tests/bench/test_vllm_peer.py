@@ -5,6 +5,7 @@ side-by-side run."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -58,21 +59,29 @@ def test_check_vllm_python_refuses_bad_paths(peer, tmp_path):
         peer.check_vllm_python(sys.executable)
 
 
-@pytest.mark.parametrize("script", ["bench/throughput.py", "bench/serving.py"])
-def test_benchmarks_refuse_a_missing_vllm_env(script, tmp_path):
-    extra = ["--launch"] if script.endswith("serving.py") else []
-    proc = _bench(script, *extra, "--vllm-python", str(tmp_path / "nope"))
-    assert proc.returncode == 2 and "--vllm-python" in proc.stderr
-    assert "not an executable file" in proc.stderr
+def _main(script: str):
+    """bench/SCRIPT.py's main(), run in-process: the exit status the script gives
+    (`raise SystemExit(main())`), without a Python start per refusal."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(script).main
 
 
-def test_benchmark_flag_combinations_refused():
-    proc = _bench("bench/throughput.py", "--systems", "vllm")
-    assert proc.returncode == 2 and "--systems vllm needs --vllm-python" in proc.stderr
-    proc = _bench("bench/serving.py", "--vllm-python", sys.executable)
-    assert proc.returncode == 2 and "--vllm-python needs --launch" in proc.stderr
-    proc = _bench("bench/serving.py", "--vllm-client")
-    assert proc.returncode == 2 and "--vllm-client needs --vllm-python" in proc.stderr
+@pytest.mark.parametrize("script", ["throughput", "serving"])
+def test_benchmarks_refuse_a_missing_vllm_env(script, tmp_path, capsys):
+    extra = ["--launch"] if script == "serving" else []
+    assert _main(script)([*extra, "--vllm-python", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "--vllm-python" in err and "not an executable file" in err
+
+
+def test_benchmark_flag_combinations_refused(capsys):
+    assert _main("throughput")(["--systems", "vllm"]) == 2
+    assert "--systems vllm needs --vllm-python" in capsys.readouterr().err
+    assert _main("serving")(["--vllm-python", sys.executable]) == 2
+    assert "--vllm-python needs --launch" in capsys.readouterr().err
+    assert _main("serving")(["--vllm-client"]) == 2
+    assert "--vllm-client needs --vllm-python" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="JAXPAGED_VLLM_PYTHON names no vLLM environment")
