@@ -154,7 +154,8 @@ def test_greedy_through_the_paged_engine_compiles_nothing_after_warmup(granite):
 def test_lora_adapter_equals_peft(granite, tmp_path):
     """A PEFT adapter on every linear, beside a request without one in the same batch: each
     greedy output equals PEFT's (the adapter's terms are scaled by residual_multiplier with
-    the product they add to)."""
+    the product they add to). Eager: the test above checks the warm-up, and
+    tests/engine/test_lora.py that LoRA serving compiles nothing after it."""
     hf, folder = granite
     torch.manual_seed(5)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -176,7 +177,7 @@ def test_lora_adapter_equals_peft(granite, tmp_path):
     config, params = load_model(folder, progress=False)
     engine = LLMEngine.from_params(
         config, params, max_model_len=32, max_num_seqs=2, num_kv_blocks=16,
-        show_progress=False, enable_lora=True, max_lora_rank=4,
+        show_progress=False, enable_lora=True, max_lora_rank=4, enforce_eager=True,
     )  # fmt: skip
     try:
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -116,7 +116,7 @@ def test_greedy_chat_completions_match(models, hf_greedy):
 
 @pytest.mark.slow
 def test_cli_defaults_to_the_bundled_model(models, hf_greedy, capsys):
-    """No --model: the bundled SmolLM2 (same shapes as above, so nothing recompiles)."""
+    """No --model: the bundled SmolLM2, through the one-sequence engine of the CLI."""
     _, _, tokenizer, _, _ = models
     want = tokenizer.decode(hf_greedy[PROMPTS[0]], skip_special_tokens=True)
     assert main(["--chat", "--max-tokens", "32", PROMPTS[0]]) == 0

@@ -38,7 +38,7 @@ def real():
     engine = LLMEngine.from_args(
         default_model_path(),
         max_model_len=512,
-        max_num_seqs=24,
+        max_num_seqs=32,  # the shapes of test_real_model.py's: compiled programs shared
         max_num_batched_tokens=64,
         num_kv_blocks=320,
         enforce_eager=True,

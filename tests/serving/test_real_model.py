@@ -73,7 +73,7 @@ def real():
         max_model_len=512,
         max_num_seqs=32,
         max_num_batched_tokens=64,
-        num_kv_blocks=160,
+        num_kv_blocks=320,  # the shapes of test_agent_apis_real.py's: compiled programs shared
         enforce_eager=True,
         show_progress=False,
     )
