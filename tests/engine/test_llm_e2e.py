@@ -3,8 +3,9 @@
 16 concurrent greedy requests of different prompt and output lengths must produce, token for
 token, what transformers produces for each prompt alone - also when the pool is so small that
 requests are preempted (both modes), and with prefix caching off and chunked prefill forced
-by a tiny token budget. Engines here share shapes (max_num_seqs, max_model_len, pool size) so
-the compiled programs are reused across tests.
+by a tiny token budget. Engines here share shapes (max_num_seqs, max_model_len, token budget,
+pool size) so the compiled programs are reused across tests: the warmed-up engine's buckets
+are the eager engines' (it loads from the persistent compile cache what they compiled).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 16
-BASE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, show_progress=False)
+# 64-token steps: the mixed buckets are 16, 32 and 64 tokens (the default budget of 512 adds
+# 128 and 256, each one more program to compile)
+BASE = dict(
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=MAX_NUM_SEQS,
+    max_num_batched_tokens=64,
+    show_progress=False,
+)
+NUM_KV_BLOCKS = 256  # every engine's pool but the preemption test's
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -61,20 +70,27 @@ def workload(tokenizer):
         )
         if not isinstance(ids, list):
             ids = list(ids["input_ids"])
-        out.append((list(ids), rng.randint(4, 40)))
+        out.append((list(ids), rng.randint(4, 24)))
     return out
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(bundled_model_path, workload):
-    """Each prompt alone through transformers' LlamaForCausalLM, greedy, EOS ignored."""
+def hf_model(bundled_model_path):
+    """transformers' float32 LlamaForCausalLM of the bundled model, loaded once for the module."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, workload):
+    """Each prompt alone through transformers' LlamaForCausalLM, greedy, EOS ignored."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # OpenMP spinning makes torch crawl on a busy 2-core machine
-    model = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32)
-    model.eval()
+    model = hf_model
     refs = []
     with torch.no_grad():
         for ids, max_tokens in workload:
@@ -109,7 +125,7 @@ def _run_and_compare(llm: LLM, workload, hf_greedy) -> None:
 
 @pytest.fixture(scope="module")
 def llm(bundled_model_path):
-    engine_llm = LLM(bundled_model_path, num_kv_blocks=256, enforce_eager=True, **BASE)
+    engine_llm = LLM(bundled_model_path, num_kv_blocks=NUM_KV_BLOCKS, enforce_eager=True, **BASE)
     yield engine_llm
     engine_llm.engine.close()
 
@@ -124,14 +140,13 @@ def test_concurrent_greedy_matches_transformers(llm, workload, hf_greedy):
 
 def test_prefix_caching_off_and_chunked_prefill(bundled_model_path, workload, hf_greedy):
     """Prefix caching off and every prompt split by a 16-token budget, in one engine (the
-    default engine above has caching on and whole prompts)."""
+    default engine above has caching on and a 64-token budget)."""
     llm = LLM(
         bundled_model_path,
-        num_kv_blocks=256,
+        num_kv_blocks=NUM_KV_BLOCKS,
         enable_prefix_caching=False,
-        max_num_batched_tokens=16,
         enforce_eager=True,
-        **BASE,
+        **{**BASE, "max_num_batched_tokens": 16},
     )
     assert max(len(ids) for ids, _ in workload) > 16  # so prompts really are split
     _run_and_compare(llm, workload, hf_greedy)
@@ -196,17 +211,17 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, workload, hf_greedy, t
     assert m["num_free_blocks"] == m["num_kv_blocks"]
 
 
-def test_repetition_penalty_matches_transformers(llm, bundled_model_path, workload):
+def test_repetition_penalty_matches_transformers(llm, hf_model, workload):
     """Penalty counts kept on the device (filled once, updated by every overlapped step,
     also from tokens the host has not seen yet) give transformers' greedy tokens under its
     own RepetitionPenaltyLogitsProcessor, with penalised and plain requests in one batch."""
     import torch
-    from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
+    from transformers import RepetitionPenaltyLogitsProcessor
 
     picked = [workload[i][0] for i in (1, 4, 9)]
     n, penalty = 24, 1.3
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
+    model = hf_model
     processor = RepetitionPenaltyLogitsProcessor(penalty)
     refs = []
     with torch.no_grad():
@@ -227,9 +242,8 @@ def test_repetition_penalty_matches_transformers(llm, bundled_model_path, worklo
     outs = llm.generate(prompts, params, use_tqdm=False)
     got = [list(outs[i].outputs[0].token_ids) for i in (0, 2, 4)]
     assert got == refs
-    assert got != [
-        list(llm.generate([p], _greedy(n), use_tqdm=False)[0].outputs[0].token_ids) for p in picked
-    ]  # fmt: skip  (the penalty changed something)
+    plain = llm.generate(picked, _greedy(n), use_tqdm=False)
+    assert got != [list(o.outputs[0].token_ids) for o in plain]  # the penalty changed something
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_kv_blocks"]
 
@@ -297,13 +311,10 @@ def test_no_compilation_after_warmup(bundled_model_path, workload):
     prompt logprobs, logit bias and grammar masks in the mix."""
     llm = LLM(
         bundled_model_path,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=4,  # its decode buckets: 1, 2, 4 (batches of 8 and 16 queue)
-        max_num_batched_tokens=64,
+        num_kv_blocks=NUM_KV_BLOCKS,
         # a given cap: nothing timed at start-up (test_prefill_budget covers the measurement)
         max_prefill_tokens_with_decodes=32,
-        num_kv_blocks=64,
-        show_progress=False,
+        **BASE,  # the eager engines' shapes: most of its warm-up loads their programs
     )
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
     rng = np.random.default_rng(0)
@@ -331,7 +342,7 @@ def test_no_compilation_after_warmup(bundled_model_path, workload):
     assert llm.get_metrics()["num_compilations_after_warmup"] == 0
 
 
-def test_bfloat16_engine_tracks_transformers(bundled_model_path, workload):
+def test_bfloat16_engine_tracks_transformers(bundled_model_path, hf_model, workload):
     """A bfloat16 model on CPU (bf16 matmul weights, bf16 KV pool written in place), with
     transformers teacher-forced on the engine's own tokens (so one bf16 near-tie cannot
     derail the rest): every greedy token is float32 transformers' argmax up to a near-tie,
@@ -342,7 +353,13 @@ def test_bfloat16_engine_tracks_transformers(bundled_model_path, workload):
 
     from jaxpaged.kernels import cpu
 
-    llm = LLM(bundled_model_path, dtype="bfloat16", num_kv_blocks=256, enforce_eager=True, **BASE)
+    llm = LLM(
+        bundled_model_path,
+        dtype="bfloat16",
+        num_kv_blocks=NUM_KV_BLOCKS,
+        enforce_eager=True,
+        **BASE,
+    )
     assert (llm.engine.runner.kernels.linear is cpu.linear) == cpu.available()
     reqs = workload[:6]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -354,8 +371,10 @@ def test_bfloat16_engine_tracks_transformers(bundled_model_path, workload):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     models = {
-        dt: AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=dt)
-        for dt in (torch.float32, torch.bfloat16)
+        torch.float32: hf_model,
+        torch.bfloat16: AutoModelForCausalLM.from_pretrained(
+            bundled_model_path, dtype=torch.bfloat16
+        ),
     }
     ours, theirs = [], []
     try:
