@@ -30,7 +30,6 @@ LONGEST_FIRST = (
     "tests/engine/test_llm_e2e.py",  # 164
     "tests/parallel/test_parallel.py",  # 155: one subprocess on 4 simulated devices
     "tests/bench/test_bench_smoke.py",  # 92
-    "tests/engine/test_data_parallel.py",  # 82
     "tests/serving/test_ray_serve.py",  # 80
     "tests/engine/test_lora_families.py",  # 59
     "tests/serving/test_real_model.py",  # 50

@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_llama import write_tiny_llama  # noqa: E402
 
-PERIOD = 5.0  # the replicas' health-check period (s)
+PERIOD = 10.0  # the replicas' health-check period (s): 5 s killed a busy replica as hung when the
+# suite ran this beside the TP checks' 4-device subprocess
 ENGINE = {
     "max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 8, "enforce_eager": True,
     "show_progress": False, "tensor_parallel_size": 2,
