@@ -88,8 +88,6 @@ def hf_greedy(hf_model, workload):
     """Each prompt alone through transformers' LlamaForCausalLM, greedy, EOS ignored."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # OpenMP spinning makes torch crawl on a busy 2-core machine
     model = hf_model
     refs = []
     with torch.no_grad():
@@ -102,7 +100,6 @@ def hf_greedy(hf_model, workload):
                 out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
                 past = out.past_key_values
             refs.append(toks)
-    torch.set_num_threads(threads)
     return refs
 
 
@@ -220,7 +217,6 @@ def test_repetition_penalty_matches_transformers(llm, hf_model, workload):
 
     picked = [workload[i][0] for i in (1, 4, 9)]
     n, penalty = 24, 1.3
-    torch.set_num_threads(1)
     model = hf_model
     processor = RepetitionPenaltyLogitsProcessor(penalty)
     refs = []
@@ -368,8 +364,6 @@ def test_bfloat16_engine_tracks_transformers(bundled_model_path, hf_model, workl
     assert m["num_free_blocks"] == m["num_kv_blocks"], "blocks leaked"
     llm.engine.close()
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     models = {
         torch.float32: hf_model,
         torch.bfloat16: AutoModelForCausalLM.from_pretrained(
@@ -377,22 +371,19 @@ def test_bfloat16_engine_tracks_transformers(bundled_model_path, hf_model, workl
         ),
     }
     ours, theirs = [], []
-    try:
-        for (ids, _), out in zip(reqs, outs, strict=True):
-            got = list(out.outputs[0].token_ids)
-            assert len(got) == 8
-            ref = {}
-            with torch.no_grad():
-                for dt, model in models.items():
-                    logits = model(torch.tensor([ids + got])).logits[0].float()
-                    ref[dt] = torch.log_softmax(logits, -1)[len(ids) - 1 : len(ids) - 1 + 8]
-            f32 = ref[torch.float32]
-            for i, (tok, lp) in enumerate(zip(got, out.outputs[0].logprobs, strict=True)):
-                assert lp.token_id == tok
-                assert float(f32[i].max() - f32[i, tok]) < 0.25, (i, tok)  # argmax up to a tie
-                ours.append(abs(lp.logprob - float(f32[i, tok])))
-                theirs.append(abs(float(ref[torch.bfloat16][i, tok]) - float(f32[i, tok])))
-    finally:
-        torch.set_num_threads(threads)
+    for (ids, _), out in zip(reqs, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        assert len(got) == 8
+        ref = {}
+        with torch.no_grad():
+            for dt, model in models.items():
+                logits = model(torch.tensor([ids + got])).logits[0].float()
+                ref[dt] = torch.log_softmax(logits, -1)[len(ids) - 1 : len(ids) - 1 + 8]
+        f32 = ref[torch.float32]
+        for i, (tok, lp) in enumerate(zip(got, out.outputs[0].logprobs, strict=True)):
+            assert lp.token_id == tok
+            assert float(f32[i].max() - f32[i, tok]) < 0.25, (i, tok)  # argmax up to a tie
+            ours.append(abs(lp.logprob - float(f32[i, tok])))
+            theirs.append(abs(float(ref[torch.bfloat16][i, tok]) - float(f32[i, tok])))
     assert max(ours) < 0.25, max(ours)
     assert np.mean(ours) <= 1.5 * np.mean(theirs), (np.mean(ours), np.mean(theirs))
