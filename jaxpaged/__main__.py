@@ -1,12 +1,13 @@
 """`python -m jaxpaged COMMAND`: the `jaxpaged` command (see :mod:`jaxpaged.cli.main`)."""
 
 if __name__ == "__main__":
+    import os
     import sys
 
     import jaxpaged
     from jaxpaged.cli.checkout_path import drop_checkout_root
 
-    drop_checkout_root(jaxpaged.__file__)
+    drop_checkout_root(os.path.dirname(os.path.dirname(jaxpaged.__file__)))
     from jaxpaged.cli.main import main
 
     sys.exit(main())

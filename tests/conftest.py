@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from jaxpaged.cli.checkout_path import drop_checkout_root
+
 # helpers shared by the test folders (tiny_llama, simulated_devices); appended, so that the
 # folders here (engine, models, serving, ...) shadow no package of the same name
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -16,8 +18,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 # kernels/ (jaxpaged.kernels) shadows the `kernels` distribution transformers >= 5.25 imports.
 # PYTHONSAFEPATH keeps it out of the `python -m` / `-c` children the tests start from the root;
 # the bench scripts, which import their siblings, are started with tests/bench_env.py's environment
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
+drop_checkout_root(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["PYTHONSAFEPATH"] = "1"
 
 

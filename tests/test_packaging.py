@@ -104,7 +104,7 @@ def _top_level_kernels(drop: bool) -> str:
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "import jaxpaged\n"
         "from jaxpaged.cli.checkout_path import drop_checkout_root\n"
-        f"if {drop}: drop_checkout_root(jaxpaged.__file__)\n"
+        f"if {drop}: drop_checkout_root({str(REPO)!r})\n"
         "spec = importlib.util.find_spec('kernels')\n"
         "print(spec.origin if spec else None)\n"
     )

@@ -8,10 +8,11 @@ import os
 import sys
 
 
-def drop_checkout_root(package_file: str) -> None:
-    """Remove the checkout root (the folder above ``package_file``'s package) from sys.path.
-    Only the ``__main__`` modules call it: a program's start, never a library import."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(package_file)))
+def drop_checkout_root(root: str) -> None:
+    """Remove ``root`` from sys.path when it is a checkout (it holds ``kernels/``). Only
+    program starts call it (the ``__main__`` modules, the suite's conftest), never a library
+    import."""
+    root = os.path.abspath(root)
     if not os.path.isdir(os.path.join(root, "kernels")):
         return
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
