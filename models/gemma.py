@@ -46,7 +46,7 @@ from flax import nnx
 
 from .blocks import LayerLinears, projection
 from .config import ModelConfig, RopeScaling
-from .family import GgufLayout, GgufMetadata, ModelFamily
+from .family import GgufLayout, GgufMetadata, ModelFamily, gguf_layout_of
 from .layers import StackedParams, apply_rope, dense_causal_attention, param
 from .linear import linear_splits, linear_xla
 from .llama import LINEARS, lora_layout
@@ -504,9 +504,22 @@ def _gguf_layer_types(g: GgufMetadata, n: int) -> list[str]:
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
+GGUF_LAYOUTS: tuple[GgufLayout, ...] = (
+    GgufLayout(
+        architecture="gemma3",
+        model_type="gemma3_text",
+        hf_architecture="Gemma3ForCausalLM",
+        layer_tensors=GGUF_LAYER_TENSORS,
+        plus_one_norms=True,  # llama.cpp's converter stores 1 + w
+        layer_norms=_GGUF_NORMS,
+        config_fields=_gguf_config,
+    ),
+)
+
+
 def _refused(config: ModelConfig) -> Mapping[str, str]:
     refused = {}
-    if config.model_type != "gemma3_text":
+    if gguf_layout_of(GGUF_LAYOUTS, config) is None:
         refused["gguf_quantized"] = "jaxpaged imports Gemma 3 GGUF files only"
     return refused
 
@@ -522,16 +535,6 @@ FAMILY = ModelFamily(
     lora=lora_layout,  # the Llama family's sites and PEFT module names
     # the Llama family's linears: the same fused layout, split, checkpoint modules and sites
     linears=LINEARS,
-    gguf=(
-        GgufLayout(
-            architecture="gemma3",
-            model_type="gemma3_text",
-            hf_architecture="Gemma3ForCausalLM",
-            layer_tensors=GGUF_LAYER_TENSORS,
-            plus_one_norms=True,  # llama.cpp's converter stores 1 + w
-            layer_norms=_GGUF_NORMS,
-            config_fields=_gguf_config,
-        ),
-    ),
+    gguf=GGUF_LAYOUTS,
     refused=_refused,
 )

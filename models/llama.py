@@ -52,6 +52,7 @@ from .family import (
     LoraPiece,
     LoraSite,
     ModelFamily,
+    gguf_layout_of,
 )
 from .layers import StackedParams, apply_rope, dense_causal_attention, param, rms_norm
 from .linear import linear_xla
@@ -411,6 +412,26 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
     )
 
 
+GGUF_LAYOUTS: tuple[GgufLayout, ...] = (
+    GgufLayout(
+        architecture="llama",
+        model_type="llama",
+        hf_architecture="LlamaForCausalLM",
+        layer_tensors=GGUF_LAYER_TENSORS,
+        permuted_qk=True,  # llama.cpp permutes q/k rows for this architecture only
+        layer_norms=GGUF_NORMS,
+        config_fields=gguf_config,
+    ),
+    GgufLayout(
+        architecture="qwen2",
+        model_type="qwen2",
+        hf_architecture="Qwen2ForCausalLM",
+        layer_tensors=GGUF_LAYER_TENSORS,
+        layer_norms=GGUF_NORMS,
+    ),
+)
+
+
 def _refused(config: ModelConfig) -> dict[str, str]:
     refused = {}
     if config.num_experts:
@@ -420,7 +441,7 @@ def _refused(config: ModelConfig) -> dict[str, str]:
             "its fused qkv_proj and gate_up_proj are read as floats only; load its float "
             "checkpoint instead"
         )
-    if config.model_type not in ("llama", "qwen2") or config.qk_norm:
+    if gguf_layout_of(GGUF_LAYOUTS, config) is None or config.qk_norm:
         refused.setdefault("gguf_quantized", "no GGUF layout of this model type is read quantized")
     return refused
 
@@ -442,24 +463,7 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     linears=LINEARS,
-    gguf=(
-        GgufLayout(
-            architecture="llama",
-            model_type="llama",
-            hf_architecture="LlamaForCausalLM",
-            layer_tensors=GGUF_LAYER_TENSORS,
-            permuted_qk=True,  # llama.cpp permutes q/k rows for this architecture only
-            layer_norms=GGUF_NORMS,
-            config_fields=gguf_config,
-        ),
-        GgufLayout(
-            architecture="qwen2",
-            model_type="qwen2",
-            hf_architecture="Qwen2ForCausalLM",
-            layer_tensors=GGUF_LAYER_TENSORS,
-            layer_norms=GGUF_NORMS,
-        ),
-    ),
+    gguf=GGUF_LAYOUTS,
     refused=_refused,
     lora=lora_layout,
 )
