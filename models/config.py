@@ -123,6 +123,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
+    # GPT-2's checkpoint: transformers' Conv1D modules (weights [in, out], q, k and v fused
+    # in attn.c_attn) under transformer.h.N; else OPT's nn.Linear under model.decoder.layers.N
+    conv1d_weights: bool = False
     # Gemma: each layer's "sliding_attention" (window sliding_window) or "full_attention"
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the rope base of the sliding layers
