@@ -49,10 +49,6 @@ ACTIVATIONS: Mapping[str, Callable[[jax.Array], jax.Array]] = MappingProxyType(
         "relu": jax.nn.relu,
     }
 )
-# config.json model_type -> the checkpoint prefix of its encoder inside a task model
-_PREFIXES: Mapping[str, str] = MappingProxyType(
-    {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
-)
 _CLASSIFIERS = (
     "BertForSequenceClassification",
     "RobertaForSequenceClassification",
@@ -77,6 +73,11 @@ class EncoderConfig(ModelConfig):
     # same config.json fields); None: the model was not trained for it
     matryoshka_dimensions: tuple[int, ...] | None = None
     is_matryoshka: bool = False
+    # the variant's checkpoint: the prefix of the encoder inside its task model ("bert.",
+    # "roberta.") and a classifier's head: BERT's pooler (``bert.pooler.dense``, tanh) then
+    # ``classifier`` (True), or RoBERTa's ``classifier.dense``, tanh, ``classifier.out_proj``
+    checkpoint_prefix: str = "bert."
+    pooler: bool = True
 
     @property
     def classifier(self) -> bool:
@@ -112,7 +113,7 @@ def _parse_config(d: Mapping[str, Any]) -> EncoderConfig:
     if hidden % heads:
         raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     pad = int(d.get("pad_token_id") if d.get("pad_token_id") is not None else 0)
-    roberta = model_type != "bert"
+    bert = model_type == "bert"  # else RoBERTa / XLM-R: the variant's fields below
     classifier = any(a in _CLASSIFIERS for a in d.get("architectures") or ())
     labels: tuple[str, ...] = ()
     if classifier:
@@ -125,7 +126,7 @@ def _parse_config(d: Mapping[str, Any]) -> EncoderConfig:
     score_activation = "identity" if activation.endswith("Identity") else "sigmoid"
     if activation and not activation.endswith(("Identity", "Sigmoid")):
         raise ValueError(f"unsupported cross-encoder activation function {activation!r}")
-    offset = pad + 1 if roberta else 0
+    offset = 0 if bert else pad + 1
     dims = d.get("matryoshka_dimensions")
     return EncoderConfig(
         model_type=model_type,
@@ -148,6 +149,8 @@ def _parse_config(d: Mapping[str, Any]) -> EncoderConfig:
         score_activation=score_activation,
         matryoshka_dimensions=tuple(int(x) for x in dims) if dims else None,
         is_matryoshka=bool(d.get("is_matryoshka") or dims),
+        checkpoint_prefix="bert." if bert else "roberta.",
+        pooler=bert,
         bos_token_id=d.get("bos_token_id"),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
     )
@@ -194,7 +197,7 @@ def load_host_params(read: TensorReader, config: ModelConfig, layers: dict[str, 
     (``bert.``, ``roberta.``)."""
     c = _encoder(config)
     d = c.hidden_size
-    prefix = _PREFIXES[c.model_type]
+    prefix = c.checkpoint_prefix
     try:  # a task model keeps its encoder under the prefix; a bare one has none
         word = read(f"{prefix}embeddings.word_embeddings.weight", (c.vocab_size, d))
     except ValueError:
@@ -230,8 +233,8 @@ def load_host_params(read: TensorReader, config: ModelConfig, layers: dict[str, 
             layers[leaf][i] = read(p + hf, shape)
     host["layers"] = layers
     if c.classifier:
-        if c.model_type == "bert":  # pooler (dense + tanh on [CLS]), then the classifier
-            dense, out = "bert.pooler.dense", "classifier"
+        if c.pooler:  # BERT's pooler (dense + tanh on [CLS]), then the classifier
+            dense, out = f"{c.checkpoint_prefix}pooler.dense", "classifier"
         else:  # RobertaClassificationHead
             dense, out = "classifier.dense", "classifier.out_proj"
         host["head_dense_w"] = read(f"{dense}.weight", (d, d))

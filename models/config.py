@@ -121,8 +121,17 @@ class ModelConfig:
     num_experts: int = 0  # Mixtral: MoE MLPs of this many experts (0: one dense MLP)
     num_experts_per_tok: int = 0  # the top-k experts each token is routed to
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    # Mixtral's checkpoint: the experts under block_sparse_moe, named w1 (gate), w3 (up) and
+    # w2 (down); else under mlp, named gate_proj, up_proj and down_proj (Qwen3-MoE)
+    block_sparse_moe: bool = False
+    # Phi-3's checkpoint: q, k and v fused in self_attn.qkv_proj, gate and up in
+    # mlp.gate_up_proj
+    fused_projections: bool = False
     hidden_act: str = "silu"  # the MLP's activation (gpt2: gelu_new, opt: relu)
     position_offset: int = 0  # learned positions: row of position p is p + offset (opt: 2)
+    # GPT-2's checkpoint: transformers' Conv1D modules (weights [in, out], q, k and v fused
+    # in attn.c_attn) under transformer.h.N; else OPT's nn.Linear under model.decoder.layers.N
+    conv1d_weights: bool = False
     # Gemma: each layer's "sliding_attention" (window sliding_window) or "full_attention"
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the rope base of the sliding layers

@@ -60,6 +60,13 @@ class GgufLayout:
     config_fields: Callable[[GgufMetadata, dict[str, Any]], dict[str, Any]] | None = None
 
 
+def gguf_layout_of(layouts: Iterable[GgufLayout], config: ModelConfig) -> GgufLayout | None:
+    """The layout among ``layouts`` that a GGUF import of ``config``'s kind was written by:
+    the one declaring the model_type the import's config.json got (None: no GGUF import
+    has this config's model type)."""
+    return next((g for g in layouts if g.model_type == config.model_type), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraSite:
     """One place in a decoder layer's forward that adds a LoRA term after its base
@@ -195,6 +202,10 @@ class ModelFamily:
         """ "layers" leaf -> how many trailing axes its matmul contracts, for every declared
         linear (int8 / fp8 quantize these per output channel, quant/params.py)."""
         return MappingProxyType({lin.leaf: lin.in_axes for lin in self.linears})
+
+    def gguf_layout(self, config: ModelConfig) -> GgufLayout | None:
+        """The GGUF layout a GGUF import of ``config`` was written by (None: none)."""
+        return gguf_layout_of(self.gguf, config)
 
     @property
     def prequantized_modules(self) -> Mapping[str, tuple[str, ...]]:

@@ -46,7 +46,7 @@ from flax import nnx
 
 from .blocks import LayerLinears, projection
 from .config import ModelConfig, RopeScaling
-from .family import GgufLayout, GgufMetadata, ModelFamily
+from .family import GgufLayout, GgufMetadata, ModelFamily, gguf_layout_of
 from .layers import StackedParams, apply_rope, dense_causal_attention, param
 from .linear import linear_splits, linear_xla
 from .llama import LINEARS, lora_layout
@@ -82,6 +82,9 @@ def gemma_config_fields(d: Mapping) -> dict[str, Any]:
 
 def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
     model_type = d["model_type"]
+    # the variant, read once: Gemma 3 has q/k norms, a local rope base and a longer layer
+    # pattern; Gemma 2 alternates local and global layers
+    gemma3 = model_type == "gemma3_text"
     if d.get("attention_bias"):
         raise ValueError(f"unsupported {model_type} option attention_bias=True")
     if d.get("use_bidirectional_attention"):
@@ -95,7 +98,7 @@ def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
     n = d["num_hidden_layers"]
     layer_types = d.get("layer_types")
     if layer_types is None:  # as transformers derives them
-        period = 2 if model_type == "gemma2" else _gemma3_pattern(d)
+        period = _gemma3_pattern(d) if gemma3 else 2
         layer_types = [
             "sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)
         ]
@@ -106,7 +109,7 @@ def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
             f"{n} layers each one of {', '.join(LAYER_TYPES)}"
         )
     max_pos = d.get("max_position_embeddings", 8192)
-    theta, scaling, local_theta = _rope(d, max_pos)
+    theta, scaling, local_theta = _rope(d, max_pos, local_base=gemma3)
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     eos = d.get("eos_token_id")
@@ -128,7 +131,7 @@ def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
         rope_local_theta=local_theta,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-        qk_norm=model_type == "gemma3_text",
+        qk_norm=gemma3,
         sliding_window=int(window) if window else None,
         layer_types=tuple(layer_types),
         hidden_act=act,
@@ -145,10 +148,13 @@ def _gemma3_pattern(d: Mapping) -> int:
     return int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
 
 
-def _rope(d: Mapping, max_pos: int) -> tuple[float, RopeScaling | None, float | None]:
+def _rope(
+    d: Mapping, max_pos: int, *, local_base: bool
+) -> tuple[float, RopeScaling | None, float | None]:
     """(global rope base, global scaling, local rope base or None) from either config format:
     transformers 5's ``rope_parameters`` (Gemma 3: one entry per layer type) or 4's
-    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
+    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` (read if ``local_base``:
+    the variant's local layers have a base of their own)."""
     rope = d.get("rope_parameters") or {}
     if "full_attention" in rope or "sliding_attention" in rope:
         full = rope.get("full_attention") or {}
@@ -163,7 +169,7 @@ def _rope(d: Mapping, max_pos: int) -> tuple[float, RopeScaling | None, float | 
         return theta, _global_scaling(d, full, max_pos), _opt_float(local_theta)
     rope = rope or d.get("rope_scaling") or {}
     theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    local_theta = d.get("rope_local_base_freq") if d["model_type"] == "gemma3_text" else None
+    local_theta = d.get("rope_local_base_freq") if local_base else None
     return theta, _global_scaling(d, rope, max_pos), _opt_float(local_theta)
 
 
@@ -504,9 +510,22 @@ def _gguf_layer_types(g: GgufMetadata, n: int) -> list[str]:
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
+GGUF_LAYOUTS: tuple[GgufLayout, ...] = (
+    GgufLayout(
+        architecture="gemma3",
+        model_type="gemma3_text",
+        hf_architecture="Gemma3ForCausalLM",
+        layer_tensors=GGUF_LAYER_TENSORS,
+        plus_one_norms=True,  # llama.cpp's converter stores 1 + w
+        layer_norms=_GGUF_NORMS,
+        config_fields=_gguf_config,
+    ),
+)
+
+
 def _refused(config: ModelConfig) -> Mapping[str, str]:
     refused = {}
-    if config.model_type != "gemma3_text":
+    if gguf_layout_of(GGUF_LAYOUTS, config) is None:
         refused["gguf_quantized"] = "jaxpaged imports Gemma 3 GGUF files only"
     return refused
 
@@ -522,16 +541,6 @@ FAMILY = ModelFamily(
     lora=lora_layout,  # the Llama family's sites and PEFT module names
     # the Llama family's linears: the same fused layout, split, checkpoint modules and sites
     linears=LINEARS,
-    gguf=(
-        GgufLayout(
-            architecture="gemma3",
-            model_type="gemma3_text",
-            hf_architecture="Gemma3ForCausalLM",
-            layer_tensors=GGUF_LAYER_TENSORS,
-            plus_one_norms=True,  # llama.cpp's converter stores 1 + w
-            layer_norms=_GGUF_NORMS,
-            config_fields=_gguf_config,
-        ),
-    ),
+    gguf=GGUF_LAYOUTS,
     refused=_refused,
 )

@@ -44,7 +44,7 @@ def load_gguf_host_params(
     """Host params of the GGUF import in ``folder`` (a model of ``family``): float leaves in
     ``dtype``, matmul leaves `GroupedWeight` where they can be (see the module docstring)."""
     reason = family.refusal("gguf_quantized", config)
-    layout = next((g for g in family.gguf if g.model_type == config.model_type), None)
+    layout = family.gguf_layout(config)
     if reason is not None or layout is None:
         raise ValueError(
             f"GGUF weights of model_type {config.model_type!r} are not kept quantized: "

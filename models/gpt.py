@@ -61,7 +61,8 @@ def gpt_config_fields(d: Mapping) -> dict[str, Any]:
 
 def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
     model_type = d["model_type"]
-    if model_type == "gpt2":
+    gpt2 = model_type == "gpt2"  # else OPT: the variant, read once
+    if gpt2:
         hidden, heads = d["n_embd"], d["n_head"]
         for option in ("scale_attn_by_inverse_layer_idx",):
             if d.get(option):
@@ -75,6 +76,7 @@ def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
             rms_norm_eps=d.get("layer_norm_epsilon", 1e-5),
             hidden_act=d.get("activation_function", "gelu_new"),
             position_offset=0,
+            conv1d_weights=True,
         )
     else:
         hidden, heads = d["hidden_size"], d["num_attention_heads"]
@@ -97,6 +99,7 @@ def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
             rms_norm_eps=1e-5,  # nn.LayerNorm's default, which OPT uses
             hidden_act=d.get("activation_function", "relu"),
             position_offset=2,  # OPTLearnedPositionalEmbedding's offset
+            conv1d_weights=False,
         )
     if fields["hidden_act"] not in ACTIVATIONS:
         raise ValueError(
@@ -241,7 +244,7 @@ def load_host_params(
     c = config
     d, f, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
     shapes = param_shapes(c)
-    gpt2 = c.model_type == "gpt2"
+    gpt2 = c.conv1d_weights  # GPT-2's names and Conv1D weights, else OPT's
     for i in range(c.num_layers):
         L = {k: v[i] for k, v in layers.items()}  # views into layer i
         if gpt2:
@@ -321,7 +324,7 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
     (mlp.c_fc / fc1) and proj (mlp.c_proj / fc2)."""
     c = config
     d, f, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
-    gpt2 = c.model_type == "gpt2"
+    gpt2 = c.conv1d_weights  # GPT-2's modules, else OPT's
     sites = {
         "qkv": LoraSite(d, 3 * q, parts=1 if gpt2 else 3),
         "o": LoraSite(q, d),

@@ -52,6 +52,7 @@ from .family import (
     LoraPiece,
     LoraSite,
     ModelFamily,
+    gguf_layout_of,
 )
 from .layers import StackedParams, apply_rope, dense_causal_attention, param, rms_norm
 from .linear import linear_xla
@@ -371,7 +372,7 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
                               fused[:, g + 1].reshape(-1))  # fmt: skip
     sites = {"qkv": LoraSite(d, fused.size, parts=3), "o": LoraSite(q_out, d)}
     modules = {"self_attn.o_proj": LoraModule(q_out, d, (LoraPiece("o"),))}
-    if c.model_type == "phi3":
+    if c.fused_projections:  # Phi-3's qkv_proj: one rank block
         qkv_rows = np.concatenate([q_rows, k_rows, v_rows])
         modules["self_attn.qkv_proj"] = LoraModule(
             d, qkv_rows.size, (LoraPiece("qkv", 0, qkv_rows),)
@@ -399,7 +400,7 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
     else:
         sites |= {"gate": LoraSite(d, f), "up": LoraSite(d, f), "down": LoraSite(f, d)}
         modules["mlp.down_proj"] = LoraModule(f, d, (LoraPiece("down"),))
-        if c.model_type == "phi3":
+        if c.fused_projections:  # Phi-3's gate_up_proj fills gate and up
             first, second = np.arange(2 * f), np.arange(2 * f) - f  # gate rows, then up rows
             gate = LoraPiece("gate", 0, np.where(first < f, first, -1))
             modules["mlp.gate_up_proj"] = LoraModule(d, 2 * f, (gate, LoraPiece("up", 0, second)))
@@ -411,16 +412,36 @@ def lora_layout(config: ModelConfig) -> LoraLayout:
     )
 
 
+GGUF_LAYOUTS: tuple[GgufLayout, ...] = (
+    GgufLayout(
+        architecture="llama",
+        model_type="llama",
+        hf_architecture="LlamaForCausalLM",
+        layer_tensors=GGUF_LAYER_TENSORS,
+        permuted_qk=True,  # llama.cpp permutes q/k rows for this architecture only
+        layer_norms=GGUF_NORMS,
+        config_fields=gguf_config,
+    ),
+    GgufLayout(
+        architecture="qwen2",
+        model_type="qwen2",
+        hf_architecture="Qwen2ForCausalLM",
+        layer_tensors=GGUF_LAYER_TENSORS,
+        layer_norms=GGUF_NORMS,
+    ),
+)
+
+
 def _refused(config: ModelConfig) -> dict[str, str]:
     refused = {}
     if config.num_experts:
         refused["gguf_quantized"] = "a mixture-of-experts GGUF import is read as floats"
-    if config.model_type == "phi3":
+    if config.fused_projections:
         refused["prequantized"] = (
             "its fused qkv_proj and gate_up_proj are read as floats only; load its float "
             "checkpoint instead"
         )
-    if config.model_type not in ("llama", "qwen2") or config.qk_norm:
+    if gguf_layout_of(GGUF_LAYOUTS, config) is None or config.qk_norm:
         refused.setdefault("gguf_quantized", "no GGUF layout of this model type is read quantized")
     return refused
 
@@ -442,24 +463,7 @@ FAMILY = ModelFamily(
     param_shapes=param_shapes,
     load_host_params=load_host_params,
     linears=LINEARS,
-    gguf=(
-        GgufLayout(
-            architecture="llama",
-            model_type="llama",
-            hf_architecture="LlamaForCausalLM",
-            layer_tensors=GGUF_LAYER_TENSORS,
-            permuted_qk=True,  # llama.cpp permutes q/k rows for this architecture only
-            layer_norms=GGUF_NORMS,
-            config_fields=gguf_config,
-        ),
-        GgufLayout(
-            architecture="qwen2",
-            model_type="qwen2",
-            hf_architecture="Qwen2ForCausalLM",
-            layer_tensors=GGUF_LAYER_TENSORS,
-            layer_norms=GGUF_NORMS,
-        ),
-    ),
+    gguf=GGUF_LAYOUTS,
     refused=_refused,
     lora=lora_layout,
 )

@@ -89,6 +89,8 @@ def config_fields(d: Mapping) -> dict[str, Any]:
         num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
         # Mixtral always renormalizes; Qwen3-MoE as its config says (transformers: False)
         norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)),
+        block_sparse_moe=model_type == "mixtral",
+        fused_projections=model_type == "phi3",
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -127,7 +129,7 @@ def hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             names[p + moe + f"experts.{e}.{gate}.weight"] = (f, d)
             names[p + moe + f"experts.{e}.{up}.weight"] = (f, d)
             names[p + moe + f"experts.{e}.{down}.weight"] = (d, f)
-    if c.model_type == "phi3":  # q, k, v fused in one projection; gate and up in another
+    if c.fused_projections:  # q, k, v fused in one projection; gate and up in another
         for name in ("q_proj", "k_proj", "v_proj"):
             del names[p + f"self_attn.{name}.weight"]
         del names[p + "mlp.gate_proj.weight"], names[p + "mlp.up_proj.weight"]
@@ -145,7 +147,7 @@ def hf_layer_tensors(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 def _moe_names(config: ModelConfig) -> tuple[str, tuple[str, str, str]]:
     """The sparse MLP's module prefix in a layer and its experts' gate, up and down names."""
-    if config.model_type == "mixtral":
+    if config.block_sparse_moe:
         return "block_sparse_moe.", ("w1", "w3", "w2")
     return "mlp.", ("gate_proj", "up_proj", "down_proj")
 
@@ -160,7 +162,7 @@ def _fill_layer(out: dict[str, Any], i: int, read: TensorReader, config: ModelCo
 
     out["attn_norm"][i] = r("input_layernorm.weight")
     out["mlp_norm"][i] = r("post_attention_layernorm.weight")
-    if c.model_type == "phi3":
+    if c.fused_projections:
         qkv = r("self_attn.qkv_proj.weight")  # rows: q heads, then k heads, then v heads
         q_rows, kv_rows = c.num_heads * hd, hkv * hd
         wq, wk, wv = np.split(qkv, [q_rows, q_rows + kv_rows])
@@ -189,7 +191,7 @@ def _fill_layer(out: dict[str, Any], i: int, read: TensorReader, config: ModelCo
             out["w_experts_gate_up"][i, e, 1] = r(expert + up + ".weight")
             out["w_experts_down"][i, e] = r(expert + down + ".weight")
         return
-    if c.model_type != "phi3":
+    if not c.fused_projections:
         wg, wu = r("mlp.gate_proj.weight"), r("mlp.up_proj.weight")
     out["w_gate_up"][i, 0] = wg
     out["w_gate_up"][i, 1] = wu

@@ -119,6 +119,14 @@ def family_of(config: ModelConfig) -> ModelFamily:
     return family_for_model_type(config.model_type)
 
 
+def declared_family(config: ModelConfig) -> ModelFamily | None:
+    """The family of a parsed config; None for a model of your own (model_type "custom"),
+    which declares nothing: no linears, matmul weights or refusals."""
+    if config.model_type == CUSTOM_MODEL_TYPE:
+        return None
+    return family_of(config)
+
+
 def parse_config(d: Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json (transformers 4 or 5), parsed by the
     family that serves it; ValueError naming an architecture, model type or option
@@ -139,9 +147,9 @@ def check_feature(config: ModelConfig, feature: str, setting: str) -> None:
     """ValueError naming ``setting`` when ``config``'s family refuses ``feature``, with the
     reason its declaration gives. A model of your own (model_type "custom") declares
     nothing: the engine checks what it can of it where it uses it."""
-    if config.model_type == CUSTOM_MODEL_TYPE:
+    family = declared_family(config)
+    if family is None:
         return
-    family = family_of(config)
     reason = family.refusal(feature, config)
     if reason is not None:
         raise ValueError(

@@ -18,7 +18,8 @@ from jaxpaged.engine.kv_plan import KVPlan
 from jaxpaged.engine.platform_choice import engine_platform
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.eagle3 import Eagle3Config
-from jaxpaged.models.llama import MODEL_TYPES as LLAMA_MODEL_TYPES
+from jaxpaged.models.llama import FAMILY as LLAMA_FAMILY
+from jaxpaged.models.registry import declared_family
 from jaxpaged.spec import SpeculativeConfig
 from jaxpaged.worker.kv_cache import kv_storage_dtype
 from jaxpaged.worker.runner import Runner
@@ -202,7 +203,7 @@ def check_eagle(
 ) -> ModelConfig:
     """ValueError for an EAGLE-3 head this engine cannot run on ``target``; else the config
     the KV plan sizes the pool by (the target's layers and the head's one)."""
-    if own_model or target.model_type not in LLAMA_MODEL_TYPES:
+    if own_model or declared_family(target) is not LLAMA_FAMILY:
         raise ValueError(
             "speculative_config: method 'eagle3' needs a Llama-family target (its aux hidden "
             f"states), got model_type {target.model_type!r}"

@@ -15,9 +15,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpaged.models.config import CUSTOM_MODEL_TYPE, ModelConfig
+from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.linear import Linear, map_matmul_weights, streamed_weights
-from jaxpaged.models.registry import family_of
+from jaxpaged.models.registry import declared_family, family_of
 
 __all__ = ["ModelHooks"]
 
@@ -39,9 +39,8 @@ class ModelHooks:
             if graphdef is None
             else type(nnx.merge(graphdef, params))
         )
-        if model_config.model_type == CUSTOM_MODEL_TYPE:
-            return cls(model_config, model_class)
-        return cls(model_config, model_class, tuple(family_of(model_config).linears))
+        family = declared_family(model_config)
+        return cls(model_config, model_class, () if family is None else tuple(family.linears))
 
     def weight_map(self, params: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
         """``params`` with ``fn`` applied to every declared linear's ``[L', out, in]`` view

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import CUSTOM_MODEL_TYPE, ModelConfig
-from ..registry import check_feature, family_of
+from ..config import ModelConfig
+from ..registry import check_feature, declared_family
 from .grouped import GroupedWeight
 from .weights import METHODS, QuantizedWeight, quantize_array
 
@@ -66,12 +66,12 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig, method: str)
         )
     if is_quantized(params):
         raise ValueError(f"quantization={method!r}: the params are already quantized")
-    if config.model_type == CUSTOM_MODEL_TYPE:
+    family = declared_family(config)
+    if family is None:
         raise ValueError(
             f"quantization={method!r} quantizes the matmul weights a jaxpaged family declares; "
             "a model of your own declares none (quantize its weights yourself)"
         )
-    family = family_of(config)
     if not family.matmul_weights:
         raise ValueError(
             f"quantization={method!r}: the {family.name} family declares no matmul weights"

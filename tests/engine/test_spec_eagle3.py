@@ -279,6 +279,11 @@ def test_heads_the_engine_cannot_run_are_refused(head_dir, target_params, tmp_pa
     assert check_eagle(config, CONFIG, tensor_parallel_size=2, own_model=False).num_layers == 3
     with pytest.raises(ValueError, match="must divide by tensor_parallel_size"):
         check_eagle(config, CONFIG, tensor_parallel_size=3, own_model=False)
+    # a Llama-family target only (Granite runs the same module but is a family of its own)
+    granite = dataclasses.replace(CONFIG, model_type="granite")
+    for target, own_model in ((granite, False), (CONFIG, True)):
+        with pytest.raises(ValueError, match="needs a Llama-family target"):
+            check_eagle(config, target, tensor_parallel_size=1, own_model=own_model)
     missing = tmp_path / "head"
     _write_head(missing)
     (missing / "model.safetensors").unlink()

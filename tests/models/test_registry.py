@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 import pytest
 
+from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.family import FEATURES
 from jaxpaged.models.registry import (
     ARCHITECTURES,
@@ -20,6 +21,19 @@ from jaxpaged.models.registry import (
     supported_model_types,
 )
 from jaxpaged.models.testing import tiny_config
+
+# the fields a model type's parser sets beside it: its checkpoint's variant
+VARIANT_FIELDS = {
+    "gpt2": dict(conv1d_weights=True),
+    "phi3": dict(fused_projections=True),
+    "mixtral": dict(block_sparse_moe=True),
+}
+
+
+def variant_config(model_type: str) -> ModelConfig:
+    """The tiny config of ``model_type`` with the variant fields its parser sets."""
+    return tiny_config(model_type=model_type, **VARIANT_FIELDS.get(model_type, {}))
+
 
 LLAMA_FIELDS = dict(
     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -47,8 +61,8 @@ def test_lora_layouts_fill_their_sites():
     its output rows a distinct site row (or none), the input width the site's."""
     import numpy as np
 
-    configs = [tiny_config(model_type=t) for f in families() for t in f.model_types]
-    configs.append(dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4))
+    configs = [variant_config(t) for f in families() for t in f.model_types]
+    configs.append(dataclasses.replace(variant_config("mixtral"), num_experts=4))
     for config in configs:
         family = family_of(config)
         if family.lora is None:
@@ -98,7 +112,7 @@ def test_architectures_decide_and_model_type_is_the_fallback():
 
 def test_refusals_name_setting_model_type_and_reason():
     check_feature(tiny_config(), "lora", "enable_lora")  # the Llama family: supported
-    moe = dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4)
+    moe = dataclasses.replace(variant_config("mixtral"), num_experts=4)
     check_feature(moe, "lora", "enable_lora")  # the attention sites
     with pytest.raises(ValueError, match=r"^gguf is not supported for model_type "
                        r"'mixtral' \(llama family\): a mixture-of-experts GGUF"):  # fmt: skip
@@ -127,8 +141,8 @@ def test_linears_agree_with_lora_sites_and_partition_metadata():
 
     gemma = tiny_config(model_type="gemma2", layer_types=("sliding_attention", "full_attention"),
                         sliding_window=4, qkv_bias=False)  # fmt: skip
-    configs = [tiny_config(), tiny_config(model_type="gpt2"), tiny_config(model_type="bloom"),
-               dataclasses.replace(tiny_config(model_type="mixtral"), num_experts=4), gemma]  # fmt: skip
+    configs = [tiny_config(), variant_config("gpt2"), tiny_config(model_type="bloom"),
+               dataclasses.replace(variant_config("mixtral"), num_experts=4), gemma]  # fmt: skip
     for config in configs:
         family = family_of(config)
         layers, sites = family.param_shapes(config)["layers"], family.lora(config).sites
