@@ -40,6 +40,7 @@ _HEADERS = (
     _HERE / "cpu_fused.h",
     _HERE / "cpu_linear_q4_512.h",
     _HERE / "cpu_linear_q4_lanes.h",
+    _HERE / "cpu_linear_q4_i8.h",
     _HERE / "cpu_parallel.h",
     _HERE / "cpu_simd.h",
 )

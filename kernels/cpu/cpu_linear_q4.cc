@@ -29,6 +29,7 @@
 #include "cpu_simd.h"
 #include "cpu_linear_q4_512.h"  // after cpu_simd.h, which defines JAXPAGED_AVX512
 #include "cpu_linear_q4_lanes.h"
+#include "cpu_linear_q4_i8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -392,11 +393,27 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   std::optional<LanesX> lx;
   if (lanes) lx.emplace(M, K, G);
 #endif
+#ifdef JAXPAGED_Q4_I8
+  namespace i8 = jaxpaged::q4i8;
+  const bool int8_x = M <= i8::kMaxRows && G % i8::kChunk == 0;
+  thread_local std::vector<int8_t> xq8;
+  thread_local std::vector<float> xd8, xsum8;
+  if (int8_x && xq8.size() < static_cast<size_t>(M * K)) xq8.resize(M * K);
+  if (int8_x && xd8.size() < static_cast<size_t>(M * (K / i8::kChunk))) xd8.resize(M * (K / i8::kChunk));
+  if (int8_x && xsum8.size() < static_cast<size_t>(M * groups)) xsum8.resize(M * groups);
+  int8_t* xq8p = xq8.data();  // the calling thread's buffers: rows are rounded on pool threads
+  float *xd8p = xd8.data(), *xsum8p = xsum8.data();
+#endif
   jaxpaged::parallel_for(pool, M, [&](int64_t r) {
     const float* gate = fused.gate ? fused.gate + r * K : nullptr;
     jaxpaged::PrepareRow(xp + r * K, gate, fused.norm_w, norm_eps, K, xfp + r * K);
 #ifdef JAXPAGED_Q4_LANES
     if (lanes) lx->row(xfp + r * K, r);
+#endif
+#ifdef JAXPAGED_Q4_I8
+    if (int8_x)
+      i8::quantize_row(xfp + r * K, K, G, nibbles, xq8p + r * K, xd8p + r * (K / i8::kChunk),
+                       xsum8p + r * groups);
 #endif
   });
   const int64_t row_bytes = nibbles ? K / 2 : K;
@@ -404,6 +421,18 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   const float* sl = scales.typed_data() + layer * N * groups;
   const float* ml = nibbles ? mins.typed_data() + layer * N * groups : nullptr;
   const int64_t out_blocks = (N + kNb - 1) / kNb;
+#ifdef JAXPAGED_Q4_I8
+  if (int8_x) {
+    jaxpaged::parallel_for_runs(pool, (N + i8::kOut - 1) / i8::kOut, [&](int64_t i) {
+      const int64_t n0 = i * i8::kOut, n1 = std::min(N, n0 + i8::kOut);
+      if (nibbles)
+        i8::block<4>(M, xq8p, xd8p, xsum8p, K, G, wl, sl, ml, fused.residual, yp, N, n0, n1);
+      else
+        i8::block<8>(M, xq8p, xd8p, xsum8p, K, G, wl, sl, nullptr, fused.residual, yp, N, n0, n1);
+    });
+    return ffi::Error::Success();
+  }
+#endif
 #ifdef JAXPAGED_AVX2
   if (M <= kIntRows) {
     thread_local std::vector<int16_t> xq;

@@ -18,22 +18,28 @@ import numpy as np
 from . import _LINEAR_Q4_TARGET, _fused_operands, _require
 from .features import cpu_flags
 
-__all__ = ["int16_rounding", "is_grouped_weight", "linear_q4"]
+__all__ = ["is_grouped_weight", "linear_q4", "x_rounding"]
 
 CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
 LANES_ROWS = (6, 32)  # with AVX512-VNNI, real rows whose x is rounded to int16 (lanes path)
+INT8_ROWS = 8  # AVX2 without AVX-512: up to this many real rows take int8 x
+INT8_CHUNK = 32  # inputs per int8 scale of x; the group size must be a multiple
 
 
-def int16_rounding(rows: int, flags: frozenset[str] | None = None) -> str | None:
-    """How a step of ``rows`` real rows has its x rounded to int16 in the kernel on a CPU
-    with ``flags`` (default: this one's), as the kernel built with -march=native chooses:
-    "row" (one scale per row, max |x| / 32767: one row, two without AVX-512, on AVX2),
-    "group" (one per group of inputs: with AVX512-VNNI, ``LANES_ROWS``, decode steps;
+def x_rounding(rows: int, group: int, flags: frozenset[str] | None = None) -> str | None:
+    """How a step of ``rows`` real rows over weights of ``group``-input groups has its x
+    rounded in the kernel on a CPU with ``flags`` (default: this one's), as the kernel built
+    with -march=native chooses: "int8" (one scale per ``INT8_CHUNK`` inputs, max |x| / 127:
+    AVX2 without AVX-512, up to ``INT8_ROWS`` rows; cpu_linear_q4_i8.h), "row" (int16, one
+    scale per row, max |x| / 32767: one row with AVX-512, up to two otherwise), "group"
+    (int16, one per group of inputs: with AVX512-VNNI, ``LANES_ROWS``, decode steps;
     cpu_linear_q4_lanes.h) or None (float32)."""
     flags = cpu_flags() if flags is None else flags
     avx512 = {"avx512f", "avx512bw"} <= flags
     if "avx2" not in flags or "fma" not in flags:
         return None
+    if not avx512 and rows <= INT8_ROWS and group % INT8_CHUNK == 0:
+        return "int8"
     if rows <= (1 if avx512 else 2):
         return "row"
     lanes = LANES_ROWS[0] <= rows <= LANES_ROWS[1]
@@ -61,10 +67,10 @@ def linear_q4(
 ) -> jax.Array:  # residual + norm(silu(silu_gate) * x) @ dequantize(w[layer]).T  [M, N]
     """`cpu.linear`'s contract over a group-wise quantized weight: each group's products
     summed, times its scale, plus its min times the sum of x over the group. In float32,
-    except where ``int16_rounding`` says x is rounded to int16 with a per-row scale (max |x| /
-    32767, as linear_q8; or per group) so the products run in integer multiply-adds: one real row (decode
-    at batch 1), and with AVX512-VNNI 6 to 32 rows, per group of inputs (vpdpwssd, twice
-    float32's multiply-adds an instruction)."""
+    except where ``x_rounding`` says x is rounded to integers so the products run in integer
+    multiply-adds: decode steps on AVX2 without AVX-512 (int8 per 32 inputs, vpmaddubsw: 32
+    weights an instruction, as llama.cpp), one real row otherwise (int16 per row, as
+    linear_q8), and with AVX512-VNNI 6 to 32 rows (int16 per group, vpdpwssd)."""
     _require("kernels")
     values, scales, mins, bits = w.values, w.scales, w.mins, w.bits
     k = x.shape[-1]

@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.kernels import cpu
-from jaxpaged.kernels.cpu.linear_q4 import int16_rounding, linear_q4
+from jaxpaged.kernels.cpu.linear_q4 import linear_q4, x_rounding
 from jaxpaged.models.layers import rms_norm
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
 from jaxpaged.models.quant import GroupedWeight, is_quantized, quantize_grouped, weight_bytes
@@ -156,15 +156,17 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
 
 
 def _as_the_kernel_rounds(x: np.ndarray, real: int, group: int) -> np.ndarray:
-    """x [M, K] rounded to int16 as linear_q4 does in a step of `real` real rows on this
-    CPU: a scale per row or per group of inputs (max |x| / 32767), or not at all."""
-    how = int16_rounding(real)
+    """x [M, K] rounded as linear_q4 does in a step of `real` real rows on this CPU: to int8
+    per 32 inputs (max |x| / 127), to int16 per row or per group of inputs (max |x| / 32767),
+    or not at all."""
+    how = x_rounding(real, group)
     if how is None:
         return x
     m = x.shape[0]
-    blocks = x.reshape(m, 1, -1) if how == "row" else x.reshape(m, -1, group)
-    scale = np.abs(blocks).max(axis=2, keepdims=True) / 32767
-    return (np.rint(blocks / scale) * scale).reshape(x.shape)
+    width = {"int8": 32, "group": group}.get(how, x.shape[1])
+    blocks = x.reshape(m, -1, width)
+    scale = np.abs(blocks).max(axis=2, keepdims=True) / (127 if how == "int8" else 32767)
+    return (np.rint(blocks / np.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels did not build")
