@@ -395,7 +395,7 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 #endif
 #ifdef JAXPAGED_Q4_I8
   namespace i8 = jaxpaged::q4i8;
-  const bool int8_x = M <= i8::kMaxRows && G % i8::kChunk == 0;
+  const bool int8_x = M <= i8::kMaxRows && G % i8::kChunk == 0 && nibbles;
   thread_local std::vector<int8_t> xq8;
   thread_local std::vector<float> xd8, xsum8;
   if (int8_x && xq8.size() < static_cast<size_t>(M * K)) xq8.resize(M * K);
@@ -412,7 +412,7 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 #endif
 #ifdef JAXPAGED_Q4_I8
     if (int8_x)
-      i8::quantize_row(xfp + r * K, K, G, nibbles, xq8p + r * K, xd8p + r * (K / i8::kChunk),
+      i8::quantize_row(xfp + r * K, K, G, xq8p + r * K, xd8p + r * (K / i8::kChunk),
                        xsum8p + r * groups);
 #endif
   });
@@ -425,10 +425,7 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   if (int8_x) {
     jaxpaged::parallel_for_runs(pool, (N + i8::kOut - 1) / i8::kOut, [&](int64_t i) {
       const int64_t n0 = i * i8::kOut, n1 = std::min(N, n0 + i8::kOut);
-      if (nibbles)
-        i8::block<4>(M, xq8p, xd8p, xsum8p, K, G, wl, sl, ml, fused.residual, yp, N, n0, n1);
-      else
-        i8::block<8>(M, xq8p, xd8p, xsum8p, K, G, wl, sl, nullptr, fused.residual, yp, N, n0, n1);
+      i8::block(M, xq8p, xd8p, xsum8p, K, G, wl, sl, ml, fused.residual, yp, N, n0, n1);
     });
     return ffi::Error::Success();
   }

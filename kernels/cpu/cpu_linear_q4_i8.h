@@ -1,10 +1,12 @@
-// Decode steps (up to kMaxRows rows) over 4- and 8-bit group-wise weights on AVX2 without
-// AVX-512: x rounded to int8 per chunk of 32 inputs (scale max |x| / 127, as llama.cpp's
-// q8 activations), so 32 weights multiply into x in one vpmaddubsw (unsigned nibble x signed
+// Decode steps (up to kMaxRows rows) over 4-bit group-wise weights on AVX2 without AVX-512:
+// x rounded to int8 per chunk of 32 inputs (scale max |x| / 127, as llama.cpp's q8
+// activations), so 32 weights multiply into x in one vpmaddubsw (unsigned nibble x signed
 // int8, pairs summed to int16; the pairs then to int32 with vpmaddwd). The int16 path it
 // replaced (vpmaddwd on weights widened to int16) took 16 multiply-adds an instruction and
 // one more widening step; the dequantized float tiles past two rows (block_t) lost to the
-// float32 expansion at every batch from 4 to 32 (0.81-0.88x, bench/quant.py).
+// float32 expansion at 4 and 8 rows (0.82-0.84x, bench/quant.py). 8-bit weights (a GGUF's
+// Q8_0 vocabulary projection) keep int16 x: int8 x there moved the bundled model's first
+// logits by 0.05 and was slower at one row (3.2 against 2.1 ms for 576 x 49152).
 //
 // Per chunk c of 32 inputs in group g (G a multiple of 32), row r and output j:
 //   y[r, j] += scale[j, g] * d[r, c] * sum_i q_w[j, i] q_x[r, i]
@@ -28,9 +30,9 @@ constexpr int64_t kChunk = 32;    // inputs per x scale and per vpmaddubsw
 constexpr int64_t kMaxRows = 8;  // more rows: block_t (vpmaddubsw tiles measured 0.53x float32 at 16 rows)
 constexpr int64_t kOut = 16;      // outputs per work item
 
-// Row x [K] -> q [K] int8 (in the weights' order: ``split`` for 4-bit), d [K / 32] its chunk
-// scales and xsum [K / G] its groups' sums of d * q.
-inline void quantize_row(const float* x, int64_t K, int64_t G, bool split, int8_t* q, float* d,
+// Row x [K] -> q [K] int8 in the weights' order (each chunk's even inputs, then its odd
+// ones), d [K / 32] its chunk scales and xsum [K / G] its groups' sums of d * q.
+inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d,
                          float* xsum) {
   const int64_t per_group = G / kChunk;
   for (int64_t c = 0; c < K / kChunk; ++c) {
@@ -48,7 +50,7 @@ inline void quantize_row(const float* x, int64_t K, int64_t G, bool split, int8_
     for (int64_t i = 0; i < kChunk; ++i) {
       const float v = dc > 0.0f ? std::clamp(std::nearbyint(xc[i] / dc), -127.0f, 127.0f) : 0.0f;
       total += static_cast<int32_t>(v);
-      qc[split ? (i % 2) * 16 + i / 2 : i] = static_cast<int8_t>(v);
+      qc[(i % 2) * 16 + i / 2] = static_cast<int8_t>(v);
     }
     d[c] = dc;
     if (c % per_group == 0) xsum[c / per_group] = 0.0f;
@@ -56,20 +58,15 @@ inline void quantize_row(const float* x, int64_t K, int64_t G, bool split, int8_
   }
 }
 
-// Chunk c of one weight row as 32 bytes in x's order: 4-bit unsigned 0..15, 8-bit signed.
-template <int BITS>
+// Chunk c of one 4-bit weight row as 32 unsigned bytes 0..15 in x's order.
 inline __m256i load_chunk(const uint8_t* row, int64_t c) {
-  if constexpr (BITS == 4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk));
-  }
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
 }
 
 // Rows [0, R) of x (q [R, K], d [R, K / 32], xsum [R, K / G]) times outputs [0, NR) of w:
 // y[r * ldy + j] = the sum (+ residual[r * ldy + j]).
-template <int BITS, int R, int NR>
+template <int R, int NR>
 inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, int64_t G,
                  const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
                  const float* residual, float* y, int64_t ldy) {
@@ -82,12 +79,11 @@ inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, 
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g = c / per_group;
-    __m256i wv[NR], wa[NR];
+    __m256i wv[NR];
     __m256 sv[NR];
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
-      wv[j] = load_chunk<BITS>(w + j * row_bytes, c);
-      if constexpr (BITS == 8) wa[j] = _mm256_abs_epi8(wv[j]);
+      wv[j] = load_chunk(w + j * row_bytes, c);
       sv[j] = _mm256_set1_ps(scales[j * groups + g]);
     }
 #pragma GCC unroll 4
@@ -96,8 +92,7 @@ inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, 
       const __m256 dv = _mm256_set1_ps(d[r * chunks + c]);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
-        const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(wv[j], xv)
-                                    : _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j]));
+        const __m256i p = _mm256_maddubs_epi16(wv[j], xv);  // |sum| <= 2 * 15 * 127
         const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
         acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(f, sv[j]), dv, acc[r][j]);
       }
@@ -113,14 +108,13 @@ inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, 
 }
 
 // Rows [0, M) of y over outputs [n0, n1): row tiles of 4 (one row alone: 4 outputs a tile).
-template <int BITS>
-void block(int64_t M, const int8_t* q, const float* d, const float* xsum, int64_t K, int64_t G,
+inline void block(int64_t M, const int8_t* q, const float* d, const float* xsum, int64_t K, int64_t G,
            const uint8_t* w, const float* scales, const float* mins, const float* residual,
            float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K, chunks = K / kChunk, groups = K / G;
+  const int64_t row_bytes = K / 2, chunks = K / kChunk, groups = K / G;
   auto at = [&](int64_t m, int64_t n, auto r_tag, auto nr_tag) {
     constexpr int R = decltype(r_tag)::value, NR = decltype(nr_tag)::value;
-    tile<BITS, R, NR>(q + m * K, d + m * chunks, xsum + m * groups, K, G, w + n * row_bytes,
+    tile<R, NR>(q + m * K, d + m * chunks, xsum + m * groups, K, G, w + n * row_bytes,
                       row_bytes, scales + n * groups, mins != nullptr ? mins + n * groups : nullptr,
                       residual != nullptr ? residual + m * N + n : nullptr, y + m * N + n, N);
   };

@@ -155,11 +155,11 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
     np.testing.assert_allclose(logits(params), logits(twin), rtol=1e-4, atol=1e-4)
 
 
-def _as_the_kernel_rounds(x: np.ndarray, real: int, group: int) -> np.ndarray:
+def _as_the_kernel_rounds(x: np.ndarray, real: int, group: int, bits: int) -> np.ndarray:
     """x [M, K] rounded as linear_q4 does in a step of `real` real rows on this CPU: to int8
     per 32 inputs (max |x| / 127), to int16 per row or per group of inputs (max |x| / 32767),
     or not at all."""
-    how = x_rounding(real, group)
+    how = x_rounding(real, group, bits)
     if how is None:
         return x
     m = x.shape[0]
@@ -198,7 +198,7 @@ def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n)
 
     got = np.asarray(run(x, jax.tree.map(jnp.asarray, w), gate, residual, norm_w))
     xr = np.asarray(rms_norm(jax.nn.silu(gate) * x, norm_w, 1e-5))
-    xr = _as_the_kernel_rounds(xr, real, group)
+    xr = _as_the_kernel_rounds(xr, real, group, bits)
     want = np.asarray(residual) + xr.astype(np.float64) @ w.dequantize(np.float32)[2].T
     np.testing.assert_allclose(got[:real], want[:real], rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(got[real:], np.asarray(residual)[real:])
@@ -246,7 +246,7 @@ def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
     for rows in (1, 3, 8, 20, 40):
         got = np.asarray(run(x, wj, jnp.int32(rows)))
         xr = np.asarray(x)[:rows]
-        xr = _as_the_kernel_rounds(xr, rows, 32)
+        xr = _as_the_kernel_rounds(xr, rows, 32, 4)
         np.testing.assert_allclose(got[:rows], xr @ dense, rtol=1e-4, atol=1e-3)
         np.testing.assert_array_equal(got[rows:], 0.0)
     assert run._cache_size() == 1
@@ -270,7 +270,7 @@ def test_linear_q4_decode_rows_write_every_output(bits, group):
         assert np.isnan(np.asarray(run(poison, wj, jnp.int32(32)))).all()
         x = rng.normal(0, 1, (32, k)).astype(np.float32)
         got = np.asarray(run(jnp.asarray(x), wj, jnp.int32(rows)))
-        want = _as_the_kernel_rounds(x[:rows], rows, group) @ dense
+        want = _as_the_kernel_rounds(x[:rows], rows, group, bits) @ dense
         np.testing.assert_allclose(got[:rows], want, rtol=1e-4, atol=1e-3)
         np.testing.assert_array_equal(got[rows:], 0.0)
     assert run._cache_size() == 1
