@@ -8,7 +8,9 @@
 // low nibble) or [L, N, K] int8, with float32 scales and mins [L, N, K/G]: a decode step
 // streams 4.5-6 bits per weight where float32 streams 32.
 //
-// Up to kIntRows rows (decode at batch 1, or 1-2 without AVX-512) take an int16 path
+// With AVX2 but not AVX-512, 4-bit weights at up to 4 rows take cpu_linear_q4_i8.h: x
+// rounded to int16 per 32 inputs and held as two int8 parts, vpmaddubsw. Otherwise up to
+// kIntRows rows (decode at batch 1, or 1-2 without AVX-512) take an int16 path
 // (row_int below): x rounded to int16 per row, weights widened to int16, vpmaddwd. Past
 // them, with AVX-512, cpu_linear_q4_512.h's float32 paths: dot_rows up to kDotRows rows,
 // block_z past them; with AVX512-VNNI, decode steps of 6-32 rows take
@@ -395,13 +397,15 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 #endif
 #ifdef JAXPAGED_Q4_I8
   namespace i8 = jaxpaged::q4i8;
-  const bool int8_x = M <= i8::kMaxRows && G % i8::kChunk == 0 && nibbles;
+  const bool chunk_x = M >= 1 && M <= i8::kMaxRows && G % i8::kChunk == 0 && nibbles;
+  const int64_t chunks = K / i8::kChunk;
   thread_local std::vector<int8_t> xq8;
   thread_local std::vector<float> xd8, xsum8;
-  if (int8_x && xq8.size() < static_cast<size_t>(M * K)) xq8.resize(M * K);
-  if (int8_x && xd8.size() < static_cast<size_t>(M * (K / i8::kChunk))) xd8.resize(M * (K / i8::kChunk));
-  if (int8_x && xsum8.size() < static_cast<size_t>(M * groups)) xsum8.resize(M * groups);
-  int8_t* xq8p = xq8.data();  // the calling thread's buffers: rows are rounded on pool threads
+  if (chunk_x && xq8.size() < static_cast<size_t>(2 * M * K)) xq8.resize(2 * M * K);
+  if (chunk_x && xd8.size() < static_cast<size_t>(M * chunks)) xd8.resize(M * chunks);
+  if (chunk_x && xsum8.size() < static_cast<size_t>(M * groups)) xsum8.resize(M * groups);
+  // the calling thread's buffers (rows are rounded on pool threads): x's hi parts, then lo
+  int8_t *xhp = xq8.data(), *xlp = xq8.data() + M * K;
   float *xd8p = xd8.data(), *xsum8p = xsum8.data();
 #endif
   jaxpaged::parallel_for(pool, M, [&](int64_t r) {
@@ -411,8 +415,8 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     if (lanes) lx->row(xfp + r * K, r);
 #endif
 #ifdef JAXPAGED_Q4_I8
-    if (int8_x)
-      i8::quantize_row(xfp + r * K, K, G, xq8p + r * K, xd8p + r * (K / i8::kChunk),
+    if (chunk_x)
+      i8::quantize_row(xfp + r * K, K, G, xhp + r * K, xlp + r * K, xd8p + r * chunks,
                        xsum8p + r * groups);
 #endif
   });
@@ -422,10 +426,10 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   const float* ml = nibbles ? mins.typed_data() + layer * N * groups : nullptr;
   const int64_t out_blocks = (N + kNb - 1) / kNb;
 #ifdef JAXPAGED_Q4_I8
-  if (int8_x) {
+  if (chunk_x) {
     jaxpaged::parallel_for_runs(pool, (N + i8::kOut - 1) / i8::kOut, [&](int64_t i) {
       const int64_t n0 = i * i8::kOut, n1 = std::min(N, n0 + i8::kOut);
-      i8::block(M, xq8p, xd8p, xsum8p, K, G, wl, sl, ml, fused.residual, yp, N, n0, n1);
+      i8::block(M, xhp, xlp, xd8p, xsum8p, K, G, wl, sl, ml, fused.residual, yp, N, n0, n1);
     });
     return ffi::Error::Success();
   }

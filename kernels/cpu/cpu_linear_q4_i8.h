@@ -1,19 +1,17 @@
 // Decode steps (up to kMaxRows rows) over 4-bit group-wise weights on AVX2 without AVX-512:
-// x rounded to int8 per chunk of 32 inputs (scale max |x| / 127, as llama.cpp's q8
-// activations), so 32 weights multiply into x in one vpmaddubsw (unsigned nibble x signed
-// int8, pairs summed to int16; the pairs then to int32 with vpmaddwd). The int16 path it
-// replaced (vpmaddwd on weights widened to int16) took 16 multiply-adds an instruction and
-// one more widening step; the dequantized float tiles past two rows (block_t) lost to the
-// float32 expansion at 4 and 8 rows (0.82-0.84x, bench/quant.py). 8-bit weights (a GGUF's
-// Q8_0 vocabulary projection) keep int16 x: int8 x there moved the bundled model's first
-// logits by 0.05 and was slower at one row (3.2 against 2.1 ms for 576 x 49152).
+// x rounded to int16 per chunk of 32 inputs (X, scale max |x| / (254 * 127)) and held as two
+// int8 parts, X = 254 hi + lo, so 32 weights multiply into each part in one vpmaddubsw
+// (unsigned nibble x signed int8, pairs summed to int16; the pairs then to int32 with
+// vpmaddwd, the hi part's times 254). Two int8 parts, not one: int8 x alone (llama.cpp's q8
+// activations) moved the bundled SmolLM2's greedy tokens off transformers' float32 ones.
+// The int16 path this replaces widened every 16 weights to int16 for one vpmaddwd; the
+// dequantized float tiles past two rows (block_t) lost to the float32 expansion at 4 rows. 8-bit weights (a GGUF's Q8_0 vocabulary
+// projection) keep the int16 path: it was faster at one row (2.1 against 3.2 ms, 576 x 49152).
 //
 // Per chunk c of 32 inputs in group g (G a multiple of 32), row r and output j:
-//   y[r, j] += scale[j, g] * d[r, c] * sum_i q_w[j, i] q_x[r, i]
-// and, for weights with mins, y[r, j] += sum_g min[j, g] * xsum[r, g] with xsum the group's
-// sum of the rounded x (d[r, c] times its int8 sum). 4-bit rows store input 2i in the low
-// nibble of byte i and 2i + 1 in the high one, so a chunk's 16 bytes unpack to its even
-// inputs then its odd ones, and x is stored in that order.
+//   y[r, j] += scale[j, g] * d[r, c] * sum_i q_w[j, i] X[r, i]
+// and y[r, j] += sum_g min[j, g] * xsum[r, g], with xsum the group's sum of d X. 4-bit rows
+// store input 2i in the low nibble of byte i and 2i + 1 in the high one.
 #pragma once
 
 #if defined(JAXPAGED_AVX2) && !defined(JAXPAGED_AVX512)
@@ -27,13 +25,20 @@
 namespace jaxpaged::q4i8 {
 
 constexpr int64_t kChunk = 32;    // inputs per x scale and per vpmaddubsw
-constexpr int64_t kMaxRows = 8;  // more rows: block_t (vpmaddubsw tiles measured 0.53x float32 at 16 rows)
+// Past 4 rows the float32 tiles (block_t) win: 120 matmuls of SmolLM2's shapes at 8 rows
+// took 32-37 ms here against 22-33 (at 1 row 9.0-9.3 against 11.9-14.0, at 4 rows 18-20
+// against 25-34; alternated processes). Rows in the vector lanes lost too (16 rows: 40-47
+// against 29-38 ms).
+constexpr int64_t kMaxRows = 4;
 constexpr int64_t kOut = 16;      // outputs per work item
+constexpr float kLevels = 254.0f * 127.0f;  // |X| <= this: X's two int8 parts fit
 
-// Row x [K] -> q [K] int8 in the weights' order (each chunk's even inputs, then its odd
-// ones), d [K / 32] its chunk scales and xsum [K / G] its groups' sums of d * q.
-inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d,
-                         float* xsum) {
+// Row x [K] -> X [K], x rounded to int16 per chunk of 32 inputs (scale d = max |x| / kLevels)
+// and stored as two int8 parts, X = 254 hi + lo (|lo| <= 127): hi [K] and lo [K], each chunk
+// as its even inputs, then its odd ones (the order the 4-bit weights unpack in); d [K / 32]
+// and xsum [K / G], each group's sum of d X.
+inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* hi, int8_t* lo,
+                         float* d, float* xsum) {
   const int64_t per_group = G / kChunk;
   for (int64_t c = 0; c < K / kChunk; ++c) {
     const float* xc = x + c * kChunk;
@@ -44,18 +49,28 @@ inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float*
       finite = finite && std::isfinite(xc[i]);
     }
     // a NaN or infinite x makes the chunk's scale NaN, so its outputs are NaN, as in float32
-    const float dc = finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float dc = finite ? absmax / kLevels : std::numeric_limits<float>::quiet_NaN();
     int32_t total = 0;
-    int8_t* qc = q + c * kChunk;
     for (int64_t i = 0; i < kChunk; ++i) {
-      const float v = dc > 0.0f ? std::clamp(std::nearbyint(xc[i] / dc), -127.0f, 127.0f) : 0.0f;
-      total += static_cast<int32_t>(v);
-      qc[(i % 2) * 16 + i / 2] = static_cast<int8_t>(v);
+      const float v = dc > 0.0f ? std::clamp(std::nearbyint(xc[i] / dc), -kLevels, kLevels) : 0.0f;
+      const int32_t X = static_cast<int32_t>(v);
+      const int32_t h = (X >= 0 ? X + 127 : X - 127) / 254;  // nearest: |X - 254 h| <= 127
+      total += X;
+      const int64_t at = c * kChunk + (i % 2) * 16 + i / 2;
+      hi[at] = static_cast<int8_t>(h);
+      lo[at] = static_cast<int8_t>(X - 254 * h);
     }
     d[c] = dc;
     if (c % per_group == 0) xsum[c / per_group] = 0.0f;
     xsum[c / per_group] += dc * static_cast<float>(total);
   }
+}
+
+// The products of 32 unsigned weights (w) and one chunk of X's parts as 8 int32 lanes:
+// 254 * (w . hi) + (w . lo), each pair of products summed in vpmaddubsw (|sum| <= 2 * 15 * 127).
+inline __m256i dot_parts(__m256i w, __m256i hi, __m256i lo) {
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, hi), _mm256_set1_epi16(254)),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(w, lo), _mm256_set1_epi16(1)));
 }
 
 // Chunk c of one 4-bit weight row as 32 unsigned bytes 0..15 in x's order.
@@ -67,11 +82,11 @@ inline __m256i load_chunk(const uint8_t* row, int64_t c) {
 // Rows [0, R) of x (q [R, K], d [R, K / 32], xsum [R, K / G]) times outputs [0, NR) of w:
 // y[r * ldy + j] = the sum (+ residual[r * ldy + j]).
 template <int R, int NR>
-inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, int64_t G,
+inline void tile(const int8_t* hi, const int8_t* lo, const float* d, const float* xsum,
+                 int64_t K, int64_t G,
                  const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
                  const float* residual, float* y, int64_t ldy) {
   const int64_t chunks = K / kChunk, groups = K / G, per_group = G / kChunk;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][NR];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -88,12 +103,12 @@ inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, 
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + c * kChunk));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + r * K + c * kChunk));
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + r * K + c * kChunk));
       const __m256 dv = _mm256_set1_ps(d[r * chunks + c]);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
-        const __m256i p = _mm256_maddubs_epi16(wv[j], xv);  // |sum| <= 2 * 15 * 127
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        const __m256 f = _mm256_cvtepi32_ps(dot_parts(wv[j], xh, xl));
         acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(f, sv[j]), dv, acc[r][j]);
       }
     }
@@ -107,14 +122,15 @@ inline void tile(const int8_t* q, const float* d, const float* xsum, int64_t K, 
     }
 }
 
-// Rows [0, M) of y over outputs [n0, n1): row tiles of 4 (one row alone: 4 outputs a tile).
-inline void block(int64_t M, const int8_t* q, const float* d, const float* xsum, int64_t K, int64_t G,
+// Rows [0, M) of y over outputs [n0, n1), 1 <= M <= 4 (one row: 4 outputs a tile, else 2).
+inline void block(int64_t M, const int8_t* hi, const int8_t* lo, const float* d,
+                  const float* xsum, int64_t K, int64_t G,
            const uint8_t* w, const float* scales, const float* mins, const float* residual,
            float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 2, chunks = K / kChunk, groups = K / G;
   auto at = [&](int64_t m, int64_t n, auto r_tag, auto nr_tag) {
     constexpr int R = decltype(r_tag)::value, NR = decltype(nr_tag)::value;
-    tile<R, NR>(q + m * K, d + m * chunks, xsum + m * groups, K, G, w + n * row_bytes,
+    tile<R, NR>(hi + m * K, lo + m * K, d + m * chunks, xsum + m * groups, K, G, w + n * row_bytes,
                       row_bytes, scales + n * groups, mins != nullptr ? mins + n * groups : nullptr,
                       residual != nullptr ? residual + m * N + n : nullptr, y + m * N + n, N);
   };
@@ -128,22 +144,18 @@ inline void block(int64_t M, const int8_t* q, const float* d, const float* xsum,
     for (; n < n1; ++n) at(0, n, I1{}, I1{});
     return;
   }
-  for (int64_t m = 0; m < M; m += 4) {
-    const int64_t rows = std::min<int64_t>(4, M - m);
-    for (int64_t n = n0; n < n1;) {
-      const bool pair = n + 2 <= n1;
-      switch (rows * 2 + (pair ? 1 : 0)) {
-        case 2: at(m, n, I1{}, I1{}); break;
-        case 3: at(m, n, I1{}, I2{}); break;
-        case 4: at(m, n, I2{}, I1{}); break;
-        case 5: at(m, n, I2{}, I2{}); break;
-        case 6: at(m, n, I3{}, I1{}); break;
-        case 7: at(m, n, I3{}, I2{}); break;
-        case 8: at(m, n, I4{}, I1{}); break;
-        default: at(m, n, I4{}, I2{}); break;
-      }
-      n += pair ? 2 : 1;
+  for (int64_t n = n0; n < n1;) {
+    const bool pair = n + 2 <= n1;
+    switch (M * 2 + (pair ? 1 : 0)) {
+      case 4: at(0, n, I2{}, I1{}); break;
+      case 5: at(0, n, I2{}, I2{}); break;
+      case 6: at(0, n, I3{}, I1{}); break;
+      case 7: at(0, n, I3{}, I2{}); break;
+      case 8: at(0, n, I4{}, I1{}); break;
+      case 9: at(0, n, I4{}, I2{}); break;
+      default: return;  // no rows: nothing to write
     }
+    n += pair ? 2 : 1;
   }
 }
 

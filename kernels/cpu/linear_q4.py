@@ -22,15 +22,16 @@ __all__ = ["is_grouped_weight", "linear_q4", "x_rounding"]
 
 CHUNK = 16  # inputs the kernel unpacks at once: a group size must be a multiple
 LANES_ROWS = (6, 32)  # with AVX512-VNNI, real rows whose x is rounded to int16 (lanes path)
-INT8_ROWS = 8  # AVX2 without AVX-512: up to this many real rows take int8 x
-INT8_CHUNK = 32  # inputs per int8 scale of x; the group size must be a multiple
+CHUNK_ROWS = 4  # AVX2 without AVX-512: up to this many real rows round x per chunk
+X_CHUNK = 32  # inputs per scale of x there; the group size must be a multiple
+CHUNK_LEVELS = 254 * 127  # x's largest integer there: two int8 parts, 254 hi + lo
 
 
 def x_rounding(rows: int, group: int, bits: int, flags: frozenset[str] | None = None) -> str | None:
     """How a step of ``rows`` real rows over ``bits``-bit weights of ``group``-input groups
     has its x rounded in the kernel on a CPU with ``flags`` (default: this one's), as the
-    kernel built with -march=native chooses: "int8" (one scale per ``INT8_CHUNK`` inputs, max
-    |x| / 127: 4-bit weights on AVX2 without AVX-512, up to ``INT8_ROWS`` rows;
+    kernel built with -march=native chooses: "chunk" (one scale per ``X_CHUNK`` inputs, max
+    |x| / ``CHUNK_LEVELS``: 4-bit weights on AVX2 without AVX-512, up to ``CHUNK_ROWS`` rows;
     cpu_linear_q4_i8.h), "row" (int16, one
     scale per row, max |x| / 32767: one row with AVX-512, up to two otherwise), "group"
     (int16, one per group of inputs: with AVX512-VNNI, ``LANES_ROWS``, decode steps;
@@ -39,8 +40,8 @@ def x_rounding(rows: int, group: int, bits: int, flags: frozenset[str] | None = 
     avx512 = {"avx512f", "avx512bw"} <= flags
     if "avx2" not in flags or "fma" not in flags:
         return None
-    if not avx512 and bits == 4 and rows <= INT8_ROWS and group % INT8_CHUNK == 0:
-        return "int8"
+    if not avx512 and bits == 4 and rows <= CHUNK_ROWS and group % X_CHUNK == 0:
+        return "chunk"
     if rows <= (1 if avx512 else 2):
         return "row"
     lanes = LANES_ROWS[0] <= rows <= LANES_ROWS[1]
@@ -69,8 +70,8 @@ def linear_q4(
     """`cpu.linear`'s contract over a group-wise quantized weight: each group's products
     summed, times its scale, plus its min times the sum of x over the group. In float32,
     except where ``x_rounding`` says x is rounded to integers so the products run in integer
-    multiply-adds: 4-bit decode steps on AVX2 without AVX-512 (int8 per 32 inputs, vpmaddubsw:
-    32 weights an instruction, as llama.cpp), one real row otherwise (int16 per row, as
+    multiply-adds: 4-bit decode steps on AVX2 without AVX-512 (per 32 inputs, as two int8 parts:
+    vpmaddubsw, 32 weights an instruction), one real row otherwise (int16 per row, as
     linear_q8), and with AVX512-VNNI 6 to 32 rows (int16 per group, vpdpwssd)."""
     _require("kernels")
     values, scales, mins, bits = w.values, w.scales, w.mins, w.bits

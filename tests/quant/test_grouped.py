@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.kernels import cpu
-from jaxpaged.kernels.cpu.linear_q4 import linear_q4, x_rounding
+from jaxpaged.kernels.cpu.linear_q4 import CHUNK_LEVELS, X_CHUNK, linear_q4, x_rounding
 from jaxpaged.models.layers import rms_norm
 from jaxpaged.models.llama import compute_logits, forward, linear_xla
 from jaxpaged.models.quant import GroupedWeight, is_quantized, quantize_grouped, weight_bytes
@@ -156,16 +156,16 @@ def test_model_over_grouped_weights_matches_its_dequantized_twin(bits):
 
 
 def _as_the_kernel_rounds(x: np.ndarray, real: int, group: int, bits: int) -> np.ndarray:
-    """x [M, K] rounded as linear_q4 does in a step of `real` real rows on this CPU: to int8
-    per 32 inputs (max |x| / 127), to int16 per row or per group of inputs (max |x| / 32767),
-    or not at all."""
+    """x [M, K] rounded to integers as linear_q4 does in a step of `real` real rows on this
+    CPU: per 32 inputs (max |x| / CHUNK_LEVELS), per row or per group of inputs (max |x| /
+    32767), or not at all."""
     how = x_rounding(real, group, bits)
-    if how is None:
+    if how is None or not len(x):
         return x
     m = x.shape[0]
-    width = {"int8": 32, "group": group}.get(how, x.shape[1])
+    width = {"chunk": X_CHUNK, "group": group}.get(how, x.shape[1])
     blocks = x.reshape(m, -1, width)
-    scale = np.abs(blocks).max(axis=2, keepdims=True) / (127 if how == "int8" else 32767)
+    scale = np.abs(blocks).max(axis=2, keepdims=True) / (CHUNK_LEVELS if how == "chunk" else 32767)
     return (np.rint(blocks / np.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
 
 
@@ -176,11 +176,14 @@ def _as_the_kernel_rounds(x: np.ndarray, real: int, group: int, bits: int) -> np
      (4, 32, 32, 32, 192, 40), (8, 32, 33, 30, 576, 20), (8, 16, 3, 3, 96, 5),
      (4, 128, 100, 97, 256, 64), (4, 32, 8, 8, 576, 49), (4, 16, 6, 6, 96, 30),
      (4, 32, 20, 17, 576, 61), (8, 32, 1, 1, 576, 37), (4, 64, 1, 1, 1536, 21),
-     (4, 32, 16, 16, 576, 61), (8, 16, 16, 9, 96, 5)],
+     (4, 32, 16, 16, 576, 61), (8, 16, 16, 9, 96, 5), (4, 32, 4, 4, 576, 37),
+     (4, 64, 6, 3, 1536, 21)],
 )  # fmt: skip
 def test_linear_q4_matches_the_dequantized_reference(bits, group, m, real, k, n):
     """Fresh random weights, x, gate, norm and residual; rows past num_rows (padding) get
-    the residual's rows without a matmul. The row counts cover every path: int16 (1 row;
+    the residual's rows without a matmul. The row counts cover every path: AVX2 without
+    AVX-512, 4-bit, 1-4 rows: x per 32 inputs in two int8 parts (1-4 row tiles, 1- 2- and
+    4-output tiles, groups of 32 and 64); int16 (1 row;
     with AVX512-VNNI, 4-bit with two groups per 64 inputs or one, and 8-bit),
     dot_rows (2-8 rows, 2-5 with AVX512-VNNI: 32- and 16-input steps, an output tail), the
     lane path with AVX512-VNNI (6-32 rows: 8-, 16- and 32-row tiles, 12- and 6-output tiles
@@ -243,7 +246,7 @@ def test_linear_q4_picks_its_path_by_real_rows_without_recompiling():
     x = jnp.asarray(rng.normal(0, 1, (40, 128)), jnp.float32)
     run = jax.jit(lambda x, w, rows: linear_q4(x, w, 0, num_rows=rows))
     dense = w.dequantize(np.float32)[0].T
-    for rows in (1, 3, 8, 20, 40):
+    for rows in (0, 1, 3, 4, 8, 20, 40):  # 0: a step whose rows are all padding
         got = np.asarray(run(x, wj, jnp.int32(rows)))
         xr = np.asarray(x)[:rows]
         xr = _as_the_kernel_rounds(xr, rows, 32, 4)
