@@ -255,6 +255,22 @@ def _restarted(client, old, timeout: float = 300):
     return new
 
 
+def _hold_restarts(client) -> threading.Event:
+    """Makes the client's next restarts wait (off its loop) until the returned event is set:
+    a restart takes as long as a process start and JAX's import, which a fast start made
+    shorter than the checks that run while a replica is down."""
+    import asyncio
+
+    gate, restart = threading.Event(), client._restart
+
+    async def held(old) -> None:
+        await asyncio.to_thread(gate.wait, 120)
+        await restart(old)
+
+    client._restart = held
+    return gate
+
+
 def _served_during_restart(ctx: dict, victim, other) -> None:
     """While ``victim`` restarts: requests are all served by ``other`` (one engine's texts),
     /health is 200 and jaxpaged:replica_alive reads 0 and 1."""
@@ -271,7 +287,6 @@ def _served_during_restart(ctx: dict, victim, other) -> None:
     values = scrape(server.http)
     alive = [values[f"jaxpaged:replica_alive{{engine={r}}}"] for r in "01"]
     assert alive[victim.rank] == 0 and alive[other.rank] == 1, values
-    # the checks above ran while it was down (a restart takes seconds: a process and JAX)
     assert client.replicas[victim.rank] is victim, "restarted before the checks ended"
     assert not client.errored
 
@@ -303,6 +318,7 @@ def check_replica_death(ctx: dict) -> None:
     while victim.sent_total == sent_before[victim.rank] and time.time() < deadline:
         time.sleep(0.02)
     assert victim.sent_total == sent_before[victim.rank] + 1, "SHARED not routed to its holder"
+    held = _hold_restarts(client)  # the checks below run while the victim is down
     killed = time.time()
     os.kill(victim.pid, signal.SIGKILL)
     failed = _failed(results, on_victim, 30)
@@ -314,7 +330,10 @@ def check_replica_death(ctx: dict) -> None:
     assert shared and isinstance(shared[0], str) and shared[0], shared  # served by the other
     assert other.sent_total == sent_before[other.rank] + 1
     assert not victim.alive
-    _served_during_restart(ctx, victim, other)
+    try:
+        _served_during_restart(ctx, victim, other)
+    finally:
+        held.set()
     _join(threads)
     assert len(_failed(results, on_victim, 0)) == on_victim, results  # the others finished
 
@@ -350,6 +369,7 @@ def check_replica_hang(ctx: dict) -> None:
     threads, results = _long_streams(server.http, 4)
     on_victim = len(victim.streams)
     assert on_victim >= 1, f"no stream on replica {victim.rank}"
+    held = _hold_restarts(client)
     stopped = time.time()
     os.kill(victim.pid, signal.SIGSTOP)
     while victim.alive and time.time() < stopped + PERIOD + 30:
@@ -362,11 +382,17 @@ def check_replica_hang(ctx: dict) -> None:
     name = f"data-parallel replica {victim.rank}"
     assert all(name in str(r) and "health check" in str(r) for r in failed), failed
     assert victim.process.wait(10) == -signal.SIGKILL  # a stopped process ends too
-    _served_during_restart(ctx, victim, other)
+    try:
+        _served_during_restart(ctx, victim, other)
+    finally:
+        held.set()
     _join(threads)
-    # its restart is under way; that one rejoins and serves was shown by
-    # check_replica_restart (the same path), so the run ends without waiting for it
-    assert victim.rank in client._restarting or client.replicas[victim.rank] is not victim
+    # its restart begins; that one rejoins and serves was shown by check_replica_restart
+    # (the same path), so the run ends without waiting for it
+    deadline = time.time() + 10
+    while victim.rank not in client._restarting and client.replicas[victim.rank] is victim:
+        assert time.time() < deadline, "the hung replica's restart did not begin"
+        time.sleep(0.02)
 
 
 CHECKS = {
