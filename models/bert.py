@@ -49,6 +49,26 @@ ACTIVATIONS: Mapping[str, Callable[[jax.Array], jax.Array]] = MappingProxyType(
         "relu": jax.nn.relu,
     }
 )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderVariant:
+    """What one model_type of the encoder family changes, declared once (VARIANTS)."""
+
+    checkpoint_prefix: str  # the encoder's prefix inside its task model
+    pooler: bool  # a classifier's head: BERT's pooler then classifier, else RoBERTa's head
+    positions_after_pad: bool  # position ids start after pad_token_id (RoBERTa's)
+
+
+_ROBERTA = EncoderVariant(checkpoint_prefix="roberta.", pooler=False, positions_after_pad=True)
+VARIANTS: Mapping[str, EncoderVariant] = MappingProxyType(
+    {
+        "bert": EncoderVariant(checkpoint_prefix="bert.", pooler=True, positions_after_pad=False),
+        "roberta": _ROBERTA,
+        "xlm-roberta": _ROBERTA,
+    }
+)
+
 _CLASSIFIERS = (
     "BertForSequenceClassification",
     "RobertaForSequenceClassification",
@@ -113,7 +133,7 @@ def _parse_config(d: Mapping[str, Any]) -> EncoderConfig:
     if hidden % heads:
         raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     pad = int(d.get("pad_token_id") if d.get("pad_token_id") is not None else 0)
-    bert = model_type == "bert"  # else RoBERTa / XLM-R: the variant's fields below
+    variant = VARIANTS[model_type]
     classifier = any(a in _CLASSIFIERS for a in d.get("architectures") or ())
     labels: tuple[str, ...] = ()
     if classifier:
@@ -126,7 +146,7 @@ def _parse_config(d: Mapping[str, Any]) -> EncoderConfig:
     score_activation = "identity" if activation.endswith("Identity") else "sigmoid"
     if activation and not activation.endswith(("Identity", "Sigmoid")):
         raise ValueError(f"unsupported cross-encoder activation function {activation!r}")
-    offset = 0 if bert else pad + 1
+    offset = pad + 1 if variant.positions_after_pad else 0
     dims = d.get("matryoshka_dimensions")
     return EncoderConfig(
         model_type=model_type,
@@ -149,8 +169,8 @@ def _parse_config(d: Mapping[str, Any]) -> EncoderConfig:
         score_activation=score_activation,
         matryoshka_dimensions=tuple(int(x) for x in dims) if dims else None,
         is_matryoshka=bool(d.get("is_matryoshka") or dims),
-        checkpoint_prefix="bert." if bert else "roberta.",
-        pooler=bert,
+        checkpoint_prefix=variant.checkpoint_prefix,
+        pooler=variant.pooler,
         bos_token_id=d.get("bos_token_id"),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
     )
@@ -369,7 +389,7 @@ FAMILY = ModelFamily(
         "XLMRobertaModel",
         *_CLASSIFIERS,
     ),
-    model_types=("bert", "roberta", "xlm-roberta"),
+    model_types=tuple(VARIANTS),
     parse_config=parse_config,
     module=BertEncoder,
     param_shapes=param_shapes,

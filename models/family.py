@@ -64,7 +64,7 @@ def gguf_layout_of(layouts: Iterable[GgufLayout], config: ModelConfig) -> GgufLa
     """The layout among ``layouts`` that a GGUF import of ``config``'s kind was written by:
     the one declaring the model_type the import's config.json got (None: no GGUF import
     has this config's model type)."""
-    return next((g for g in layouts if g.model_type == config.model_type), None)
+    return {g.model_type: g for g in layouts}.get(config.model_type)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,24 @@ from .quant.matmul import embedding_rows, vocab_logits
 from .rope import rope_attention_factor, rope_inv_freq_at
 from .types import AttentionFn, LinearFn, Params, TensorReader
 
-MODEL_TYPES = ("gemma2", "gemma3_text")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmaVariant:
+    """What one model_type of the Gemma family changes, declared once (VARIANTS)."""
+
+    # layers default to sliding_window_pattern's (Gemma 3) or alternate local and global
+    pattern_from_config: bool
+    qk_norm: bool
+    local_rope_base: bool  # the local layers' own rope base (rope_local_base_freq)
+
+
+VARIANTS: Mapping[str, GemmaVariant] = MappingProxyType(
+    {
+        "gemma2": GemmaVariant(pattern_from_config=False, qk_norm=False, local_rope_base=False),
+        "gemma3_text": GemmaVariant(pattern_from_config=True, qk_norm=True, local_rope_base=True),
+    }
+)
+MODEL_TYPES = tuple(VARIANTS)
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -82,9 +99,7 @@ def gemma_config_fields(d: Mapping) -> dict[str, Any]:
 
 def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
     model_type = d["model_type"]
-    # the variant, read once: Gemma 3 has q/k norms, a local rope base and a longer layer
-    # pattern; Gemma 2 alternates local and global layers
-    gemma3 = model_type == "gemma3_text"
+    variant = VARIANTS[model_type]
     if d.get("attention_bias"):
         raise ValueError(f"unsupported {model_type} option attention_bias=True")
     if d.get("use_bidirectional_attention"):
@@ -98,7 +113,7 @@ def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
     n = d["num_hidden_layers"]
     layer_types = d.get("layer_types")
     if layer_types is None:  # as transformers derives them
-        period = _gemma3_pattern(d) if gemma3 else 2
+        period = _gemma3_pattern(d) if variant.pattern_from_config else 2
         layer_types = [
             "sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)
         ]
@@ -109,7 +124,7 @@ def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
             f"{n} layers each one of {', '.join(LAYER_TYPES)}"
         )
     max_pos = d.get("max_position_embeddings", 8192)
-    theta, scaling, local_theta = _rope(d, max_pos, local_base=gemma3)
+    theta, scaling, local_theta = _rope(d, max_pos, local_base=variant.local_rope_base)
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     eos = d.get("eos_token_id")
@@ -131,7 +146,7 @@ def _gemma_config_fields(d: Mapping) -> dict[str, Any]:
         rope_local_theta=local_theta,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-        qk_norm=gemma3,
+        qk_norm=variant.qk_norm,
         sliding_window=int(window) if window else None,
         layer_types=tuple(layer_types),
         hidden_act=act,

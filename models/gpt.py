@@ -59,17 +59,18 @@ def gpt_config_fields(d: Mapping) -> dict[str, Any]:
         raise ValueError(f"{d['model_type']} config.json lacks the field {e.args[0]!r}") from None
 
 
-def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
-    model_type = d["model_type"]
-    gpt2 = model_type == "gpt2"  # else OPT: the variant, read once
-    if gpt2:
-        hidden, heads = d["n_embd"], d["n_head"]
-        for option in ("scale_attn_by_inverse_layer_idx",):
-            if d.get(option):
-                raise ValueError(f"unsupported gpt2 option {option}=True")
-        if d.get("scale_attn_weights") is False:
-            raise ValueError("unsupported gpt2 option scale_attn_weights=False")
-        fields = dict(
+def _gpt2_fields(d: Mapping) -> tuple[int, int, dict[str, Any]]:
+    """(hidden size, heads, the variant's fields) of a GPT-2 config.json."""
+    hidden, heads = d["n_embd"], d["n_head"]
+    for option in ("scale_attn_by_inverse_layer_idx",):
+        if d.get(option):
+            raise ValueError(f"unsupported gpt2 option {option}=True")
+    if d.get("scale_attn_weights") is False:
+        raise ValueError("unsupported gpt2 option scale_attn_weights=False")
+    return (
+        hidden,
+        heads,
+        dict(
             num_layers=d["n_layer"],
             intermediate_size=d.get("n_inner") or 4 * hidden,
             max_position_embeddings=d.get("n_positions", 1024),
@@ -77,22 +78,29 @@ def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
             hidden_act=d.get("activation_function", "gelu_new"),
             position_offset=0,
             conv1d_weights=True,
+        ),
+    )
+
+
+def _opt_fields(d: Mapping) -> tuple[int, int, dict[str, Any]]:
+    """(hidden size, heads, the variant's fields) of an OPT config.json."""
+    hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    for option, ok in (
+        ("do_layer_norm_before", True),
+        ("enable_bias", True),
+        ("layer_norm_elementwise_affine", True),
+        ("_remove_final_layer_norm", False),
+    ):
+        if d.get(option, ok) != ok:
+            raise ValueError(f"unsupported opt option {option}={d[option]!r}")
+    if d.get("word_embed_proj_dim", hidden) != hidden:
+        raise ValueError(
+            "unsupported opt option word_embed_proj_dim != hidden_size (project_in/out)"
         )
-    else:
-        hidden, heads = d["hidden_size"], d["num_attention_heads"]
-        for option, ok in (
-            ("do_layer_norm_before", True),
-            ("enable_bias", True),
-            ("layer_norm_elementwise_affine", True),
-            ("_remove_final_layer_norm", False),
-        ):
-            if d.get(option, ok) != ok:
-                raise ValueError(f"unsupported opt option {option}={d[option]!r}")
-        if d.get("word_embed_proj_dim", hidden) != hidden:
-            raise ValueError(
-                "unsupported opt option word_embed_proj_dim != hidden_size (project_in/out)"
-            )
-        fields = dict(
+    return (
+        hidden,
+        heads,
+        dict(
             num_layers=d["num_hidden_layers"],
             intermediate_size=d["ffn_dim"],
             max_position_embeddings=d.get("max_position_embeddings", 2048),
@@ -100,7 +108,19 @@ def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
             hidden_act=d.get("activation_function", "relu"),
             position_offset=2,  # OPTLearnedPositionalEmbedding's offset
             conv1d_weights=False,
-        )
+        ),
+    )
+
+
+# the variants, by config.json model_type: each reads its own field names
+VARIANT_FIELDS: Mapping[str, Callable[[Mapping], tuple[int, int, dict[str, Any]]]] = (
+    MappingProxyType({"gpt2": _gpt2_fields, "opt": _opt_fields})
+)
+
+
+def _gpt_config_fields(d: Mapping) -> dict[str, Any]:
+    model_type = d["model_type"]
+    hidden, heads, fields = VARIANT_FIELDS[model_type](d)
     if fields["hidden_act"] not in ACTIVATIONS:
         raise ValueError(
             f"unsupported {model_type} activation_function {fields['hidden_act']!r}; "
@@ -365,7 +385,7 @@ def _refused(config: ModelConfig) -> Mapping[str, str]:
 FAMILY = ModelFamily(
     name="gpt",
     architectures=("GPT2LMHeadModel", "OPTForCausalLM"),
-    model_types=("gpt2", "opt"),
+    model_types=tuple(VARIANT_FIELDS),
     parse_config=parse_config,
     module=GPTForCausalLM,
     param_shapes=param_shapes,

@@ -5,6 +5,7 @@ tree (models/llama.py's docstring draws it). Granite reads its checkpoints throu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -15,9 +16,40 @@ from .config import ModelConfig, RopeScaling
 from .family import GgufMetadata, Linear, linear_splits
 from .types import TensorReader
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
-# MoE families (Qwen3-MoE's count is num_experts, saved by transformers 5 as num_local_experts)
-_MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaVariant:
+    """What one model_type of the Llama layout changes, declared once (VARIANTS); the
+    parser reads these fields, never the model_type itself."""
+
+    sliding_window: bool = False  # reads config.json's sliding_window
+    qwen_window_option: bool = False  # refuses use_sliding_window=True (Qwen's layer window)
+    qkv_bias: bool = False  # always (else as attention_bias says)
+    qk_norm: bool = False
+    experts: bool = False  # MoE (Qwen3-MoE's count is num_experts; transformers 5 writes it
+    # as num_local_experts)
+    qwen3_moe: bool = False  # moe_intermediate_size, and its options checked
+    always_norm_topk: bool = False  # renormalizes the top-k weights (else as the config says)
+    block_sparse_moe: bool = False  # Mixtral's expert names
+    fused_projections: bool = False  # Phi-3's qkv_proj / gate_up_proj
+
+
+VARIANTS: Mapping[str, LlamaVariant] = MappingProxyType(
+    {
+        "llama": LlamaVariant(),
+        "mistral": LlamaVariant(sliding_window=True),
+        "qwen2": LlamaVariant(qwen_window_option=True, qkv_bias=True),
+        "qwen3": LlamaVariant(qwen_window_option=True, qk_norm=True),
+        "phi3": LlamaVariant(sliding_window=True, fused_projections=True),
+        "mixtral": LlamaVariant(
+            sliding_window=True, experts=True, always_norm_topk=True, block_sparse_moe=True
+        ),
+        "qwen3_moe": LlamaVariant(
+            qwen_window_option=True, qk_norm=True, experts=True, qwen3_moe=True
+        ),
+    }
+)
+MODEL_TYPES = tuple(VARIANTS)
 
 
 def _check_qwen3_moe(d: Mapping) -> None:
@@ -40,6 +72,7 @@ def config_fields(d: Mapping) -> dict[str, Any]:
     `rope_scaling`) or 5 (`rope_parameters`); ValueError naming an option jaxpaged does not
     run. Families built on this layout (models/granite.py) start from these fields."""
     model_type = d.get("model_type")
+    variant = VARIANTS.get(model_type, LlamaVariant())  # a family built on it: plain Llama
     num_heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -50,16 +83,15 @@ def config_fields(d: Mapping) -> dict[str, Any]:
         }
     rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
     max_pos = d.get("max_position_embeddings", 2048)
-    windowed = ("mistral", "phi3", "mixtral")
-    window = d.get("sliding_window") if model_type in windowed else None
+    window = d.get("sliding_window") if variant.sliding_window else None
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"unsupported {model_type} option partial_rotary_factor != 1")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
+    if variant.qwen_window_option and d.get("use_sliding_window"):
         raise ValueError(
             f"unsupported {model_type} option use_sliding_window=True (sliding window "
             "attention on the layers from max_window_layers on)"
         )
-    if model_type == "qwen3_moe":
+    if variant.qwen3_moe:
         _check_qwen3_moe(d)
     scaling = RopeScaling.from_hf_dict(rope, max_pos)
     eos = d.get("eos_token_id")
@@ -68,9 +100,7 @@ def config_fields(d: Mapping) -> dict[str, Any]:
         model_type=model_type,
         vocab_size=d["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=d[
-            "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
-        ],
+        intermediate_size=d["moe_intermediate_size" if variant.qwen3_moe else "intermediate_size"],
         num_layers=d["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=d.get("num_key_value_heads") or num_heads,
@@ -80,17 +110,17 @@ def config_fields(d: Mapping) -> dict[str, Any]:
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=variant.qkv_bias or bool(d.get("attention_bias", False)),
+        qk_norm=variant.qk_norm,
         sliding_window=int(window) if window else None,
         num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0)
-        if model_type in _MOE_MODEL_TYPES
+        if variant.experts
         else 0,
         num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
         # Mixtral always renormalizes; Qwen3-MoE as its config says (transformers: False)
-        norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)),
-        block_sparse_moe=model_type == "mixtral",
-        fused_projections=model_type == "phi3",
+        norm_topk_prob=variant.always_norm_topk or bool(d.get("norm_topk_prob", False)),
+        block_sparse_moe=variant.block_sparse_moe,
+        fused_projections=variant.fused_projections,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
