@@ -79,13 +79,12 @@ inline __m256i load_chunk(const uint8_t* row, int64_t c) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
 }
 
-// Rows [0, R) of x (q [R, K], d [R, K / 32], xsum [R, K / G]) times outputs [0, NR) of w:
-// y[r * ldy + j] = the sum (+ residual[r * ldy + j]).
+// Rows [0, R) of x (hi and lo [R, K], d [R, K / 32], xsum [R, K / G]) times outputs [0, NR)
+// of w: y[r * ldy + j] = the sum (+ residual[r * ldy + j]).
 template <int R, int NR>
 inline void tile(const int8_t* hi, const int8_t* lo, const float* d, const float* xsum,
-                 int64_t K, int64_t G,
-                 const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
-                 const float* residual, float* y, int64_t ldy) {
+                 int64_t K, int64_t G, const uint8_t* w, int64_t row_bytes, const float* scales,
+                 const float* mins, const float* residual, float* y, int64_t ldy) {
   const int64_t chunks = K / kChunk, groups = K / G, per_group = G / kChunk;
   __m256 acc[R][NR];
 #pragma GCC unroll 4
@@ -122,40 +121,40 @@ inline void tile(const int8_t* hi, const int8_t* lo, const float* d, const float
     }
 }
 
-// Rows [0, M) of y over outputs [n0, n1), 1 <= M <= 4 (one row: 4 outputs a tile, else 2).
-inline void block(int64_t M, const int8_t* hi, const int8_t* lo, const float* d,
-                  const float* xsum, int64_t K, int64_t G,
-           const uint8_t* w, const float* scales, const float* mins, const float* residual,
-           float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t row_bytes = K / 2, chunks = K / kChunk, groups = K / G;
-  auto at = [&](int64_t m, int64_t n, auto r_tag, auto nr_tag) {
-    constexpr int R = decltype(r_tag)::value, NR = decltype(nr_tag)::value;
-    tile<R, NR>(hi + m * K, lo + m * K, d + m * chunks, xsum + m * groups, K, G, w + n * row_bytes,
-                      row_bytes, scales + n * groups, mins != nullptr ? mins + n * groups : nullptr,
-                      residual != nullptr ? residual + m * N + n : nullptr, y + m * N + n, N);
-  };
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  using I3 = std::integral_constant<int, 3>;
-  using I4 = std::integral_constant<int, 4>;
-  if (M == 1) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) at(0, n, I1{}, I4{});
-    for (; n < n1; ++n) at(0, n, I1{}, I1{});
-    return;
-  }
+// Rows [0, R) of y over outputs [n0, n1): tiles of NR outputs, then single outputs.
+template <int R, int NR>
+inline void row_tile(const int8_t* hi, const int8_t* lo, const float* d, const float* xsum,
+                     int64_t K, int64_t G, const uint8_t* w, const float* scales,
+                     const float* mins, const float* residual, float* y, int64_t N, int64_t n0,
+                     int64_t n1) {
+  const int64_t row_bytes = K / 2, groups = K / G;
   for (int64_t n = n0; n < n1;) {
-    const bool pair = n + 2 <= n1;
-    switch (M * 2 + (pair ? 1 : 0)) {
-      case 4: at(0, n, I2{}, I1{}); break;
-      case 5: at(0, n, I2{}, I2{}); break;
-      case 6: at(0, n, I3{}, I1{}); break;
-      case 7: at(0, n, I3{}, I2{}); break;
-      case 8: at(0, n, I4{}, I1{}); break;
-      case 9: at(0, n, I4{}, I2{}); break;
-      default: return;  // no rows: nothing to write
+    const uint8_t* wn = w + n * row_bytes;
+    const float* sn = scales + n * groups;
+    const float* mn = mins != nullptr ? mins + n * groups : nullptr;
+    const float* rn = residual != nullptr ? residual + n : nullptr;
+    if (n + NR <= n1) {
+      tile<R, NR>(hi, lo, d, xsum, K, G, wn, row_bytes, sn, mn, rn, y + n, N);
+      n += NR;
+    } else {
+      tile<R, 1>(hi, lo, d, xsum, K, G, wn, row_bytes, sn, mn, rn, y + n, N);
+      n += 1;
     }
-    n += pair ? 2 : 1;
+  }
+}
+
+// Rows [0, M) of y over outputs [n0, n1), M <= 4 in one row tile (one row: 4 outputs a tile,
+// more: 2).
+inline void block(int64_t M, const int8_t* hi, const int8_t* lo, const float* d,
+                  const float* xsum, int64_t K, int64_t G, const uint8_t* w, const float* scales,
+                  const float* mins, const float* residual, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+  switch (M) {
+    case 1: return row_tile<1, 4>(hi, lo, d, xsum, K, G, w, scales, mins, residual, y, N, n0, n1);
+    case 2: return row_tile<2, 2>(hi, lo, d, xsum, K, G, w, scales, mins, residual, y, N, n0, n1);
+    case 3: return row_tile<3, 2>(hi, lo, d, xsum, K, G, w, scales, mins, residual, y, N, n0, n1);
+    case 4: return row_tile<4, 2>(hi, lo, d, xsum, K, G, w, scales, mins, residual, y, N, n0, n1);
+    default: return;  // no rows: nothing to write
   }
 }
 

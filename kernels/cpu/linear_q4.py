@@ -32,10 +32,9 @@ def x_rounding(rows: int, group: int, bits: int, flags: frozenset[str] | None = 
     has its x rounded in the kernel on a CPU with ``flags`` (default: this one's), as the
     kernel built with -march=native chooses: "chunk" (one scale per ``X_CHUNK`` inputs, max
     |x| / ``CHUNK_LEVELS``: 4-bit weights on AVX2 without AVX-512, up to ``CHUNK_ROWS`` rows;
-    cpu_linear_q4_i8.h), "row" (int16, one
-    scale per row, max |x| / 32767: one row with AVX-512, up to two otherwise), "group"
-    (int16, one per group of inputs: with AVX512-VNNI, ``LANES_ROWS``, decode steps;
-    cpu_linear_q4_lanes.h) or None (float32)."""
+    cpu_linear_q4_i8.h), "row" (int16, one scale per row, max |x| / 32767: one row with
+    AVX-512, up to two otherwise), "group" (int16, one per group of inputs: with AVX512-VNNI,
+    ``LANES_ROWS``, decode steps; cpu_linear_q4_lanes.h) or None (float32)."""
     flags = cpu_flags() if flags is None else flags
     avx512 = {"avx512f", "avx512bw"} <= flags
     if "avx2" not in flags or "fma" not in flags:
