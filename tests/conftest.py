@@ -103,7 +103,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """With ``JAXPAGED_TEST_COMPILE_LOG=FILE``: appends, per test (its setup, call and
     teardown, so a module fixture counts at the test that builds it), the CPU seconds of this
     process and those JAX spent compiling and tracing, and the number of XLA compiles
-    (subprocesses not counted): where a cold suite's time goes (docs/development.md)."""
+    (subprocesses not counted), then its wall-clock start and end (Unix seconds) and the xdist
+    worker that ran it: where a cold suite's time goes, and how evenly the workers share it
+    (docs/development.md)."""
     path = os.environ.get("JAXPAGED_TEST_COMPILE_LOG")
     if not path:
         yield
@@ -121,7 +123,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             spent["compiles"] += kind == "compile"
 
     jax.monitoring.register_event_duration_secs_listener(listener)
-    cpu = time.process_time()
+    cpu, started = time.process_time(), time.time()
     try:
         yield
     finally:
@@ -129,7 +131,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         with open(path, "a") as f:
             f.write(
                 f"{item.nodeid}\t{time.process_time() - cpu:.2f}\t{spent['compile']:.2f}\t"
-                f"{spent['trace']:.2f}\t{spent['compiles']}\n"
+                f"{spent['trace']:.2f}\t{spent['compiles']}\t{started:.1f}\t{time.time():.1f}\t"
+                f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\n"
             )
 
 
