@@ -55,16 +55,12 @@ inline void PrepareRow(const float* x, const float* gate, const float* norm_w, f
                        int64_t K, float* out) {
   int64_t k = 0;
 #ifdef JAXPAGED_AVX2
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   __m256 squares8 = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
     __m256 v = _mm256_loadu_ps(x + k);
-    if (gate) {
-      const __m256 g = _mm256_loadu_ps(gate + k);
-      v = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign)))), v);
-    }
+    if (gate) v = _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + k)), v);
     _mm256_storeu_ps(out + k, v);
-    squares8 = _mm256_fmadd_ps(v, v, squares8);
+    if (norm_w != nullptr) squares8 = _mm256_fmadd_ps(v, v, squares8);
   }
   float squares = hsum(squares8);
 #else
@@ -72,7 +68,7 @@ inline void PrepareRow(const float* x, const float* gate, const float* norm_w, f
 #endif
   for (; k < K; ++k) {
     out[k] = gate ? gate[k] / (1.0f + std::exp(-gate[k])) * x[k] : x[k];
-    squares += out[k] * out[k];
+    if (norm_w != nullptr) squares += out[k] * out[k];
   }
   if (norm_w != nullptr) {
     const float inv = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);

@@ -387,11 +387,8 @@ void linear_block(const float* xp, const W* w, const float* residual, float* y, 
 void silu_gate(const float* gate, const float* x, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef JAXPAGED_AVX2
-  const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = jaxpaged::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    const __m256 act = jaxpaged::silu8(_mm256_loadu_ps(gate + i));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(x + i)));
   }
 #endif

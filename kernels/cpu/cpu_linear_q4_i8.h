@@ -37,8 +37,10 @@ constexpr float kLevels = 254.0f * 127.0f;  // |X| <= this: X's two int8 parts f
 // int8 in the order the 4-bit weights unpack in: the even inputs, then the odd ones.
 inline __m256i pack_chunk(const __m256i v[4]) {
   // packs leave input 8q + t (t < 4) at byte 4q + t of lane 0, 8q + 4 + t at lane 1's
-  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-  const __m256i natural = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i b =
+      _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i natural =
+      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m256i lanes = _mm256_shuffle_epi8(natural, _mm256_set_m128i(split, split));
   return _mm256_permute4x64_epi64(lanes, 0xD8);  // evens of both lanes, then odds
@@ -64,18 +66,16 @@ inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* hi, int8_
       // x - x is 0 for a finite x, NaN for an infinite or NaN one
       finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v[q], v[q]), zero, _CMP_EQ_OQ));
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     // a NaN or infinite x makes the chunk's scale NaN, so its outputs are NaN, as in float32
-    const float dc = _mm256_movemask_ps(finite) == 0xFF ? _mm_cvtss_f32(m) / kLevels
+    const float dc = _mm256_movemask_ps(finite) == 0xFF ? hmax(absmax) / kLevels
                                                          : std::numeric_limits<float>::quiet_NaN();
     const __m256 dv = _mm256_set1_ps(dc);
     const __m256 use = dc > 0.0f ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : zero;
     __m256i h[4], l[4], total = _mm256_setzero_si256();
     for (int q = 0; q < 4; ++q) {
       __m256 X = _mm256_round_ps(_mm256_div_ps(v[q], dv), kRound);
-      X = _mm256_and_ps(use, _mm256_max_ps(_mm256_min_ps(X, levels), _mm256_set1_ps(-kLevels)));  // dc 0 or NaN: 0
+      X = _mm256_max_ps(_mm256_min_ps(X, levels), _mm256_set1_ps(-kLevels));
+      X = _mm256_and_ps(use, X);  // dc 0 or NaN: 0
       const __m256 hq = _mm256_round_ps(_mm256_div_ps(X, base), kRound);  // |X - 254 h| <= 127
       h[q] = _mm256_cvtps_epi32(hq);
       l[q] = _mm256_cvtps_epi32(_mm256_fnmadd_ps(hq, base, X));  // exact: integers below 2^24
@@ -83,7 +83,8 @@ inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* hi, int8_
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c * kChunk), pack_chunk(h));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c * kChunk), pack_chunk(l));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    __m128i t =
+        _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
     d[c] = dc;

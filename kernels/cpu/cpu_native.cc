@@ -325,10 +325,7 @@ void row_softmax(float* s, int64_t n, float* m, float* l, float* alpha) {
     for (int64_t j = n; j < nv * 8; ++j) sg[j] = -INFINITY;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t v = 0; v < nv; ++v) mx = _mm256_max_ps(mx, _mm256_load_ps(sg + 8 * v));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float m_new = std::max(m[g], _mm_cvtss_f32(h));
+    const float m_new = std::max(m[g], jaxpaged::hmax(mx));
     alpha[g] = m_new == -INFINITY ? 1.0f : std::exp(m[g] - m_new);
     const __m256 mn = _mm256_set1_ps(m_new);
     __m256 sum = _mm256_setzero_ps();

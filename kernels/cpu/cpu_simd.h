@@ -37,6 +37,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
+// The largest of the 8 lanes.
+inline float hmax(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
 // exp of 8 floats (Cephes' range reduction and polynomial, ~1 ulp); -inf and anything below
 // the float range give exactly 0, as a masked key's probability must.
 inline __m256 exp8(__m256 x) {
@@ -58,6 +66,12 @@ inline __m256 exp8(__m256 x) {
       _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(zero_mask, y);
+}
+
+// silu(g) = g / (1 + e^-g) of 8 floats: a SwiGLU MLP's activation.
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(
+      g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
 }  // namespace jaxpaged
